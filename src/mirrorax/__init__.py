@@ -1,0 +1,38 @@
+"""mirrorax: synchronous data-parallel training for JAX and Keras 3.
+
+The ``tf.distribute.MirroredStrategy`` experience on ``jax.sharding``: variables replicated, each global
+batch split over the devices, one jitted step, the single-device result on any device count.
+
+Example:
+  >>> import os; os.environ["KERAS_BACKEND"] = "jax"
+  >>> import keras, mirrorax as mx
+  >>> strategy = mx.MirroredStrategy()
+  >>> with strategy.scope():
+  ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+  ...     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+  >>> history = mx.Trainer(model).fit(x, y, batch_size=256, epochs=5)
+"""
+
+from mirrorax.models.base import ModelAdapter as ModelAdapter
+from mirrorax.models.functional import FunctionalModel as FunctionalModel
+from mirrorax.strategy import InputContext as InputContext
+from mirrorax.strategy import MirroredStrategy as MirroredStrategy
+from mirrorax.strategy import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
+from mirrorax.strategy import get_strategy as get_strategy
+from mirrorax.trainer import History as History
+from mirrorax.trainer import NonFiniteLossError as NonFiniteLossError
+from mirrorax.trainer import Trainer as Trainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FunctionalModel",
+    "History",
+    "InputContext",
+    "MirroredStrategy",
+    "ModelAdapter",
+    "MultiWorkerMirroredStrategy",
+    "NonFiniteLossError",
+    "Trainer",
+    "get_strategy",
+]

@@ -1,0 +1,384 @@
+"""Inputs -> fixed-shape global batches on the devices.
+
+Every batch that reaches a jitted step has the same shape: the global batch rounded up to a multiple of
+the device count. Rows that hold no example (a short last batch, a batch that does not divide by the
+device count) are *padding*: copies of a real row whose ``mask`` is 0, so they never enter the loss, the
+gradients, the BatchNorm statistics or the metrics. Each process builds only its own rows of every
+global batch and places them with ``jax.make_array_from_process_local_data``.
+
+The data position is ``(pass, batch)``: pass ``k`` visits every example once, in the order of
+``permutation(seed, k)``, which depends on neither the device nor the process count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import queue
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from mirrorax.strategy import MirroredStrategy, _PerProcessDataset
+
+__all__ = ["Batch", "ArraySource", "IterableSource", "make_source", "padded_batch_size", "Prefetcher"]
+
+PyTree = Any
+
+
+@dataclasses.dataclass
+class Batch:
+    """One global batch as this process holds it (numpy) or as the devices hold it (jax arrays).
+
+    Attributes:
+      x: the inputs (an array or a tuple/list/dict of arrays).
+      y: the targets, or ``None`` (predict).
+      sample_weight: float32 ``(rows,)``: the user's weights, 1 where none were given.
+      mask: float32 ``(rows,)``: 1 for a real example, 0 for padding.
+    """
+
+    x: PyTree
+    y: PyTree
+    sample_weight: np.ndarray
+    mask: np.ndarray
+
+    def tree(self) -> dict[str, PyTree]:
+        return {"x": self.x, "y": self.y, "sample_weight": self.sample_weight, "mask": self.mask}
+
+
+def padded_batch_size(batch_size: int, strategy: MirroredStrategy) -> int:
+    """``batch_size`` rounded up to a multiple of the device count (the shape every step sees)."""
+    n = strategy.num_replicas_in_sync
+    return math.ceil(batch_size / n) * n
+
+
+def _check_batch_size(batch_size: Any) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer (the global batch, over all devices); "
+                         f"received {batch_size!r}. Use e.g. batch_size=256.")
+    return int(batch_size)
+
+
+def _to_numeric(a: Any, what: str) -> np.ndarray:
+    if hasattr(a, "numpy") and not isinstance(a, np.ndarray):
+        a = a.numpy()
+    arr = np.asarray(a)
+    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
+        raise TypeError(f"{what} must hold numbers; received an array of dtype {arr.dtype} (shape "
+                        f"{arr.shape}). Convert it first, e.g. np.asarray({what}, dtype=np.float32), or "
+                        "encode strings/categories as integers.")
+    if arr.ndim == 0:
+        raise ValueError(f"{what} must have a leading example axis; received a scalar {arr!r}.")
+    if arr.dtype == np.float64:
+        arr = arr.astype(np.float32)
+    elif arr.dtype == np.int64:
+        arr = arr.astype(np.int32)
+    return arr
+
+
+def _tree_numeric(tree: Any, what: str) -> Any:
+    if tree is None:
+        return None
+    if isinstance(tree, Mapping):
+        return {k: _tree_numeric(v, f"{what}[{k!r}]") for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_tree_numeric(v, f"{what}[{i}]") for i, v in enumerate(tree))
+    return _to_numeric(tree, what)
+
+
+def _leading(tree: Any) -> list[tuple[str, int]]:
+    out = []
+    def visit(t: Any, name: str) -> None:
+        if t is None:
+            return
+        if isinstance(t, Mapping):
+            for k, v in t.items():
+                visit(v, f"{name}[{k!r}]")
+        elif isinstance(t, (tuple, list)):
+            for i, v in enumerate(t):
+                visit(v, f"{name}[{i}]")
+        else:
+            out.append((name, t.shape[0]))
+    visit(tree, "")
+    return out
+
+
+def _take(tree: Any, idx: np.ndarray) -> Any:
+    return jax.tree.map(lambda a: np.take(a, idx, axis=0), tree)
+
+
+class ArraySource:
+    """Examples held in memory by every process: numpy arrays or tuples/dicts of them.
+
+    Args:
+      x: inputs; y: targets (or ``None``); sample_weight: ``(n,)`` weights (or ``None``).
+
+    Raises:
+      ValueError: empty input, or x, y and sample_weight of different lengths.
+      TypeError: non-numeric arrays.
+    """
+
+    def __init__(self, x: PyTree, y: PyTree = None, sample_weight: Any = None) -> None:
+        if x is None:
+            raise ValueError("x is None; pass the inputs as an array (or a tuple/dict of arrays).")
+        self.x = _tree_numeric(x, "x")
+        self.y = _tree_numeric(y, "y")
+        self.w = None if sample_weight is None else _to_numeric(sample_weight, "sample_weight").astype(np.float32)
+        lengths = [("x" + n, l) for n, l in _leading(self.x)] + [("y" + n, l) for n, l in _leading(self.y)]
+        if self.w is not None:
+            if self.w.ndim != 1:
+                raise ValueError(f"sample_weight must be 1-D, one weight per example; received shape "
+                                 f"{self.w.shape}.")
+            lengths.append(("sample_weight", self.w.shape[0]))
+        sizes = {l for _, l in lengths}
+        if len(sizes) > 1:
+            desc = ", ".join(f"{n}: {l}" for n, l in lengths)
+            raise ValueError(f"x, y and sample_weight must have the same number of examples; received {desc}. "
+                             "Pass arrays with one row per example.")
+        self.num_examples = sizes.pop()
+        if self.num_examples == 0:
+            raise ValueError("The input is empty (0 examples). Pass at least one example.")
+
+    def batches_per_pass(self, batch_size: int) -> int:
+        return math.ceil(self.num_examples / batch_size)
+
+    def order(self, shuffle: bool, seed: int, pass_index: int) -> np.ndarray:
+        """The example order of pass ``pass_index``: the same on every process and device count."""
+        if not shuffle:
+            return np.arange(self.num_examples)
+        return np.random.default_rng([int(seed), int(pass_index)]).permutation(self.num_examples)
+
+    def batches(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: bool, seed: int,
+                pass_index: int, start: int = 0, with_targets: bool = True) -> Iterator[Batch]:
+        """This process's rows of each global batch of pass ``pass_index``, from batch ``start`` on."""
+        order = self.order(shuffle, seed, pass_index)
+        padded = padded_batch_size(batch_size, strategy)
+        local = padded // strategy.process_count
+        lo = strategy.process_index * local
+        for b in range(start, self.batches_per_pass(batch_size)):
+            real = order[b * batch_size:(b + 1) * batch_size]
+            slot = np.arange(lo, lo + local)
+            valid = slot < len(real)
+            idx = np.where(valid, real[np.minimum(slot, len(real) - 1)], real[0])
+            yield self._batch(idx, valid, with_targets)
+
+    def _batch(self, idx: np.ndarray, valid: np.ndarray, with_targets: bool) -> Batch:
+        w = np.ones(len(idx), np.float32) if self.w is None else self.w[idx]
+        y = _take(self.y, idx) if with_targets else None
+        return Batch(_take(self.x, idx), y, w, valid.astype(np.float32))
+
+
+class IterableSource:
+    """Batches from any Python iterable of ``x``, ``(x, y)`` or ``(x, y, sample_weight)``.
+
+    Generators, ``tf.data``, a torch ``DataLoader`` and grain loaders all reduce to this. Each item is
+    one global batch (or, from ``strategy.distribute_datasets_from_function``, this process's share).
+    A smaller item is padded to the fixed shape; a larger one is an error.
+    """
+
+    def __init__(self, iterable: Iterable[Any]) -> None:
+        self.per_process = isinstance(iterable, _PerProcessDataset)
+        self.iterable = iterable
+        self._first: Any = None
+
+    def peek(self) -> tuple[PyTree, PyTree, Any]:
+        """The first item, split into ``(x, y, w)`` (for sizing and building); consumes nothing."""
+        if self._first is None:
+            it = iter(self.iterable)
+            try:
+                self._first = _split(next(it))
+            except StopIteration:
+                raise ValueError("The input iterable yielded no batch. Pass a non-empty dataset.") from None
+        return self._first
+
+    def first_batch_rows(self) -> int:
+        x, _, _ = self.peek()
+        return _leading(x)[0][1]
+
+    def batches(self, batch_size: int, strategy: MirroredStrategy, *, with_targets: bool = True,
+                skip: int = 0) -> Iterator[Batch]:
+        padded = padded_batch_size(batch_size, strategy)
+        rows = padded // strategy.process_count if self.per_process else padded
+        multi = strategy.process_count > 1
+        it = iter(self.iterable)
+        for _ in range(skip):
+            next(it, None)
+        template = None
+        while True:
+            item = next(it, None)
+            if multi and self.per_process:
+                # Processes agree each step whether anyone still has data, so no process waits in a
+                # collective for a batch that another never sends.
+                from jax.experimental import multihost_utils
+                have = multihost_utils.process_allgather(np.array([item is not None], np.int32))
+                if not np.any(have):
+                    return
+            elif item is None:
+                return
+            if item is None:
+                yield _empty_like(template)
+                continue
+            x, y, w = _split(item)
+            x, y = _tree_numeric(x, "x"), _tree_numeric(y, "y") if with_targets else None
+            n = {l for _, l in _leading(x) + _leading(y)}
+            if len(n) != 1:
+                raise ValueError(f"A batch's arrays have different lengths {sorted(n)}; each item must hold "
+                                 "one row per example in x, y and sample_weight.")
+            n = n.pop()
+            if n > rows:
+                raise ValueError(f"The input yielded a batch of {n} rows, more than batch_size={batch_size}"
+                                 f" ({rows} rows per {'process' if self.per_process else 'step'}). Pass "
+                                 "batch_size equal to the largest batch the iterable yields.")
+            w = np.ones(n, np.float32) if w is None else _to_numeric(w, "sample_weight").astype(np.float32)
+            if not self.per_process and multi:
+                lo = strategy.process_index * (padded // strategy.process_count)
+                slot = np.arange(lo, lo + padded // strategy.process_count)
+            else:
+                slot = np.arange(rows)
+            valid = slot < n
+            idx = np.where(valid, np.minimum(slot, n - 1), 0)
+            template = Batch(_take(x, idx), _take(y, idx), w[idx], valid.astype(np.float32))
+            yield template
+
+
+def _empty_like(template: Batch | None) -> Batch:
+    if template is None:
+        raise RuntimeError("This process's input pipeline yielded no batch while another process still had "
+                           "data, and there is no earlier batch to shape the padding. Give every process "
+                           "at least one batch per epoch.")
+    return dataclasses.replace(template, mask=np.zeros_like(template.mask))
+
+
+def _split(item: Any) -> tuple[Any, Any, Any]:
+    if isinstance(item, tuple):
+        if len(item) == 1:
+            return item[0], None, None
+        if len(item) == 2:
+            return item[0], item[1], None
+        if len(item) == 3:
+            return item
+        raise ValueError(f"An input item must be x, (x,), (x, y) or (x, y, sample_weight); received a "
+                         f"tuple of {len(item)} elements.")
+    if isinstance(item, list) and len(item) in (2, 3) and not isinstance(item[0], (int, float)):
+        return _split(tuple(item))
+    return item, None, None
+
+
+def make_source(x: Any, y: Any = None, sample_weight: Any = None) -> ArraySource | IterableSource:
+    """An :class:`ArraySource` for arrays, an :class:`IterableSource` for any other iterable."""
+    if _is_array_tree(x):
+        return ArraySource(x, y, sample_weight)
+    if y is not None or sample_weight is not None:
+        raise ValueError("When x is an iterable of batches, y and sample_weight come from its items; "
+                         f"received y of type {type(y).__name__} and sample_weight of type "
+                         f"{type(sample_weight).__name__} too. Yield (x, y) or (x, y, sample_weight) instead.")
+    if not isinstance(x, Iterable) or isinstance(x, (str, bytes)):
+        raise TypeError(f"x must be an array, a tuple/list/dict of arrays, or an iterable of batches; "
+                        f"received {type(x).__name__}.")
+    return IterableSource(x)
+
+
+def _is_array_tree(x: Any) -> bool:
+    if isinstance(x, (np.ndarray, jax.Array)) or hasattr(x, "__array__") and not isinstance(x, Iterator):
+        return not isinstance(x, (str, bytes)) and not _looks_iterable_dataset(x)
+    if isinstance(x, Mapping):
+        return all(_is_array_tree(v) for v in x.values())
+    if isinstance(x, (tuple, list)):
+        return len(x) > 0 and all(_is_array_tree(v) for v in x)
+    return False
+
+
+def _looks_iterable_dataset(x: Any) -> bool:
+    return type(x).__module__.startswith(("tensorflow", "torch.utils"))
+
+
+def stack(batches: list[Batch]) -> Batch:
+    """Stacks host batches on a new leading axis (for several steps per dispatch)."""
+    fields = ("x", "y", "sample_weight", "mask")
+    return Batch(*(None if getattr(batches[0], f) is None
+                   else jax.tree.map(lambda *a: np.stack(a), *[getattr(b, f) for b in batches]) for f in fields))
+
+
+def to_global(batch: Batch, strategy: MirroredStrategy, *, stacked: bool = False) -> Batch:
+    """Places this process's rows as one global array per leaf, split over the batch axis.
+
+    Args:
+      batch: this process's rows; stacked: the batch has a leading steps axis (rows are axis 1).
+    """
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from mirrorax.strategy import BATCH_AXIS
+
+    sharding = NamedSharding(strategy.mesh, P(None, BATCH_AXIS)) if stacked else strategy.batch_sharding
+    count = strategy.process_count
+    axis = 1 if stacked else 0
+
+    def put(a: np.ndarray) -> jax.Array:
+        if count == 1:
+            return jax.device_put(a, sharding)
+        shape = a.shape[:axis] + (a.shape[axis] * count,) + a.shape[axis + 1:]
+        return jax.make_array_from_process_local_data(sharding, a, shape)
+
+    return Batch(*(jax.tree.map(put, t) if t is not None else None
+                   for t in (batch.x, batch.y, batch.sample_weight, batch.mask)))
+
+
+class Prefetcher:
+    """Places the next batches on the devices on a background thread while the current step runs.
+
+    Args:
+      batches: ``(k, batch)`` pairs: ``k == 0`` for one step's batch, ``k > 0`` for ``k`` stacked steps.
+      strategy: where they go. depth: batches placed ahead.
+    """
+
+    _END = object()
+
+    def __init__(self, batches: Iterator[tuple[Any, Batch]], strategy: MirroredStrategy, depth: int = 2) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(batches, strategy), daemon=True,
+                                        name="mirrorax-prefetch")
+        self._thread.start()
+
+    def _run(self, batches: Iterator[Batch], strategy: MirroredStrategy) -> None:
+        try:
+            for tag, b in batches:
+                item = (tag, to_global(b, strategy, stacked=tag > 0))
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._put_final(self._END)
+        except BaseException as e:  # re-raised on the consuming thread
+            self._put_final(e)
+
+    def _put_final(self, item: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self) -> Iterator[tuple[int, Batch]]:
+        return self
+
+    def __next__(self) -> tuple[int, Batch]:
+        item = self._queue.get()
+        if item is self._END:
+            self._queue.put(item)
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

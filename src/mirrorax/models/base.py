@@ -1,0 +1,87 @@
+"""The adapter protocol: what the engine needs from a model, as pure functions over a state pytree.
+
+The training state is a dict of dicts of arrays (keys are variable paths, so a checkpoint names what it
+holds): ``{"params": ..., "model_state": ..., "optimizer": ..., "metrics": ...}``. The engine adds
+``step`` and ``skipped`` counters.
+
+``train(state, batch)`` must compute the loss as the (weighted) mean over the *real* rows of the global
+batch (``batch["mask"]`` is 0 on padding) and update metric accumulators with the mask as weight, so
+that the result does not depend on padding or on the device count.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+PyTree = Any
+
+__all__ = ["ModelAdapter", "adapt"]
+
+
+class ModelAdapter(abc.ABC):
+    """Pure functions over a state pytree; one implementation per model kind."""
+
+    #: True when the model has layers whose training output depends on the whole batch (BatchNorm).
+    batch_dependent: bool = False
+
+    @abc.abstractmethod
+    def initial_state(self) -> dict[str, PyTree]:
+        """The model's current values as host arrays: params, model_state, optimizer, metrics."""
+
+    @abc.abstractmethod
+    def initial_metrics(self) -> PyTree:
+        """Metric accumulators at their reset values."""
+
+    @abc.abstractmethod
+    def grads(self, state: dict[str, PyTree], batch: dict[str, PyTree], loss_scale: Any = 1.0
+              ) -> tuple[PyTree, Any, PyTree, PyTree]:
+        """Gradients of ``loss_scale * loss`` on a global batch, in training mode (traced, pure).
+
+        Returns:
+          ``(grads, loss, model_state, metrics)``: grads with the structure of ``state["params"]``, the
+          unscaled loss (mean over the real rows), and the updated non-trainable state and metrics.
+        """
+
+    @abc.abstractmethod
+    def apply_gradients(self, state: dict[str, PyTree], grads: PyTree) -> tuple[PyTree, PyTree]:
+        """One optimizer update: returns ``(params, optimizer_state)`` (traced, pure)."""
+
+    @abc.abstractmethod
+    def evaluate(self, state: dict[str, PyTree], metrics: PyTree, batch: dict[str, PyTree]) -> PyTree:
+        """Updates ``metrics`` with a batch in inference mode (traced, pure)."""
+
+    @abc.abstractmethod
+    def predict(self, state: dict[str, PyTree], x: PyTree) -> PyTree:
+        """The model's outputs in inference mode (traced, pure)."""
+
+    @abc.abstractmethod
+    def metric_results(self, metrics: PyTree) -> dict[str, float]:
+        """Final metric values from host copies of the accumulators (``{"loss": ..., "accuracy": ...}``)."""
+
+    def write_back(self, state: dict[str, PyTree]) -> None:
+        """Stores trained values into the user's model object (host arrays in, nothing out)."""
+
+    def build(self, sample: dict[str, PyTree]) -> None:
+        """Creates every variable from a host sample batch, before :meth:`initial_state`."""
+
+
+def adapt(model: Any, *, loss: Any = None, optimizer: Any = None, metrics: Any = None) -> ModelAdapter:
+    """The adapter for ``model``: a Keras 3 model or a :class:`mirrorax.FunctionalModel`.
+
+    Raises:
+      TypeError: ``model`` is of a kind mirrorax does not train.
+    """
+    from mirrorax.models.functional import FunctionalModel
+
+    if isinstance(model, ModelAdapter):
+        return model
+    if isinstance(model, FunctionalModel):
+        return model.adapter(loss=loss, optimizer=optimizer, metrics=metrics)
+    mod = type(model).__module__
+    if mod.startswith("keras") or any(c.__module__.startswith("keras") for c in type(model).__mro__):
+        from mirrorax.models.keras import KerasAdapter
+
+        return KerasAdapter(model, loss=loss, optimizer=optimizer, metrics=metrics)
+    raise TypeError(f"Trainer takes a Keras 3 model or a mirrorax.FunctionalModel; received {model!r} (of type "
+                    f"{type(model).__name__}). Wrap plain JAX code as FunctionalModel(apply_fn, params, ...).")

@@ -1,0 +1,165 @@
+"""The jitted train / eval / predict steps, and the bounded window of steps in flight.
+
+A train step is a pure function ``(state, batch) -> (state, aux)`` jitted once over the global batch:
+state replicated (``NamedSharding(mesh, P())``) and donated, batch split over the batch axis. XLA's
+partitioner inserts the all-reduce of gradients and metric sums, so the numbers are the single-device
+numbers whatever the device count.
+
+``aux`` holds the step's loss and whether it was finite. With ``on_nonfinite="raise"`` a non-finite
+step leaves the state untouched and freezes it (every later step is a no-op) so the host can stop at
+the next look and the trainer still holds the last good values; with ``"skip"`` the update is dropped
+and counted in ``state["skipped"]``.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mirrorax.models.base import ModelAdapter
+from mirrorax.strategy import BATCH_AXIS, MirroredStrategy
+
+__all__ = ["StepFunctions", "InFlight", "NONFINITE_MODES"]
+
+PyTree = Any
+NONFINITE_MODES = ("raise", "skip", "ignore")
+
+
+def _split_micro(a: jax.Array, k: int, replicas: int) -> jax.Array:
+    # Micro-batch j takes the j-th chunk of every device's rows: no data moves between devices.
+    rows = a.shape[0]
+    m = rows // (replicas * k)
+    a = a.reshape((replicas, k, m) + a.shape[1:])
+    return jnp.swapaxes(a, 0, 1).reshape((k, replicas * m) + a.shape[3:])
+
+
+class StepFunctions:
+    """Builds and holds the jitted steps of one adapter on one strategy.
+
+    Args:
+      adapter: the model's pure functions.
+      strategy: the devices and layouts.
+      donate: donate the state buffers to the train step (saves a copy of the state per step).
+      on_nonfinite: ``"raise"`` (freeze and report), ``"skip"`` (drop the update, count it) or
+        ``"ignore"``.
+      accumulation_steps: split each global batch into this many micro-batches, run them one after
+        the other and apply one update with their averaged gradients (equal to the whole batch).
+    """
+
+    def __init__(self, adapter: ModelAdapter, strategy: MirroredStrategy, *, donate: bool = True,
+                 on_nonfinite: str = "raise", accumulation_steps: int = 1) -> None:
+        if on_nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"on_nonfinite must be one of {NONFINITE_MODES}; received {on_nonfinite!r}.")
+        self.adapter = adapter
+        self.strategy = strategy
+        self.on_nonfinite = on_nonfinite
+        self.accumulation_steps = int(accumulation_steps)
+        rep = strategy.replicated
+        self.stacked_sharding = NamedSharding(strategy.mesh, P(None, BATCH_AXIS))
+        donate_args = (0,) if donate else ()
+        self.train = jax.jit(self._train_step, donate_argnums=donate_args, out_shardings=rep)
+        self.train_many = jax.jit(self._train_many, donate_argnums=donate_args, out_shardings=rep)
+        self.evaluate = jax.jit(self._eval_step, donate_argnums=(1,), out_shardings=rep)
+        self.predict = jax.jit(self._predict_step, out_shardings=strategy.batch_sharding)
+
+    # -- pure functions --------------------------------------------------------------------------
+    def _grads(self, state: dict[str, PyTree], batch: dict[str, PyTree]):
+        k = self.accumulation_steps
+        if k == 1:
+            return self.adapter.grads(state, batch)
+        replicas = self.strategy.num_replicas_in_sync
+        micro = jax.tree.map(lambda a: _split_micro(a, k, replicas), batch)
+        total = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+
+        def body(carry, mb):
+            gsum, lsum, model_state, metrics = carry
+            share = jnp.sum(mb["mask"]) / total
+            s = dict(state, model_state=model_state, metrics=metrics)
+            g, loss, model_state, metrics = self.adapter.grads(s, mb, loss_scale=share)
+            gsum = jax.tree.map(jnp.add, gsum, g)
+            return (gsum, lsum + loss * share, model_state, metrics), None
+
+        zeros = jax.tree.map(jnp.zeros_like, state["params"])
+        init = (zeros, jnp.zeros((), jnp.float32), state["model_state"], state["metrics"])
+        (grads, loss, model_state, metrics), _ = jax.lax.scan(body, init, micro)
+        return grads, loss, model_state, metrics
+
+    def _train_step(self, state: dict[str, PyTree], batch: dict[str, PyTree]):
+        grads, loss, model_state, metrics = self._grads(state, batch)
+        params, opt = self.adapter.apply_gradients(dict(state, model_state=model_state), grads)
+        new = dict(state, params=params, optimizer=opt, model_state=model_state, metrics=metrics,
+                   step=state["step"] + 1)
+        finite = jnp.isfinite(loss)
+        if self.on_nonfinite != "ignore":
+            ok = finite & (state["skipped"] == 0) if self.on_nonfinite == "raise" else finite
+            kept = dict(state, step=state["step"] + 1, skipped=state["skipped"] + 1)
+            new = dict(new, skipped=state["skipped"])
+            new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, kept)
+        return new, {"loss": loss, "finite": finite}
+
+    def _train_many(self, state: dict[str, PyTree], batches: dict[str, PyTree]):
+        return jax.lax.scan(self._train_step, state, batches)
+
+    def _eval_step(self, state: dict[str, PyTree], metrics: PyTree, batch: dict[str, PyTree]):
+        # The example count is the token the host waits on: the metrics themselves are donated onwards.
+        return self.adapter.evaluate(state, metrics, batch), jnp.sum(batch["mask"])
+
+    def _predict_step(self, state: dict[str, PyTree], x: PyTree):
+        return self.adapter.predict(state, x)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def compile_counts(self) -> dict[str, int]:
+        """How many programs each step kind has compiled (one each, with fixed shapes)."""
+        return {name: getattr(self, name)._cache_size()
+                for name in ("train", "train_many", "evaluate", "predict")}
+
+
+class InFlight:
+    """A bounded window of dispatched steps: after dispatching step ``i``, wait for step ``i - depth + 1``.
+
+    JAX dispatches asynchronously; without a bound, the host can queue many steps, which both hides
+    errors and (on multi-device CPU) overruns XLA's collective rendezvous. ``depth=2`` keeps one step
+    running while the next is queued: the host never waits for the step it just dispatched.
+
+    Args:
+      depth: steps allowed in flight (>= 1).
+      on_done: called with each step's ``aux`` (already computed) when it leaves the window.
+    """
+
+    def __init__(self, depth: int = 2, on_done: Callable[[Any], None] | None = None) -> None:
+        if depth < 1:
+            raise ValueError(f"max_in_flight must be >= 1; received {depth}.")
+        self.depth = depth
+        self.on_done = on_done
+        self._queue: collections.deque[Any] = collections.deque()
+
+    def push(self, aux: Any) -> None:
+        self._queue.append(aux)
+        while len(self._queue) >= self.depth:
+            self._retire(self._queue.popleft())
+
+    def drain(self) -> None:
+        while self._queue:
+            self._retire(self._queue.popleft())
+
+    def _retire(self, aux: Any) -> None:
+        jax.block_until_ready(aux)
+        if self.on_done is not None:
+            self.on_done(aux)
+
+
+def host_value(a: Any) -> np.ndarray:
+    """A host copy of a replicated (or fully addressable) array, on any process count."""
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        if a.sharding.is_fully_replicated:
+            return np.asarray(a.addressable_shards[0].data)
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    return np.asarray(a)

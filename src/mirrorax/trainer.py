@@ -1,0 +1,503 @@
+"""``Trainer``: fit / evaluate / predict a model on every device of a :class:`MirroredStrategy`.
+
+The loop never waits on the devices unless it must: batches are placed ahead on a background thread,
+steps are dispatched asynchronously with at most ``max_in_flight`` outstanding, and metric values come
+to the host only when shown (progress refresh, end of epoch).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import IO, Any
+
+import jax
+import numpy as np
+
+from mirrorax import data as data_lib
+from mirrorax.models.base import ModelAdapter, adapt
+from mirrorax.progress import Progress, resolve_verbose
+from mirrorax.step import InFlight, StepFunctions, host_value
+from mirrorax.strategy import MirroredStrategy, get_strategy
+
+__all__ = ["Trainer", "History", "NonFiniteLossError"]
+
+PyTree = Any
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Training produced a non-finite loss (``on_nonfinite="raise"``). The trainer and the model keep the
+    values from before that step."""
+
+
+class History:
+    """What ``fit`` returns: ``history`` maps each metric (and ``val_`` metric) to one value per epoch.
+
+    Attributes:
+      history: ``{"loss": [...], "accuracy": [...], "val_loss": [...], ...}``, as Keras's ``History``.
+      epoch: the epoch indices run.
+      samples_per_second: training throughput of each epoch (real examples only).
+    """
+
+    def __init__(self) -> None:
+        self.history: dict[str, list[float]] = {}
+        self.epoch: list[int] = []
+        self.samples_per_second: list[float] = []
+
+    def append(self, epoch: int, logs: dict[str, float], samples_per_second: float) -> None:
+        self.epoch.append(epoch)
+        self.samples_per_second.append(samples_per_second)
+        for k, v in logs.items():
+            self.history.setdefault(k, []).append(v)
+
+    def __repr__(self) -> str:
+        return f"History(epochs={len(self.epoch)}, keys={list(self.history)})"
+
+
+class Trainer:
+    """Trains a model with synchronous data parallelism over a :class:`MirroredStrategy`.
+
+    ``batch_size`` is always the *global* batch: N devices give the single-device result.
+
+    Args:
+      model: a compiled Keras 3 model (JAX backend) or a :class:`mirrorax.FunctionalModel`.
+      strategy: the strategy; default: the enclosing ``strategy.scope()``, else every device.
+      loss, optimizer, metrics: complete or override the model's compile settings (``optimizer`` may
+        be an optax ``GradientTransformation``).
+      steps_per_execution: train steps per dispatch (run with ``lax.scan``); pays when per-step host
+        overhead dominates (small models, many devices).
+      accumulation_steps: split each global batch into this many micro-batches (gradient accumulation:
+        the same update as the whole batch, with a fraction of the activation memory).
+      max_in_flight: dispatched steps allowed to be outstanding (>= 1; 2 overlaps host and devices).
+      prefetch: batches placed on the devices ahead of the running step (0: place synchronously).
+      on_nonfinite: ``"raise"``, ``"skip"`` (drop the update, count it in the history) or ``"ignore"``.
+
+    Example:
+      >>> strategy = mx.MirroredStrategy()
+      >>> with strategy.scope():
+      ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+      ...     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+      >>> trainer = mx.Trainer(model)
+      >>> history = trainer.fit(x, y, batch_size=64, epochs=2, verbose=0)
+    """
+
+    def __init__(self, model: Any, strategy: MirroredStrategy | None = None, *, loss: Any = None,
+                 optimizer: Any = None, metrics: Any = None, steps_per_execution: int = 1,
+                 accumulation_steps: int = 1, max_in_flight: int = 2, prefetch: int = 2,
+                 on_nonfinite: str = "raise", donate: bool = True) -> None:
+        for name, value, low in (("steps_per_execution", steps_per_execution, 1),
+                                 ("accumulation_steps", accumulation_steps, 1),
+                                 ("max_in_flight", max_in_flight, 1), ("prefetch", prefetch, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}; received {value!r}.")
+        if strategy is not None and not isinstance(strategy, MirroredStrategy):
+            raise TypeError(f"strategy must be a mirrorax.MirroredStrategy; received {type(strategy).__name__}.")
+        self.strategy = strategy or get_strategy()
+        self.model = model
+        self.adapter: ModelAdapter = adapt(model, loss=loss, optimizer=optimizer, metrics=metrics)
+        self.steps_per_execution = steps_per_execution
+        self.accumulation_steps = accumulation_steps
+        self.max_in_flight = max_in_flight
+        self.prefetch = prefetch
+        self.steps = StepFunctions(self.adapter, self.strategy, donate=donate, on_nonfinite=on_nonfinite,
+                                   accumulation_steps=accumulation_steps)
+        self._state: dict[str, PyTree] | None = None
+        self.stream: IO[str] = sys.stdout
+
+    # -- state -------------------------------------------------------------------------------------
+    @property
+    def state(self) -> dict[str, PyTree] | None:
+        """The training state on the devices (``params``, ``model_state``, ``optimizer``, ``metrics``,
+        ``step``, ``skipped``), or ``None`` before the first use."""
+        return self._state
+
+    def _place(self, tree: PyTree) -> PyTree:
+        sharding = self.strategy.replicated
+
+        def put(a: Any) -> jax.Array:
+            a = np.asarray(a)
+            return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
+
+        return jax.tree.map(put, tree)
+
+    def _ensure_state(self, sample: data_lib.Batch) -> None:
+        if self._state is not None:
+            return
+        self.adapter.build(sample.tree())
+        host = self.adapter.initial_state()
+        host["step"] = np.zeros((), np.int32)
+        host["skipped"] = np.zeros((), np.int32)
+        self._state = self._place(host)
+
+    def host_state(self) -> dict[str, PyTree]:
+        """A host (numpy) copy of the training state."""
+        if self._state is None:
+            raise RuntimeError("The trainer has no state yet; call fit, evaluate or predict first.")
+        return jax.tree.map(host_value, self._state)
+
+    def _write_back(self) -> None:
+        if self._state is not None:
+            self.adapter.write_back(self.host_state())
+
+    # -- data helpers ------------------------------------------------------------------------------
+    def _batch_size(self, source: Any, batch_size: int | None) -> int:
+        if batch_size is None:
+            if isinstance(source, data_lib.IterableSource):
+                rows = source.first_batch_rows()
+                return rows * self.strategy.process_count if source.per_process else rows
+            return 32
+        return data_lib._check_batch_size(batch_size)
+
+    def _sample(self, source: Any, batch_size: int, with_targets: bool = True) -> data_lib.Batch:
+        if isinstance(source, data_lib.ArraySource):
+            gen = source.batches(batch_size, _single(self.strategy), shuffle=False, seed=0, pass_index=0,
+                                 with_targets=with_targets)
+            return next(gen)
+        x, y, w = source.peek()
+        x = data_lib._tree_numeric(x, "x")
+        y = data_lib._tree_numeric(y, "y") if with_targets else None
+        n = data_lib._leading(x)[0][1]
+        return data_lib.Batch(x, y, np.ones(n, np.float32), np.ones(n, np.float32))
+
+    def _device_batches(self, host: Iterator[data_lib.Batch], group: int,
+                        per_process_iterable: bool) -> Iterator[tuple[int, data_lib.Batch]]:
+        def grouped() -> Iterator[tuple[int, data_lib.Batch]]:
+            if group == 1:
+                for b in host:
+                    yield 0, b
+                return
+            while True:
+                chunk = list(itertools.islice(host, group))
+                if len(chunk) == group:
+                    yield group, data_lib.stack(chunk)
+                else:
+                    for b in chunk:
+                        yield 0, b
+                    return
+
+        # Per-process pipelines agree on "more data?" with a collective each step: that must stay on
+        # the thread that dispatches steps, so they are placed synchronously.
+        if self.prefetch == 0 or (per_process_iterable and self.strategy.process_count > 1):
+            return ((k, data_lib.to_global(b, self.strategy, stacked=k > 0)) for k, b in grouped())
+        return data_lib.Prefetcher(grouped(), self.strategy, depth=self.prefetch)
+
+    # -- fit ---------------------------------------------------------------------------------------
+    def fit(self, x: Any, y: Any = None, *, batch_size: int | None = None, epochs: int = 1,
+            validation_data: Any = None, validation_batch_size: int | None = None, shuffle: bool = True,
+            seed: int = 0, sample_weight: Any = None, steps_per_epoch: int | None = None,
+            initial_epoch: int = 0, callbacks: Sequence[Any] | None = None, verbose: int | str = "auto",
+            ) -> History:
+        """Trains for ``epochs`` epochs over the global batches of ``(x, y)``.
+
+        Args:
+          x: inputs: an array, a tuple/list/dict of arrays, or an iterable of ``(x, y)`` /
+            ``(x, y, sample_weight)`` batches (generators, tf.data, a torch DataLoader, grain).
+          y: targets, when ``x`` holds arrays.
+          batch_size: the *global* batch (over all devices and processes). Default 32 for arrays, the
+            first batch's size for iterables.
+          epochs: epochs to train (ending at epoch ``epochs``; see ``initial_epoch``).
+          validation_data: ``(x_val, y_val)``, ``(x_val, y_val, w_val)`` or an iterable; evaluated after
+            every epoch, its metrics recorded with a ``val_`` prefix.
+          validation_batch_size: global batch for validation (default ``batch_size``).
+          shuffle: shuffle array inputs every epoch, with an order that depends only on ``seed`` and
+            the epoch (never on the device or process count).
+          seed: the shuffle seed.
+          sample_weight: per-example weights, when ``x`` holds arrays.
+          steps_per_epoch: batches per epoch (default: one pass over the data). Array inputs continue
+            where the previous epoch stopped, starting a new shuffled pass when one ends.
+          initial_epoch: the epoch to start at (as Keras).
+          callbacks: Keras callbacks (``on_epoch_end(epoch, logs)`` etc.; ``model.stop_training``
+            is honoured) or plain objects with any of those methods.
+          verbose: ``"auto"`` (bar on a terminal, a line per epoch otherwise), 0, 1 or 2.
+
+        Returns:
+          A :class:`History`.
+
+        Raises:
+          ValueError / TypeError: bad inputs, raised before any compilation.
+          NonFiniteLossError: a step's loss was not finite (with ``on_nonfinite="raise"``).
+        """
+        mode = resolve_verbose(verbose, self.stream) if self.strategy.is_primary else 0
+        _check_positive_int("epochs", epochs, low=0)
+        if steps_per_epoch is not None:
+            _check_positive_int("steps_per_epoch", steps_per_epoch)
+        source = data_lib.make_source(x, y, sample_weight)
+        batch_size = self._batch_size(source, batch_size)
+        val = self._validation_source(validation_data)
+        self._ensure_state(self._sample(source, batch_size))
+        callbacks = list(callbacks or [])
+        for cb in callbacks:
+            if hasattr(cb, "set_model"):
+                cb.set_model(self.model)
+        history = History()
+        _call(callbacks, "on_train_begin", {})
+        stream = _ArrayStream(source, batch_size, self.strategy, shuffle, seed) \
+            if isinstance(source, data_lib.ArraySource) else _IterStream(source, batch_size, self.strategy)
+        per_epoch = steps_per_epoch or stream.batches_per_pass
+        position = initial_epoch * per_epoch if per_epoch else 0
+        try:
+            for epoch in range(initial_epoch, epochs):
+                _call(callbacks, "on_epoch_begin", epoch, {})
+                logs, sps, steps = self._run_epoch(stream, position, steps_per_epoch, epoch, epochs, mode)
+                position += steps
+                if val is not None:
+                    vlogs = self._evaluate_source(val, validation_batch_size or batch_size)
+                    logs.update({f"val_{k}": v for k, v in vlogs.items()})
+                    if mode:
+                        from mirrorax.progress import format_logs
+
+                        self.stream.write(f"  validation - {format_logs({f'val_{k}': v for k, v in vlogs.items()})}\n")
+                        self.stream.flush()
+                history.append(epoch, logs, sps)
+                if callbacks:
+                    self._write_back()
+                    _call(callbacks, "on_epoch_end", epoch, logs)
+                    if getattr(self.model, "stop_training", False):
+                        break
+        finally:
+            self._write_back()
+        _call(callbacks, "on_train_end", {})
+        if hasattr(self.model, "stop_training"):
+            self.model.stop_training = False
+        return history
+
+    def _run_epoch(self, stream: Any, position: int, steps_per_epoch: int | None, epoch: int, epochs: int,
+                   mode: int) -> tuple[dict[str, float], float, int]:
+        state = dict(self._state, metrics=self._place(self.adapter.initial_metrics()))
+        self._state = None  # donated below; restored when the epoch ends or fails
+        host = stream.batches(position, steps_per_epoch)
+        total = steps_per_epoch or stream.batches_per_pass
+        bad: list[int] = []
+        first_step = None
+
+        def on_done(item: tuple[int, Any]) -> None:
+            step_no, aux = item
+            if self.steps.on_nonfinite == "raise" and not bad:
+                finite = np.asarray(host_value(aux["finite"])).reshape(-1)
+                if not finite.all():
+                    bad.append(step_no + int(np.argmin(finite)))
+
+        window = InFlight(self.max_in_flight, on_done)
+        progress = Progress(mode, total, epoch + 1, epochs,
+                            lambda: self.adapter.metric_results(jax.tree.map(host_value, state["metrics"])),
+                            stream=self.stream)
+        steps = samples = 0
+        batches = self._device_batches(host, self.steps_per_execution, stream.per_process)
+        try:
+            for k, batch in batches:
+                if first_step is None:
+                    first_step = int(host_value(state["step"]))
+                if k:
+                    state, aux = self.steps.train_many(state, batch.tree())
+                else:
+                    state, aux = self.steps.train(state, batch.tree())
+                window.push((first_step + steps, aux))
+                steps += max(k, 1)
+                samples += stream.last_real(k)
+                if bad:
+                    break
+                progress.update(steps, samples)
+            window.drain()
+        finally:
+            if isinstance(batches, data_lib.Prefetcher):
+                batches.close()
+            self._state = state
+        if bad:
+            self._write_back()
+            raise NonFiniteLossError(
+                f"The loss became non-finite at step {bad[0]} (epoch {epoch + 1}, batch {bad[0] - first_step + 1} "
+                "of the epoch). The update of that step was not applied: the trainer and the model hold the "
+                "values from before it. Lower the learning rate, check the inputs for NaN/inf, or pass "
+                "Trainer(..., on_nonfinite='skip') to drop such steps.")
+        logs = self.adapter.metric_results(jax.tree.map(host_value, state["metrics"]))
+        if self.steps.on_nonfinite == "skip":
+            logs["skipped_steps"] = float(host_value(state["skipped"]))
+        sps = progress.finish(steps, samples, logs)
+        return logs, sps, steps
+
+    def _validation_source(self, validation_data: Any) -> Any:
+        if validation_data is None:
+            return None
+        if isinstance(validation_data, tuple) and len(validation_data) in (2, 3) and \
+                data_lib._is_array_tree(validation_data[0]):
+            return data_lib.ArraySource(*validation_data)
+        return data_lib.make_source(validation_data)
+
+    # -- evaluate / predict ------------------------------------------------------------------------
+    def evaluate(self, x: Any, y: Any = None, *, batch_size: int | None = None, sample_weight: Any = None,
+                 verbose: int | str = 0) -> dict[str, float]:
+        """Loss and metrics over every example of ``(x, y)``, in inference mode.
+
+        Exact over all replicas: sums and counts over the real examples, padding masked out.
+
+        Returns:
+          ``{"loss": ..., "<metric>": ...}`` as floats, the same on every process.
+
+        Example:
+          >>> trainer.evaluate(x_test, y_test, batch_size=256)
+          {'accuracy': 0.97, 'loss': 0.09}
+        """
+        source = data_lib.make_source(x, y, sample_weight)
+        batch_size = self._batch_size(source, batch_size)
+        logs = self._evaluate_source(source, batch_size)
+        if self.strategy.is_primary and resolve_verbose(verbose, self.stream):
+            from mirrorax.progress import format_logs
+
+            self.stream.write(f"evaluate - {format_logs(logs)}\n")
+        return logs
+
+    def _evaluate_source(self, source: Any, batch_size: int) -> dict[str, float]:
+        self._ensure_state(self._sample(source, batch_size))
+        metrics = self._place(self.adapter.initial_metrics())
+        stream = _ArrayStream(source, batch_size, self.strategy, False, 0) \
+            if isinstance(source, data_lib.ArraySource) else _IterStream(source, batch_size, self.strategy)
+        window = InFlight(self.max_in_flight)
+        batches = self._device_batches(stream.batches(0, None), 1, stream.per_process)
+        try:
+            for _, batch in batches:
+                metrics, token = self.steps.evaluate(self._state, metrics, batch.tree())
+                window.push(token)
+            window.drain()
+        finally:
+            if isinstance(batches, data_lib.Prefetcher):
+                batches.close()
+        return self.adapter.metric_results(jax.tree.map(host_value, metrics))
+
+    def predict(self, x: Any, *, batch_size: int | None = None, verbose: int | str = 0) -> Any:
+        """The model's outputs for every row of ``x``, in input order.
+
+        Every process returns the full result (all rows), gathered from all devices.
+
+        Returns:
+          A numpy array with ``len(x)`` rows (a pytree of them for multi-output models).
+
+        Example:
+          >>> probs = trainer.predict(x_test, batch_size=256)
+          >>> probs.shape[0] == len(x_test)
+          True
+        """
+        if isinstance(x, tuple) and len(x) in (2, 3) and not data_lib._is_array_tree(x):
+            x = x[0]
+        source = data_lib.make_source(x)
+        batch_size = self._batch_size(source, batch_size)
+        self._ensure_state(self._sample(source, batch_size, with_targets=False))
+        stream = _ArrayStream(source, batch_size, self.strategy, False, 0, with_targets=False) \
+            if isinstance(source, data_lib.ArraySource) else _IterStream(source, batch_size, self.strategy,
+                                                                         with_targets=False)
+        outputs: list[Any] = []
+        pending: list[tuple[Any, Any]] = []
+
+        def collect(item: tuple[Any, Any]) -> None:
+            y, mask = item
+            mask_h = host_value(mask) > 0
+            outputs.append(jax.tree.map(lambda a: host_value(a)[mask_h], y))
+
+        window = InFlight(self.max_in_flight, collect)
+        batches = self._device_batches(stream.batches(0, None), 1, stream.per_process)
+        try:
+            for _, batch in batches:
+                y = self.steps.predict(self._state, batch.x)
+                window.push((y, batch.mask))
+            window.drain()
+        finally:
+            if isinstance(batches, data_lib.Prefetcher):
+                batches.close()
+        del pending
+        return jax.tree.map(lambda *a: np.concatenate(a), *outputs)
+
+    def compile_counts(self) -> dict[str, int]:
+        """Programs compiled per step kind (fixed shapes: one per kind used)."""
+        return self.steps.compile_counts()
+
+
+class _ArrayStream:
+    """Global batches from an :class:`ArraySource` as one endless stream of passes."""
+
+    per_process = False
+
+    def __init__(self, source: data_lib.ArraySource, batch_size: int, strategy: MirroredStrategy,
+                 shuffle: bool, seed: int, with_targets: bool = True) -> None:
+        self.source, self.batch_size, self.strategy = source, batch_size, strategy
+        self.shuffle, self.seed, self.with_targets = shuffle, seed, with_targets
+        self.batches_per_pass = source.batches_per_pass(batch_size)
+        self._reals: list[int] = []
+
+    def batches(self, position: int, count: int | None) -> Iterator[data_lib.Batch]:
+        """``count`` batches (default: to the end of the current pass) from stream position ``position``."""
+        n = self.source.num_examples
+        end = position + count if count else (position // self.batches_per_pass + 1) * self.batches_per_pass
+        while position < end:
+            pass_index, start = divmod(position, self.batches_per_pass)
+            for b in self.source.batches(self.batch_size, self.strategy, shuffle=self.shuffle, seed=self.seed,
+                                         pass_index=pass_index, start=start, with_targets=self.with_targets):
+                self._reals.append(min(self.batch_size, n - (position % self.batches_per_pass) * self.batch_size))
+                yield b
+                position += 1
+                if position >= end:
+                    return
+
+    def last_real(self, k: int) -> int:
+        take = max(k, 1)
+        total = sum(self._reals[:take])
+        del self._reals[:take]
+        return total
+
+
+class _IterStream:
+    """Global batches from an :class:`IterableSource`; an epoch is one iteration (or ``count`` batches)."""
+
+    def __init__(self, source: data_lib.IterableSource, batch_size: int, strategy: MirroredStrategy,
+                 with_targets: bool = True) -> None:
+        self.source, self.batch_size, self.strategy = source, batch_size, strategy
+        self.with_targets = with_targets
+        self.per_process = source.per_process
+        self.batches_per_pass = _len_or_none(source.iterable)
+        self._reals: list[int] = []
+        self._continuing: Iterator[data_lib.Batch] | None = None
+
+    def batches(self, position: int, count: int | None) -> Iterator[data_lib.Batch]:
+        it: Iterator[data_lib.Batch]
+        if isinstance(self.source.iterable, Iterator):
+            # A one-shot iterator (a generator) continues across epochs, as in Keras.
+            if self._continuing is None:
+                self._continuing = self.source.batches(self.batch_size, self.strategy,
+                                                       with_targets=self.with_targets)
+            it = self._continuing
+        else:
+            it = self.source.batches(self.batch_size, self.strategy, with_targets=self.with_targets)
+        for i, b in enumerate(it):
+            self._reals.append(int(b.mask.sum()) * (self.strategy.process_count if self.strategy.process_count > 1 else 1))
+            yield b
+            if count and i + 1 >= count:
+                return
+
+    def last_real(self, k: int) -> int:
+        take = max(k, 1)
+        total = sum(self._reals[:take])
+        del self._reals[:take]
+        return total
+
+
+def _len_or_none(x: Any) -> int | None:
+    try:
+        return len(x)
+    except TypeError:
+        return None
+
+
+def _single(strategy: MirroredStrategy) -> MirroredStrategy:
+    return strategy
+
+
+def _check_positive_int(name: str, value: Any, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}; received {value!r}.")
+
+
+def _call(callbacks: Iterable[Any], method: str, *args: Any) -> None:
+    for cb in callbacks:
+        fn: Callable[..., Any] | None = getattr(cb, method, None)
+        if fn is not None:
+            fn(*args)

@@ -1,0 +1,29 @@
+"""Test set-up shared by every test module.
+
+Simulated devices are configured here, once, before anything imports JAX's backend: every test sees
+8 CPU devices, and a test that wants fewer builds its strategy from ``jax.devices()[:n]``.
+"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ["JAX_NUM_CPU_DEVICES"] = "8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Keras prints a progress bar per fit call otherwise; the tests check outputs, not bars.
+os.environ.setdefault("MIRRORAX_TEST", "1")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_keras_state():
+    """Every test starts with Keras's default names and seeds, so two tests never share layer names."""
+    import keras
+
+    keras.backend.clear_session()
+    yield
+    keras.backend.clear_session()
