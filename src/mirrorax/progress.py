@@ -75,9 +75,14 @@ class Progress:
         self.stream.write(line + end)
         self.stream.flush()
 
+    def stop(self) -> float:
+        """Ends the timed part of the epoch (before validation); returns its wall time."""
+        self.end = time.perf_counter()
+        return self.end - self.start
+
     def finish(self, step: int, samples: int, logs: Mapping[str, float]) -> float:
-        """Prints the epoch's final line; returns the epoch's samples/s."""
-        now = time.perf_counter()
+        """Prints the epoch's final line (with ``logs``); returns the epoch's samples/s."""
+        now = getattr(self, "end", None) or time.perf_counter()
         elapsed = max(now - self.start, 1e-9)
         self._logs = logs
         if self.mode == 1:

@@ -123,9 +123,11 @@ class Trainer:
         return jax.tree.map(put, tree)
 
     def _ensure_state(self, sample: data_lib.Batch) -> None:
+        # Building is incremental: a predict-only start builds layers; targets later add metrics, whose
+        # accumulators are placed afresh for every epoch and evaluation anyway.
+        self.adapter.build(sample.tree())
         if self._state is not None:
             return
-        self.adapter.build(sample.tree())
         host = self.adapter.initial_state()
         host["step"] = np.zeros((), np.int32)
         host["skipped"] = np.zeros((), np.int32)
@@ -240,16 +242,13 @@ class Trainer:
         try:
             for epoch in range(initial_epoch, epochs):
                 _call(callbacks, "on_epoch_begin", epoch, {})
-                logs, sps, steps = self._run_epoch(stream, position, steps_per_epoch, epoch, epochs, mode)
+                logs, progress, steps, samples = self._run_epoch(stream, position, steps_per_epoch, epoch,
+                                                                 epochs, mode)
                 position += steps
                 if val is not None:
                     vlogs = self._evaluate_source(val, validation_batch_size or batch_size)
                     logs.update({f"val_{k}": v for k, v in vlogs.items()})
-                    if mode:
-                        from mirrorax.progress import format_logs
-
-                        self.stream.write(f"  validation - {format_logs({f'val_{k}': v for k, v in vlogs.items()})}\n")
-                        self.stream.flush()
+                sps = progress.finish(steps, samples, logs)
                 history.append(epoch, logs, sps)
                 if callbacks:
                     self._write_back()
@@ -264,7 +263,7 @@ class Trainer:
         return history
 
     def _run_epoch(self, stream: Any, position: int, steps_per_epoch: int | None, epoch: int, epochs: int,
-                   mode: int) -> tuple[dict[str, float], float, int]:
+                   mode: int) -> tuple[dict[str, float], Progress, int, int]:
         state = dict(self._state, metrics=self._place(self.adapter.initial_metrics()))
         self._state = None  # donated below; restored when the epoch ends or fails
         host = stream.batches(position, steps_per_epoch)
@@ -300,6 +299,7 @@ class Trainer:
                     break
                 progress.update(steps, samples)
             window.drain()
+            progress.stop()
         finally:
             if isinstance(batches, data_lib.Prefetcher):
                 batches.close()
@@ -314,8 +314,7 @@ class Trainer:
         logs = self.adapter.metric_results(jax.tree.map(host_value, state["metrics"]))
         if self.steps.on_nonfinite == "skip":
             logs["skipped_steps"] = float(host_value(state["skipped"]))
-        sps = progress.finish(steps, samples, logs)
-        return logs, sps, steps
+        return logs, progress, steps, samples
 
     def _validation_source(self, validation_data: Any) -> Any:
         if validation_data is None:

@@ -95,11 +95,16 @@ class KerasAdapter(ModelAdapter):
 
     # -- building ----------------------------------------------------------------------------------
     def build(self, sample: dict[str, PyTree]) -> None:
-        if self._built:
-            return
         model = self.model
-        data = (sample["x"], sample.get("y"), sample.get("sample_weight"))
-        model._symbolic_build(data_batch=data)
+        y = sample.get("y")
+        if self._built == "full" or (self._built and y is None):
+            return
+        if y is None:
+            # predict before any fit/evaluate: build the layers only (metrics need targets to build).
+            if not all(layer.built for layer in model._flatten_layers()):
+                model(jax.tree.map(lambda a: np.asarray(a)[:1], sample["x"]), training=False)
+        else:
+            model._symbolic_build(data_batch=(sample["x"], y, sample.get("sample_weight")))
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         self._names = {
@@ -111,7 +116,7 @@ class KerasAdapter(ModelAdapter):
         model.reset_metrics()
         self._metrics_init = [np.asarray(v.value) for v in model.metrics_variables]
         self._opt_vars_const = [v.value for v in model.optimizer.variables] if model.optimizer else []
-        self._built = True
+        self._built = "full" if y is not None else "layers"
 
     def _pack(self, group: str, values: Sequence[Any]) -> dict[str, Any]:
         return dict(zip(self._names[group], values))

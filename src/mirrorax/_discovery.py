@@ -1,0 +1,191 @@
+"""Reading the job a process belongs to from its environment, without connecting or starting JAX.
+
+Pure functions of ``os.environ`` (tests set fake SLURM / Open MPI / ``TF_CONFIG`` variables and check the
+result). For SLURM, Open MPI, Cloud TPU and Kubernetes we ask JAX's own ``ClusterEnv`` classes, so the
+coordinator address is the one ``jax.distributed.initialize()`` would derive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from collections.abc import Sequence
+
+__all__ = ["ClusterInfo", "job_from_env", "make_info", "split_address"]
+
+_OURS = ("MIRRORAX_COORDINATOR", "MIRRORAX_NUM_PROCESSES", "MIRRORAX_PROCESS_ID")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterInfo:
+    """Where this process sits in a multi-process job.
+
+    Attributes:
+      coordinator_address: ``"host:port"`` where process 0 hosts the coordination service.
+      num_processes: how many processes the job has.
+      process_id: this process's index, ``0 <= process_id < num_processes``.
+      source: where the description came from: ``"arguments"``, ``"MIRRORAX_*"``, ``"TF_CONFIG"``,
+        or a ``jax.distributed`` detection method (``"slurm"``, ``"ompi"``, ...).
+      local_device_ids: the local accelerators this process uses; ``None``: all it sees.
+      heartbeat_timeout_seconds: how long a silent process may go before the others abort.
+
+    Example:
+      >>> ClusterInfo("10.0.0.1:1234", 2, 1).is_primary
+      False
+    """
+
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+    source: str = "arguments"
+    local_device_ids: tuple[int, ...] | None = None
+    heartbeat_timeout_seconds: int | None = None
+
+    @property
+    def is_primary(self) -> bool:
+        """True on process 0, the one that prints and writes files."""
+        return self.process_id == 0
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``, with a clear error when malformed."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"A coordinator address must look like 'host:port' (e.g. '10.0.0.1:1234'); "
+                         f"received {address!r}.")
+    return host.strip("[]"), int(port)
+
+
+def make_info(address: object, num_processes: object, process_id: object,
+              local_device_ids: Sequence[int] | None, source: str) -> ClusterInfo:
+    """Validates the three values every process needs and returns them as a :class:`ClusterInfo`."""
+    if not isinstance(address, str):
+        raise TypeError(f"coordinator_address must be a 'host:port' string; received {address!r} "
+                        f"(of type {type(address).__name__}).")
+    split_address(address)
+    for name, value in (("num_processes", num_processes), ("process_id", process_id)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int; received {value!r} (of type {type(value).__name__}).")
+    assert isinstance(num_processes, int) and isinstance(process_id, int)
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise ValueError(f"Expected num_processes >= 1 and 0 <= process_id < num_processes (from {source}). "
+                         f"Received num_processes={num_processes}, process_id={process_id}.")
+    ids = tuple(int(i) for i in local_device_ids) if local_device_ids is not None else None
+    return ClusterInfo(address, num_processes, process_id, source, ids)
+
+
+def job_from_env(environ: dict[str, str] | None = None) -> ClusterInfo | None:
+    """The job the environment describes, or ``None`` (first match: ``MIRRORAX_*``, ``TF_CONFIG``, JAX's).
+
+    Args:
+      environ: the variables to read; ``None`` reads ``os.environ``. JAX's detectors always read
+        ``os.environ``.
+
+    Returns:
+      A :class:`ClusterInfo` (possibly of one process), or ``None`` when nothing describes a job.
+
+    Raises:
+      ValueError: ``MIRRORAX_*`` variables are partly set or malformed, or ``TF_CONFIG`` is malformed
+        or gives this process a role mirrorax has no use for (``ps``, ``evaluator``).
+
+    Example:
+      >>> job_from_env({"MIRRORAX_COORDINATOR": "h0:1234", "MIRRORAX_NUM_PROCESSES": "2",
+      ...               "MIRRORAX_PROCESS_ID": "1"}).process_id
+      1
+    """
+    env = os.environ if environ is None else environ
+    if any(name in env for name in _OURS):
+        return _from_ours(env)
+    if env.get("TF_CONFIG", "").strip():
+        return _from_tf_config(env["TF_CONFIG"])
+    return _from_jax_detectors() if environ is None else None
+
+
+def _from_ours(env: dict[str, str] | os._Environ[str]) -> ClusterInfo:
+    missing = [n for n in _OURS if not env.get(n)]
+    if missing:
+        raise ValueError(f"{', '.join(n for n in _OURS if n not in missing)} set but {', '.join(missing)} "
+                         f"missing: a job needs all three of {', '.join(_OURS)} (or none of them).")
+    values = {}
+    for name in _OURS[1:]:
+        try:
+            values[name] = int(env[name])
+        except ValueError:
+            raise ValueError(f"{name} must be an integer; received {env[name]!r}.") from None
+    ids = env.get("MIRRORAX_LOCAL_DEVICE_IDS")
+    local = None
+    if ids:
+        try:
+            local = [int(i) for i in ids.split(",")]
+        except ValueError:
+            raise ValueError(f"MIRRORAX_LOCAL_DEVICE_IDS must be comma-separated integers like '0,1'; "
+                             f"received {ids!r}.") from None
+    return make_info(env["MIRRORAX_COORDINATOR"], values["MIRRORAX_NUM_PROCESSES"],
+                     values["MIRRORAX_PROCESS_ID"], local, "MIRRORAX_*")
+
+
+def _from_tf_config(raw: str) -> ClusterInfo:
+    try:
+        config = json.loads(raw)
+        cluster, task = config["cluster"], config.get("task", {})
+        kind, index = task.get("type", "worker"), int(task.get("index", 0))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"TF_CONFIG must be JSON like {{'cluster': {{'worker': ['h0:2222', 'h1:2222']}}, "
+                         f"'task': {{'type': 'worker', 'index': 0}}}}; could not read {raw!r} ({e}).") from None
+    unused = sorted(set(cluster) - {"chief", "worker", "evaluator"})
+    if unused:
+        raise ValueError(f"TF_CONFIG lists {unused} tasks; mirrorax trains synchronously on 'chief' and "
+                         "'worker' tasks only (no parameter servers). Remove the other task types.")
+    if kind not in ("chief", "worker"):
+        raise ValueError(f"TF_CONFIG gives this process task type {kind!r}; mirrorax runs 'chief' and "
+                         "'worker' tasks only. Run evaluators as separate, single-process jobs.")
+    # tf.distribute's order: the chief is task 0 of the job, then the workers.
+    chiefs, workers = list(cluster.get("chief", [])), list(cluster.get("worker", []))
+    addresses = chiefs + workers
+    offset = 0 if kind == "chief" else len(chiefs)
+    if not addresses or not 0 <= index < len(cluster.get(kind, [])):
+        raise ValueError(f"TF_CONFIG task {kind}:{index} is not in cluster {cluster}. Expected an index "
+                         f"below len(cluster[{kind!r}]).")
+    return make_info(addresses[0], len(addresses), offset + index, None, "TF_CONFIG")
+
+
+def _from_jax_detectors() -> ClusterInfo | None:
+    """Asks JAX's cluster detectors, in JAX's order, but only whether their environment is present."""
+    from jax._src import clusters
+
+    for env in clusters.ClusterEnv._cluster_types:
+        if env.opt_in_only_method:
+            continue
+        # JAX's Kubernetes detector warns in every pod without the `kubernetes` package and queries
+        # the API server otherwise: consult it only for indexed jobs, the kind it can bootstrap.
+        if env.name == "k8s" and ("JOB_COMPLETION_INDEX" not in os.environ
+                                  or importlib.util.find_spec("kubernetes") is None):
+            continue
+        if not env.is_env_present():
+            continue
+        count = env.get_process_count()
+        if count <= 1:
+            return None
+        port = os.environ.get("JAX_COORDINATOR_PORT")
+        address = os.environ.get("JAX_COORDINATOR_ADDRESS") or env.get_coordinator_address(
+            timeout_secs=60, override_coordinator_port=port)
+        return make_info(address, count, env.get_process_id(), _local_ids(env), env.name or env.__name__)
+    return None
+
+
+def _local_ids(env: type) -> list[int] | None:
+    """JAX gives each process one accelerator (its local rank) under SLURM and Open MPI; with one task
+    per node that would leave all but one GPU idle, so then every local device is used."""
+    if ids := os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+        return [int(i) for i in ids.split(",")]
+    name = getattr(env, "name", "")
+    if name == "slurm":
+        nodes = os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_NNODES")
+        if nodes and int(nodes) == int(os.environ["SLURM_NTASKS"]):
+            return None
+    elif name == "ompi" and os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") == "1":
+        return None
+    local = env.get_local_process_id()
+    return None if local is None else [local]

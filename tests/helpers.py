@@ -1,0 +1,50 @@
+"""Small models and data shared by the tests (built fresh each call, seeded)."""
+
+from __future__ import annotations
+
+import jax
+import keras
+import numpy as np
+
+import mirrorax as mx
+from mirrorax import zoo
+
+
+def strategy(n: int) -> mx.MirroredStrategy:
+    return mx.MirroredStrategy(devices=jax.devices()[:n])
+
+
+def digits(n: int = 200):
+    (x, y), (xt, yt) = zoo.load_digits()
+    return x[:n], y[:n], xt, yt
+
+
+def cnn(seed: int = 1, *, compile_kwargs=None, dropout: float = 0.1) -> keras.Model:
+    """The main job's CNN (BatchNorm + Dropout), narrow for speed."""
+    keras.utils.set_random_seed(seed)
+    m = zoo.digits_cnn(width=8, dropout=dropout)
+    m.compile(**(compile_kwargs or dict(optimizer="adam", loss="sparse_categorical_crossentropy",
+                                        metrics=["accuracy"])))
+    return m
+
+
+def dense(seed: int = 1, inputs: int = 64, classes: int = 10, **compile_kwargs) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    m = keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(16, activation="relu"),
+                          keras.layers.Dense(classes, activation="softmax")])
+    kw = dict(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    kw.update(compile_kwargs)
+    m.compile(**kw)
+    return m
+
+
+def flat_digits(n: int = 200):
+    x, y, xt, yt = digits(n)
+    return x.reshape(len(x), -1), y, xt.reshape(len(xt), -1), yt
+
+
+def assert_weights_close(a: keras.Model, b: keras.Model, rtol: float, atol: float) -> None:
+    wa, wb = a.get_weights(), b.get_weights()
+    assert len(wa) == len(wb)
+    for i, (u, v) in enumerate(zip(wa, wb)):
+        np.testing.assert_allclose(u, v, rtol=rtol, atol=atol, err_msg=f"weight {i}")
