@@ -13,6 +13,7 @@ The data position is ``(pass, batch)``: pass ``k`` visits every example once, in
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import queue
 import threading
@@ -189,10 +190,21 @@ class IterableSource:
         if self._first is None:
             it = iter(self.iterable)
             try:
-                self._first = _split(next(it))
+                raw = next(it)
             except StopIteration:
                 raise ValueError("The input iterable yielded no batch. Pass a non-empty dataset.") from None
+            self._first = _split(raw)
+            if it is self.iterable or isinstance(self.iterable, Iterator):
+                # A one-shot iterator: the peeked item must still be trained on.
+                self._unread = raw
         return self._first
+
+    def _iter(self) -> Iterator[Any]:
+        it = iter(self.iterable)
+        unread = self.__dict__.pop("_unread", None)
+        if unread is not None:
+            return itertools.chain([unread], it)
+        return it
 
     def first_batch_rows(self) -> int:
         x, _, _ = self.peek()
@@ -203,7 +215,7 @@ class IterableSource:
         padded = padded_batch_size(batch_size, strategy)
         rows = padded // strategy.process_count if self.per_process else padded
         multi = strategy.process_count > 1
-        it = iter(self.iterable)
+        it = self._iter()
         for _ in range(skip):
             next(it, None)
         template = None

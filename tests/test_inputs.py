@@ -1,0 +1,111 @@
+"""Inputs: arrays, tuples/dicts of arrays, multi-output models, and any iterable of batches."""
+
+import keras
+import numpy as np
+import pytest
+
+import mirrorax as mx
+from helpers import assert_weights_close, dense, flat_digits, strategy
+
+pytestmark = pytest.mark.multi_device
+
+
+def _batches(x, y, bs, w=None):
+    for i in range(0, len(x), bs):
+        yield (x[i:i + bs], y[i:i + bs]) if w is None else (x[i:i + bs], y[i:i + bs], w[i:i + bs])
+
+
+class _Reiterable:
+    """A dataset object that can be iterated once per epoch (like tf.data or a DataLoader)."""
+
+    def __init__(self, x, y, bs, w=None):
+        self.x, self.y, self.bs, self.w = x, y, bs, w
+
+    def __iter__(self):
+        return _batches(self.x, self.y, self.bs, self.w)
+
+    def __len__(self):
+        return -(-len(self.x) // self.bs)
+
+
+def test_iterable_of_batches_equals_arrays():
+    x, y, xt, yt = flat_digits(130)
+    w = np.linspace(0.5, 1.5, len(x)).astype(np.float32)
+    a = dense()
+    ha = mx.Trainer(a, strategy(4)).fit(x, y, sample_weight=w, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    b = dense()
+    tb = mx.Trainer(b, strategy(4))
+    hb = tb.fit(_Reiterable(x, y, 32, w), epochs=2, verbose=0)  # batch size from the first batch
+    assert_weights_close(a, b, 1e-6, 1e-6)
+    np.testing.assert_allclose(ha.history["loss"], hb.history["loss"], rtol=1e-6)
+    # evaluate and predict from a generator (a one-shot iterator) too
+    ev_arrays = tb.evaluate(xt, yt, batch_size=50)
+    ev_gen = tb.evaluate(_batches(xt, yt, 50), batch_size=50)
+    assert ev_gen["accuracy"] == pytest.approx(ev_arrays["accuracy"], abs=1e-7)
+    pred = tb.predict((xb for xb, _ in _batches(xt, yt, 50)), batch_size=50)
+    np.testing.assert_allclose(pred, tb.predict(xt, batch_size=50), rtol=1e-6, atol=1e-7)
+
+
+def test_generator_with_steps_per_epoch_continues_across_epochs():
+    x, y, _, _ = flat_digits(128)
+
+    def endless():
+        while True:
+            yield from _batches(x, y, 32)
+
+    model = dense()
+    hist = mx.Trainer(model, strategy(2)).fit(endless(), batch_size=32, epochs=3, steps_per_epoch=2, verbose=0)
+    assert len(hist.history["loss"]) == 3
+    ref = dense()
+    mx.Trainer(ref, strategy(2)).fit(x, y, batch_size=32, epochs=3, steps_per_epoch=2, shuffle=False, verbose=0)
+    assert_weights_close(model, ref, 1e-6, 1e-6)  # arrays continue through passes in the same order
+
+
+def test_larger_batch_than_batch_size_is_an_error():
+    x, y, _, _ = flat_digits(64)
+    with pytest.raises(ValueError, match="more than batch_size=16"):
+        mx.Trainer(dense(), strategy(2)).fit(_Reiterable(x, y, 32), batch_size=16, verbose=0)
+
+
+def test_multi_input_dict_and_multi_output():
+    rng = np.random.default_rng(0)
+    n = 90
+    xa, xb = rng.normal(size=(n, 5)).astype(np.float32), rng.normal(size=(n, 3)).astype(np.float32)
+    y_cls = rng.integers(0, 3, n).astype(np.int32)
+    y_reg = rng.normal(size=(n, 1)).astype(np.float32)
+
+    def build():
+        keras.utils.set_random_seed(3)
+        ia, ib = keras.Input((5,), name="a"), keras.Input((3,), name="b")
+        h = keras.layers.Dense(8, activation="relu")(keras.layers.Concatenate()([ia, ib]))
+        out_c = keras.layers.Dense(3, activation="softmax", name="cls")(h)
+        out_r = keras.layers.Dense(1, name="reg")(h)
+        m = keras.Model({"a": ia, "b": ib}, {"cls": out_c, "reg": out_r})
+        m.compile(optimizer="sgd", loss={"cls": "sparse_categorical_crossentropy", "reg": "mse"},
+                  metrics={"cls": ["accuracy"]})
+        return m
+
+    ref = build()
+    ref.fit({"a": xa, "b": xb}, {"cls": y_cls, "reg": y_reg}, batch_size=20, epochs=2, shuffle=False, verbose=0)
+    model = build()
+    trainer = mx.Trainer(model, strategy(8))
+    trainer.fit({"a": xa, "b": xb}, {"cls": y_cls, "reg": y_reg}, batch_size=20, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(model, ref, 1e-5, 1e-6)
+    pred = trainer.predict({"a": xa, "b": xb}, batch_size=32)
+    assert set(pred) == {"cls", "reg"} and pred["cls"].shape == (n, 3) and pred["reg"].shape == (n, 1)
+    ref_pred = ref.predict({"a": xa, "b": xb}, verbose=0)
+    np.testing.assert_allclose(pred["reg"], ref_pred["reg"], rtol=1e-5, atol=1e-6)
+
+
+def test_tuple_inputs():
+    rng = np.random.default_rng(1)
+    xa, xb = rng.normal(size=(40, 4)).astype(np.float32), rng.normal(size=(40, 2)).astype(np.float32)
+    y = rng.integers(0, 2, 40).astype(np.int32)
+    keras.utils.set_random_seed(0)
+    ia, ib = keras.Input((4,)), keras.Input((2,))
+    out = keras.layers.Dense(2, activation="softmax")(keras.layers.Concatenate()([ia, ib]))
+    model = keras.Model([ia, ib], out)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    trainer = mx.Trainer(model, strategy(4))
+    trainer.fit((xa, xb), y, batch_size=16, epochs=1, verbose=0)
+    assert trainer.predict((xa, xb), batch_size=16).shape == (40, 2)

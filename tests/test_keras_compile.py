@@ -1,0 +1,83 @@
+"""What ``model.compile`` says is what mirrorax trains with; trained values go back into the model."""
+
+import keras
+import numpy as np
+import optax
+import pytest
+
+import mirrorax as mx
+from helpers import assert_weights_close, dense, flat_digits, strategy
+
+pytestmark = pytest.mark.multi_device
+
+
+@pytest.mark.parametrize("loss", ["string", "object", "callable"])
+def test_loss_kinds_match_keras(loss):
+    x, y, _, _ = flat_digits(100)
+    kinds = {
+        "string": lambda: "sparse_categorical_crossentropy",
+        "object": lambda: keras.losses.SparseCategoricalCrossentropy(),
+        "callable": lambda: (lambda yt, yp: keras.losses.sparse_categorical_crossentropy(yt, yp) * 2.0),
+    }
+    ref = dense(loss=kinds[loss](), metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")])
+    ref_hist = ref.fit(x, y, batch_size=30, epochs=2, shuffle=False, verbose=0).history
+    model = dense(loss=kinds[loss](), metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")])
+    hist = mx.Trainer(model, strategy(4)).fit(x, y, batch_size=30, epochs=2, shuffle=False, verbose=0).history
+    assert_weights_close(model, ref, 1e-5, 1e-5)
+    np.testing.assert_allclose(hist["loss"], ref_hist["loss"], rtol=1e-5)
+    assert hist["acc"] == pytest.approx(ref_hist["acc"], abs=1e-7)
+
+
+def test_optax_optimizer_equals_keras_sgd():
+    x, y, _, _ = flat_digits(100)
+    ref = dense(optimizer=keras.optimizers.SGD(0.1))
+    ref.fit(x, y, batch_size=25, epochs=2, shuffle=False, verbose=0)
+    model = dense()
+    mx.Trainer(model, strategy(8), optimizer=optax.sgd(0.1)).fit(x, y, batch_size=25, epochs=2, shuffle=False,
+                                                                 verbose=0)
+    assert_weights_close(model, ref, 1e-5, 1e-6)
+
+
+def test_uncompiled_model_with_loss_given():
+    x, y, _, _ = flat_digits(64)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+    trainer = mx.Trainer(model, strategy(2), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    hist = trainer.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert set(hist.history) == {"loss", "accuracy"}
+    assert hist.history["loss"][1] < hist.history["loss"][0]
+
+
+def test_trained_weights_written_back_and_model_saves(tmp_path):
+    x, y, xt, _ = flat_digits(100)
+    model = dense()
+    before = [w.copy() for w in model.get_weights()]
+    trainer = mx.Trainer(model, strategy(8))
+    trainer.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert any(not np.allclose(a, b) for a, b in zip(before, model.get_weights()))
+    np.testing.assert_allclose(model.predict(xt, verbose=0), trainer.predict(xt, batch_size=64), rtol=1e-5, atol=1e-6)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    np.testing.assert_allclose(loaded.predict(xt, verbose=0), model.predict(xt, verbose=0), rtol=1e-6)
+    # a second fit continues from the trained state (optimizer state included), as Keras's does
+    ref = dense()
+    ref.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    again = dense()
+    t2 = mx.Trainer(again, strategy(4))
+    t2.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    t2.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(again, ref, 1e-5, 1e-5)
+
+
+def test_keras_callbacks_early_stopping():
+    x, y, _, _ = flat_digits(64)
+    model = dense()
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append((epoch, round(logs["loss"], 6)))
+
+    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=100.0)
+    hist = mx.Trainer(model, strategy(2)).fit(x, y, batch_size=16, epochs=10, callbacks=[Record(), stop], verbose=0)
+    assert len(hist.epoch) == 2 and [e for e, _ in seen] == [0, 1]

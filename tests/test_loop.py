@@ -1,0 +1,133 @@
+"""The loop's machinery: bounded steps in flight, progress output, several steps per dispatch, gradient
+accumulation, non-finite losses, plain-JAX models."""
+
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mirrorax as mx
+from helpers import assert_weights_close, cnn, dense, digits, flat_digits, strategy
+from mirrorax.step import InFlight
+
+pytestmark = pytest.mark.multi_device
+
+
+def test_in_flight_window_waits_for_the_previous_step(monkeypatch):
+    waited = []
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: waited.append(x))
+    window = InFlight(depth=2)
+    for i in range(5):
+        window.push(i)
+        # after dispatching step i the host has waited for step i-1, never for step i
+        assert waited == list(range(i))
+    window.drain()
+    assert waited == list(range(5))
+
+
+def test_progress_modes():
+    x, y, _, _ = flat_digits(96)
+    t = mx.Trainer(dense(), strategy(4))
+    for verbose, check in [
+        (0, lambda out: out == ""),
+        (2, lambda out: out.count("\n") == 2 and out.startswith("Epoch 1/2 - 3 steps") and "samples/s" in out
+         and "accuracy:" in out and "\r" not in out),
+        (1, lambda out: "Epoch 1/2\n" in out and "3/3 [" in out and "samples/s" in out and "loss:" in out),
+    ]:
+        t.stream = io.StringIO()
+        t.fit(x, y, batch_size=32, epochs=2, verbose=verbose)
+        assert check(t.stream.getvalue()), repr(t.stream.getvalue())
+
+
+def test_steps_per_execution_gives_the_same_weights():
+    x, y, xt, yt = digits(200)
+    a = cnn()
+    ta = mx.Trainer(a, strategy(4))
+    ha = ta.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    b = cnn()
+    tb = mx.Trainer(b, strategy(4), steps_per_execution=3)  # 7 batches an epoch: 3 + 3 + 1
+    hb = tb.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(a, b, 1e-5, 1e-5)
+    np.testing.assert_allclose(ha.history["loss"], hb.history["loss"], rtol=1e-5)
+    assert hb.history["accuracy"] == pytest.approx(ha.history["accuracy"], abs=1e-7)
+    assert tb.compile_counts()["train_many"] == 1 and tb.compile_counts()["train"] == 1
+
+
+def test_gradient_accumulation_equals_the_whole_batch():
+    x, y, _, _ = flat_digits(150)
+    a = dense(optimizer="sgd")
+    ha = mx.Trainer(a, strategy(4)).fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    b = dense(optimizer="sgd")
+    hb = mx.Trainer(b, strategy(4), accumulation_steps=4).fit(x, y, batch_size=64, epochs=2, shuffle=False,
+                                                              verbose=0)
+    # last batch: 22 real rows among 64, spread unevenly over the micro-batches
+    assert_weights_close(a, b, 1e-5, 1e-6)
+    np.testing.assert_allclose(ha.history["loss"], hb.history["loss"], rtol=1e-5)
+    assert hb.history["accuracy"] == pytest.approx(ha.history["accuracy"], abs=1e-7)
+
+
+def _poisoned(n=96):
+    x, y, _, _ = flat_digits(n)
+    x = x.copy()
+    x[40] = np.nan  # batch 2 (rows 32-63) of every epoch
+    return x, y
+
+
+def test_nonfinite_loss_raises_and_keeps_last_good_weights():
+    x, y = _poisoned()
+    model = dense()
+    t = mx.Trainer(model, strategy(2))
+    t.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
+    good = [w.copy() for w in model.get_weights()]
+    with pytest.raises(mx.NonFiniteLossError, match=r"non-finite at step 2 \(epoch 1, batch 2"):
+        t.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    # batch 1 of that epoch was applied (finite); batch 2 and everything after were not
+    after_one = dense()
+    ref = mx.Trainer(after_one, strategy(2))
+    ref.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
+    ref.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
+    assert_weights_close(model, after_one, 1e-6, 1e-7)
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    assert any(not np.allclose(a, b) for a, b in zip(good, model.get_weights()))
+
+
+def test_nonfinite_skip_counts_skipped_steps():
+    x, y = _poisoned()
+    model = dense()
+    hist = mx.Trainer(model, strategy(2), on_nonfinite="skip").fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                                                                  verbose=0)
+    assert hist.history["skipped_steps"] == [1.0, 2.0]
+    assert np.isfinite(hist.history["loss"]).all()
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+def test_functional_model_matches_plain_jax():
+    x, y, _, _ = flat_digits(120)
+    rng = np.random.default_rng(0)
+    params = {"w": rng.normal(0, 0.1, (64, 10)).astype(np.float32), "b": np.zeros(10, np.float32)}
+
+    def apply(p, xb):
+        return xb @ p["w"] + p["b"]
+
+    def per_example(yt, logits):
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), yt[:, None], 1)[:, 0]
+
+    opt = optax.adam(1e-2)
+    model = mx.FunctionalModel(apply, params, loss=per_example, optimizer=opt, metrics=["accuracy"])
+    t = mx.Trainer(model, strategy(8))
+    hist = t.fit(x, y, batch_size=50, epochs=2, shuffle=False, verbose=0)
+
+    p, s = params, opt.init(params)  # the same loop by hand, on one device
+    for _ in range(2):
+        for i in range(0, 120, 50):
+            g = jax.grad(lambda q: per_example(y[i:i + 50], apply(q, x[i:i + 50])).mean())(p)
+            u, s = opt.update(g, s, p)
+            p = optax.apply_updates(p, u)
+    for k in p:
+        np.testing.assert_allclose(model.params[k], p[k], rtol=1e-5, atol=1e-6)
+    probs = t.predict(x, batch_size=50)
+    assert t.evaluate(x, y, batch_size=50)["accuracy"] == pytest.approx(np.mean(probs.argmax(-1) == y), abs=1e-7)
+    assert len(hist.history["loss"]) == 2
