@@ -160,7 +160,7 @@ def _from_jax_detectors() -> ClusterInfo | None:
             continue
         # JAX's Kubernetes detector warns in every pod without the `kubernetes` package and queries
         # the API server otherwise: consult it only for indexed jobs, the kind it can bootstrap.
-        if env.name == "k8s" and ("JOB_COMPLETION_INDEX" not in os.environ
+        if env.__name__ == "K8sCluster" and ("JOB_COMPLETION_INDEX" not in os.environ
                                   or importlib.util.find_spec("kubernetes") is None):
             continue
         if not env.is_env_present():

@@ -1,0 +1,317 @@
+"""``mirrorax launch``: run one command as N cooperating JAX processes on this machine.
+
+Each child gets ``MIRRORAX_COORDINATOR=127.0.0.1:<free port>``, ``MIRRORAX_NUM_PROCESSES`` and
+``MIRRORAX_PROCESS_ID``, so ``mx.MirroredStrategy()`` joins the job with no change to the script; with
+``--cpu-devices-per-proc K`` it also gets K simulated CPU devices. Output is streamed with a
+``[rank R]`` prefix. When a child fails (non-zero exit or a signal) the launcher stops the others
+(SIGTERM to each child's process group, SIGKILL after a grace period), prints which rank failed and
+the last lines it wrote, and returns non-zero; ``--max-restarts`` restarts the whole group instead.
+
+Example:
+  $ mirrorax launch --nprocs 2 --cpu-devices-per-proc 4 -- python train.py --epochs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+__all__ = ["add_parser", "run", "launch", "main"]
+
+TAIL_LINES = 20
+SETTLE_SECONDS = 2.0
+INTERRUPT_GRACE_SECONDS = 5.0
+_OWN = re.compile(r"mirrorax: process (\d+) of \d+ failed with")
+_NAMED = re.compile(r"mirrorax: process (\d+) of \d+ failed \(")
+# Device files of accelerators, checked without starting JAX (tests point this elsewhere).
+ACCELERATOR_PATTERNS = ["/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/kfd", "/dev/vfio/[0-9]*"]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Registers ``launch`` on an ``argparse`` subparsers object (``args.func(args)`` runs it).
+
+    Example:
+      >>> parser = argparse.ArgumentParser(); add_parser(parser.add_subparsers())  # doctest: +ELLIPSIS
+      ArgumentParser(...)
+    """
+    p = subparsers.add_parser(
+        "launch", help="run a command as N JAX processes on this machine (multi-process training)",
+        description="Run COMMAND as N processes of one JAX job on this machine; stop them all when one "
+                    "fails. Example: mirrorax launch --nprocs 2 --cpu-devices-per-proc 4 -- python train.py")
+    p.add_argument("--nprocs", "-n", type=int, required=True, help="how many processes to start")
+    p.add_argument("--cpu-devices-per-proc", type=int, default=None, metavar="K",
+                   help="give each process K simulated CPU devices (CPU-only machines)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                   help="restart the whole group up to R times after a failure (default 0)")
+    p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    p.add_argument("--failure-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="bound on how long processes outlive a dead peer (default 60; sets the "
+                        "heartbeat timeout to half of it)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs ``mirrorax launch`` from parsed arguments; returns the exit status."""
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    try:
+        return launch(command, args.nprocs, cpu_devices_per_proc=args.cpu_devices_per_proc,
+                      max_restarts=args.max_restarts, port=args.port, failure_timeout=args.failure_timeout)
+    except ValueError as e:
+        print(f"mirrorax launch: error: {e}", file=sys.stderr)
+        return 2
+
+
+def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None = None,
+           max_restarts: int = 0, port: int | None = None, failure_timeout: float = 60.0,
+           env: Mapping[str, str] | None = None, out: IO[str] | None = None) -> int:
+    """Runs ``cmd`` as ``nprocs`` processes of one job and waits for them.
+
+    Args:
+      cmd: the command every process runs, e.g. ``["python", "train.py"]``.
+      nprocs: how many processes.
+      cpu_devices_per_proc: simulated CPU devices per process (sets ``JAX_PLATFORMS=cpu``); refused
+        on a machine with accelerators.
+      max_restarts: how many times to restart the whole group after a failure.
+      port: the coordinator port; ``None`` picks a free one for every attempt.
+      failure_timeout: seconds within which the processes stop after one dies: children get half of
+        it as ``MIRRORAX_HEARTBEAT_TIMEOUT`` (unless ``env`` sets one); the launcher stops the rest at once.
+      env: the children's base environment (default ``os.environ``).
+      out: where the children's prefixed output and the launcher's messages go (default stdout).
+
+    Returns:
+      0 when every process exits 0; else the failed rank's exit code (128 + signal when killed by a
+      signal), 130/143 when the launcher itself was interrupted.
+
+    Raises:
+      ValueError: bad arguments, or ``cpu_devices_per_proc`` on a machine with accelerators.
+
+    Example:
+      >>> launch(["python", "-c", "print('hi')"], 2)  # doctest: +SKIP
+      [rank 0] hi
+      [rank 1] hi
+      0
+    """
+    cmd = list(cmd)
+    if not cmd:
+        raise ValueError("No command to launch. Put it after --, e.g. "
+                         "mirrorax launch --nprocs 2 -- python train.py")
+    for name, value, low in (("nprocs", nprocs, 1), ("max_restarts", max_restarts, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}; received {value!r}.")
+    if cpu_devices_per_proc is not None:
+        if not isinstance(cpu_devices_per_proc, int) or cpu_devices_per_proc < 1:
+            raise ValueError(f"cpu_devices_per_proc must be a positive int; received {cpu_devices_per_proc!r}.")
+        found = accelerators_present()
+        if found:
+            raise ValueError(
+                f"--cpu-devices-per-proc simulates devices on the CPU, but this machine has accelerators "
+                f"({', '.join(found)}). Drop the flag: each process then trains on its accelerators "
+                "(or hide them yourself, e.g. CUDA_VISIBLE_DEVICES='', and set JAX_PLATFORMS=cpu).")
+    if failure_timeout <= 0:
+        raise ValueError(f"failure_timeout must be > 0 seconds; received {failure_timeout!r}.")
+    if port is not None and not 0 < port < 65536:
+        raise ValueError(f"port must be in 1..65535; received {port!r}.")
+    out = out or sys.stdout
+    group = _Group(cmd, nprocs, dict(os.environ if env is None else env), cpu_devices_per_proc,
+                   failure_timeout, out)
+    with _forward_signals(group):
+        for attempt in range(max_restarts + 1):
+            code = group.run(port if port is not None else free_port(), attempt)
+            if code == 0 or group.interrupted:
+                return code
+            if attempt < max_restarts:
+                group.say(f"restarting the group of {nprocs} (restart {attempt + 1} of {max_restarts})")
+    return code
+
+
+def accelerators_present() -> list[str]:
+    """Device files of GPUs/TPUs on this machine (cheap: no JAX, no driver calls)."""
+    return sorted(path for pattern in ACCELERATOR_PATTERNS for path in glob.glob(pattern))
+
+
+def free_port() -> int:
+    """A TCP port that nothing listens on now (the OS's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class _Group:
+    """One attempt at a time: start N children, stream their output, stop all when one fails."""
+
+    def __init__(self, cmd: list[str], nprocs: int, env: dict[str, str], cpu_devices: int | None,
+                 failure_timeout: float, out: IO[str]) -> None:
+        self.cmd, self.nprocs, self.env, self.cpu_devices = cmd, nprocs, env, cpu_devices
+        self.failure_timeout, self.out = failure_timeout, out
+        self.grace = min(2.0, failure_timeout / 4)
+        self.children: list[subprocess.Popen[bytes]] = []
+        self.interrupted: int | None = None
+        self.lock = threading.Lock()
+
+    def say(self, message: str) -> None:
+        with self.lock:
+            self.out.write(f"mirrorax launch: {message}\n")
+            self.out.flush()
+
+    def child_env(self, rank: int, port: int, attempt: int) -> dict[str, str]:
+        env = dict(self.env)
+        env.update(MIRRORAX_COORDINATOR=f"127.0.0.1:{port}", MIRRORAX_NUM_PROCESSES=str(self.nprocs),
+                   MIRRORAX_PROCESS_ID=str(rank), MIRRORAX_RESTART=str(attempt), PYTHONUNBUFFERED="1")
+        env.setdefault("MIRRORAX_HEARTBEAT_TIMEOUT", str(max(2, int(self.failure_timeout // 2))))
+        if self.cpu_devices is not None:
+            env.update(MIRRORAX_CPU_DEVICES=str(self.cpu_devices), JAX_NUM_CPU_DEVICES=str(self.cpu_devices),
+                       JAX_PLATFORMS="cpu")
+        return env
+
+    def run(self, port: int, attempt: int) -> int:
+        tails = [collections.deque(maxlen=TAIL_LINES) for _ in range(self.nprocs)]
+        self.children, readers = [], []
+        for rank in range(self.nprocs):
+            child = subprocess.Popen(self.cmd, env=self.child_env(rank, port, attempt), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.children.append(child)
+            reader = threading.Thread(target=self._pump, args=(rank, child, tails[rank]), daemon=True)
+            reader.start()
+            readers.append(reader)
+        failed: tuple[int, int] | None = None
+        while failed is None and self.interrupted is None:
+            codes = [c.poll() for c in self.children]
+            failed = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
+            if all(c == 0 for c in codes):
+                break
+            time.sleep(0.05)
+        if failed is not None and failed[1] > 0:
+            # A process that raised exits 1; the others usually leave by themselves within a second, naming the process that failed
+            # first (mirrorax._failure); let them, so that the report can name the right rank.
+            self.wait_for(self.children, SETTLE_SECONDS)
+        own = [c.poll() for c in self.children]
+        self.stop_all()
+        for reader in readers:
+            reader.join(timeout=2.0)
+        if self.interrupted is not None:
+            self.say(f"interrupted by {signal.Signals(self.interrupted).name}; stopped all {self.nprocs} processes")
+            return 128 + self.interrupted
+        if failed is None:
+            return 0
+        rank = _root_cause(tails, failed[0])
+        code = own[rank] if own[rank] not in (None, 0) else failed[1]
+        how = _describe(own[rank]) if own[rank] not in (None, 0) else "stopped by the launcher"
+        tail = "".join(f"    {line}\n" for line in tails[rank]) or "    (no output)\n"
+        self.say(f"rank {rank} failed ({how}); stopped the other {self.nprocs - 1} process(es). "
+                 f"Last lines of rank {rank}:\n{tail.rstrip()}")
+        return 128 - code if code < 0 else code
+
+    def _pump(self, rank: int, child: subprocess.Popen[bytes], tail: collections.deque[str]) -> None:
+        prefix = f"[rank {rank}] " if self.nprocs > 1 else ""
+        assert child.stdout is not None
+        for raw in iter(child.stdout.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            tail.append(line)
+            with self.lock:
+                self.out.write(f"{prefix}{line}\n")
+                self.out.flush()
+        child.stdout.close()
+
+    @staticmethod
+    def wait_for(children: Sequence[subprocess.Popen[bytes]], seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while any(c.poll() is None for c in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def stop_all(self) -> None:
+        """Stops every live child's process group: SIGINT after Ctrl-C (a chance to clean up), SIGTERM
+        after a failure, then SIGKILL after the grace period (JAX's preemption notifier catches SIGTERM,
+        and a process blocked in a collective cannot run Python handlers)."""
+        live = [c for c in self.children if c.poll() is None]
+        first = signal.SIGINT if self.interrupted else signal.SIGTERM
+        for child in live:
+            _signal_group(child, first)
+        self.wait_for(live, INTERRUPT_GRACE_SECONDS if self.interrupted else self.grace)
+        for child in self.children:
+            _signal_group(child, signal.SIGKILL)  # also reaps grandchildren left in the group
+            child.wait()
+
+
+def _root_cause(tails: Sequence[Sequence[str]], first: int) -> int:
+    """The rank that failed first, from what the processes said: a process that raised says
+    "mirrorax: process K of N failed with ...", the others "mirrorax: process K of N failed (...)" and JAX's
+    heartbeat "The following tasks are unhealthy ...:" with K on the next line."""
+    own, named = None, None
+    for tail in tails:
+        lines = list(tail)
+        for i, line in enumerate(lines):
+            if (m := _OWN.search(line)) and own is None:
+                own = int(m.group(1))
+            elif (m := _NAMED.search(line)) and named is None:
+                named = int(m.group(1))
+            elif "tasks are unhealthy" in line and named is None and i + 1 < len(lines):
+                ids = re.findall(r"\d+", lines[i + 1])
+                named = int(ids[0]) if ids else None
+    for rank in (own, named):
+        if rank is not None and 0 <= rank < len(tails):
+            return rank
+    return first
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _signal_group(child: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(child.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _forward_signals:
+    """While the group runs, SIGINT/SIGTERM to the launcher mark it interrupted (the run loop then stops
+    every child); handlers can only be set from the main thread, elsewhere this does nothing."""
+
+    def __init__(self, group: _Group) -> None:
+        self.group, self.saved = group, {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.group.interrupted = signum
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.saved[sig] = signal.signal(sig, self._handle)
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m mirrorax.launch --nprocs N -- COMMAND``: the launcher without the rest of the CLI."""
+    parser = argparse.ArgumentParser(prog="mirrorax")
+    sub = parser.add_subparsers(dest="subcommand", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["launch", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

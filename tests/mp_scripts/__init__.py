@@ -1,0 +1,1 @@
+"""Scripts that the multi-process tests run as separate processes, and helpers to start them."""

@@ -1,0 +1,71 @@
+"""Starting the test jobs: environments, free ports, N processes at once with a hard time bound."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).resolve().parent
+# Variables of the test runner's own environment that would describe a job to the children.
+_JOB_VARS = ("MIRRORAX_", "TF_CONFIG", "SLURM_", "OMPI_", "JAX_COORDINATOR", "JAX_NUM_CPU_DEVICES",
+             "JAX_PLATFORMS", "JAX_LOCAL_DEVICE_IDS", "KUBERNETES_SERVICE_HOST")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The runner's environment without job variables, with the package importable and CPU JAX."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_JOB_VARS)}
+    env.update(KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p),
+               TF_CPP_MIN_LOG_LEVEL="3")
+    env.update(extra)
+    return env
+
+
+def python(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+def run_all(commands: list[list[str]], envs: list[dict[str, str]], timeout: float
+            ) -> tuple[list[int], list[str], list[float]]:
+    """Starts every command at once; returns exit codes, outputs and exit times (s after start).
+
+    A process still running at ``timeout`` is killed and reported with exit code -999.
+    """
+    start = time.monotonic()
+    procs = [subprocess.Popen(c, env=e, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True) for c, e in zip(commands, envs)]
+    codes, outs, times = [0] * len(procs), [""] * len(procs), [0.0] * len(procs)
+
+    def wait(i: int) -> None:
+        try:
+            outs[i], _ = procs[i].communicate(timeout=timeout)
+            codes[i] = procs[i].returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(procs[i].pid, 9)
+            outs[i], _ = procs[i].communicate()
+            codes[i] = -999
+        times[i] = time.monotonic() - start
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in range(len(procs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return codes, outs, times
+
+
+def launcher(*args: str) -> list[str]:
+    """``python -m mirrorax.launch ARGS``."""
+    return python("-m", "mirrorax.launch", *args)

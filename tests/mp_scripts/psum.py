@@ -1,0 +1,43 @@
+"""A plain-JAX job for the launcher and cluster tests: join from the environment, then all-reduce.
+
+Prints one line per process: ``RESULT <process> <count> <global devices> <sum>``. ``MP_FAIL=raise:R`` /
+``MP_FAIL=kill:R`` makes process R raise / SIGKILL itself after ``MP_FAIL_STEP`` steps (default 5) while
+the others keep all-reducing (they block in the collective, the case that must not hang).
+"""
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+from mirrorax import cluster
+
+joined = cluster.maybe_initialize_from_env()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+me, count = jax.process_index(), jax.process_count()
+mesh = jax.make_mesh((jax.device_count(),), ("batch",), devices=jax.devices())
+sharding = NamedSharding(mesh, P("batch"))
+total = jax.jit(jnp.sum)
+mode, _, rank = os.environ.get("MP_FAIL", "").partition(":")
+fail_step = int(os.environ.get("MP_FAIL_STEP", "5"))
+steps = int(os.environ.get("MP_STEPS", "3"))
+step = 0
+while step < steps or mode:
+    rows = np.arange(jax.local_device_count(), dtype=np.float32) + me * jax.local_device_count()
+    value = float(total(jax.make_array_from_process_local_data(sharding, rows)))
+    step += 1
+    if mode and step == fail_step and int(rank) == me:
+        print(f"process {me} fails now ({mode}) at {time.time():.3f}", flush=True)
+        if mode == "raise":
+            raise RuntimeError(f"boom in process {me}")
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode and step > 100000:
+        break
+print(f"RESULT {me} {count} {jax.device_count()} {value} joined={joined}", flush=True)
+sys.exit(0)

@@ -1,0 +1,79 @@
+"""The multi-process equivalence job: a small Dense model trained deterministically.
+
+``train(strategy)`` is imported by the tests for the 1-process runs; run as a script (under
+``mirrorax launch``) it trains on every device of the job and writes what this process got to
+``$MP_OUT/rank<R>.npz`` (weights, history, evaluate, predict), so that the test can compare processes.
+``MP_DIE=kill:R:E`` / ``MP_DIE=raise:R:E`` make process R die at the end of epoch E (for failure tests).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import numpy as np  # noqa: E402
+
+ROWS, FEATURES, CLASSES, BATCH, EPOCHS = 200, 12, 3, 32, 3  # 200 = 6 full batches + 8 padded rows
+
+
+def data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, FEATURES)).astype(np.float32)
+    y = (x[:, :CLASSES].argmax(axis=1)).astype(np.int32)
+    return x, y
+
+
+class _Die:
+    """A Keras-style callback that makes one process die mid-training."""
+
+    def __init__(self, spec: str, process: int) -> None:
+        self.mode, rank, epoch = spec.split(":")
+        self.rank, self.epoch, self.process = int(rank), int(epoch), process
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if epoch == self.epoch and self.process == self.rank:
+            print(f"process {self.process} dies now ({self.mode})", flush=True)
+            if self.mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected failure in process {self.process}")
+
+
+def train(strategy, *, epochs: int = EPOCHS, verbose: int | str = 0, callbacks=()) -> dict[str, np.ndarray]:
+    import keras
+
+    import mirrorax as mx
+
+    x, y = data()
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(CLASSES, activation="softmax")])
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
+    trainer = mx.Trainer(model, strategy=strategy)
+    history = trainer.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=True, seed=3, verbose=verbose,
+                          validation_data=(x[:50], y[:50]), callbacks=list(callbacks))
+    result = trainer.evaluate(x, y, batch_size=BATCH)
+    predictions = trainer.predict(x, batch_size=BATCH)
+    out = {f"w{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}
+    out.update({f"h_{k}": np.asarray(v, np.float64) for k, v in history.history.items()})
+    out.update({f"e_{k}": np.asarray(v, np.float64) for k, v in result.items()})
+    out["predict"] = np.asarray(predictions)
+    return out
+
+
+if __name__ == "__main__":
+    import mirrorax as mx
+
+    strategy = mx.MultiWorkerMirroredStrategy()
+    print(f"process {strategy.process_index} of {strategy.process_count}: "
+          f"{strategy.num_replicas_in_sync} replicas in sync", flush=True)
+    die = [_Die(os.environ["MP_DIE"], strategy.process_index)] if os.environ.get("MP_DIE") else []
+    epochs = int(os.environ.get("MP_EPOCHS", EPOCHS))
+    result = train(strategy, epochs=epochs, verbose=2, callbacks=die)
+    np.savez(os.path.join(os.environ["MP_OUT"], f"rank{strategy.process_index}.npz"), **result)
+    print(f"process {strategy.process_index} done", flush=True)
+    sys.exit(0)
