@@ -13,6 +13,7 @@ Example:
   >>> history = mx.Trainer(model).fit(x, y, batch_size=256, epochs=5)
 """
 
+from mirrorax.cache import enable_compilation_cache as enable_compilation_cache
 from mirrorax.models.base import ModelAdapter as ModelAdapter
 from mirrorax.models.functional import FunctionalModel as FunctionalModel
 from mirrorax.strategy import InputContext as InputContext
@@ -34,5 +35,6 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "NonFiniteLossError",
     "Trainer",
+    "enable_compilation_cache",
     "get_strategy",
 ]

@@ -50,6 +50,9 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="simulate N CPU devices (for machines without accelerators)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--steps-per-execution", type=_positive, default=1)
+    train.add_argument("--mixed-precision", choices=["bfloat16", "float16"], default=None)
+    train.add_argument("--compilation-cache", default=None,
+                       help="JAX persistent compilation cache directory (default ~/.cache/mirrorax/xla; 'off' disables)")
     train.add_argument("--checkpoint-dir", default=None, help="save checkpoints here and resume from the newest")
     train.add_argument("--checkpoint-every", default="epoch", help="steps between checkpoints, or 'epoch'")
     train.add_argument("--verbose", default="auto", choices=["auto", "0", "1", "2"])
@@ -92,6 +95,8 @@ def _train(args: argparse.Namespace) -> int:
     import mirrorax as mx
     from mirrorax import zoo
 
+    if args.compilation_cache != "off":
+        mx.enable_compilation_cache(args.compilation_cache)
     strategy = mx.MirroredStrategy()
     say = print if strategy.is_primary else (lambda *a, **k: None)
     say(f"Devices: {strategy.num_replicas_in_sync} x {strategy.devices[0].platform} "
@@ -104,7 +109,7 @@ def _train(args: argparse.Namespace) -> int:
         model = zoo.digits_cnn(x.shape[1:], int(max(y.max(), yt.max())) + 1)
         model.compile(optimizer=keras.optimizers.Adam(args.learning_rate),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    trainer = mx.Trainer(model, steps_per_execution=args.steps_per_execution)
+    trainer = mx.Trainer(model, steps_per_execution=args.steps_per_execution, mixed_precision=args.mixed_precision)
     verbose = args.verbose if args.verbose == "auto" else int(args.verbose)
     fit_kwargs = {}
     if args.checkpoint_dir:
@@ -134,5 +139,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":  # pragma: no cover
+if __name__ == "__main__":  # pragma: no cover - python -m mirrorax.cli
     sys.exit(main())

@@ -73,6 +73,9 @@ class Trainer:
       max_in_flight: dispatched steps allowed to be outstanding (>= 1; 2 overlaps host and devices).
       prefetch: batches placed on the devices ahead of the running step (0: place synchronously).
       on_nonfinite: ``"raise"``, ``"skip"`` (drop the update, count it in the history) or ``"ignore"``.
+      donate: donate the state buffers to each train step (no copy of the state per step).
+      mixed_precision: ``"bfloat16"`` (bf16 compute, float32 variables) or ``"float16"`` (also dynamic
+        loss scaling), for Keras models; ``None`` keeps the model's own dtype policy.
 
     Example:
       >>> strategy = mx.MirroredStrategy()
@@ -86,7 +89,7 @@ class Trainer:
     def __init__(self, model: Any, strategy: MirroredStrategy | None = None, *, loss: Any = None,
                  optimizer: Any = None, metrics: Any = None, steps_per_execution: int = 1,
                  accumulation_steps: int = 1, max_in_flight: int = 2, prefetch: int = 2,
-                 on_nonfinite: str = "raise", donate: bool = True) -> None:
+                 on_nonfinite: str = "raise", donate: bool = True, mixed_precision: str | None = None) -> None:
         for name, value, low in (("steps_per_execution", steps_per_execution, 1),
                                  ("accumulation_steps", accumulation_steps, 1),
                                  ("max_in_flight", max_in_flight, 1), ("prefetch", prefetch, 0)):
@@ -96,7 +99,8 @@ class Trainer:
             raise TypeError(f"strategy must be a mirrorax.MirroredStrategy; received {type(strategy).__name__}.")
         self.strategy = strategy or get_strategy()
         self.model = model
-        self.adapter: ModelAdapter = adapt(model, loss=loss, optimizer=optimizer, metrics=metrics)
+        self.adapter: ModelAdapter = adapt(model, loss=loss, optimizer=optimizer, metrics=metrics,
+                                           mixed_precision=mixed_precision)
         self.steps_per_execution = steps_per_execution
         self.accumulation_steps = accumulation_steps
         self.max_in_flight = max_in_flight

@@ -63,13 +63,17 @@ class KerasAdapter(ModelAdapter):
         with ``loss``, ``optimizer`` (default ``"adam"``) and ``metrics``.
       loss, optimizer, metrics: override or complete the model's compile settings. ``optimizer`` may be a
         Keras optimizer, its name, or an optax ``GradientTransformation``.
+      mixed_precision: ``"bfloat16"`` or ``"float16"``: every layer but the output layers computes in
+        that type while variables stay float32 (Keras's ``mixed_*`` dtype policies); ``"float16"`` also
+        wraps the optimizer in ``keras.optimizers.LossScaleOptimizer`` (dynamic loss scaling).
 
     Raises:
       RuntimeError: Keras is not on the JAX backend.
       ValueError: the model is not compiled and no loss is given.
     """
 
-    def __init__(self, model: Any, *, loss: Any = None, optimizer: Any = None, metrics: Any = None) -> None:
+    def __init__(self, model: Any, *, loss: Any = None, optimizer: Any = None, metrics: Any = None,
+                 mixed_precision: str | None = None) -> None:
         keras = check_keras_backend()
         self.keras = keras
         if not isinstance(model, keras.Model):
@@ -90,6 +94,8 @@ class KerasAdapter(ModelAdapter):
                 loss=loss if loss is not None else model.loss,
                 metrics=metrics if metrics is not None else _compiled_metric_args(model),
             )
+        if mixed_precision is not None:
+            _set_mixed_precision(model, mixed_precision, keras, optax=self.optax is not None)
         self.batch_dependent = any(isinstance(l, keras.layers.BatchNormalization) for l in _layers(model))
         self._built = False
 
@@ -217,6 +223,29 @@ class KerasAdapter(ModelAdapter):
         if self.optax is None:
             for v, a in zip(m.optimizer.variables, self._unpack("optimizer", state["optimizer"])):
                 v.assign(a)
+
+
+MIXED_PRECISION = ("bfloat16", "float16")
+
+
+def _set_mixed_precision(model: Any, kind: str, keras: Any, *, optax: bool) -> None:
+    if kind not in MIXED_PRECISION:
+        raise ValueError(f"mixed_precision must be one of {MIXED_PRECISION} or None; received {kind!r}.")
+    outputs = {id(t._keras_history.operation) for t in getattr(model, "outputs", None) or []
+               if hasattr(t, "_keras_history")}
+    layers = [l for l in _layers(model) if not hasattr(l, "layers")]
+    if not outputs and layers:
+        outputs = {id(layers[-1])}
+    for layer in layers:
+        if id(layer) not in outputs:  # outputs (softmax, logits) stay float32 for a stable loss
+            layer.dtype_policy = f"mixed_{kind}"
+    if kind == "float16":
+        if optax:
+            raise ValueError("mixed_precision='float16' needs loss scaling, which mirrorax does through a Keras "
+                             "optimizer; received an optax optimizer. Use mixed_precision='bfloat16' (no loss "
+                             "scaling needed) or a Keras optimizer.")
+        if not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+            model.optimizer = keras.optimizers.LossScaleOptimizer(model.optimizer)
 
 
 def _update_compile_metrics(cm: Any, y: Any, y_pred: Any, mask: Any, weights: Any) -> None:

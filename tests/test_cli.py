@@ -1,0 +1,71 @@
+"""The main job and the device listing, run as a user runs them."""
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mirrorax as mx
+from helpers import cnn, digits, strategy
+
+pytestmark = pytest.mark.multi_device
+
+
+def _run(args, tmp_path, timeout=300):
+    env = dict(os.environ, MIRRORAX_CACHE_DIR=str(tmp_path / "xla"), PYTHONUNBUFFERED="1")
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    return subprocess.run([sys.executable, "-m", "mirrorax.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_mirrorax_train_reaches_95_percent_on_8_simulated_devices(tmp_path):
+    out = _run(["train", "--cpu-devices", "8"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "Devices: 8 x cpu" in text
+    assert len(re.findall(r"^Epoch \d+/12 - 23 steps", text, re.M)) == 12  # one plain line per epoch
+    acc = float(re.search(r"Test accuracy: ([0-9.]+)", text).group(1))
+    assert acc >= 0.95, text
+    assert re.search(r"Throughput: [0-9,]+ samples/s", text)
+
+
+def test_mirrorax_devices_lists_simulated_devices(tmp_path):
+    out = _run(["devices", "--cpu-devices", "3"], tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "3 device(s) in all" in out.stdout and out.stdout.count("local\n") == 3
+
+
+def test_missing_data_file_is_a_clear_error(tmp_path):
+    out = _run(["train", "--cpu-devices", "2", "--data", str(tmp_path / "nope.npz")], tmp_path, timeout=120)
+    assert out.returncode != 0 and "no such file" in out.stderr
+
+
+def test_mnist_npz_path(tmp_path):
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "mnist.npz", x_train=rng.integers(0, 255, (64, 28, 28), dtype=np.uint8),
+             y_train=rng.integers(0, 10, 64), x_test=rng.integers(0, 255, (16, 28, 28), dtype=np.uint8),
+             y_test=rng.integers(0, 10, 16))
+    out = _run(["train", "--cpu-devices", "2", "--data", str(tmp_path / "mnist.npz"), "--epochs", "1",
+                "--batch-size", "32"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "64 training and 16 test images of 28x28" in out.stdout
+
+
+def test_bfloat16_mixed_precision_stays_close_to_float32():
+    x, y, xt, yt = digits(256)
+    full = cnn(dropout=0.0)
+    tf32 = mx.Trainer(full, strategy(4))
+    tf32.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0)
+    half = cnn(dropout=0.0)
+    tb16 = mx.Trainer(half, strategy(4), mixed_precision="bfloat16")
+    hist = tb16.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0)
+    assert half.layers[0].compute_dtype == "bfloat16" and half.layers[-1].compute_dtype == "float32"
+    assert all(w.dtype == np.float32 for w in half.get_weights())  # float32 master weights
+    # bf16 keeps 8 bits of mantissa: the tolerance is on outcomes, not last bits
+    assert hist.history["loss"][-1] < hist.history["loss"][0]
+    p32, p16 = tf32.predict(xt, batch_size=128), tb16.predict(xt, batch_size=128)
+    assert np.abs(p32 - p16).max() < 0.1
+    assert np.mean(p32.argmax(-1) == p16.argmax(-1)) > 0.95
