@@ -8,6 +8,7 @@ to the host only when shown (progress refresh, end of epoch).
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -51,6 +52,15 @@ class History:
         self.samples_per_second.append(samples_per_second)
         for k, v in logs.items():
             self.history.setdefault(k, []).append(v)
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Takes the epochs recorded in a checkpoint (``as_dict`` form)."""
+        self.history = {k: list(v) for k, v in saved.get("history", {}).items()}
+        self.epoch = list(saved.get("epoch", []))
+        self.samples_per_second = list(saved.get("samples_per_second", []))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"history": self.history, "epoch": self.epoch, "samples_per_second": self.samples_per_second}
 
     def __repr__(self) -> str:
         return f"History(epochs={len(self.epoch)}, keys={list(self.history)})"
@@ -194,7 +204,8 @@ class Trainer:
             validation_data: Any = None, validation_batch_size: int | None = None, shuffle: bool = True,
             seed: int = 0, sample_weight: Any = None, steps_per_epoch: int | None = None,
             initial_epoch: int = 0, callbacks: Sequence[Any] | None = None, verbose: int | str = "auto",
-            ) -> History:
+            checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int | str = "epoch",
+            keep_checkpoints: int | None = 3) -> History:
         """Trains for ``epochs`` epochs over the global batches of ``(x, y)``.
 
         Args:
@@ -214,9 +225,15 @@ class Trainer:
           steps_per_epoch: batches per epoch (default: one pass over the data). Array inputs continue
             where the previous epoch stopped, starting a new shuffled pass when one ends.
           initial_epoch: the epoch to start at (as Keras).
-          callbacks: Keras callbacks (``on_epoch_end(epoch, logs)`` etc.; ``model.stop_training``
-            is honoured) or plain objects with any of those methods.
+          callbacks: Keras callbacks (``on_epoch_end(epoch, logs)``, ``on_train_batch_end(batch)``
+            etc.; ``model.stop_training`` is honoured) or plain objects with any of those methods.
           verbose: ``"auto"`` (bar on a terminal, a line per epoch otherwise), 0, 1 or 2.
+          checkpoint_dir: save the whole training state here (Orbax, asynchronously) and, if it
+            already holds checkpoints, resume from the newest good one: the same call after a crash
+            continues where the run stopped and ends with the same weights and history.
+          checkpoint_every: ``"epoch"``, or a number of steps (a checkpoint is also written at
+            every epoch end).
+          keep_checkpoints: how many of the newest checkpoints to keep (``None``: all).
 
         Returns:
           A :class:`History`.
@@ -224,36 +241,59 @@ class Trainer:
         Raises:
           ValueError / TypeError: bad inputs, raised before any compilation.
           NonFiniteLossError: a step's loss was not finite (with ``on_nonfinite="raise"``).
+          CheckpointError: ``checkpoint_dir`` is not writable (raised at once), or holds a checkpoint
+            of a different model or of a run with another global batch.
         """
         mode = resolve_verbose(verbose, self.stream) if self.strategy.is_primary else 0
         _check_positive_int("epochs", epochs, low=0)
         if steps_per_epoch is not None:
             _check_positive_int("steps_per_epoch", steps_per_epoch)
+        every = _check_every(checkpoint_every)
         source = data_lib.make_source(x, y, sample_weight)
         batch_size = self._batch_size(source, batch_size)
         val = self._validation_source(validation_data)
-        self._ensure_state(self._sample(source, batch_size))
+        ckpt = None
+        if checkpoint_dir is not None:
+            from mirrorax.checkpoint import Checkpointer
+
+            ckpt = Checkpointer(checkpoint_dir, keep=keep_checkpoints)
+        sample = self._sample(source, batch_size)
+        self._ensure_state(sample)
         callbacks = list(callbacks or [])
         for cb in callbacks:
             if hasattr(cb, "set_model"):
                 cb.set_model(self.model)
         history = History()
-        _call(callbacks, "on_train_begin", {})
         stream = _ArrayStream(source, batch_size, self.strategy, shuffle, seed) \
             if isinstance(source, data_lib.ArraySource) else _IterStream(source, batch_size, self.strategy)
         per_epoch = steps_per_epoch or stream.batches_per_pass
-        position = initial_epoch * per_epoch if per_epoch else 0
+        run = {"batch_size": batch_size, "shuffle": bool(shuffle), "seed": int(seed),
+               "steps_per_epoch": steps_per_epoch}
+        start_epoch, start_batch = initial_epoch, 0
         try:
-            for epoch in range(initial_epoch, epochs):
+            if ckpt is not None:
+                resumed = self._resume(ckpt, run, history)
+                if resumed is not None:
+                    start_epoch, start_batch, step = resumed
+                    if mode:
+                        self.stream.write(f"Resumed from checkpoint step {step} in {ckpt.directory} "
+                                          f"(epoch {start_epoch + 1}, batch {start_batch}).\n")
+            saver = None if ckpt is None else _Saver(ckpt, every, run, history, _sample_spec(sample))
+            _call(callbacks, "on_train_begin", {})
+            for epoch in range(start_epoch, epochs):
                 _call(callbacks, "on_epoch_begin", epoch, {})
-                logs, progress, steps, samples = self._run_epoch(stream, position, steps_per_epoch, epoch,
-                                                                 epochs, mode)
-                position += steps
+                position = epoch * per_epoch if per_epoch else 0
+                logs, progress, steps, samples = self._run_epoch(
+                    stream, position, steps_per_epoch, epoch, epochs, mode, start_batch=start_batch,
+                    saver=saver, callbacks=callbacks)
+                start_batch = 0
                 if val is not None:
                     vlogs = self._evaluate_source(val, validation_batch_size or batch_size)
                     logs.update({f"val_{k}": v for k, v in vlogs.items()})
                 sps = progress.finish(steps, samples, logs)
                 history.append(epoch, logs, sps)
+                if saver is not None:
+                    saver.save(self._state, epoch + 1, 0)
                 if callbacks:
                     self._write_back()
                     _call(callbacks, "on_epoch_end", epoch, logs)
@@ -261,26 +301,57 @@ class Trainer:
                         break
         finally:
             self._write_back()
+            if ckpt is not None:
+                ckpt.close()
         _call(callbacks, "on_train_end", {})
         if hasattr(self.model, "stop_training"):
             self.model.stop_training = False
         return history
 
+    def _abstract_state(self) -> PyTree:
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._state)
+
+    def _resume(self, ckpt: Any, run: dict[str, Any], history: History) -> tuple[int, int, int] | None:
+        from mirrorax.checkpoint import CheckpointError
+
+        restored = ckpt.restore_latest(self._abstract_state())
+        if restored is None:
+            return None
+        step, state, meta = restored
+        saved = meta.get("run", {})
+        if saved.get("batch_size") != run["batch_size"]:
+            raise CheckpointError(
+                f"The checkpoint in {ckpt.directory} was written with global batch_size={saved.get('batch_size')}; "
+                f"this run asks for batch_size={run['batch_size']}. Resuming with another global batch would "
+                "change the result: pass the same batch_size (any device count works), or a fresh checkpoint_dir.")
+        for key in ("shuffle", "seed", "steps_per_epoch"):
+            if saved.get(key) != run[key]:
+                raise CheckpointError(
+                    f"The checkpoint in {ckpt.directory} was written with {key}={saved.get(key)!r}; this run "
+                    f"asks for {key}={run[key]!r}, which would change the data order. Pass the same value, or a "
+                    "fresh checkpoint_dir.")
+        self._state = state
+        history.restore(meta.get("history", {}))
+        return int(meta["epoch"]), int(meta["batch_in_epoch"]), int(step)
+
     def _run_epoch(self, stream: Any, position: int, steps_per_epoch: int | None, epoch: int, epochs: int,
-                   mode: int) -> tuple[dict[str, float], Progress, int, int]:
-        state = dict(self._state, metrics=self._place(self.adapter.initial_metrics()))
+                   mode: int, *, start_batch: int = 0, saver: _Saver | None = None,
+                   callbacks: Sequence[Any] = ()) -> tuple[dict[str, float], Progress, int, int]:
+        # Resuming mid-epoch keeps the checkpoint's metric accumulators: the epoch's logs stay exact.
+        state = self._state if start_batch else dict(self._state, metrics=self._place(self.adapter.initial_metrics()))
         self._state = None  # donated below; restored when the epoch ends or fails
-        host = stream.batches(position, steps_per_epoch)
         total = steps_per_epoch or stream.batches_per_pass
+        host = stream.batches(position, steps_per_epoch, start=start_batch)
         bad: list[int] = []
-        first_step = None
+        first_step = int(host_value(state["step"]))
+        batch_hooks = [cb for cb in callbacks if hasattr(cb, "on_train_batch_end")]
 
         def on_done(item: tuple[int, Any]) -> None:
             step_no, aux = item
             if self.steps.on_nonfinite == "raise" and not bad:
                 finite = np.asarray(host_value(aux["finite"])).reshape(-1)
                 if not finite.all():
-                    bad.append(step_no + int(np.argmin(finite)))
+                    bad.append(step_no + int(np.argmin(finite)) + 1)
 
         window = InFlight(self.max_in_flight, on_done)
         progress = Progress(mode, total, epoch + 1, epochs,
@@ -290,18 +361,26 @@ class Trainer:
         batches = self._device_batches(host, self.steps_per_execution, stream.per_process)
         try:
             for k, batch in batches:
-                if first_step is None:
-                    first_step = int(host_value(state["step"]))
                 if k:
                     state, aux = self.steps.train_many(state, batch.tree())
                 else:
                     state, aux = self.steps.train(state, batch.tree())
                 window.push((first_step + steps, aux))
+                before = steps
                 steps += max(k, 1)
                 samples += stream.last_real(k)
                 if bad:
                     break
-                progress.update(steps, samples)
+                for cb in batch_hooks:
+                    cb.on_train_batch_end(start_batch + steps - 1, {})
+                in_epoch = start_batch + steps
+                if saver is not None and saver.due(first_step + before, first_step + steps) and \
+                        (total is None or in_epoch < total):
+                    window.drain()
+                    if bad:
+                        break
+                    saver.save(state, epoch, in_epoch)
+                progress.update(start_batch + steps, samples)
             window.drain()
             progress.stop()
         finally:
@@ -311,10 +390,10 @@ class Trainer:
         if bad:
             self._write_back()
             raise NonFiniteLossError(
-                f"The loss became non-finite at step {bad[0]} (epoch {epoch + 1}, batch {bad[0] - first_step + 1} "
-                "of the epoch). The update of that step was not applied: the trainer and the model hold the "
-                "values from before it. Lower the learning rate, check the inputs for NaN/inf, or pass "
-                "Trainer(..., on_nonfinite='skip') to drop such steps.")
+                f"The loss became non-finite at step {bad[0]} (epoch {epoch + 1}, batch "
+                f"{start_batch + bad[0] - first_step} of the epoch). The update of that step was not applied: the "
+                "trainer, the model and any checkpoint hold the values from before it. Lower the learning rate, "
+                "check the inputs for NaN/inf, or pass Trainer(..., on_nonfinite='skip') to drop such steps.")
         logs = self.adapter.metric_results(jax.tree.map(host_value, state["metrics"]))
         if self.steps.on_nonfinite == "skip":
             logs["skipped_steps"] = float(host_value(state["skipped"]))
@@ -427,10 +506,11 @@ class _ArrayStream:
         self.batches_per_pass = source.batches_per_pass(batch_size)
         self._reals: list[int] = []
 
-    def batches(self, position: int, count: int | None) -> Iterator[data_lib.Batch]:
-        """``count`` batches (default: to the end of the current pass) from stream position ``position``."""
+    def batches(self, position: int, count: int | None, start: int = 0) -> Iterator[data_lib.Batch]:
+        """Batches ``start..count`` (default: to the end of the pass) of the epoch at stream ``position``."""
         n = self.source.num_examples
         end = position + count if count else (position // self.batches_per_pass + 1) * self.batches_per_pass
+        position += start
         while position < end:
             pass_index, start = divmod(position, self.batches_per_pass)
             for b in self.source.batches(self.batch_size, self.strategy, shuffle=self.shuffle, seed=self.seed,
@@ -460,7 +540,8 @@ class _IterStream:
         self._reals: list[int] = []
         self._continuing: Iterator[data_lib.Batch] | None = None
 
-    def batches(self, position: int, count: int | None) -> Iterator[data_lib.Batch]:
+    def batches(self, position: int, count: int | None, start: int = 0) -> Iterator[data_lib.Batch]:
+        """The epoch's batches from batch ``start`` on (a resumed epoch skips what it already trained)."""
         it: Iterator[data_lib.Batch]
         if isinstance(self.source.iterable, Iterator):
             # A one-shot iterator (a generator) continues across epochs, as in Keras.
@@ -470,7 +551,9 @@ class _IterStream:
             it = self._continuing
         else:
             it = self.source.batches(self.batch_size, self.strategy, with_targets=self.with_targets)
-        for i, b in enumerate(it):
+        if start:
+            it = itertools.islice(it, start, None)
+        for i, b in enumerate(it, start=start):
             self._reals.append(int(b.mask.sum()) * (self.strategy.process_count if self.strategy.process_count > 1 else 1))
             yield b
             if count and i + 1 >= count:
@@ -481,6 +564,47 @@ class _IterStream:
         total = sum(self._reals[:take])
         del self._reals[:take]
         return total
+
+
+class _Saver:
+    """Writes checkpoints of a fit: when due, with the data position and history in ``meta``."""
+
+    def __init__(self, ckpt: Any, every: int | None, run: dict[str, Any], history: History,
+                 sample_spec: dict[str, Any]) -> None:
+        self.ckpt, self.every, self.run, self.history, self.sample_spec = ckpt, every, run, history, sample_spec
+
+    def due(self, before: int, after: int) -> bool:
+        """True when a step-count checkpoint falls in steps ``(before, after]``."""
+        return bool(self.every) and after // self.every > before // self.every
+
+    def save(self, state: dict[str, PyTree], epoch: int, batch_in_epoch: int) -> None:
+        step = int(host_value(state["step"]))
+        meta = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "run": self.run,
+                "history": self.history.as_dict(), "sample_spec": self.sample_spec,
+                "mirrorax_version": _version()}
+        self.ckpt.save(step, state, meta)
+
+
+def _version() -> str:
+    from mirrorax import __version__
+
+    return __version__
+
+
+def _sample_spec(sample: data_lib.Batch) -> dict[str, Any]:
+    """Shapes and dtypes of one row of x and y: enough to rebuild the model's variables for loading."""
+    def spec(t: Any) -> Any:
+        return None if t is None else jax.tree.map(lambda a: [list(a.shape[1:]), str(a.dtype)], t)
+
+    return {"x": spec(sample.x), "y": spec(sample.y)}
+
+
+def _check_every(every: Any) -> int | None:
+    if every == "epoch":
+        return None
+    if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every < 1:
+        raise ValueError(f"checkpoint_every must be 'epoch' or a number of steps >= 1; received {every!r}.")
+    return int(every)
 
 
 def _len_or_none(x: Any) -> int | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -43,16 +44,13 @@ def check_keras_backend() -> Any:
 
 
 def _named(variables: Sequence[Any]) -> list[str]:
-    names, seen = [], {}
-    for v in variables:
-        name = v.path
-        if name in seen:
-            seen[name] += 1
-            name = f"{name}#{seen[name]}"
-        else:
-            seen[name] = 0
-        names.append(name)
-    return names
+    """Stable, readable keys: ``"003/sequential/dense/kernel"``.
+
+    Keras makes names unique per process (``dense_3``, ``adam_2``), so the same model built in another
+    process or after another model gets other paths; the numeric suffixes are dropped and the position
+    keeps keys unique, so a checkpoint of one instance restores into another.
+    """
+    return [f"{i:03d}/" + re.sub(r"_\d+(?=[/_]|$)", "", v.path) for i, v in enumerate(variables)]
 
 
 class KerasAdapter(ModelAdapter):
