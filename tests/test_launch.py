@@ -1,0 +1,156 @@
+"""``mirrorax launch`` with tiny plain-Python children: environment, output, failure, restarts, Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from mirrorax import launch as launch_lib
+from mp_scripts.procs import ROOT, clean_env, launcher, python, run_all
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _child(code: str) -> list[str]:
+    return python("-c", textwrap.dedent(code))
+
+
+def _launch(cmd: list[str], nprocs: int, **kwargs) -> tuple[int, str, float]:
+    out = io.StringIO()
+    start = time.monotonic()
+    code = launch_lib.launch(cmd, nprocs, env=clean_env(), out=out, **kwargs)
+    return code, out.getvalue(), time.monotonic() - start
+
+
+def test_children_get_the_job_variables_and_prefixed_output():
+    code, out, _ = _launch(_child("""
+        import os
+        print(*(os.environ.get(k) for k in ("MIRRORAX_COORDINATOR", "MIRRORAX_NUM_PROCESSES",
+              "MIRRORAX_PROCESS_ID", "MIRRORAX_CPU_DEVICES", "JAX_NUM_CPU_DEVICES", "JAX_PLATFORMS",
+              "MIRRORAX_HEARTBEAT_TIMEOUT")))"""), 3, cpu_devices_per_proc=2, failure_timeout=20)
+    assert code == 0, out
+    lines = sorted(line for line in out.splitlines() if line.startswith("[rank"))
+    assert len(lines) == 3
+    coordinators = {line.split()[2] for line in lines}
+    assert len(coordinators) == 1 and next(iter(coordinators)).startswith("127.0.0.1:")
+    for rank, line in enumerate(lines):
+        assert line.startswith(f"[rank {rank}] ") and line.split()[3:] == ["3", str(rank), "2", "2", "cpu", "10"]
+
+
+def test_a_failing_rank_stops_the_group_and_is_named(tmp_path):
+    code, out, elapsed = _launch(_child(f"""
+        import os, sys, time
+        rank = int(os.environ["MIRRORAX_PROCESS_ID"])
+        open(os.path.join({str(tmp_path)!r}, f"pid{{rank}}"), "w").write(str(os.getpid()))
+        if rank == 1:
+            print("about to fail"); print("last words", flush=True)
+            time.sleep(0.5); sys.exit(3)
+        time.sleep(60)"""), 3)
+    assert code == 3 and elapsed < 15, (code, elapsed, out)
+    assert "rank 1 failed (exit code 3)" in out and "    last words" in out, out
+    for rank in (0, 2):
+        pid = int((tmp_path / f"pid{rank}").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # stopped (and reaped) by the launcher
+
+
+def test_a_rank_killed_by_a_signal():
+    code, out, _ = _launch(_child("""
+        import os, signal, time
+        if os.environ["MIRRORAX_PROCESS_ID"] == "0":
+            time.sleep(0.3); os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)"""), 2)
+    assert code == 128 + signal.SIGKILL and "rank 0 failed (killed by signal SIGKILL)" in out, out
+
+
+def test_the_rank_that_failed_first_is_named_not_the_first_to_exit():
+    # Rank 1 follows the failure of rank 0 and exits first, as mirrorax._failure makes it do.
+    code, out, _ = _launch(_child("""
+        import os, sys, time
+        if os.environ["MIRRORAX_PROCESS_ID"] == "1":
+            print("mirrorax: process 0 of 2 failed (ValueError: x); process 1 stops too.", flush=True)
+            sys.exit(1)
+        time.sleep(0.5)
+        print("mirrorax: process 0 of 2 failed with ValueError: x; leaving now", flush=True)
+        sys.exit(1)"""), 2)
+    assert code == 1 and "rank 0 failed (exit code 1)" in out, out
+
+
+def test_max_restarts_restarts_the_whole_group_on_a_fresh_port():
+    code, out, _ = _launch(_child("""
+        import os, sys
+        print("attempt", os.environ["MIRRORAX_RESTART"], os.environ["MIRRORAX_COORDINATOR"])
+        sys.exit(0 if os.environ["MIRRORAX_RESTART"] == "2" or os.environ["MIRRORAX_PROCESS_ID"] == "0" else 4)
+        """), 2, max_restarts=2)
+    assert code == 0, out
+    assert "restart 1 of 2" in out and "restart 2 of 2" in out, out
+    ports = {line.split()[-1] for line in out.splitlines() if "] attempt" in line}
+    assert len(ports) == 3, out
+
+
+def test_restarts_exhausted_returns_the_failure():
+    code, out, _ = _launch(_child("import sys; sys.exit(5)"), 2, max_restarts=1)
+    assert code == 5 and out.count("failed (exit code 5)") == 2, out
+
+
+def test_ctrl_c_on_the_launcher_stops_every_child(tmp_path):
+    cmd = launcher("--nprocs", "2", "--", *_child(f"""
+        import os, time
+        open(os.path.join({str(tmp_path)!r}, "pid" + os.environ["MIRRORAX_PROCESS_ID"]), "w").write(str(os.getpid()))
+        time.sleep(60)"""))
+    proc = subprocess.Popen(cmd, env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 20
+    while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 130 and time.monotonic() - start < 10, (proc.returncode, out)
+    assert "interrupted by SIGINT; stopped all 2 processes" in out, out
+    for f in tmp_path.glob("pid*"):
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(f.read_text()), 0)
+
+
+def test_cpu_devices_refused_on_a_machine_with_accelerators(tmp_path, monkeypatch):
+    (tmp_path / "nvidia0").write_text("")
+    monkeypatch.setattr(launch_lib, "ACCELERATOR_PATTERNS", [str(tmp_path / "nvidia[0-9]*")])
+    with pytest.raises(ValueError, match="this machine has accelerators .*nvidia0.*Drop the flag"):
+        launch_lib.launch(["python", "-c", "pass"], 2, cpu_devices_per_proc=2)
+    assert launch_lib.launch(["python", "-c", "pass"], 1, env=clean_env(), out=io.StringIO()) == 0
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--nprocs", "2"], "No command to launch"),
+    (["--nprocs", "0", "--", "python"], "nprocs must be an int >= 1; received 0"),
+    (["--nprocs", "2", "--max-restarts", "-1", "--", "python"], "max_restarts must be an int >= 0"),
+    (["--nprocs", "2", "--cpu-devices-per-proc", "0", "--", "python"], "cpu_devices_per_proc must be a positive"),
+])
+def test_bad_arguments_are_clear_errors(argv, match, capsys):
+    assert launch_lib.main(argv) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_registers_on_the_cli_subparsers():
+    parser = argparse.ArgumentParser(prog="mirrorax")
+    launch_lib.add_parser(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["launch", "--nprocs", "2", "--cpu-devices-per-proc", "4", "--", "python",
+                              "train.py", "--epochs", "3"])
+    assert args.func is launch_lib.run and args.nprocs == 2 and args.cpu_devices_per_proc == 4
+    assert args.command == ["--", "python", "train.py", "--epochs", "3"]
+
+
+def test_mirrorax_command_line_has_launch():
+    codes, outs, _ = run_all([python("-m", "mirrorax.cli", "launch", "--nprocs", "2", "--",
+                                     sys.executable, "-c", "import os; print('hello', os.environ['MIRRORAX_PROCESS_ID'])")],
+                             [clean_env()], timeout=50)
+    assert codes == [0], outs
+    assert "[rank 0] hello 0" in outs[0] and "[rank 1] hello 1" in outs[0], outs
