@@ -5,10 +5,10 @@ state replicated (``NamedSharding(mesh, P())``) and donated, batch split over th
 partitioner inserts the all-reduce of gradients and metric sums, so the numbers are the single-device
 numbers whatever the device count.
 
-``aux`` holds the step's loss and whether it was finite. With ``on_nonfinite="raise"`` a non-finite
-step leaves the state untouched and freezes it (every later step is a no-op) so the host can stop at
-the next look and the trainer still holds the last good values; with ``"skip"`` the update is dropped
-and counted in ``state["skipped"]``.
+``aux`` holds the step's loss and whether training has halted. With ``on_nonfinite="raise"`` a
+non-finite step leaves the state untouched and freezes it (every later step is a no-op, and
+``state["nonfinite_step"]`` names the step) so the host can stop at its next look and the trainer still
+holds the last good values; with ``"skip"`` the update is dropped and counted in ``state["skipped"]``.
 """
 
 from __future__ import annotations
@@ -98,10 +98,14 @@ class StepFunctions:
         finite = jnp.isfinite(loss)
         if self.on_nonfinite != "ignore":
             ok = finite & (state["skipped"] == 0) if self.on_nonfinite == "raise" else finite
-            kept = dict(state, step=state["step"] + 1, skipped=state["skipped"] + 1)
-            new = dict(new, skipped=state["skipped"])
+            first_bad = jnp.where((state["nonfinite_step"] == 0) & ~finite, state["step"] + 1,
+                                  state["nonfinite_step"])
+            kept = dict(state, step=state["step"] + 1, skipped=state["skipped"] + 1, nonfinite_step=first_bad)
+            new = dict(new, skipped=state["skipped"], nonfinite_step=first_bad)
             new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, kept)
-        return new, {"loss": loss, "finite": finite}
+        # ``halted`` is sticky in "raise" mode: any later step's aux tells the host that training froze,
+        # so the host looks only now and then, never once per step.
+        return new, {"loss": loss, "halted": new["skipped"] > 0}
 
     def _train_many(self, state: dict[str, PyTree], batches: dict[str, PyTree]):
         return jax.lax.scan(self._train_step, state, batches)
@@ -138,6 +142,7 @@ class InFlight:
         self.depth = depth
         self.on_done = on_done
         self._queue: collections.deque[Any] = collections.deque()
+        self.last_done: Any = None
 
     def push(self, aux: Any) -> None:
         self._queue.append(aux)
@@ -150,6 +155,7 @@ class InFlight:
 
     def _retire(self, aux: Any) -> None:
         jax.block_until_ready(aux)
+        self.last_done = aux
         if self.on_done is not None:
             self.on_done(aux)
 

@@ -11,6 +11,7 @@ import itertools
 import os
 import sys
 import time
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, Any
 
@@ -145,6 +146,7 @@ class Trainer:
         host = self.adapter.initial_state()
         host["step"] = np.zeros((), np.int32)
         host["skipped"] = np.zeros((), np.int32)
+        host["nonfinite_step"] = np.zeros((), np.int32)
         self._state = self._place(host)
 
     def host_state(self) -> dict[str, PyTree]:
@@ -342,22 +344,16 @@ class Trainer:
         self._state = None  # donated below; restored when the epoch ends or fails
         total = steps_per_epoch or stream.batches_per_pass
         host = stream.batches(position, steps_per_epoch, start=start_batch)
-        bad: list[int] = []
         first_step = int(host_value(state["step"]))
+        raise_mode = self.steps.on_nonfinite == "raise"
         batch_hooks = [cb for cb in callbacks if hasattr(cb, "on_train_batch_end")]
-
-        def on_done(item: tuple[int, Any]) -> None:
-            step_no, aux = item
-            if self.steps.on_nonfinite == "raise" and not bad:
-                finite = np.asarray(host_value(aux["finite"])).reshape(-1)
-                if not finite.all():
-                    bad.append(step_no + int(np.argmin(finite)) + 1)
-
-        window = InFlight(self.max_in_flight, on_done)
+        window = InFlight(self.max_in_flight)
         progress = Progress(mode, total, epoch + 1, epochs,
                             lambda: self.adapter.metric_results(jax.tree.map(host_value, state["metrics"])),
                             stream=self.stream)
         steps = samples = 0
+        halted = False
+        last_look = time.perf_counter()
         batches = self._device_batches(host, self.steps_per_execution, stream.per_process)
         try:
             for k, batch in batches:
@@ -365,33 +361,38 @@ class Trainer:
                     state, aux = self.steps.train_many(state, batch.tree())
                 else:
                     state, aux = self.steps.train(state, batch.tree())
-                window.push((first_step + steps, aux))
+                window.push(aux)
                 before = steps
                 steps += max(k, 1)
                 samples += stream.last_real(k)
-                if bad:
-                    break
                 for cb in batch_hooks:
                     cb.on_train_batch_end(start_batch + steps - 1, {})
                 in_epoch = start_batch + steps
+                if raise_mode and time.perf_counter() - last_look > 0.5 and window.last_done is not None:
+                    last_look = time.perf_counter()  # a finished step's flag: no wait
+                    if np.any(host_value(window.last_done["halted"])):
+                        halted = True
+                        break
                 if saver is not None and saver.due(first_step + before, first_step + steps) and \
                         (total is None or in_epoch < total):
                     window.drain()
-                    if bad:
+                    if raise_mode and int(host_value(state["skipped"])):
+                        halted = True
                         break
                     saver.save(state, epoch, in_epoch)
-                progress.update(start_batch + steps, samples)
+                progress.update(in_epoch, samples)
             window.drain()
             progress.stop()
         finally:
             if isinstance(batches, data_lib.Prefetcher):
                 batches.close()
             self._state = state
-        if bad:
+        if raise_mode and (halted or int(host_value(state["skipped"]))):
+            bad = int(host_value(state["nonfinite_step"]))
             self._write_back()
             raise NonFiniteLossError(
-                f"The loss became non-finite at step {bad[0]} (epoch {epoch + 1}, batch "
-                f"{start_batch + bad[0] - first_step} of the epoch). The update of that step was not applied: the "
+                f"The loss became non-finite at step {bad} (epoch {epoch + 1}, batch "
+                f"{start_batch + bad - first_step} of the epoch). The update of that step was not applied: the "
                 "trainer, the model and any checkpoint hold the values from before it. Lower the learning rate, "
                 "check the inputs for NaN/inf, or pass Trainer(..., on_nonfinite='skip') to drop such steps.")
         logs = self.adapter.metric_results(jax.tree.map(host_value, state["metrics"]))
