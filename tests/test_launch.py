@@ -133,6 +133,7 @@ def test_cpu_devices_refused_on_a_machine_with_accelerators(tmp_path, monkeypatc
     (["--nprocs", "0", "--", "python"], "nprocs must be an int >= 1; received 0"),
     (["--nprocs", "2", "--max-restarts", "-1", "--", "python"], "max_restarts must be an int >= 0"),
     (["--nprocs", "2", "--cpu-devices-per-proc", "0", "--", "python"], "cpu_devices_per_proc must be a positive"),
+    (["--nprocs", "2", "--", "no-such-command-xyz"], "Cannot run 'no-such-command-xyz': No such file"),
 ])
 def test_bad_arguments_are_clear_errors(argv, match, capsys):
     assert launch_lib.main(argv) == 2

@@ -98,7 +98,8 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
       signal), 130/143 when the launcher itself was interrupted.
 
     Raises:
-      ValueError: bad arguments, or ``cpu_devices_per_proc`` on a machine with accelerators.
+      ValueError: bad arguments, a command that cannot be started, or ``cpu_devices_per_proc`` on a
+        machine with accelerators.
 
     Example:
       >>> launch(["python", "-c", "print('hi')"], 2)  # doctest: +SKIP
@@ -182,8 +183,13 @@ class _Group:
         tails = [collections.deque(maxlen=TAIL_LINES) for _ in range(self.nprocs)]
         self.children, readers = [], []
         for rank in range(self.nprocs):
-            child = subprocess.Popen(self.cmd, env=self.child_env(rank, port, attempt), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            try:
+                child = subprocess.Popen(self.cmd, env=self.child_env(rank, port, attempt), stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            except OSError as e:
+                self.stop_all()
+                raise ValueError(f"Cannot run {self.cmd[0]!r}: {e.strerror}. Give a command that exists, e.g. "
+                                 "`mirrorax launch --nprocs 2 -- python train.py`.") from None
             self.children.append(child)
             reader = threading.Thread(target=self._pump, args=(rank, child, tails[rank]), daemon=True)
             reader.start()
