@@ -1,0 +1,699 @@
+"""Checkpoints of the whole training state, written asynchronously, restorable on any device count.
+
+A checkpoint is one Orbax step directory ``<directory>/<step>/`` with three items:
+
+* ``state``: the state pytree (parameters, optimizer state, non-trainable state, metric
+  accumulators, step, RNG), saved with ``StandardSave``;
+* ``meta``: a JSON dict chosen by the caller (data position, history, config);
+* ``integrity``: a JSON record written by this module: a checksum per variable, computed on device
+  before the write. Orbax and TensorStore notice a truncated or missing file, but a flipped byte
+  inside an array's data restores silently as a wrong number; the checksum catches that.
+
+Orbax writes each step into ``<step>.orbax-checkpoint-tmp-*`` and renames it when complete, so a crash
+during a save leaves the previous checkpoints intact and only a temporary directory behind (removed
+the next time a :class:`Checkpointer` opens the directory).
+
+Every process of a multi-process job must call :meth:`Checkpointer.save`,
+:meth:`Checkpointer.restore_latest`, :meth:`Checkpointer.wait` and :meth:`Checkpointer.close` in the
+same order; Orbax coordinates the writes and the primary process writes the shared metadata.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import inspect
+import os
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointWarning",
+    "Checkpointer",
+    "all_finite",
+]
+
+PyTree = Any
+
+# Damaged steps are moved here (inside the checkpoint directory) so that Orbax no longer counts them:
+# left in place, a damaged step 300 would be "latest", would count towards `keep` and would block
+# the resumed run from saving step 300 again.
+DAMAGED_SUBDIR = "damaged"
+_FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory cannot be used (not writable, or every checkpoint in it is damaged)."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint was written by a different model: its variables differ in name, shape or dtype."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (damaged) or a save was refused (non-finite state)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Device-side digest: checksums and finiteness of every leaf, in one jitted pass.
+
+
+def _as_words(x: jax.Array) -> jax.Array:
+    """The bits of ``x`` as a flat uint32 vector (one word per element, two for 64-bit types)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.stack([jnp.real(x), jnp.imag(x)])
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    size = x.dtype.itemsize
+    if size >= 4:
+        words = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    else:
+        unsigned = {1: jnp.uint8, 2: jnp.uint16}[size]
+        words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    return words.reshape(-1)
+
+
+def _leaf_digest(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(uint32[2] checksum, bool finite) of one leaf.
+
+    The checksum is (sum of words, sum of word * (2i + 1)) modulo 2**32. Integer sums are exact and
+    associative, so the value does not depend on the device count or the reduction order (a checkpoint
+    written on 8 devices verifies on 1); any single changed word changes both sums, because odd
+    multipliers are invertible modulo 2**32.
+    """
+    words = _as_words(x)
+    weights = jnp.arange(words.shape[0], dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
+    checksum = jnp.stack(
+        [jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * weights, dtype=jnp.uint32)]
+    )
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        finite = jnp.all(jnp.isfinite(x))
+    else:
+        finite = jnp.array(True)
+    return checksum, finite
+
+
+@jax.jit
+def _digest_leaves(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """uint32[n, 2] checksums and bool[n] finiteness of n leaves (two small transfers, not 2n)."""
+    pairs = [_leaf_digest(x) for x in leaves]
+    return jnp.stack([c for c, _ in pairs]), jnp.stack([f for _, f in pairs])
+
+
+def _one_copy(x: Any) -> Any:
+    """One device's copy of a replicated array (the digest is the same; 1/n of the work), else ``x``."""
+    if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 and x.is_fully_replicated:
+        return x.addressable_data(0)
+    return x
+
+
+def _to_host(x: Any) -> np.ndarray:
+    """A small, replicated result as numpy, also when other processes hold some of its devices."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_data(0)
+    return np.asarray(x)
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+    """``('trainable', 'sequential/dense/kernel')`` -> ``'trainable/sequential/dense/kernel'``."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def _digest(tree: PyTree) -> tuple[dict[str, list[int]], list[str]]:
+    """Checksums by variable path, and the paths of floating variables holding NaN or Inf."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    if not flat:
+        return {}, []
+    paths = [_path_str(p) for p, _ in flat]
+    leaves = [_one_copy(x) if isinstance(x, jax.Array) else jnp.asarray(x) for _, x in flat]
+    # One jitted call per set of devices: a jit cannot mix arrays committed to different devices.
+    groups: dict[frozenset[Any], list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        groups.setdefault(frozenset(leaf.sharding.device_set), []).append(i)
+    checksums: list[list[int]] = [[]] * len(leaves)
+    finite: list[bool] = [True] * len(leaves)
+    for members in groups.values():
+        sums, ok = _digest_leaves([leaves[i] for i in members])
+        for i, row, flag in zip(members, _to_host(sums).tolist(), _to_host(ok).tolist()):
+            checksums[i], finite[i] = [int(v) for v in row], bool(flag)
+    return dict(zip(paths, checksums)), [p for p, f in zip(paths, finite) if not f]
+
+
+def all_finite(tree: PyTree) -> bool:
+    """Whether every floating-point value in ``tree`` is finite (no NaN, no +-Inf).
+
+    Works on sharded or replicated ``jax.Array``s (the reduction runs on device, on one copy of a
+    replicated array; one small vector comes back to the host), on numpy arrays and on Python
+    numbers. Integer and boolean leaves count as finite. In a multi-process job every process must
+    call it (for sharded arrays it is a computation over the global arrays); all processes get the
+    same answer.
+
+    Args:
+        tree: Any pytree of arrays or numbers.
+
+    Returns:
+        ``True`` when no leaf holds NaN or Inf (also for a tree without leaves).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from mirrorax.checkpoint import all_finite
+        >>> all_finite({"w": jnp.ones(3), "b": jnp.array([0.0, jnp.nan])})
+        False
+    """
+    return not _digest(tree)[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers for the structural comparison and for messages.
+
+
+def _describe(shape: Any, dtype: Any) -> str:
+    return f"shape={tuple(shape)} dtype={np.dtype(dtype).name if dtype is not None else None}"
+
+
+def _stored_form(leaf: Any) -> tuple[tuple[int, ...], Any]:
+    """(shape, dtype) as Orbax records it: typed PRNG keys are stored as their uint32 key data."""
+    if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        leaf = jax.eval_shape(jax.random.key_data, leaf)
+    return tuple(leaf.shape), leaf.dtype
+
+
+def _first_mismatch(stored: Any, abstract: PyTree) -> str | None:
+    """A sentence naming the first variable whose presence, shape or dtype differs, or ``None``."""
+    stored_flat = dict(
+        (_path_str(p), leaf)
+        for p, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]
+    )
+    wanted = [(_path_str(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]]
+    for path, leaf in wanted:
+        shape, dtype = _stored_form(leaf)
+        if path not in stored_flat:
+            return f"variable {path!r} ({_describe(shape, dtype)}) is missing from the checkpoint"
+        got = stored_flat[path]
+        got_shape = tuple(getattr(got, "shape", ()) or ())
+        got_dtype = getattr(got, "dtype", None)
+        if got_shape != shape or (got_dtype is not None and np.dtype(got_dtype) != np.dtype(dtype)):
+            return (
+                f"variable {path!r} is {_describe(got_shape, got_dtype)} in the checkpoint but "
+                f"{_describe(shape, dtype)} in the model"
+            )
+    extra = sorted(set(stored_flat) - {p for p, _ in wanted})
+    if extra:
+        return (
+            f"the checkpoint holds variable {extra[0]!r} that the model does not have"
+            + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
+        )
+    return None
+
+
+def _short(exc: BaseException) -> str:
+    """``'ValueError: first line of the message'``, at most 300 characters."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _json_clean(value: Any, where: str) -> Any:
+    """A copy of ``value`` made of JSON types only (numpy scalars and arrays become Python values)."""
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise TypeError(
+                    f"Expected the checkpoint meta to have string keys. Received key {k!r} "
+                    f"(of type {type(k).__name__}) at {where or 'the top level'}. "
+                    "Convert the key with str()."
+                )
+            out[k] = _json_clean(v, f"{where}/{k}" if where else k)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_json_clean(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, (np.ndarray, jax.Array)):
+        return _json_clean(np.asarray(value).tolist(), where)
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(
+        f"Expected the checkpoint meta to hold JSON values (dict, list, str, int, float, bool, None "
+        f"or numpy numbers). Received {value!r} (of type {type(value).__name__}) at {where!r}. "
+        "Convert it to one of those types before saving."
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Saves and restores the complete training state in a directory of Orbax checkpoints.
+
+    Saving is asynchronous: :meth:`save` returns once the arrays are copied off the devices, and the
+    files are written in a background thread while training continues. Each checkpoint appears
+    atomically (Orbax writes a temporary directory and renames it), the ``keep`` newest are kept,
+    and a state holding NaN or Inf is never written. Restoring takes the *new* shardings, so a
+    checkpoint written on 8 devices or 2 processes resumes on any other device or process count.
+
+    The constructor creates ``directory`` if needed and proves it writable, so a bad path fails at
+    the start of ``fit``, not at the first save an hour later.
+
+    Args:
+        directory: Where the step directories go; created if missing. A local path, or a URL that
+            Orbax understands (``gs://...``; then the writability check is left to Orbax).
+        keep: How many of the newest checkpoints to keep (>= 1), or ``None`` to keep all.
+        async_save: Write in a background thread (the default). ``False`` makes :meth:`save` return
+            only when the checkpoint is on disk.
+
+    Raises:
+        ValueError: ``keep`` is not a positive int or ``None``.
+        CheckpointError: ``directory`` cannot be created or written.
+
+    Example:
+        >>> with Checkpointer("/tmp/run1/checkpoints", keep=3) as ckpt:  # doctest: +SKIP
+        ...     restored = ckpt.restore_latest(abstract_state)
+        ...     if restored is not None:
+        ...         step, state, meta = restored
+        ...     ckpt.save(step, state, {"epoch": epoch, "batch_in_epoch": 0})
+    """
+
+    def __init__(
+        self, directory: str | os.PathLike[str], *, keep: int | None = 3, async_save: bool = True
+    ) -> None:
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(
+                f"Expected keep to be an int >= 1 (the number of newest checkpoints to keep) or None "
+                f"(keep all). Received: {keep!r} (of type {type(keep).__name__})."
+            )
+        self._directory = os.fspath(directory)
+        self._keep = keep
+        self._is_local = "://" not in self._directory
+        if self._is_local:
+            self._directory = os.path.abspath(self._directory)
+            _check_writable(self._directory)
+        self._manager = ocp.CheckpointManager(
+            self._directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep,
+                enable_async_checkpointing=async_save,
+                # Removes `<step>.orbax-checkpoint-tmp-*` left by a crash during a save.
+                cleanup_tmp_directories=True,
+            ),
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+                "integrity": ocp.JsonCheckpointHandler(),
+            },
+        )
+        self._closed = False
+
+    # ---- properties and listing ------------------------------------------------------------------
+
+    @property
+    def directory(self) -> str:
+        """The checkpoint directory (absolute for local paths)."""
+        return self._directory
+
+    @property
+    def keep(self) -> int | None:
+        """How many of the newest checkpoints are kept (``None``: all)."""
+        return self._keep
+
+    def all_steps(self) -> list[int]:
+        """Steps of the finished checkpoints in the directory, ascending (in-progress saves excluded)."""
+        return sorted(int(s) for s in self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest finished checkpoint's step, or ``None`` when there is none.
+
+        This does not read the checkpoint; :meth:`restore_latest` may still find it damaged.
+        """
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # ---- saving ----------------------------------------------------------------------------------
+
+    def save(self, step: int, state: PyTree, meta: Mapping[str, Any]) -> bool:
+        """Starts writing ``state`` and ``meta`` as checkpoint ``step``; returns before the write ends.
+
+        Blocks only while the arrays are copied to host memory (and while a previous save is still
+        being written); the files are written in the background. Call :meth:`wait` (or
+        :meth:`close`) before relying on the files. Must be called by every process with the same
+        ``step``.
+
+        Nothing is written, and ``False`` returned, when:
+
+        * a floating-point variable holds NaN or Inf (a :class:`CheckpointWarning` names it; the
+          previous checkpoint stays the newest), or
+        * checkpoint ``step`` already exists (e.g. a run that resumed at ``step`` and ends there).
+
+        Args:
+            step: The number of optimizer steps taken so far (>= 0); names the checkpoint.
+            state: The pytree of ``jax.Array``s to save, e.g. ``{"trainable": {...},
+                "non_trainable": {...}, "optimizer": {...}, "metrics": {...}, "step": ...}``.
+            meta: JSON-able dict (numpy numbers are converted): data position, history, config.
+
+        Returns:
+            ``True`` when a save was started, ``False`` when it was skipped (see above).
+
+        Raises:
+            ValueError: ``step`` is not a non-negative int.
+            TypeError: ``meta`` is not a dict of JSON values (the message names the bad entry).
+            CheckpointError: ``step`` is older than the newest checkpoint in the directory.
+
+        Example:
+            >>> ckpt.save(100, state, {"epoch": 1, "batch_in_epoch": 36})  # doctest: +SKIP
+            True
+        """
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(
+                f"Expected step to be an int >= 0. Received: {step!r} (of type {type(step).__name__})."
+            )
+        step = int(step)
+        if not isinstance(meta, Mapping):
+            raise TypeError(
+                f"Expected meta to be a dict of JSON values. Received: {type(meta).__name__}."
+            )
+        clean_meta = _json_clean(meta, "")
+        # Orbax writes the newest steps after waiting for the previous save, so the listing is
+        # current only after that save is done.
+        self._manager.wait_until_finished()
+        latest = self.latest_step()
+        if latest is not None and step == latest:
+            return False
+        if latest is not None and step < latest:
+            raise CheckpointError(
+                f"Cannot save step {step} into {self._directory}: it already holds the newer "
+                f"checkpoint {latest}. Resume from it (Checkpointer.restore_latest) or write this run "
+                "into a fresh directory."
+            )
+        checksums, non_finite = _digest(state)
+        if non_finite:
+            self._warn(
+                stacklevel=2,
+                message=f"Checkpoint step {step} was not saved: variable {non_finite[0]!r}"
+                + (f" (and {len(non_finite) - 1} more)" if len(non_finite) > 1 else "")
+                + f" holds NaN or Inf. The newest checkpoint in {self._directory} stays "
+                f"{latest if latest is not None else '(none)'}.",
+            )
+            return False
+        integrity = {"format": _FORMAT_VERSION, "step": step, "checksums": checksums}
+        return bool(
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    meta=ocp.args.JsonSave(clean_meta),
+                    integrity=ocp.args.JsonSave(integrity),
+                ),
+                force=True,
+            )
+        )
+
+    def wait(self) -> None:
+        """Blocks until every started save is on disk (raises the error of a failed background write)."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves, then releases Orbax's threads. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._manager.wait_until_finished()
+        finally:
+            self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self._directory!r}, keep={self._keep!r})"
+
+    # ---- restoring -------------------------------------------------------------------------------
+
+    def restore(self, step: int, abstract_state: PyTree) -> tuple[PyTree, dict[str, Any]]:
+        """Restores checkpoint ``step`` onto the shardings named in ``abstract_state``.
+
+        Args:
+            step: A step from :meth:`all_steps`.
+            abstract_state: The state's tree with a ``jax.ShapeDtypeStruct(shape, dtype,
+                sharding=...)`` per variable, carrying the shardings of *this* run (see
+                :meth:`restore_latest`).
+
+        Returns:
+            ``(state, meta)``.
+
+        Raises:
+            CheckpointMismatchError: The checkpoint's variables differ from ``abstract_state``.
+            CheckpointError: The checkpoint does not exist or is damaged (the message says how).
+        """
+        self._check_open()
+        self._manager.wait_until_finished()
+        if step not in self.all_steps():
+            raise CheckpointError(
+                f"No checkpoint for step {step} in {self._directory}. "
+                f"Available steps: {self.all_steps()}."
+            )
+        result = self._try_restore(step, abstract_state)
+        if isinstance(result, str):
+            raise CheckpointError(f"Checkpoint step {step} in {self._directory} is damaged: {result}.")
+        return result
+
+    def restore_latest(self, abstract_state: PyTree) -> tuple[int, PyTree, dict[str, Any]] | None:
+        """Restores the newest good checkpoint onto the shardings named in ``abstract_state``.
+
+        Damaged checkpoints (truncated, missing or corrupted files, checksum mismatch) are skipped
+        newest first, each with a :class:`CheckpointWarning` naming its step and what was wrong, and
+        moved into ``<directory>/damaged/`` so that the resumed run can write those steps again.
+
+        Args:
+            abstract_state: The state's tree with a ``jax.ShapeDtypeStruct(shape, dtype,
+                sharding=...)`` per variable; the shardings are this run's (that is how a checkpoint
+                from 8 devices lands on 4). Build it from the freshly initialised state with
+                ``jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                sharding=x.sharding), state)``.
+
+        Returns:
+            ``(step, state, meta)`` of the newest good checkpoint, or ``None`` when the directory
+            holds no checkpoint (start fresh).
+
+        Raises:
+            CheckpointMismatchError: The checkpoint comes from a different model; the message names
+                the first differing variable with both shapes and dtypes.
+            CheckpointError: There are checkpoints, but every one of them is damaged (nothing is
+                moved then; the message lists them).
+
+        Example:
+            >>> restored = ckpt.restore_latest(abstract_state)  # doctest: +SKIP
+            >>> if restored is not None:
+            ...     step, state, meta = restored
+        """
+        self._check_open()
+        self._manager.wait_until_finished()
+        damaged: list[tuple[int, str]] = []
+        for step in reversed(self.all_steps()):
+            result = self._try_restore(step, abstract_state)
+            if isinstance(result, str):
+                damaged.append((step, result))
+                continue
+            if damaged:
+                self._quarantine(damaged, restored_step=step)
+            return (step, *result)
+        if damaged:
+            raise CheckpointError(
+                f"Every checkpoint in {self._directory} is damaged: "
+                + "; ".join(f"step {s}: {why}" for s, why in damaged)
+                + ". Move or delete the directory to start fresh."
+            )
+        return None
+
+    def _try_restore(self, step: int, abstract_state: PyTree) -> tuple[PyTree, dict[str, Any]] | str:
+        """``(state, meta)``, or a sentence saying why checkpoint ``step`` is damaged."""
+        step_dir = self._manager.directory / str(step)
+        if not any((step_dir / item).exists() for item in ("state", "integrity")):
+            # Not damage: someone else's checkpoint (e.g. Keras's OrbaxCheckpoint). Leave it alone.
+            raise CheckpointError(
+                f"Step directory {step_dir} was not written by mirrorax (it has neither a 'state' "
+                "nor an 'integrity' item). Point checkpoint_dir at a directory of its own."
+            )
+        try:
+            metadata = self._manager.item_metadata(step)
+            stored = metadata["state"] if metadata is not None else None
+        except Exception as exc:  # noqa: BLE001 - any failure to read means a damaged checkpoint
+            return f"its variable metadata cannot be read ({_short(exc)})"
+        if stored is None:
+            return "its variable metadata is missing"
+        mismatch = _first_mismatch(getattr(stored, "tree", stored), abstract_state)
+        if mismatch is not None:
+            raise CheckpointMismatchError(
+                f"Checkpoint step {step} in {self._directory} was written by a different model: "
+                f"{mismatch}. Build the same model (same layers, shapes and dtypes) to resume from "
+                "it, or point checkpoint_dir at a fresh directory."
+            )
+        failure = None
+        with _dropping_orbax_read_errors_of_abandoned_reads():
+            try:
+                restored = self._manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract_state),
+                        meta=ocp.args.JsonRestore(),
+                        integrity=ocp.args.JsonRestore(),
+                    ),
+                )
+            except Exception as exc:  # noqa: BLE001 - any failure to read means a damaged checkpoint
+                failure = f"reading it failed ({_short(exc)})"
+            if failure is not None:
+                _drain_abandoned_reads()
+        if failure is not None:
+            return failure
+        state, meta, integrity = restored["state"], restored["meta"], restored["integrity"]
+        if not isinstance(meta, dict):
+            return "its meta record is not a JSON object"
+        if not isinstance(integrity, dict) or not isinstance(integrity.get("checksums"), dict):
+            return "its integrity record is malformed"
+        checksums, _ = _digest(state)
+        expected = integrity["checksums"]
+        for path, value in checksums.items():
+            if expected.get(path) != value:
+                return f"the data of variable {path!r} does not match its checksum (corrupted on disk)"
+        return state, meta
+
+    def _quarantine(self, damaged: list[tuple[int, str]], restored_step: int) -> None:
+        """Moves damaged step directories to ``<directory>/damaged/`` and warns about each."""
+        # Every process has finished reading before the primary process renames anything.
+        ocp.multihost.sync_global_processes("mirrorax_checkpoint_quarantine_start")
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        for step, why in damaged:
+            where = "left in place"
+            if self._is_local:
+                target = os.path.join(self._directory, DAMAGED_SUBDIR, f"step_{step}_{stamp}")
+                if jax.process_index() == 0:
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    shutil.move(os.path.join(self._directory, str(step)), target)
+                where = f"moved to {target}"
+            self._warn(
+                stacklevel=3,
+                message=f"Checkpoint step {step} in {self._directory} is damaged: {why}. Resuming "
+                f"from step {restored_step} instead; the damaged checkpoint was {where}.",
+            )
+        ocp.multihost.sync_global_processes("mirrorax_checkpoint_quarantine_end")
+        self._manager.reload()
+
+    # ---- small helpers ---------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(
+                f"This Checkpointer for {self._directory} is closed. Create a new Checkpointer."
+            )
+
+    @staticmethod
+    def _warn(message: str, stacklevel: int) -> None:
+        """Warns on process 0 only: every process reaches the same conclusion, one of them speaks.
+
+        ``stacklevel`` counts from the caller of ``_warn``, as ``warnings.warn``'s does from its own.
+        """
+        if jax.process_index() == 0:
+            warnings.warn(message, CheckpointWarning, stacklevel=stacklevel + 1)
+
+
+_ABANDONED_READ = "_read_array_index_and_device_put"  # orbax/_src/serialization/serialization.py
+
+
+@contextlib.contextmanager
+def _dropping_orbax_read_errors_of_abandoned_reads() -> Iterator[None]:
+    """Keeps the echoes of one failed array read from leaking out as "Exception ignored in".
+
+    When one array of a restore fails, Orbax (0.12.8) closes its event loop while the reads of the
+    other arrays are still pending. Two echoes follow, which Python can only report through
+    ``sys.unraisablehook`` (and pytest turns into errors): TensorStore, finishing a read, calls
+    ``call_soon_threadsafe`` on the closed loop (``RuntimeError: Event loop is closed``); then the
+    orphaned coroutine is garbage-collected, and its ``except BaseException`` turns ``GeneratorExit``
+    into ``Exception("Encountered error while reading array index ...")``. The restore call has
+    already reported the failure, so inside this scope both echoes are dropped (which also releases
+    what they reference, so the orphans can be collected); any other unraisable exception goes to the
+    previous hook. The caller drains the orphans (:func:`_drain_abandoned_reads`) before the scope
+    ends.
+    """
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        exc = unraisable.exc_value
+        orphan_closed = isinstance(getattr(exc, "__cause__", None), GeneratorExit) and str(
+            exc
+        ).startswith("Encountered error while reading array index")
+        loop_closed = isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+        if not (orphan_closed or loop_closed):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
+def _drain_abandoned_reads(timeout_s: float = 5.0) -> None:
+    """Collects Orbax's orphaned read coroutines after a failed restore (at most ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        gc.collect()
+        pending = any(
+            inspect.iscoroutine(obj) and obj.cr_code.co_name == _ABANDONED_READ
+            for obj in gc.get_objects()
+        )
+        if not pending or time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
+
+
+def _check_writable(directory: str) -> None:
+    """Creates ``directory`` if needed and proves that this process can write files in it."""
+    hint = "Pass a checkpoint directory on a writable file system (or fix its permissions)."
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(
+            f"Expected the checkpoint directory to be a directory. Received {directory!r}, which is "
+            f"an existing file. {hint}"
+        )
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(
+            f"Cannot create the checkpoint directory {directory!r}: {_short(exc)}. {hint}"
+        ) from exc
+    # os.access() says yes to root on a read-only mount; only writing a file proves it works.
+    probe = os.path.join(directory, f".mirrorax-write-test-{os.getpid()}-{jax.process_index()}")
+    try:
+        with open(probe, "w") as fh:
+            fh.write("ok")
+        os.remove(probe)
+    except OSError as exc:
+        raise CheckpointError(
+            f"The checkpoint directory {directory!r} is not writable: {_short(exc)}. {hint}"
+        ) from exc
