@@ -123,6 +123,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         within ``initialization_timeout`` (names the address).
       ValueError: an argument is out of range, or the environment describes no job.
 
+    If the coordinator answers but not every process joins within ``initialization_timeout``, the
+    process exits (status 1) with a message saying so: JAX would abort it from C++ otherwise, and the
+    wait cannot be interrupted by an exception.
+
     Example:
       >>> import mirrorax as mx  # at the top of the script, on each of the 2 processes
       >>> mx.initialize("10.0.0.1:1234", num_processes=2, process_id=int(os.environ["RANK"]))  # doctest: +SKIP
