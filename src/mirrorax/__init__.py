@@ -14,6 +14,9 @@ Example:
 """
 
 from mirrorax.cache import enable_compilation_cache as enable_compilation_cache
+from mirrorax.cluster import ClusterError as ClusterError
+from mirrorax.cluster import ClusterInfo as ClusterInfo
+from mirrorax.cluster import initialize as initialize
 from mirrorax.models.base import ModelAdapter as ModelAdapter
 from mirrorax.models.functional import FunctionalModel as FunctionalModel
 from mirrorax.strategy import InputContext as InputContext
@@ -27,6 +30,8 @@ from mirrorax.trainer import Trainer as Trainer
 __version__ = "0.1.0"
 
 __all__ = [
+    "ClusterError",
+    "ClusterInfo",
     "FunctionalModel",
     "History",
     "InputContext",
@@ -37,4 +42,5 @@ __all__ = [
     "Trainer",
     "enable_compilation_cache",
     "get_strategy",
+    "initialize",
 ]
