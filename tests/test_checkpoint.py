@@ -128,7 +128,11 @@ def test_async_saves_back_to_back_then_close(tmp_path):
     state = make_state(8)
     ckpt = Checkpointer(tmp_path, keep=3)
     ckpt.save(1, state, {"n": 1})
-    ckpt.save(2, make_state(8, seed=5), {"n": 2})  # while step 1 may still be writing
+    second = make_state(8, seed=5)
+    ckpt.save(2, second, {"n": 2})  # while step 1 may still be writing
+    # The arrays were copied off the devices before save returned: the next step may donate them.
+    for leaf in jax.tree.leaves(second):
+        leaf.delete()
     ckpt.close()
     ckpt.close()  # idempotent
     with pytest.raises(CheckpointError, match="closed"):

@@ -357,7 +357,8 @@ class Checkpointer:
         """Starts writing ``state`` and ``meta`` as checkpoint ``step``; returns before the write ends.
 
         Blocks only while the arrays are copied to host memory (and while a previous save is still
-        being written); the files are written in the background. Call :meth:`wait` (or
+        being written); the files are written in the background, so the arrays may be donated to
+        the next step (or deleted) as soon as ``save`` returns. Call :meth:`wait` (or
         :meth:`close`) before relying on the files. Must be called by every process with the same
         ``step``.
 
