@@ -153,6 +153,20 @@ def test_same_step_is_noop_and_older_step_is_refused(tmp_path):
             ckpt.save(4, state, {})
 
 
+def test_restore_a_given_step(tmp_path):
+    _save_steps(tmp_path, steps=(1, 2))
+    _garble(biggest_data_file(tmp_path, 2))
+    with Checkpointer(tmp_path) as ckpt:
+        state, meta = ckpt.restore(1, abstract(make_state(2), 2))
+        assert meta == {"step": 1}
+        assert_same_values(state, make_state(2, seed=1))
+        with pytest.raises(CheckpointError, match=r"No checkpoint for step 7 .* Available steps: \[1, 2\]"):
+            ckpt.restore(7, abstract(make_state(2), 2))
+        with pytest.raises(CheckpointError, match="step 2 .* is damaged: .*checksum"):
+            ckpt.restore(2, abstract(make_state(2), 2))
+        assert ckpt.all_steps() == [1, 2]  # restore(step) reports, it does not move anything
+
+
 def _save_steps(directory, steps=(1, 2)):
     with Checkpointer(directory, async_save=False) as ckpt:
         for s in steps:
