@@ -63,3 +63,22 @@ def test_sigkill_mid_epoch_then_resume_on_other_device_count(tmp_path):
     for k in a.files:
         np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
     assert list(b["accuracy"]) == list(a["accuracy"])
+
+
+@pytest.mark.multi_process
+def test_launcher_restart_resumes_after_a_worker_is_killed(tmp_path):
+    """2 processes x 2 devices; rank 1 SIGKILLs itself at step 11 of 28 on the first attempt only."""
+    ref, got = tmp_path / "ref.npz", tmp_path / "got.npz"
+    _run(["-", str(ref), "--devices", "4"])  # uninterrupted, one process
+    cmd = [sys.executable, "-m", "mirrorax.launch", "--nprocs", "2", "--cpu-devices-per-proc", "2",
+           "--max-restarts", "1", "--", sys.executable, SCRIPT, str(tmp_path / "ckpt"), str(got),
+           "--kill-rank", "1", "--kill-at-step", "11", "--sleep", "0.05"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert "rank 1 failed (killed by signal SIGKILL)" in text and "restart 1 of 1" in text, text[-4000:]
+    assert "[rank 0] Resumed from checkpoint step" in text, text[-4000:]
+    a, b = np.load(ref), np.load(got)
+    for k in a.files:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert list(b["accuracy"]) == list(a["accuracy"])

@@ -6,6 +6,7 @@ Prints "STEP n" after each step (flushed) so the test can kill it at a known poi
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -16,13 +17,16 @@ parser.add_argument("out")
 parser.add_argument("--devices", type=int, default=4)
 parser.add_argument("--every", type=int, default=3)
 parser.add_argument("--sleep", type=float, default=0.0)
+parser.add_argument("--kill-rank", type=int, default=None, help="this process SIGKILLs itself (first attempt only)")
+parser.add_argument("--kill-at-step", type=int, default=10)
 args = parser.parse_args()
 
 os.environ["KERAS_BACKEND"] = "jax"
 import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", args.devices)
+if "MIRRORAX_COORDINATOR" not in os.environ:  # under `mirrorax launch` the launcher sets the devices
+    jax.config.update("jax_num_cpu_devices", args.devices)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -42,17 +46,24 @@ class Steps(keras.callbacks.Callback):
         if self.first:
             print(f"FIRST_STEP_AT {time.time() - T0:.2f}", flush=True)
             self.first = False
+        self.steps = getattr(self, "steps", 0) + 1
         print(f"STEP {batch}", flush=True)
+        if args.kill_rank is not None and os.environ.get("MIRRORAX_RESTART", "0") == "0" and \
+                jax.process_index() == args.kill_rank and self.steps == args.kill_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
         if args.sleep:
             time.sleep(args.sleep)
 
 
+strategy = mx.MirroredStrategy()  # first: joins the job (under `mirrorax launch`) before JAX starts
 x, y, _, _ = flat_digits(200)
-model = dense()
-trainer = mx.Trainer(model, mx.MirroredStrategy())
+with strategy.scope():
+    model = dense()
+trainer = mx.Trainer(model)
 hist = trainer.fit(x, y, batch_size=32, epochs=4, shuffle=True, seed=5, verbose=2, callbacks=[Steps()],
                    checkpoint_dir=None if args.checkpoint_dir == "-" else args.checkpoint_dir,
                    checkpoint_every=args.every)
-np.savez(args.out, *model.get_weights(), loss=np.array(hist.history["loss"]),
-         accuracy=np.array(hist.history["accuracy"]))
+if jax.process_index() == 0:
+    np.savez(args.out, *model.get_weights(), loss=np.array(hist.history["loss"]),
+             accuracy=np.array(hist.history["accuracy"]))
 print("DONE", flush=True)
