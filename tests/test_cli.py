@@ -69,3 +69,14 @@ def test_bfloat16_mixed_precision_stays_close_to_float32():
     p32, p16 = tf32.predict(xt, batch_size=128), tb16.predict(xt, batch_size=128)
     assert np.abs(p32 - p16).max() < 0.1
     assert np.mean(p32.argmax(-1) == p16.argmax(-1)) > 0.95
+
+
+def test_mirrorax_train_checkpoint_dir_resumes(tmp_path):
+    ckpt = str(tmp_path / "run")
+    first = _run(["train", "--cpu-devices", "4", "--epochs", "2", "--checkpoint-dir", ckpt], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "Resumed" not in first.stdout
+    again = _run(["train", "--cpu-devices", "2", "--epochs", "3", "--checkpoint-dir", ckpt], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Resumed from checkpoint step 46" in again.stdout  # 2 epochs x 23 steps, now on 2 devices
+    assert re.findall(r"^Epoch (\d+)/3", again.stdout, re.M) == ["3"]
