@@ -82,3 +82,21 @@ def test_launcher_restart_resumes_after_a_worker_is_killed(tmp_path):
     for k in a.files:
         np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
     assert list(b["accuracy"]) == list(a["accuracy"])
+
+
+def test_trainer_load_restores_for_evaluate_and_predict(tmp_path):
+    import mirrorax as mx
+    from helpers import dense, flat_digits, strategy
+
+    x, y, xt, yt = flat_digits(100)
+    model = dense()
+    t = mx.Trainer(model, strategy(8))
+    t.fit(x, y, batch_size=32, epochs=2, verbose=0, checkpoint_dir=tmp_path / "ck")
+    fresh = dense(seed=99)  # other initial weights: everything must come from the checkpoint
+    loaded = mx.Trainer.load(tmp_path / "ck", fresh, strategy(2))
+    np.testing.assert_allclose(loaded.predict(xt, batch_size=64), t.predict(xt, batch_size=64), rtol=1e-6, atol=1e-7)
+    assert loaded.evaluate(xt, yt, batch_size=64) == pytest.approx(t.evaluate(xt, yt, batch_size=64), rel=1e-6)
+    for a, b in zip(fresh.get_weights(), model.get_weights()):  # written back into the model
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    with pytest.raises(mx.CheckpointError, match="No checkpoint directory"):
+        mx.Trainer.load(tmp_path / "missing", dense(), strategy(1))

@@ -14,6 +14,10 @@ Example:
 """
 
 from mirrorax.cache import enable_compilation_cache as enable_compilation_cache
+from mirrorax.checkpoint import CheckpointError as CheckpointError
+from mirrorax.checkpoint import Checkpointer as Checkpointer
+from mirrorax.checkpoint import CheckpointMismatchError as CheckpointMismatchError
+from mirrorax.checkpoint import CheckpointWarning as CheckpointWarning
 from mirrorax.cluster import ClusterError as ClusterError
 from mirrorax.cluster import ClusterInfo as ClusterInfo
 from mirrorax.cluster import initialize as initialize
@@ -30,6 +34,10 @@ from mirrorax.trainer import Trainer as Trainer
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointWarning",
+    "Checkpointer",
     "ClusterError",
     "ClusterInfo",
     "FunctionalModel",

@@ -457,6 +457,26 @@ class Checkpointer:
 
     # ---- restoring -------------------------------------------------------------------------------
 
+    def read_meta(self) -> dict[str, Any] | None:
+        """The ``meta`` record of the newest checkpoint whose record is readable, without its arrays.
+
+        Returns ``None`` when the directory holds no checkpoint (or none with a readable record).
+
+        Example:
+            >>> ckpt.read_meta()["epoch"]  # doctest: +SKIP
+            3
+        """
+        self._check_open()
+        self._manager.wait_until_finished()
+        for step in reversed(self.all_steps()):
+            try:
+                restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            except Exception:  # noqa: BLE001 - an unreadable record: look at the next older one
+                continue
+            if isinstance(restored["meta"], dict):
+                return restored["meta"]
+        return None
+
     def restore(self, step: int, abstract_state: PyTree) -> tuple[PyTree, dict[str, Any]]:
         """Restores checkpoint ``step`` onto the shardings named in ``abstract_state``.
 

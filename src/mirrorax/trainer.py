@@ -149,6 +149,44 @@ class Trainer:
         host["nonfinite_step"] = np.zeros((), np.int32)
         self._state = self._place(host)
 
+    @classmethod
+    def load(cls, checkpoint_dir: str | os.PathLike[str], model: Any, strategy: MirroredStrategy | None = None,
+             **trainer_kwargs: Any) -> Trainer:
+        """A trainer holding the newest good checkpoint of ``checkpoint_dir``, for evaluate/predict/fit.
+
+        The checkpoint's values are also written into ``model``. Works on any device or process count.
+
+        Args:
+          checkpoint_dir: a directory written by ``fit(checkpoint_dir=...)``.
+          model: the same model (compiled as for training), freshly built.
+          strategy, trainer_kwargs: as for :class:`Trainer`.
+
+        Raises:
+          CheckpointError: no such directory, or no checkpoint in it.
+          CheckpointMismatchError: the checkpoint belongs to a different model.
+
+        Example:
+          >>> trainer = mx.Trainer.load("runs/mnist", model)
+          >>> trainer.evaluate(x_test, y_test)
+        """
+        from mirrorax.checkpoint import CheckpointError, Checkpointer
+
+        if "://" not in os.fspath(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
+            raise CheckpointError(f"No checkpoint directory {os.fspath(checkpoint_dir)!r}. Pass the checkpoint_dir "
+                                  "that fit(checkpoint_dir=...) wrote.")
+        trainer = cls(model, strategy, **trainer_kwargs)
+        with Checkpointer(checkpoint_dir, keep=None) as ckpt:
+            meta = ckpt.read_meta()
+            if meta is None or "sample_spec" not in meta:
+                raise CheckpointError(f"{ckpt.directory} holds no mirrorax checkpoint (steps: {ckpt.all_steps()}).")
+            trainer._ensure_state(_sample_from_spec(meta["sample_spec"]))
+            restored = ckpt.restore_latest(trainer._abstract_state())
+            if restored is None:
+                raise CheckpointError(f"{ckpt.directory} holds no readable checkpoint.")
+            trainer._state = restored[1]
+        trainer._write_back()
+        return trainer
+
     def host_state(self) -> dict[str, PyTree]:
         """A host (numpy) copy of the training state."""
         if self._state is None:
@@ -598,6 +636,20 @@ def _sample_spec(sample: data_lib.Batch) -> dict[str, Any]:
         return None if t is None else jax.tree.map(lambda a: [list(a.shape[1:]), str(a.dtype)], t)
 
     return {"x": spec(sample.x), "y": spec(sample.y)}
+
+
+def _sample_from_spec(spec: dict[str, Any]) -> data_lib.Batch:
+    """Zeros shaped as :func:`_sample_spec` recorded (two rows), to rebuild a model's variables."""
+    def zeros(t: Any) -> Any:
+        if t is None:
+            return None
+        if isinstance(t, list) and len(t) == 2 and isinstance(t[1], str):
+            return np.zeros([2, *t[0]], t[1])
+        if isinstance(t, dict):
+            return {k: zeros(v) for k, v in t.items()}
+        return type(t)(zeros(v) for v in t)
+
+    return data_lib.Batch(zeros(spec["x"]), zeros(spec["y"]), np.ones(2, np.float32), np.ones(2, np.float32))
 
 
 def _check_every(every: Any) -> int | None:
