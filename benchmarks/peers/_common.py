@@ -1,0 +1,149 @@
+"""What every system's benchmark process shares: its command line, device set-up, timing and result file.
+
+A system runs as ``python -m benchmarks.peers.<module> --workload W --devices N --steps S --warmup K
+--repeats R --batch B --json-out F``: it builds the workload, runs ``K`` warm-up steps (compilation
+included), then ``R`` timed runs of ``S`` steps each, and writes one JSON object to ``F``::
+
+    {"system", "workload", "devices", "batch", "steps", "warmup", "repeats", "bf16", "status": "ok",
+     "samples_per_s": [one per timed run], "warmup_s", "peak_rss_mb", "device_kind", "note", "versions"}
+
+Device counts are fixed when a backend starts, hence one process per (system, device count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+__all__ = ["parse_args", "use_cpu_devices", "peak_rss_mb", "time_runs", "write_result", "main_guard",
+           "make_batches"]
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args(system: str, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parses a system process's command line (the same flags for every system)."""
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.peers.{system}",
+                                description=f"Time one workload with {system} on N devices.")
+    p.add_argument("--workload", required=True, help="mlp | cnn | transformer (or a | b | c)")
+    p.add_argument("--devices", type=int, default=1, help="number of devices (simulated CPU devices on CPU)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per timed run (workload default)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps before timing (workload default)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs in this process")
+    p.add_argument("--batch", type=int, default=None, help="global batch (workload default)")
+    p.add_argument("--bf16", action="store_true", help="mixed bfloat16 precision")
+    p.add_argument("--seed", type=int, default=0, help="data seed")
+    p.add_argument("--steps-per-execution", type=int, default=1,
+                   help="mirrorax / keras fit: steps fused into one dispatch (where supported)")
+    p.add_argument("--json-out", default=None, help="write the result here (else print it)")
+    args = p.parse_args(argv)
+    args.system = system
+    sys.path.insert(0, _REPO)
+    from benchmarks import workloads
+
+    wl = workloads.get(args.workload)
+    args.workload = wl.name
+    args.steps = args.steps or wl.steps
+    args.warmup = wl.warmup if args.warmup is None else args.warmup
+    args.batch = args.batch or wl.batch
+    if args.batch % args.devices:
+        p.error(f"--batch {args.batch} must divide evenly over --devices {args.devices}")
+    return args
+
+
+def use_cpu_devices(n: int) -> None:
+    """Asks JAX for ``n`` CPU devices; must run before JAX's backend starts.
+
+    Real accelerators, where present, are used instead (their count is what it is); on CPU the host's
+    cores are shared by the ``n`` simulated devices.
+    """
+    os.environ["JAX_NUM_CPU_DEVICES"] = str(n)
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def jax_devices(n: int) -> list[Any]:
+    """The first ``n`` JAX devices; raises if there are fewer."""
+    import jax
+
+    devices = jax.devices()
+    if len(devices) < n:
+        raise RuntimeError(f"Expected at least {n} {jax.default_backend()} devices. Received: {len(devices)}")
+    return devices[:n]
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (``VmHWM``) in MiB."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def make_batches(x: Any, y: Any, batch: int) -> list[tuple[Any, Any]]:
+    """Splits host arrays into consecutive global batches (views, no copies)."""
+    return [(x[i:i + batch], y[i:i + batch]) for i in range(0, len(x) - batch + 1, batch)]
+
+
+def time_runs(run_once: Callable[[], None], repeats: int, samples_per_run: int) -> list[float]:
+    """Calls ``run_once`` (which must return only when its work is finished) ``repeats`` times.
+
+    Returns:
+      samples per second of each call.
+    """
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run_once()
+        rates.append(samples_per_run / (time.perf_counter() - t0))
+    return rates
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for mod in ("jax", "keras", "tensorflow", "torch"):
+        if mod in sys.modules:
+            out[mod] = getattr(sys.modules[mod], "__version__", "?")
+    return out
+
+
+def write_result(args: argparse.Namespace, **fields: Any) -> dict[str, Any]:
+    """Writes the process's result (``status`` ``ok`` unless given) to ``--json-out`` or stdout."""
+    result = {
+        "system": args.system, "workload": args.workload, "devices": args.devices, "batch": args.batch,
+        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "bf16": bool(args.bf16),
+        "status": "ok", "peak_rss_mb": peak_rss_mb(), "versions": _versions(),
+    }
+    result.update(fields)
+    text = json.dumps(result, indent=1)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(text)
+    else:
+        print(text)
+    return result
+
+
+def main_guard(args: argparse.Namespace, body: Callable[[], None]) -> None:
+    """Runs ``body``; an exception becomes an ``error`` result (with the message) and exit status 1."""
+    try:
+        body()
+    except Exception as e:  # noqa: BLE001 - any failure is a benchmark result, reported as such
+        traceback.print_exc()
+        write_result(args, status="error", note=f"{type(e).__name__}: {e}"[:500])
+        sys.exit(1)
