@@ -11,7 +11,6 @@ import itertools
 import os
 import sys
 import time
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, Any
 
@@ -19,9 +18,11 @@ import jax
 import numpy as np
 
 from mirrorax import data as data_lib
+from mirrorax import resume as resume_lib
 from mirrorax.models.base import ModelAdapter, adapt
 from mirrorax.progress import Progress, resolve_verbose
 from mirrorax.step import InFlight, StepFunctions, host_value
+from mirrorax.streams import Stream, make_stream
 from mirrorax.strategy import MirroredStrategy, get_strategy
 
 __all__ = ["Trainer", "History", "NonFiniteLossError"]
@@ -179,7 +180,7 @@ class Trainer:
             meta = ckpt.read_meta()
             if meta is None or "sample_spec" not in meta:
                 raise CheckpointError(f"{ckpt.directory} holds no mirrorax checkpoint (steps: {ckpt.all_steps()}).")
-            trainer._ensure_state(_sample_from_spec(meta["sample_spec"]))
+            trainer._ensure_state(resume_lib.sample_from_spec(meta["sample_spec"]))
             restored = ckpt.restore_latest(trainer._abstract_state())
             if restored is None:
                 raise CheckpointError(f"{ckpt.directory} holds no readable checkpoint.")
@@ -208,7 +209,7 @@ class Trainer:
 
     def _sample(self, source: Any, batch_size: int, with_targets: bool = True) -> data_lib.Batch:
         if isinstance(source, data_lib.ArraySource):
-            gen = source.batches(batch_size, _single(self.strategy), shuffle=False, seed=0, pass_index=0,
+            gen = source.batches(batch_size, self.strategy, shuffle=False, seed=0, pass_index=0,
                                  with_targets=with_targets)
             return next(gen)
         x, y, w = source.peek()
@@ -288,7 +289,7 @@ class Trainer:
         _check_positive_int("epochs", epochs, low=0)
         if steps_per_epoch is not None:
             _check_positive_int("steps_per_epoch", steps_per_epoch)
-        every = _check_every(checkpoint_every)
+        every = resume_lib.check_every(checkpoint_every)
         source = data_lib.make_source(x, y, sample_weight)
         batch_size = self._batch_size(source, batch_size)
         val = self._validation_source(validation_data)
@@ -304,21 +305,20 @@ class Trainer:
             if hasattr(cb, "set_model"):
                 cb.set_model(self.model)
         history = History()
-        stream = _ArrayStream(source, batch_size, self.strategy, shuffle, seed) \
-            if isinstance(source, data_lib.ArraySource) else _IterStream(source, batch_size, self.strategy)
+        stream = make_stream(source, batch_size, self.strategy, shuffle=shuffle, seed=seed)
         per_epoch = steps_per_epoch or stream.batches_per_pass
         run = {"batch_size": batch_size, "shuffle": bool(shuffle), "seed": int(seed),
                "steps_per_epoch": steps_per_epoch}
         start_epoch, start_batch = initial_epoch, 0
         try:
             if ckpt is not None:
-                resumed = self._resume(ckpt, run, history)
+                resumed = resume_lib.resume(ckpt, self._abstract_state(), run, history)
                 if resumed is not None:
-                    start_epoch, start_batch, step = resumed
+                    self._state, start_epoch, start_batch, step = resumed
                     if mode:
                         self.stream.write(f"Resumed from checkpoint step {step} in {ckpt.directory} "
                                           f"(epoch {start_epoch + 1}, batch {start_batch}).\n")
-            saver = None if ckpt is None else _Saver(ckpt, every, run, history, _sample_spec(sample))
+            saver = None if ckpt is None else resume_lib.Saver(ckpt, every, run, history, resume_lib.sample_spec(sample))
             _call(callbacks, "on_train_begin", {})
             for epoch in range(start_epoch, epochs):
                 _call(callbacks, "on_epoch_begin", epoch, {})
@@ -351,31 +351,8 @@ class Trainer:
     def _abstract_state(self) -> PyTree:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._state)
 
-    def _resume(self, ckpt: Any, run: dict[str, Any], history: History) -> tuple[int, int, int] | None:
-        from mirrorax.checkpoint import CheckpointError
-
-        restored = ckpt.restore_latest(self._abstract_state())
-        if restored is None:
-            return None
-        step, state, meta = restored
-        saved = meta.get("run", {})
-        if saved.get("batch_size") != run["batch_size"]:
-            raise CheckpointError(
-                f"The checkpoint in {ckpt.directory} was written with global batch_size={saved.get('batch_size')}; "
-                f"this run asks for batch_size={run['batch_size']}. Resuming with another global batch would "
-                "change the result: pass the same batch_size (any device count works), or a fresh checkpoint_dir.")
-        for key in ("shuffle", "seed", "steps_per_epoch"):
-            if saved.get(key) != run[key]:
-                raise CheckpointError(
-                    f"The checkpoint in {ckpt.directory} was written with {key}={saved.get(key)!r}; this run "
-                    f"asks for {key}={run[key]!r}, which would change the data order. Pass the same value, or a "
-                    "fresh checkpoint_dir.")
-        self._state = state
-        history.restore(meta.get("history", {}))
-        return int(meta["epoch"]), int(meta["batch_in_epoch"]), int(step)
-
-    def _run_epoch(self, stream: Any, position: int, steps_per_epoch: int | None, epoch: int, epochs: int,
-                   mode: int, *, start_batch: int = 0, saver: _Saver | None = None,
+    def _run_epoch(self, stream: Stream, position: int, steps_per_epoch: int | None, epoch: int, epochs: int,
+                   mode: int, *, start_batch: int = 0, saver: resume_lib.Saver | None = None,
                    callbacks: Sequence[Any] = ()) -> tuple[dict[str, float], Progress, int, int]:
         # Resuming mid-epoch keeps the checkpoint's metric accumulators: the epoch's logs stay exact.
         state = self._state if start_batch else dict(self._state, metrics=self._place(self.adapter.initial_metrics()))
@@ -472,8 +449,7 @@ class Trainer:
     def _evaluate_source(self, source: Any, batch_size: int) -> dict[str, float]:
         self._ensure_state(self._sample(source, batch_size))
         metrics = self._place(self.adapter.initial_metrics())
-        stream = _ArrayStream(source, batch_size, self.strategy, False, 0) \
-            if isinstance(source, data_lib.ArraySource) else _IterStream(source, batch_size, self.strategy)
+        stream = make_stream(source, batch_size, self.strategy)
         window = InFlight(self.max_in_flight)
         batches = self._device_batches(stream.batches(0, None), 1, stream.per_process)
         try:
@@ -504,9 +480,7 @@ class Trainer:
         source = data_lib.make_source(x)
         batch_size = self._batch_size(source, batch_size)
         self._ensure_state(self._sample(source, batch_size, with_targets=False))
-        stream = _ArrayStream(source, batch_size, self.strategy, False, 0, with_targets=False) \
-            if isinstance(source, data_lib.ArraySource) else _IterStream(source, batch_size, self.strategy,
-                                                                         with_targets=False)
+        stream = make_stream(source, batch_size, self.strategy, with_targets=False)
         outputs: list[Any] = []
         pending: list[tuple[Any, Any]] = []
 
@@ -531,144 +505,6 @@ class Trainer:
     def compile_counts(self) -> dict[str, int]:
         """Programs compiled per step kind (fixed shapes: one per kind used)."""
         return self.steps.compile_counts()
-
-
-class _ArrayStream:
-    """Global batches from an :class:`ArraySource` as one endless stream of passes."""
-
-    per_process = False
-
-    def __init__(self, source: data_lib.ArraySource, batch_size: int, strategy: MirroredStrategy,
-                 shuffle: bool, seed: int, with_targets: bool = True) -> None:
-        self.source, self.batch_size, self.strategy = source, batch_size, strategy
-        self.shuffle, self.seed, self.with_targets = shuffle, seed, with_targets
-        self.batches_per_pass = source.batches_per_pass(batch_size)
-        self._reals: list[int] = []
-
-    def batches(self, position: int, count: int | None, start: int = 0) -> Iterator[data_lib.Batch]:
-        """Batches ``start..count`` (default: to the end of the pass) of the epoch at stream ``position``."""
-        n = self.source.num_examples
-        end = position + count if count else (position // self.batches_per_pass + 1) * self.batches_per_pass
-        position += start
-        while position < end:
-            pass_index, start = divmod(position, self.batches_per_pass)
-            for b in self.source.batches(self.batch_size, self.strategy, shuffle=self.shuffle, seed=self.seed,
-                                         pass_index=pass_index, start=start, with_targets=self.with_targets):
-                self._reals.append(min(self.batch_size, n - (position % self.batches_per_pass) * self.batch_size))
-                yield b
-                position += 1
-                if position >= end:
-                    return
-
-    def last_real(self, k: int) -> int:
-        take = max(k, 1)
-        total = sum(self._reals[:take])
-        del self._reals[:take]
-        return total
-
-
-class _IterStream:
-    """Global batches from an :class:`IterableSource`; an epoch is one iteration (or ``count`` batches)."""
-
-    def __init__(self, source: data_lib.IterableSource, batch_size: int, strategy: MirroredStrategy,
-                 with_targets: bool = True) -> None:
-        self.source, self.batch_size, self.strategy = source, batch_size, strategy
-        self.with_targets = with_targets
-        self.per_process = source.per_process
-        self.batches_per_pass = _len_or_none(source.iterable)
-        self._reals: list[int] = []
-        self._continuing: Iterator[data_lib.Batch] | None = None
-
-    def batches(self, position: int, count: int | None, start: int = 0) -> Iterator[data_lib.Batch]:
-        """The epoch's batches from batch ``start`` on (a resumed epoch skips what it already trained)."""
-        it: Iterator[data_lib.Batch]
-        if isinstance(self.source.iterable, Iterator):
-            # A one-shot iterator (a generator) continues across epochs, as in Keras.
-            if self._continuing is None:
-                self._continuing = self.source.batches(self.batch_size, self.strategy,
-                                                       with_targets=self.with_targets)
-            it = self._continuing
-        else:
-            it = self.source.batches(self.batch_size, self.strategy, with_targets=self.with_targets)
-        if start:
-            it = itertools.islice(it, start, None)
-        for i, b in enumerate(it, start=start):
-            self._reals.append(int(b.mask.sum()) * (self.strategy.process_count if self.strategy.process_count > 1 else 1))
-            yield b
-            if count and i + 1 >= count:
-                return
-
-    def last_real(self, k: int) -> int:
-        take = max(k, 1)
-        total = sum(self._reals[:take])
-        del self._reals[:take]
-        return total
-
-
-class _Saver:
-    """Writes checkpoints of a fit: when due, with the data position and history in ``meta``."""
-
-    def __init__(self, ckpt: Any, every: int | None, run: dict[str, Any], history: History,
-                 sample_spec: dict[str, Any]) -> None:
-        self.ckpt, self.every, self.run, self.history, self.sample_spec = ckpt, every, run, history, sample_spec
-
-    def due(self, before: int, after: int) -> bool:
-        """True when a step-count checkpoint falls in steps ``(before, after]``."""
-        return bool(self.every) and after // self.every > before // self.every
-
-    def save(self, state: dict[str, PyTree], epoch: int, batch_in_epoch: int) -> None:
-        step = int(host_value(state["step"]))
-        meta = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "run": self.run,
-                "history": self.history.as_dict(), "sample_spec": self.sample_spec,
-                "mirrorax_version": _version()}
-        self.ckpt.save(step, state, meta)
-
-
-def _version() -> str:
-    from mirrorax import __version__
-
-    return __version__
-
-
-def _sample_spec(sample: data_lib.Batch) -> dict[str, Any]:
-    """Shapes and dtypes of one row of x and y: enough to rebuild the model's variables for loading."""
-    def spec(t: Any) -> Any:
-        return None if t is None else jax.tree.map(lambda a: [list(a.shape[1:]), str(a.dtype)], t)
-
-    return {"x": spec(sample.x), "y": spec(sample.y)}
-
-
-def _sample_from_spec(spec: dict[str, Any]) -> data_lib.Batch:
-    """Zeros shaped as :func:`_sample_spec` recorded (two rows), to rebuild a model's variables."""
-    def zeros(t: Any) -> Any:
-        if t is None:
-            return None
-        if isinstance(t, list) and len(t) == 2 and isinstance(t[1], str):
-            return np.zeros([2, *t[0]], t[1])
-        if isinstance(t, dict):
-            return {k: zeros(v) for k, v in t.items()}
-        return type(t)(zeros(v) for v in t)
-
-    return data_lib.Batch(zeros(spec["x"]), zeros(spec["y"]), np.ones(2, np.float32), np.ones(2, np.float32))
-
-
-def _check_every(every: Any) -> int | None:
-    if every == "epoch":
-        return None
-    if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every < 1:
-        raise ValueError(f"checkpoint_every must be 'epoch' or a number of steps >= 1; received {every!r}.")
-    return int(every)
-
-
-def _len_or_none(x: Any) -> int | None:
-    try:
-        return len(x)
-    except TypeError:
-        return None
-
-
-def _single(strategy: MirroredStrategy) -> MirroredStrategy:
-    return strategy
 
 
 def _check_positive_int(name: str, value: Any, low: int = 1) -> None:

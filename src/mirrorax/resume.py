@@ -1,0 +1,103 @@
+"""What ``fit`` keeps in a checkpoint besides the state, and how it resumes from one.
+
+``meta`` holds the data position (epoch, batch within the epoch: global batches, so it means the same
+examples on any device count), the run's data settings, the history so far, and the shapes of one
+input row (``sample_spec``) so that ``Trainer.load`` can rebuild a model's variables without data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from mirrorax.data import Batch
+from mirrorax.step import host_value
+
+__all__ = ["Saver", "resume", "sample_spec", "sample_from_spec", "check_every"]
+
+PyTree = Any
+
+
+def resume(ckpt: Any, abstract_state: Any, run: dict[str, Any], history: Any) -> tuple[Any, int, int, int] | None:
+    """Restores the newest good checkpoint if there is one: ``(state, epoch, batch_in_epoch, step)``.
+
+    Refuses (``CheckpointError``) a checkpoint of a run whose global batch, shuffle, seed or
+    steps_per_epoch differ: those decide which examples each step sees.
+    """
+    from mirrorax.checkpoint import CheckpointError
+
+    restored = ckpt.restore_latest(abstract_state)
+    if restored is None:
+        return None
+    step, state, meta = restored
+    saved = meta.get("run", {})
+    if saved.get("batch_size") != run["batch_size"]:
+        raise CheckpointError(
+            f"The checkpoint in {ckpt.directory} was written with global batch_size={saved.get('batch_size')}; "
+            f"this run asks for batch_size={run['batch_size']}. Resuming with another global batch would "
+            "change the result: pass the same batch_size (any device count works), or a fresh checkpoint_dir.")
+    for key in ("shuffle", "seed", "steps_per_epoch"):
+        if saved.get(key) != run[key]:
+            raise CheckpointError(
+                f"The checkpoint in {ckpt.directory} was written with {key}={saved.get(key)!r}; this run "
+                f"asks for {key}={run[key]!r}, which would change the data order. Pass the same value, or a "
+                "fresh checkpoint_dir.")
+    history.restore(meta.get("history", {}))
+    return state, int(meta["epoch"]), int(meta["batch_in_epoch"]), int(step)
+
+
+class Saver:
+    """Writes checkpoints of a fit: when due, with the data position and history in ``meta``."""
+
+    def __init__(self, ckpt: Any, every: int | None, run: dict[str, Any], history: Any,
+                 spec: dict[str, Any]) -> None:
+        self.ckpt, self.every, self.run, self.history, self.spec = ckpt, every, run, history, spec
+
+    def due(self, before: int, after: int) -> bool:
+        """True when a step-count checkpoint falls in steps ``(before, after]``."""
+        return bool(self.every) and after // self.every > before // self.every
+
+    def save(self, state: dict[str, PyTree], epoch: int, batch_in_epoch: int) -> None:
+        step = int(host_value(state["step"]))
+        meta = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "run": self.run,
+                "history": self.history.as_dict(), "sample_spec": self.spec,
+                "mirrorax_version": _version()}
+        self.ckpt.save(step, state, meta)
+
+
+def _version() -> str:
+    from mirrorax import __version__
+
+    return __version__
+
+
+def sample_spec(sample: Batch) -> dict[str, Any]:
+    """Shapes and dtypes of one row of x and y: enough to rebuild the model's variables for loading."""
+    def spec(t: Any) -> Any:
+        return None if t is None else jax.tree.map(lambda a: [list(a.shape[1:]), str(a.dtype)], t)
+
+    return {"x": spec(sample.x), "y": spec(sample.y)}
+
+
+def sample_from_spec(spec: dict[str, Any]) -> Batch:
+    """Zeros shaped as :func:`_sample_spec` recorded (two rows), to rebuild a model's variables."""
+    def zeros(t: Any) -> Any:
+        if t is None:
+            return None
+        if isinstance(t, list) and len(t) == 2 and isinstance(t[1], str):
+            return np.zeros([2, *t[0]], t[1])
+        if isinstance(t, dict):
+            return {k: zeros(v) for k, v in t.items()}
+        return type(t)(zeros(v) for v in t)
+
+    return Batch(zeros(spec["x"]), zeros(spec["y"]), np.ones(2, np.float32), np.ones(2, np.float32))
+
+
+def check_every(every: Any) -> int | None:
+    if every == "epoch":
+        return None
+    if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every < 1:
+        raise ValueError(f"checkpoint_every must be 'epoch' or a number of steps >= 1; received {every!r}.")
+    return int(every)
