@@ -20,22 +20,20 @@ same order; Orbax coordinates the writes and the primary process writes the shar
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import gc
-import inspect
 import os
 import shutil
-import sys
-import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from mirrorax._integrity import all_finite, digest, path_str
+from mirrorax._orbax_quirks import drain_abandoned_reads, dropping_orbax_read_errors_of_abandoned_reads
 
 __all__ = [
     "CheckpointError",
@@ -67,125 +65,6 @@ class CheckpointWarning(UserWarning):
 
 
 # --------------------------------------------------------------------------------------------------
-# Device-side digest: checksums and finiteness of every leaf, in one jitted pass.
-
-
-def _as_words(x: jax.Array) -> jax.Array:
-    """The bits of ``x`` as a flat uint32 vector (one word per element, two for 64-bit types)."""
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = jnp.stack([jnp.real(x), jnp.imag(x)])
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    size = x.dtype.itemsize
-    if size >= 4:
-        words = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    else:
-        unsigned = {1: jnp.uint8, 2: jnp.uint16}[size]
-        words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-    return words.reshape(-1)
-
-
-def _leaf_digest(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(uint32[2] checksum, bool finite) of one leaf.
-
-    The checksum is (sum of words, sum of word * (2i + 1)) modulo 2**32. Integer sums are exact and
-    associative, so the value does not depend on the device count or the reduction order (a checkpoint
-    written on 8 devices verifies on 1); any single changed word changes both sums, because odd
-    multipliers are invertible modulo 2**32.
-    """
-    words = _as_words(x)
-    weights = jnp.arange(words.shape[0], dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
-    checksum = jnp.stack(
-        [jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * weights, dtype=jnp.uint32)]
-    )
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        finite = jnp.all(jnp.isfinite(x))
-    else:
-        finite = jnp.array(True)
-    return checksum, finite
-
-
-@jax.jit
-def _digest_leaves(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """uint32[n, 2] checksums and bool[n] finiteness of n leaves (two small transfers, not 2n)."""
-    pairs = [_leaf_digest(x) for x in leaves]
-    return jnp.stack([c for c, _ in pairs]), jnp.stack([f for _, f in pairs])
-
-
-def _one_copy(x: Any) -> Any:
-    """One device's copy of a replicated array (the digest is the same; 1/n of the work), else ``x``."""
-    if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 and x.is_fully_replicated:
-        return x.addressable_data(0)
-    return x
-
-
-def _to_host(x: Any) -> np.ndarray:
-    """A small, replicated result as numpy, also when other processes hold some of its devices."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        x = x.addressable_data(0)
-    return np.asarray(x)
-
-
-def _path_str(path: tuple[Any, ...]) -> str:
-    """``('trainable', 'sequential/dense/kernel')`` -> ``'trainable/sequential/dense/kernel'``."""
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
-
-
-def _digest(tree: PyTree) -> tuple[dict[str, list[int]], list[str]]:
-    """Checksums by variable path, and the paths of floating variables holding NaN or Inf."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    if not flat:
-        return {}, []
-    paths = [_path_str(p) for p, _ in flat]
-    leaves = [_one_copy(x) if isinstance(x, jax.Array) else jnp.asarray(x) for _, x in flat]
-    # One jitted call per set of devices: a jit cannot mix arrays committed to different devices.
-    groups: dict[frozenset[Any], list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        groups.setdefault(frozenset(leaf.sharding.device_set), []).append(i)
-    checksums: list[list[int]] = [[]] * len(leaves)
-    finite: list[bool] = [True] * len(leaves)
-    for members in groups.values():
-        sums, ok = _digest_leaves([leaves[i] for i in members])
-        for i, row, flag in zip(members, _to_host(sums).tolist(), _to_host(ok).tolist()):
-            checksums[i], finite[i] = [int(v) for v in row], bool(flag)
-    return dict(zip(paths, checksums)), [p for p, f in zip(paths, finite) if not f]
-
-
-def all_finite(tree: PyTree) -> bool:
-    """Whether every floating-point value in ``tree`` is finite (no NaN, no +-Inf).
-
-    Works on sharded or replicated ``jax.Array``s (the reduction runs on device, on one copy of a
-    replicated array; one small vector comes back to the host), on numpy arrays and on Python
-    numbers. Integer and boolean leaves count as finite. In a multi-process job every process must
-    call it (for sharded arrays it is a computation over the global arrays); all processes get the
-    same answer.
-
-    Args:
-        tree: Any pytree of arrays or numbers.
-
-    Returns:
-        ``True`` when no leaf holds NaN or Inf (also for a tree without leaves).
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> from mirrorax.checkpoint import all_finite
-        >>> all_finite({"w": jnp.ones(3), "b": jnp.array([0.0, jnp.nan])})
-        False
-    """
-    return not _digest(tree)[1]
-
-
-# --------------------------------------------------------------------------------------------------
 # Helpers for the structural comparison and for messages.
 
 
@@ -203,10 +82,10 @@ def _stored_form(leaf: Any) -> tuple[tuple[int, ...], Any]:
 def _first_mismatch(stored: Any, abstract: PyTree) -> str | None:
     """A sentence naming the first variable whose presence, shape or dtype differs, or ``None``."""
     stored_flat = dict(
-        (_path_str(p), leaf)
+        (path_str(p), leaf)
         for p, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]
     )
-    wanted = [(_path_str(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]]
+    wanted = [(path_str(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]]
     for path, leaf in wanted:
         shape, dtype = _stored_form(leaf)
         if path not in stored_flat:
@@ -409,7 +288,7 @@ class Checkpointer:
                 f"checkpoint {latest}. Resume from it (Checkpointer.restore_latest) or write this run "
                 "into a fresh directory."
             )
-        checksums, non_finite = _digest(state)
+        checksums, non_finite = digest(state)
         if non_finite:
             self._warn(
                 stacklevel=2,
@@ -577,7 +456,7 @@ class Checkpointer:
                 "it, or point checkpoint_dir at a fresh directory."
             )
         failure = None
-        with _dropping_orbax_read_errors_of_abandoned_reads():
+        with dropping_orbax_read_errors_of_abandoned_reads():
             try:
                 restored = self._manager.restore(
                     step,
@@ -590,7 +469,7 @@ class Checkpointer:
             except Exception as exc:  # noqa: BLE001 - any failure to read means a damaged checkpoint
                 failure = f"reading it failed ({_short(exc)})"
             if failure is not None:
-                _drain_abandoned_reads()
+                drain_abandoned_reads()
         if failure is not None:
             return failure
         state, meta, integrity = restored["state"], restored["meta"], restored["integrity"]
@@ -598,7 +477,7 @@ class Checkpointer:
             return "its meta record is not a JSON object"
         if not isinstance(integrity, dict) or not isinstance(integrity.get("checksums"), dict):
             return "its integrity record is malformed"
-        checksums, _ = _digest(state)
+        checksums, _ = digest(state)
         expected = integrity["checksums"]
         for path, value in checksums.items():
             if expected.get(path) != value:
@@ -642,56 +521,6 @@ class Checkpointer:
         """
         if jax.process_index() == 0:
             warnings.warn(message, CheckpointWarning, stacklevel=stacklevel + 1)
-
-
-_ABANDONED_READ = "_read_array_index_and_device_put"  # orbax/_src/serialization/serialization.py
-
-
-@contextlib.contextmanager
-def _dropping_orbax_read_errors_of_abandoned_reads() -> Iterator[None]:
-    """Keeps the echoes of one failed array read from leaking out as "Exception ignored in".
-
-    When one array of a restore fails, Orbax (0.12.8) closes its event loop while the reads of the
-    other arrays are still pending. Two echoes follow, which Python can only report through
-    ``sys.unraisablehook`` (and pytest turns into errors): TensorStore, finishing a read, calls
-    ``call_soon_threadsafe`` on the closed loop (``RuntimeError: Event loop is closed``); then the
-    orphaned coroutine is garbage-collected, and its ``except BaseException`` turns ``GeneratorExit``
-    into ``Exception("Encountered error while reading array index ...")``. The restore call has
-    already reported the failure, so inside this scope both echoes are dropped (which also releases
-    what they reference, so the orphans can be collected); any other unraisable exception goes to the
-    previous hook. The caller drains the orphans (:func:`_drain_abandoned_reads`) before the scope
-    ends.
-    """
-    previous = sys.unraisablehook
-
-    def hook(unraisable: Any) -> None:
-        exc = unraisable.exc_value
-        orphan_closed = isinstance(getattr(exc, "__cause__", None), GeneratorExit) and str(
-            exc
-        ).startswith("Encountered error while reading array index")
-        loop_closed = isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
-        if not (orphan_closed or loop_closed):
-            previous(unraisable)
-
-    sys.unraisablehook = hook
-    try:
-        yield
-    finally:
-        sys.unraisablehook = previous
-
-
-def _drain_abandoned_reads(timeout_s: float = 5.0) -> None:
-    """Collects Orbax's orphaned read coroutines after a failed restore (at most ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        gc.collect()
-        pending = any(
-            inspect.iscoroutine(obj) and obj.cr_code.co_name == _ABANDONED_READ
-            for obj in gc.get_objects()
-        )
-        if not pending or time.monotonic() > deadline:
-            return
-        time.sleep(0.01)
 
 
 def _check_writable(directory: str) -> None:
