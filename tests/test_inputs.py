@@ -109,3 +109,23 @@ def test_tuple_inputs():
     trainer = mx.Trainer(model, strategy(4))
     trainer.fit((xa, xb), y, batch_size=16, epochs=1, verbose=0)
     assert trainer.predict((xa, xb), batch_size=16).shape == (40, 2)
+
+
+class _Tensor:
+    """Quacks like a tf.Tensor or a torch.Tensor: converts with .numpy()."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def numpy(self):
+        return self._a
+
+
+def test_framework_tensors_in_batches_convert_through_numpy():
+    x, y, _, _ = flat_digits(64)
+    a = dense()
+    mx.Trainer(a, strategy(2)).fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    b = dense()
+    batches = [(_Tensor(x[i:i + 32]), _Tensor(y[i:i + 32].astype(np.int64))) for i in (0, 32)]
+    mx.Trainer(b, strategy(2)).fit(batches, epochs=1, verbose=0)
+    assert_weights_close(a, b, 1e-6, 1e-7)

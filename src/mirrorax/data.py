@@ -193,7 +193,8 @@ class IterableSource:
                 raw = next(it)
             except StopIteration:
                 raise ValueError("The input iterable yielded no batch. Pass a non-empty dataset.") from None
-            self._first = _split(raw)
+            x, y, w = _split(raw)
+            self._first = (_tree_numeric(x, "x"), _tree_numeric(y, "y"), w)
             if it is self.iterable or isinstance(self.iterable, Iterator):
                 # A one-shot iterator: the peeked item must still be trained on.
                 self._unread = raw
