@@ -39,15 +39,21 @@ class Batch:
       y: the targets, or ``None`` (predict).
       sample_weight: float32 ``(rows,)``: the user's weights, 1 where none were given.
       mask: float32 ``(rows,)``: 1 for a real example, 0 for padding.
+      num_real: real examples in the whole global batch (all processes), when this process knows it
+        (it then travels as a replicated scalar and spares the step a cross-device sum of the mask).
     """
 
     x: PyTree
     y: PyTree
     sample_weight: np.ndarray
     mask: np.ndarray
+    num_real: Any = None
 
     def tree(self) -> dict[str, PyTree]:
-        return {"x": self.x, "y": self.y, "sample_weight": self.sample_weight, "mask": self.mask}
+        tree = {"x": self.x, "y": self.y, "sample_weight": self.sample_weight, "mask": self.mask}
+        if self.num_real is not None:
+            tree["num_real"] = self.num_real
+        return tree
 
 
 def padded_batch_size(batch_size: int, strategy: MirroredStrategy) -> int:
@@ -164,12 +170,16 @@ class ArraySource:
             slot = np.arange(lo, lo + local)
             valid = slot < len(real)
             idx = np.where(valid, real[np.minimum(slot, len(real) - 1)], real[0])
-            yield self._batch(idx, valid, with_targets)
+            if not shuffle and valid.all():
+                # Unshuffled rows of a full slice are contiguous: views, not copies.
+                idx = slice(int(idx[0]), int(idx[-1]) + 1)
+            yield self._batch(idx, valid, with_targets, len(real))
 
-    def _batch(self, idx: np.ndarray, valid: np.ndarray, with_targets: bool) -> Batch:
-        w = np.ones(len(idx), np.float32) if self.w is None else self.w[idx]
-        y = _take(self.y, idx) if with_targets else None
-        return Batch(_take(self.x, idx), y, w, valid.astype(np.float32))
+    def _batch(self, idx: np.ndarray | slice, valid: np.ndarray, with_targets: bool, num_real: int) -> Batch:
+        pick = (lambda a: a[idx]) if isinstance(idx, slice) else (lambda a: np.take(a, idx, axis=0))
+        w = np.ones(len(valid), np.float32) if self.w is None else pick(self.w)
+        y = jax.tree.map(pick, self.y) if with_targets else None
+        return Batch(jax.tree.map(pick, self.x), y, w, valid.astype(np.float32), np.float32(num_real))
 
 
 class IterableSource:
@@ -253,7 +263,8 @@ class IterableSource:
                 slot = np.arange(rows)
             valid = slot < n
             idx = np.where(valid, np.minimum(slot, n - 1), 0)
-            template = Batch(_take(x, idx), _take(y, idx), w[idx], valid.astype(np.float32))
+            template = Batch(_take(x, idx), _take(y, idx), w[idx], valid.astype(np.float32),
+                             None if self.per_process else np.float32(n))
             yield template
 
 
@@ -262,7 +273,7 @@ def _empty_like(template: Batch | None) -> Batch:
         raise RuntimeError("This process's input pipeline yielded no batch while another process still had "
                            "data, and there is no earlier batch to shape the padding. Give every process "
                            "at least one batch per epoch.")
-    return dataclasses.replace(template, mask=np.zeros_like(template.mask))
+    return dataclasses.replace(template, mask=np.zeros_like(template.mask), num_real=None)
 
 
 def _split(item: Any) -> tuple[Any, Any, Any]:
@@ -311,8 +322,10 @@ def _looks_iterable_dataset(x: Any) -> bool:
 def stack(batches: list[Batch]) -> Batch:
     """Stacks host batches on a new leading axis (for several steps per dispatch)."""
     fields = ("x", "y", "sample_weight", "mask")
-    return Batch(*(None if getattr(batches[0], f) is None
-                   else jax.tree.map(lambda *a: np.stack(a), *[getattr(b, f) for b in batches]) for f in fields))
+    stacked = [None if getattr(batches[0], f) is None
+               else jax.tree.map(lambda *a: np.stack(a), *[getattr(b, f) for b in batches]) for f in fields]
+    known = all(b.num_real is not None for b in batches)
+    return Batch(*stacked, np.stack([b.num_real for b in batches]) if known else None)
 
 
 def to_global(batch: Batch, strategy: MirroredStrategy, *, stacked: bool = False) -> Batch:
@@ -335,8 +348,12 @@ def to_global(batch: Batch, strategy: MirroredStrategy, *, stacked: bool = False
         shape = a.shape[:axis] + (a.shape[axis] * count,) + a.shape[axis + 1:]
         return jax.make_array_from_process_local_data(sharding, a, shape)
 
+    num_real = None
+    if batch.num_real is not None:
+        value = np.asarray(batch.num_real, np.float32)
+        num_real = jax.make_array_from_callback(value.shape, strategy.replicated, lambda idx: value[idx])
     return Batch(*(jax.tree.map(put, t) if t is not None else None
-                   for t in (batch.x, batch.y, batch.sample_weight, batch.mask)))
+                   for t in (batch.x, batch.y, batch.sample_weight, batch.mask)), num_real)
 
 
 class Prefetcher:

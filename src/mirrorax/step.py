@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mirrorax.models.base import ModelAdapter
+from mirrorax.models.base import ModelAdapter, real_count
 from mirrorax.strategy import BATCH_AXIS, MirroredStrategy
 
 __all__ = ["StepFunctions", "InFlight", "NONFINITE_MODES"]
@@ -74,8 +74,9 @@ class StepFunctions:
         if k == 1:
             return self.adapter.grads(state, batch)
         replicas = self.strategy.num_replicas_in_sync
-        micro = jax.tree.map(lambda a: _split_micro(a, k, replicas), batch)
-        total = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+        total = jnp.maximum(real_count(batch), 1.0)
+        rows = {name: v for name, v in batch.items() if name != "num_real"}  # micro-batches count their mask
+        micro = jax.tree.map(lambda a: _split_micro(a, k, replicas), rows)
 
         def body(carry, mb):
             gsum, lsum, model_state, metrics = carry
@@ -92,17 +93,28 @@ class StepFunctions:
 
     def _train_step(self, state: dict[str, PyTree], batch: dict[str, PyTree]):
         grads, loss, model_state, metrics = self._grads(state, batch)
-        params, opt = self.adapter.apply_gradients(dict(state, model_state=model_state), grads)
-        new = dict(state, params=params, optimizer=opt, model_state=model_state, metrics=metrics,
-                   step=state["step"] + 1)
         finite = jnp.isfinite(loss)
-        if self.on_nonfinite != "ignore":
-            ok = finite & (state["skipped"] == 0) if self.on_nonfinite == "raise" else finite
-            first_bad = jnp.where((state["nonfinite_step"] == 0) & ~finite, state["step"] + 1,
-                                  state["nonfinite_step"])
-            kept = dict(state, step=state["step"] + 1, skipped=state["skipped"] + 1, nonfinite_step=first_bad)
-            new = dict(new, skipped=state["skipped"], nonfinite_step=first_bad)
-            new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, kept)
+
+        def apply(operands):
+            state, grads, model_state, metrics = operands
+            params, opt = self.adapter.apply_gradients(dict(state, model_state=model_state), grads)
+            return dict(state, params=params, optimizer=opt, model_state=model_state, metrics=metrics,
+                        step=state["step"] + 1)
+
+        operands = (state, grads, model_state, metrics)
+        if self.on_nonfinite == "ignore":
+            return apply(operands), {"loss": loss, "halted": jnp.zeros((), bool)}
+        ok = finite & (state["skipped"] == 0) if self.on_nonfinite == "raise" else finite
+        first_bad = jnp.where((state["nonfinite_step"] == 0) & ~finite, state["step"] + 1, state["nonfinite_step"])
+
+        def skip(operands):
+            state = operands[0]
+            return dict(state, step=state["step"] + 1, skipped=state["skipped"] + 1)
+
+        # A branch, not a select: the optimizer's update runs only when it is applied, so guarding
+        # against non-finite steps costs no extra pass over the state.
+        new = jax.lax.cond(ok, apply, skip, operands)
+        new = dict(new, nonfinite_step=first_bad)
         # ``halted`` is sticky in "raise" mode: any later step's aux tells the host that training froze,
         # so the host looks only now and then, never once per step.
         return new, {"loss": loss, "halted": new["skipped"] > 0}
@@ -111,7 +123,8 @@ class StepFunctions:
         return jax.lax.scan(self._train_step, state, batches)
 
     def _eval_step(self, state: dict[str, PyTree], metrics: PyTree, batch: dict[str, PyTree]):
-        # The example count is the token the host waits on: the metrics themselves are donated onwards.
+        # The mask's sum is the token the host waits on: the metrics themselves are donated onwards, and
+        # a host-sent count would come back as the input buffer itself, ready before the step ran.
         return self.adapter.evaluate(state, metrics, batch), jnp.sum(batch["mask"])
 
     def _predict_step(self, state: dict[str, PyTree], x: PyTree):

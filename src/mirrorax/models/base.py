@@ -16,7 +16,14 @@ from typing import Any
 
 PyTree = Any
 
-__all__ = ["ModelAdapter", "adapt"]
+__all__ = ["ModelAdapter", "adapt", "real_count"]
+
+
+def real_count(batch: dict[str, PyTree]) -> Any:
+    """Real examples in a global batch: the host's count when it sent one, else the sum of the mask."""
+    import jax.numpy as jnp
+
+    return batch["num_real"] if "num_real" in batch else jnp.sum(batch["mask"])
 
 
 class ModelAdapter(abc.ABC):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mirrorax.models.base import ModelAdapter
+from mirrorax.models.base import ModelAdapter, real_count
 
 __all__ = ["FunctionalModel"]
 
@@ -131,7 +131,7 @@ class _FunctionalAdapter(ModelAdapter):
 
     def _accumulate(self, metrics, loss_sum, y, y_pred, batch):
         w = batch["sample_weight"] * batch["mask"]
-        real = jnp.sum(batch["mask"])
+        real = real_count(batch)
         out = {"loss": {"total": metrics["loss"]["total"] + loss_sum, "count": metrics["loss"]["count"] + real}}
         for name, fn in self.metric_fns.items():
             v = fn(y, y_pred).reshape(w.shape[0], -1).mean(-1)
@@ -144,7 +144,7 @@ class _FunctionalAdapter(ModelAdapter):
         per = self.loss_fn(batch["y"], y_pred)
         w = batch["sample_weight"] * batch["mask"]
         loss_sum = jnp.sum(jnp.where(batch["mask"] > 0, per * w, 0.0))
-        loss = loss_sum / jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+        loss = loss_sum / jnp.maximum(real_count(batch), 1.0)
         return loss, (loss_sum, y_pred, model_state if model_state is not None else {})
 
     def grads(self, state, batch, loss_scale=1.0):

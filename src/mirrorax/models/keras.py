@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mirrorax.models.base import ModelAdapter
+from mirrorax.models.base import ModelAdapter, real_count
 
 __all__ = ["KerasAdapter", "check_keras_backend"]
 
@@ -148,7 +148,7 @@ class KerasAdapter(ModelAdapter):
     def _loss_and_updates(self, params, model_state, metrics, opt_vars, batch, training):
         mask = batch["mask"]
         rows = mask.shape[0]
-        real = jnp.sum(mask)
+        real = real_count(batch)
         # Keras divides by the number of rows: scale the weights so the loss is the mean over real rows.
         loss_weight = batch["sample_weight"] * mask * (rows / jnp.maximum(real, 1.0))
         with _masked_batch_norm(self.model, mask, self.keras):
@@ -195,7 +195,7 @@ class KerasAdapter(ModelAdapter):
         refs = model.metrics_variables
         values = metrics if isinstance(metrics, list) else self._unpack("metrics", metrics)
         with self.keras.StatelessScope(state_mapping=list(zip(refs, values))) as scope:
-            model._loss_tracker.update_state(loss, sample_weight=jnp.sum(batch["mask"]))
+            model._loss_tracker.update_state(loss, sample_weight=real_count(batch))
             if model._compile_metrics is not None:
                 _update_compile_metrics(model._compile_metrics, batch["y"], y_pred, batch["mask"],
                                         batch["sample_weight"] * batch["mask"])
