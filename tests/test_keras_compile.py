@@ -81,3 +81,26 @@ def test_keras_callbacks_early_stopping():
     stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=100.0)
     hist = mx.Trainer(model, strategy(2)).fit(x, y, batch_size=16, epochs=10, callbacks=[Record(), stop], verbose=0)
     assert len(hist.epoch) == 2 and [e for e, _ in seen] == [0, 1]
+
+
+def test_sequence_model_per_timestep_loss_matches_keras():
+    """Targets of shape (batch, time): the padding weights must broadcast over time steps."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 20, (45, 6)).astype(np.int32)
+    y = np.roll(x, -1, axis=1)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(20, 8),
+                              keras.layers.Dense(20)])
+        m.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+        return m
+
+    ref = build()
+    ref_hist = ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    model = build()
+    hist = mx.Trainer(model, strategy(3)).fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    assert_weights_close(model, ref, 1e-5, 1e-6)
+    np.testing.assert_allclose(hist["loss"], ref_hist["loss"], rtol=1e-5)
+    assert hist["accuracy"] == pytest.approx(ref_hist["accuracy"], abs=1e-7)

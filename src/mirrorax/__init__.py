@@ -14,10 +14,6 @@ Example:
 """
 
 from mirrorax.cache import enable_compilation_cache as enable_compilation_cache
-from mirrorax.checkpoint import CheckpointError as CheckpointError
-from mirrorax.checkpoint import Checkpointer as Checkpointer
-from mirrorax.checkpoint import CheckpointMismatchError as CheckpointMismatchError
-from mirrorax.checkpoint import CheckpointWarning as CheckpointWarning
 from mirrorax.cluster import ClusterError as ClusterError
 from mirrorax.cluster import ClusterInfo as ClusterInfo
 from mirrorax.cluster import initialize as initialize
@@ -32,6 +28,17 @@ from mirrorax.trainer import NonFiniteLossError as NonFiniteLossError
 from mirrorax.trainer import Trainer as Trainer
 
 __version__ = "0.1.0"
+
+# The checkpoint layer imports Orbax and TensorStore (~25 MB of resident memory): loaded on first use.
+_LAZY = {"CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer"}
+
+
+def __getattr__(name: str):  # PEP 562
+    if name in _LAZY:
+        from mirrorax import checkpoint
+
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module 'mirrorax' has no attribute {name!r}")
 
 __all__ = [
     "CheckpointError",

@@ -108,7 +108,7 @@ class KerasAdapter(ModelAdapter):
             if not all(layer.built for layer in model._flatten_layers()):
                 model(jax.tree.map(lambda a: np.asarray(a)[:1], sample["x"]), training=False)
         else:
-            model._symbolic_build(data_batch=(sample["x"], y, sample.get("sample_weight")))
+            model._symbolic_build(data_batch=(sample["x"], y, None))  # weights shape no variable
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         self._names = {
@@ -151,6 +151,10 @@ class KerasAdapter(ModelAdapter):
         real = real_count(batch)
         # Keras divides by the number of rows: scale the weights so the loss is the mean over real rows.
         loss_weight = batch["sample_weight"] * mask * (rows / jnp.maximum(real, 1.0))
+        y = batch["y"]
+        if hasattr(y, "ndim") and y.ndim > 1:
+            # Keras does not broadcast (batch,) weights over per-timestep losses: (batch, 1, ...) does.
+            loss_weight = loss_weight.reshape((-1,) + (1,) * (y.ndim - 1))
         with _masked_batch_norm(self.model, mask, self.keras):
             return self.model.compute_loss_and_updates(
                 self._unpack("params", params), self._unpack("model_state", model_state),
