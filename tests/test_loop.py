@@ -131,3 +131,21 @@ def test_functional_model_matches_plain_jax():
     probs = t.predict(x, batch_size=50)
     assert t.evaluate(x, y, batch_size=50)["accuracy"] == pytest.approx(np.mean(probs.argmax(-1) == y), abs=1e-7)
     assert len(hist.history["loss"]) == 2
+
+
+def test_background_prefetch_gives_the_same_result_and_survives_errors():
+    x, y, xt, yt = flat_digits(150)
+    a = dense()
+    mx.Trainer(a, strategy(4), prefetch=0).fit(x, y, batch_size=32, epochs=2, shuffle=True, verbose=0)
+    b = dense()
+    tb = mx.Trainer(b, strategy(4), prefetch=2)  # the background thread (the default on accelerators)
+    tb.fit(x, y, batch_size=32, epochs=2, shuffle=True, verbose=0)
+    assert_weights_close(a, b, 0, 0)  # the same program on the same batches: bitwise equal
+    assert tb.evaluate(xt, yt, batch_size=64) == mx.Trainer(a, strategy(4), prefetch=0).evaluate(xt, yt, batch_size=64)
+
+    def broken():
+        yield x[:32], y[:32]
+        raise OSError("disk went away")
+
+    with pytest.raises(OSError, match="disk went away"):  # raised on the training thread, not lost
+        tb.fit(broken(), batch_size=32, verbose=0)

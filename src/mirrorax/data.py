@@ -177,9 +177,14 @@ class ArraySource:
 
     def _batch(self, idx: np.ndarray | slice, valid: np.ndarray, with_targets: bool, num_real: int) -> Batch:
         pick = (lambda a: a[idx]) if isinstance(idx, slice) else (lambda a: np.take(a, idx, axis=0))
-        w = np.ones(len(valid), np.float32) if self.w is None else pick(self.w)
+        full = bool(valid.all())
+        if self.w is None:
+            w = shared_constant(np.ones(len(valid), np.float32)) if full else np.ones(len(valid), np.float32)
+        else:
+            w = pick(self.w)
+        mask = shared_constant(np.ones(len(valid), np.float32)) if full else valid.astype(np.float32)
         y = jax.tree.map(pick, self.y) if with_targets else None
-        return Batch(jax.tree.map(pick, self.x), y, w, valid.astype(np.float32), np.float32(num_real))
+        return Batch(jax.tree.map(pick, self.x), y, w, mask, shared_constant(np.float32(num_real)))
 
 
 class IterableSource:
@@ -328,6 +333,35 @@ def stack(batches: list[Batch]) -> Batch:
     return Batch(*stacked, np.stack([b.num_real for b in batches]) if known else None)
 
 
+# Full, unweighted batches all carry the same ones (weights, mask) and the same count: one read-only
+# host array each, placed on the devices once per layout instead of once per step.
+_SHARED: dict[tuple[Any, ...], np.ndarray] = {}
+_PLACED: dict[tuple[int, Any], jax.Array] = {}
+
+
+def shared_constant(value: np.ndarray | np.generic) -> np.ndarray:
+    """The one read-only array equal to ``value`` (by dtype, shape and contents), for reuse across steps."""
+    value = np.asarray(value)
+    key = (value.dtype.str, value.shape, value.tobytes())
+    shared = _SHARED.get(key)
+    if shared is None:
+        if len(_SHARED) > 64:  # a run has a handful; anything more is not worth caching
+            return value
+        shared = _SHARED[key] = value.copy()
+        shared.flags.writeable = False
+    return shared
+
+
+def _cached_put(a: np.ndarray, sharding: Any, put: Any) -> jax.Array:
+    if a.flags.writeable or _SHARED.get((a.dtype.str, a.shape, a.tobytes())) is not a:
+        return put(a)
+    key = (id(a), sharding)
+    placed = _PLACED.get(key)
+    if placed is None:
+        placed = _PLACED[key] = put(a)
+    return placed
+
+
 def to_global(batch: Batch, strategy: MirroredStrategy, *, stacked: bool = False) -> Batch:
     """Places this process's rows as one global array per leaf, split over the batch axis.
 
@@ -348,12 +382,16 @@ def to_global(batch: Batch, strategy: MirroredStrategy, *, stacked: bool = False
         shape = a.shape[:axis] + (a.shape[axis] * count,) + a.shape[axis + 1:]
         return jax.make_array_from_process_local_data(sharding, a, shape)
 
+    def put_replicated(a: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(a.shape, strategy.replicated, lambda idx: a[idx])
+
     num_real = None
     if batch.num_real is not None:
         value = np.asarray(batch.num_real, np.float32)
-        num_real = jax.make_array_from_callback(value.shape, strategy.replicated, lambda idx: value[idx])
-    return Batch(*(jax.tree.map(put, t) if t is not None else None
-                   for t in (batch.x, batch.y, batch.sample_weight, batch.mask)), num_real)
+        num_real = _cached_put(value, strategy.replicated, put_replicated)
+    sw, mask = (_cached_put(np.asarray(a), sharding, put) for a in (batch.sample_weight, batch.mask))
+    return Batch(jax.tree.map(put, batch.x), None if batch.y is None else jax.tree.map(put, batch.y), sw, mask,
+                 num_real)
 
 
 class Prefetcher:

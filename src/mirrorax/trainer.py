@@ -83,7 +83,10 @@ class Trainer:
       accumulation_steps: split each global batch into this many micro-batches (gradient accumulation:
         the same update as the whole batch, with a fraction of the activation memory).
       max_in_flight: dispatched steps allowed to be outstanding (>= 1; 2 overlaps host and devices).
-      prefetch: batches placed on the devices ahead of the running step (0: place synchronously).
+      prefetch: batches placed on the devices ahead of the running step, on a background thread (0: place
+        synchronously, between dispatches). ``"auto"``: 2 on accelerators, 0 on CPU devices, where the
+        copy is a memcpy and a second Python thread only competes with XLA's for the cores (measured:
+        synchronous placement is 5-8% faster on a 2-core host with 2-8 simulated devices).
       on_nonfinite: ``"raise"``, ``"skip"`` (drop the update, count it in the history) or ``"ignore"``.
       donate: donate the state buffers to each train step (no copy of the state per step).
       mixed_precision: ``"bfloat16"`` (bf16 compute, float32 variables) or ``"float16"`` (also dynamic
@@ -100,8 +103,10 @@ class Trainer:
 
     def __init__(self, model: Any, strategy: MirroredStrategy | None = None, *, loss: Any = None,
                  optimizer: Any = None, metrics: Any = None, steps_per_execution: int = 1,
-                 accumulation_steps: int = 1, max_in_flight: int = 2, prefetch: int = 2,
+                 accumulation_steps: int = 1, max_in_flight: int = 2, prefetch: int | str = "auto",
                  on_nonfinite: str = "raise", donate: bool = True, mixed_precision: str | None = None) -> None:
+        if prefetch == "auto":
+            prefetch = 0 if (strategy or get_strategy()).devices[0].platform == "cpu" else 2
         for name, value, low in (("steps_per_execution", steps_per_execution, 1),
                                  ("accumulation_steps", accumulation_steps, 1),
                                  ("max_in_flight", max_in_flight, 1), ("prefetch", prefetch, 0)):
