@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.run                      # full run (about 20-25 min on 2 CPU cores)
+    python -m benchmarks.run                      # full run (about 35-40 min on 2 CPU cores)
     python -m benchmarks.run --quick              # a few minutes: fewer steps, one round
     python -m benchmarks.run --workloads mlp,cnn --devices 1,2,4,8 --systems mirrorax,jax,keras_fit,tf,torch
 
