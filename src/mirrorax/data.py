@@ -165,24 +165,29 @@ class ArraySource:
         padded = padded_batch_size(batch_size, strategy)
         local = padded // strategy.process_count
         lo = strategy.process_index * local
+        ones = shared_constant(np.ones(local, np.float32))
         for b in range(start, self.batches_per_pass(batch_size)):
-            real = order[b * batch_size:(b + 1) * batch_size]
+            first = b * batch_size
+            real = order[first:first + batch_size]
+            if lo + local <= len(real):  # every row of this process's share is a real example
+                # Unshuffled rows are contiguous: views, not copies.
+                idx = slice(first + lo, first + lo + local) if not shuffle else real[lo:lo + local]
+                yield self._batch(idx, None, with_targets, len(real), ones)
+                continue
             slot = np.arange(lo, lo + local)
             valid = slot < len(real)
             idx = np.where(valid, real[np.minimum(slot, len(real) - 1)], real[0])
-            if not shuffle and valid.all():
-                # Unshuffled rows of a full slice are contiguous: views, not copies.
-                idx = slice(int(idx[0]), int(idx[-1]) + 1)
-            yield self._batch(idx, valid, with_targets, len(real))
+            yield self._batch(idx, valid, with_targets, len(real), ones)
 
-    def _batch(self, idx: np.ndarray | slice, valid: np.ndarray, with_targets: bool, num_real: int) -> Batch:
+    def _batch(self, idx: np.ndarray | slice, valid: np.ndarray | None, with_targets: bool, num_real: int,
+               ones: np.ndarray) -> Batch:
+        """Rows ``idx``; ``valid`` marks the real ones (``None``: all real)."""
         pick = (lambda a: a[idx]) if isinstance(idx, slice) else (lambda a: np.take(a, idx, axis=0))
-        full = bool(valid.all())
         if self.w is None:
-            w = shared_constant(np.ones(len(valid), np.float32)) if full else np.ones(len(valid), np.float32)
+            w = ones if valid is None else np.ones(len(valid), np.float32)
         else:
             w = pick(self.w)
-        mask = shared_constant(np.ones(len(valid), np.float32)) if full else valid.astype(np.float32)
+        mask = ones if valid is None else valid.astype(np.float32)
         y = jax.tree.map(pick, self.y) if with_targets else None
         return Batch(jax.tree.map(pick, self.x), y, w, mask, shared_constant(np.float32(num_real)))
 

@@ -197,7 +197,11 @@ class Trainer:
         """A host (numpy) copy of the training state."""
         if self._state is None:
             raise RuntimeError("The trainer has no state yet; call fit, evaluate or predict first.")
-        return jax.tree.map(host_value, self._state)
+        # One copy per variable (replicated: this process's first shard), fetched in one batched transfer.
+        leaves, treedef = jax.tree.flatten(self._state)
+        copies = [a.addressable_shards[0].data if isinstance(a, jax.Array) and a.is_fully_replicated else a
+                  for a in leaves]
+        return jax.tree.unflatten(treedef, [np.asarray(a) for a in jax.device_get(copies)])
 
     def _write_back(self) -> None:
         if self._state is not None:
@@ -374,13 +378,18 @@ class Trainer:
         steps = samples = 0
         halted = False
         last_look = time.perf_counter()
-        batches = self._device_batches(host, self.steps_per_execution, stream.per_process)
+        batches = iter(self._device_batches(host, self.steps_per_execution, stream.per_process))
         try:
-            for k, batch in batches:
+            upcoming = next(batches, None)
+            while upcoming is not None:
+                k, batch = upcoming
                 if k:
                     state, aux = self.steps.train_many(state, batch.tree())
                 else:
                     state, aux = self.steps.train(state, batch.tree())
+                # Place the next batch while this step and the previous one run, then wait for the
+                # previous one: the host's copy overlaps the devices' work instead of following it.
+                upcoming = next(batches, None)
                 window.push(aux)
                 before = steps
                 steps += max(k, 1)
