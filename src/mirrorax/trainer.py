@@ -205,7 +205,7 @@ class Trainer:
 
     def _write_back(self) -> None:
         if self._state is not None:
-            self.adapter.write_back(self.host_state())
+            self.adapter.write_back(self._state)
 
     # -- data helpers ------------------------------------------------------------------------------
     def _batch_size(self, source: Any, batch_size: int | None) -> int:

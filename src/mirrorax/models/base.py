@@ -67,7 +67,11 @@ class ModelAdapter(abc.ABC):
         """Final metric values from host copies of the accumulators (``{"loss": ..., "accuracy": ...}``)."""
 
     def write_back(self, state: dict[str, PyTree]) -> None:
-        """Stores trained values into the user's model object (host arrays in, nothing out)."""
+        """Stores trained values into the user's model object.
+
+        ``state`` is the device state; copy it to the host one variable at a time (``host_value``), so
+        that writing back never holds a second copy of the whole state.
+        """
 
     def build(self, sample: dict[str, PyTree]) -> None:
         """Creates every variable from a host sample batch, before :meth:`initial_state`."""

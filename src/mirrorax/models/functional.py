@@ -173,6 +173,8 @@ class _FunctionalAdapter(ModelAdapter):
                 for n, m in metrics.items()}
 
     def write_back(self, state):
-        self.model.params = jax.tree.map(np.asarray, state["params"])
+        from mirrorax.step import host_value
+
+        self.model.params = jax.tree.map(host_value, state["params"])
         if self.stateful:
-            self.model.model_state = jax.tree.map(np.asarray, state["model_state"])
+            self.model.model_state = jax.tree.map(host_value, state["model_state"])

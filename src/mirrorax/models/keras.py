@@ -155,7 +155,7 @@ class KerasAdapter(ModelAdapter):
         if hasattr(y, "ndim") and y.ndim > 1:
             # Keras does not broadcast (batch,) weights over per-timestep losses: (batch, 1, ...) does.
             loss_weight = loss_weight.reshape((-1,) + (1,) * (y.ndim - 1))
-        with _masked_batch_norm(self.model, mask, self.keras):
+        with _masked_batch_norm(self.model, mask, real >= rows, self.keras):
             return self.model.compute_loss_and_updates(
                 self._unpack("params", params), self._unpack("model_state", model_state),
                 self._unpack("metrics", metrics), batch["x"], batch["y"], loss_weight,
@@ -217,14 +217,15 @@ class KerasAdapter(ModelAdapter):
         return {k: float(np.asarray(v)) for k, v in logs.items() if np.ndim(v) == 0}
 
     def write_back(self, state) -> None:
+        from mirrorax.step import host_value
+
         m = self.model
-        for v, a in zip(m.trainable_variables, self._unpack("params", state["params"])):
-            v.assign(a)
-        for v, a in zip(m.non_trainable_variables, self._unpack("model_state", state["model_state"])):
-            v.assign(a)
+        groups = [(m.trainable_variables, "params"), (m.non_trainable_variables, "model_state")]
         if self.optax is None:
-            for v, a in zip(m.optimizer.variables, self._unpack("optimizer", state["optimizer"])):
-                v.assign(a)
+            groups.append((m.optimizer.variables, "optimizer"))
+        for variables, group in groups:
+            for v, a in zip(variables, self._unpack(group, state[group])):
+                v.assign(host_value(a))  # one variable at a time: no second copy of the whole state
 
 
 MIXED_PRECISION = ("bfloat16", "float16")
@@ -287,8 +288,12 @@ def _layers(model: Any) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def _masked_batch_norm(model: Any, mask: Any, keras: Any) -> Iterator[None]:
-    """While a step is traced, BatchNormalization layers take batch statistics over real rows only."""
+def _masked_batch_norm(model: Any, mask: Any, full: Any, keras: Any) -> Iterator[None]:
+    """While a step is traced, BatchNormalization layers take batch statistics over real rows only.
+
+    ``full`` (a replicated boolean: no padding in this batch) selects Keras's plain moments at run
+    time, so the masked computation costs nothing on the full batches that are nearly all of them.
+    """
     patched = []
     for layer in _layers(model):
         if isinstance(layer, keras.layers.BatchNormalization) and hasattr(layer, "_moments"):
@@ -298,8 +303,8 @@ def _masked_batch_norm(model: Any, mask: Any, keras: Any) -> Iterator[None]:
                 m = jnp.reshape(mask, (-1,) + (1,) * (inputs.ndim - 2))
                 m = jnp.broadcast_to(m, inputs.shape[:-1])
                 if user_mask is not None:
-                    m = m * user_mask.astype(m.dtype)
-                return _original(inputs, m)
+                    return _original(inputs, m * user_mask.astype(m.dtype))
+                return jax.lax.cond(full, lambda: _original(inputs, None), lambda: _original(inputs, m))
 
             layer._moments = moments
             patched.append(layer)
