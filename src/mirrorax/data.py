@@ -419,26 +419,21 @@ class Prefetcher:
     def _run(self, batches: Iterator[Batch], strategy: MirroredStrategy) -> None:
         try:
             for tag, b in batches:
-                item = (tag, to_global(b, strategy, stacked=tag > 0))
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._put((tag, to_global(b, strategy, stacked=tag > 0))):
                     return
-            self._put_final(self._END)
+            self._put(self._END)
         except BaseException as e:  # re-raised on the consuming thread
-            self._put_final(e)
+            self._put(e)
 
-    def _put_final(self, item: Any) -> None:
+    def _put(self, item: Any) -> bool:
+        """Queues ``item`` unless the consumer closed first (then returns False)."""
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.1)
-                return
+                return True
             except queue.Full:
                 continue
+        return False
 
     def __iter__(self) -> Iterator[tuple[int, Batch]]:
         return self
