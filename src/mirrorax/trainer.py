@@ -138,6 +138,10 @@ class Trainer:
         sharding = self.strategy.replicated
 
         def put(a: Any) -> jax.Array:
+            if self.strategy.process_count == 1 and isinstance(a, jax.Array):
+                # Device to devices, no host copy; never aliased with the model's own buffer, which the
+                # donated train step would otherwise delete under it.
+                return jax.device_put(a, sharding, may_alias=False)
             a = np.asarray(a)
             return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
 

@@ -34,7 +34,7 @@ class ModelAdapter(abc.ABC):
 
     @abc.abstractmethod
     def initial_state(self) -> dict[str, PyTree]:
-        """The model's current values as host arrays: params, model_state, optimizer, metrics."""
+        """The model's current values (host or device arrays): params, model_state, optimizer, metrics."""
 
     @abc.abstractmethod
     def initial_metrics(self) -> PyTree:

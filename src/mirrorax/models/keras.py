@@ -131,14 +131,14 @@ class KerasAdapter(ModelAdapter):
     def initial_state(self) -> dict[str, PyTree]:
         m = self.model
         state = {
-            "params": self._pack("params", [np.asarray(v.value) for v in m.trainable_variables]),
-            "model_state": self._pack("model_state", [np.asarray(v.value) for v in m.non_trainable_variables]),
+            "params": self._pack("params", [v.value for v in m.trainable_variables]),
+            "model_state": self._pack("model_state", [v.value for v in m.non_trainable_variables]),
             "metrics": self.initial_metrics(),
         }
         if self.optax is not None:
             state["optimizer"] = self.optax.init(state["params"])
         else:
-            state["optimizer"] = self._pack("optimizer", [np.asarray(v.value) for v in m.optimizer.variables])
+            state["optimizer"] = self._pack("optimizer", [v.value for v in m.optimizer.variables])
         return state
 
     def initial_metrics(self) -> PyTree:
