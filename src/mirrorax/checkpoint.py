@@ -190,6 +190,8 @@ class Checkpointer:
         if self._is_local:
             self._directory = os.path.abspath(self._directory)
             _check_writable(self._directory)
+        if jax.process_count() > 1:
+            _use_distributed_barriers()
         self._manager = ocp.CheckpointManager(
             self._directory,
             options=ocp.CheckpointManagerOptions(
@@ -521,6 +523,23 @@ class Checkpointer:
         """
         if jax.process_index() == 0:
             warnings.warn(message, CheckpointWarning, stacklevel=stacklevel + 1)
+
+
+def _use_distributed_barriers() -> None:
+    """Makes Orbax synchronise processes through JAX's coordination service, not device collectives.
+
+    By default Orbax 0.12's barrier is ``sync_global_devices``, a collective over every device. An
+    asynchronous save reaches it from a background thread, at a moment that differs between processes,
+    so one process's barrier meets another's train-step all-reduce: gloo aborts ("Received data size
+    doesn't match expected size ... collective mismatch"). The coordination service's barrier involves
+    no device, so training collectives stay in step. (Orbax reads the flag through absl; an unparsed
+    flag set is marked parsed, which changes nothing for a program that parses its own flags later.)
+    """
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    flags.FLAGS.experimental_orbax_use_distributed_barrier = True
 
 
 def _check_writable(directory: str) -> None:
