@@ -62,7 +62,7 @@ def padded_batch_size(batch_size: int, strategy: MirroredStrategy) -> int:
     return math.ceil(batch_size / n) * n
 
 
-def _check_batch_size(batch_size: Any) -> int:
+def check_batch_size(batch_size: Any) -> int:
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer (the global batch, over all devices); "
                          f"received {batch_size!r}. Use e.g. batch_size=256.")
@@ -227,6 +227,12 @@ class IterableSource:
             return itertools.chain([unread], it)
         return it
 
+    def sample(self, with_targets: bool = True) -> Batch:
+        """The first item as an all-real :class:`Batch` (for building a model's variables)."""
+        x, y, _ = self.peek()
+        n = _leading(x)[0][1]
+        return Batch(x, y if with_targets else None, np.ones(n, np.float32), np.ones(n, np.float32))
+
     def first_batch_rows(self) -> int:
         x, _, _ = self.peek()
         return _leading(x)[0][1]
@@ -303,7 +309,7 @@ def _split(item: Any) -> tuple[Any, Any, Any]:
 
 def make_source(x: Any, y: Any = None, sample_weight: Any = None) -> ArraySource | IterableSource:
     """An :class:`ArraySource` for arrays, an :class:`IterableSource` for any other iterable."""
-    if _is_array_tree(x):
+    if is_array_tree(x):
         return ArraySource(x, y, sample_weight)
     if y is not None or sample_weight is not None:
         raise ValueError("When x is an iterable of batches, y and sample_weight come from its items; "
@@ -315,13 +321,13 @@ def make_source(x: Any, y: Any = None, sample_weight: Any = None) -> ArraySource
     return IterableSource(x)
 
 
-def _is_array_tree(x: Any) -> bool:
+def is_array_tree(x: Any) -> bool:
     if isinstance(x, (np.ndarray, jax.Array)) or hasattr(x, "__array__") and not isinstance(x, Iterator):
         return not isinstance(x, (str, bytes)) and not _looks_iterable_dataset(x)
     if isinstance(x, Mapping):
-        return all(_is_array_tree(v) for v in x.values())
+        return all(is_array_tree(v) for v in x.values())
     if isinstance(x, (tuple, list)):
-        return len(x) > 0 and all(_is_array_tree(v) for v in x)
+        return len(x) > 0 and all(is_array_tree(v) for v in x)
     return False
 
 

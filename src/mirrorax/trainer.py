@@ -218,18 +218,14 @@ class Trainer:
                 rows = source.first_batch_rows()
                 return rows * self.strategy.process_count if source.per_process else rows
             return 32
-        return data_lib._check_batch_size(batch_size)
+        return data_lib.check_batch_size(batch_size)
 
     def _sample(self, source: Any, batch_size: int, with_targets: bool = True) -> data_lib.Batch:
         if isinstance(source, data_lib.ArraySource):
             gen = source.batches(batch_size, self.strategy, shuffle=False, seed=0, pass_index=0,
                                  with_targets=with_targets)
             return next(gen)
-        x, y, w = source.peek()
-        x = data_lib._tree_numeric(x, "x")
-        y = data_lib._tree_numeric(y, "y") if with_targets else None
-        n = data_lib._leading(x)[0][1]
-        return data_lib.Batch(x, y, np.ones(n, np.float32), np.ones(n, np.float32))
+        return source.sample(with_targets)
 
     def _device_batches(self, host: Iterator[data_lib.Batch], group: int,
                         per_process_iterable: bool) -> Iterator[tuple[int, data_lib.Batch]]:
@@ -437,7 +433,7 @@ class Trainer:
         if validation_data is None:
             return None
         if isinstance(validation_data, tuple) and len(validation_data) in (2, 3) and \
-                data_lib._is_array_tree(validation_data[0]):
+                data_lib.is_array_tree(validation_data[0]):
             return data_lib.ArraySource(*validation_data)
         return data_lib.make_source(validation_data)
 
@@ -493,14 +489,13 @@ class Trainer:
           >>> probs.shape[0] == len(x_test)
           True
         """
-        if isinstance(x, tuple) and len(x) in (2, 3) and not data_lib._is_array_tree(x):
+        if isinstance(x, tuple) and len(x) in (2, 3) and not data_lib.is_array_tree(x):
             x = x[0]
         source = data_lib.make_source(x)
         batch_size = self._batch_size(source, batch_size)
         self._ensure_state(self._sample(source, batch_size, with_targets=False))
         stream = make_stream(source, batch_size, self.strategy, with_targets=False)
         outputs: list[Any] = []
-        pending: list[tuple[Any, Any]] = []
 
         def collect(item: tuple[Any, Any]) -> None:
             y, mask = item
@@ -517,7 +512,6 @@ class Trainer:
         finally:
             if isinstance(batches, data_lib.Prefetcher):
                 batches.close()
-        del pending
         return jax.tree.map(lambda *a: np.concatenate(a), *outputs)
 
     def compile_counts(self) -> dict[str, int]:
