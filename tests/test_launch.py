@@ -84,6 +84,20 @@ def test_the_rank_that_failed_first_is_named_not_the_first_to_exit():
     assert code == 1 and "rank 0 failed (exit code 1)" in out, out
 
 
+def test_a_peer_aborted_by_the_lost_connection_is_not_named_as_the_cause():
+    # Rank 1 is SIGKILLed; gloo aborts rank 0 a few ms later, within the same poll of the launcher
+    # (both wait for a shared start time, then rank 0 aborts 5 ms after rank 1 dies).
+    code, out, _ = _launch(_child(f"""
+        import os, signal, sys, time
+        time.sleep(max(0.0, {time.time() + 1.5!r} - time.time()))
+        if os.environ["MIRRORAX_PROCESS_ID"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.005)
+        print("terminate called after throwing an instance of 'gloo::EnforceNotMet'", flush=True)
+        os.abort()"""), 2)
+    assert code == 128 + signal.SIGKILL and "rank 1 failed (killed by signal SIGKILL)" in out, out
+
+
 def test_max_restarts_restarts_the_whole_group_on_a_fresh_port():
     code, out, _ = _launch(_child("""
         import os, sys

@@ -34,6 +34,9 @@ SETTLE_SECONDS = 2.0
 INTERRUPT_GRACE_SECONDS = 5.0
 _OWN = re.compile(r"mirrorax: process (\d+) of \d+ failed with")
 _NAMED = re.compile(r"mirrorax: process (\d+) of \d+ failed \(")
+# What a process prints when it dies only because a peer it was exchanging data with went away (gloo
+# aborts the survivor within milliseconds of a SIGKILLed peer, often inside the same poll interval).
+_PEER_LOST = re.compile(r"gloo::|[Cc]onnection (closed|reset) by peer|collective mismatch|Broken pipe")
 # Device files of accelerators, checked without starting JAX (tests point this elsewhere).
 ACCELERATOR_PATTERNS = ["/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/kfd", "/dev/vfio/[0-9]*"]
 
@@ -214,7 +217,7 @@ class _Group:
             return 128 + self.interrupted
         if failed is None:
             return 0
-        rank = _root_cause(tails, failed[0])
+        rank = _root_cause(tails, _first_failed(own, tails, failed[0]))
         code = own[rank] if own[rank] not in (None, 0) else failed[1]
         how = _describe(own[rank]) if own[rank] not in (None, 0) else "stopped by the launcher"
         tail = "".join(f"    {line}\n" for line in tails[rank]) or "    (no output)\n"
@@ -270,6 +273,15 @@ def _root_cause(tails: Sequence[Sequence[str]], first: int) -> int:
                 named = int(ids[0]) if ids else None
     for rank in (own, named):
         if rank is not None and 0 <= rank < len(tails):
+            return rank
+    return first
+
+
+def _first_failed(codes: Sequence[int | None], tails: Sequence[Sequence[str]], first: int) -> int:
+    """Among the ranks that exited non-zero by themselves, the first whose output does not say that it
+    lost a peer; ``first`` (the first failure seen) when every one of them says so."""
+    for rank, code in enumerate(codes):
+        if code not in (None, 0) and not any(_PEER_LOST.search(line) for line in tails[rank]):
             return rank
     return first
 
