@@ -104,3 +104,93 @@ def test_sequence_model_per_timestep_loss_matches_keras():
     assert_weights_close(model, ref, 1e-5, 1e-6)
     np.testing.assert_allclose(hist["loss"], ref_hist["loss"], rtol=1e-5)
     assert hist["accuracy"] == pytest.approx(ref_hist["accuracy"], abs=1e-7)
+
+
+def test_batch_callbacks_read_the_newest_weights_through_callback_model():
+    """Mid-epoch, Keras callbacks see the weights after the step just taken (as with Keras's own fit)."""
+    x, y, _, _ = flat_digits(64)
+    ref = dense()
+    mx.Trainer(ref, strategy(2)).fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model = dense()
+    seen = []
+
+    class Reader(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append([w.copy() for w in self.model.get_weights()])
+
+    mx.Trainer(model, strategy(2)).fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[Reader()])
+    assert len(seen) == 8
+    assert not np.allclose(seen[0][0], seen[1][0])  # each batch's values, not a stale copy
+    for a, b, c in zip(seen[-1], model.get_weights(), ref.get_weights()):
+        np.testing.assert_array_equal(a, b)  # the last batch's read is the final state
+        np.testing.assert_array_equal(b, c)  # reading changed nothing
+
+
+def test_keras_evaluate_in_a_callback_does_not_disturb_training():
+    """Keras's own evaluate donates the variables' arrays; the trainer continues from the same values."""
+    x, y, _, _ = flat_digits(64)
+    ref = dense()
+    mx.Trainer(ref, strategy(2)).fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model = dense()
+    results = []
+
+    class Evaluate(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                results.append(self.model.evaluate(x, y, batch_size=16, verbose=0))
+
+        def on_epoch_end(self, epoch, logs=None):
+            results.append(self.model.evaluate(x, y, batch_size=16, verbose=0))
+
+    mx.Trainer(model, strategy(2)).fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                                       callbacks=[Evaluate()])
+    assert len(results) == 4
+    assert_weights_close(model, ref, 0, 0)
+
+
+def test_weights_set_on_the_model_are_what_the_trainer_continues_from():
+    """set_weights in a callback or between fits, or Keras's own fit: the model is the truth, as in Keras."""
+    x, y, xt, yt = flat_digits(64)
+    zeros = [np.zeros_like(w) for w in dense().get_weights()]
+    start = [np.full_like(w, 0.01) for w in zeros]
+
+    class Zero(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                self.model.set_weights(zeros)
+
+    def run(fit):
+        model = dense()
+        fit(model, epochs=2, callbacks=[Zero()])
+        zeroed_then_trained = [w.copy() for w in model.get_weights()]
+        model.set_weights(start)
+        fit(model, epochs=1)
+        return model, zeroed_then_trained
+
+    ref, ref_mid = run(lambda m, **kw: m.fit(x, y, batch_size=16, shuffle=False, verbose=0, **kw))
+    trainers = {}
+
+    def ours(m, **kw):
+        trainers.setdefault(id(m), mx.Trainer(m, strategy(4))).fit(x, y, batch_size=16, shuffle=False, verbose=0, **kw)
+
+    model, mid = run(ours)
+    for a, b in zip(mid, ref_mid):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_weights_close(model, ref, 1e-5, 1e-6)
+    trainer = trainers[id(model)]
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # Keras's own fit donates the arrays the trainer lent
+    np.testing.assert_allclose(list(trainer.evaluate(xt, yt, batch_size=32).values()),
+                               model.evaluate(xt, yt, batch_size=32, verbose=0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("save_freq", ["epoch", 4])
+def test_keras_model_checkpoint_saves_the_trained_weights(tmp_path, save_freq):
+    x, y, _, _ = flat_digits(64)  # 4 batches an epoch: the last save is of the final weights
+    model = dense()
+    path = str(tmp_path / "w.weights.h5")
+    save = keras.callbacks.ModelCheckpoint(path, save_weights_only=True, save_freq=save_freq)
+    mx.Trainer(model, strategy(2)).fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[save])
+    loaded = dense(seed=7)
+    loaded.optimizer.build(loaded.trainable_variables)  # the file holds Adam's state too
+    loaded.load_weights(path)
+    assert_weights_close(loaded, model, 0, 0)

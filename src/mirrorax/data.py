@@ -347,6 +347,7 @@ def stack(batches: list[Batch]) -> Batch:
 # Full, unweighted batches all carry the same ones (weights, mask) and the same count: one read-only
 # host array each, placed on the devices once per layout instead of once per step.
 _SHARED: dict[tuple[Any, ...], np.ndarray] = {}
+_SHARED_IDS: set[int] = set()
 _PLACED: dict[tuple[int, Any], jax.Array] = {}
 
 
@@ -360,11 +361,17 @@ def shared_constant(value: np.ndarray | np.generic) -> np.ndarray:
             return value
         shared = _SHARED[key] = value.copy()
         shared.flags.writeable = False
+        _SHARED_IDS.add(id(shared))
     return shared
 
 
+def _is_shared(a: np.ndarray) -> bool:
+    # By identity: the shared arrays live as long as the process, so their ids are never reused.
+    return id(a) in _SHARED_IDS
+
+
 def _cached_put(a: np.ndarray, sharding: Any, put: Any) -> jax.Array:
-    if a.flags.writeable or _SHARED.get((a.dtype.str, a.shape, a.tobytes())) is not a:
+    if not _is_shared(a):
         return put(a)
     key = (id(a), sharding)
     placed = _PLACED.get(key)
@@ -400,9 +407,29 @@ def to_global(batch: Batch, strategy: MirroredStrategy, *, stacked: bool = False
     if batch.num_real is not None:
         value = np.asarray(batch.num_real, np.float32)
         num_real = _cached_put(value, strategy.replicated, put_replicated)
-    sw, mask = (_cached_put(np.asarray(a), sharding, put) for a in (batch.sample_weight, batch.mask))
-    return Batch(jax.tree.map(put, batch.x), None if batch.y is None else jax.tree.map(put, batch.y), sw, mask,
-                 num_real)
+    # Every per-step leaf in one transfer: a device_put per leaf costs ~3x as much host time (measured
+    # 530 against 145 us for an MLP batch's x and y on one CPU device), time the step cannot hide on
+    # a small host.
+    leaves, treedef = jax.tree.flatten((batch.x, batch.y))
+    constants = {}  # weights and mask of full, unweighted batches: already on the devices
+    for name in ("sample_weight", "mask"):
+        a = np.asarray(getattr(batch, name))
+        if _is_shared(a):
+            constants[name] = _cached_put(a, sharding, put)
+        else:
+            leaves.append(a)
+    if count == 1:
+        placed = jax.device_put(leaves, [sharding] * len(leaves))
+    else:
+        placed = [put(a) for a in leaves]
+    sw = constants.get("sample_weight")
+    mask = constants.get("mask")
+    if mask is None:
+        mask = placed.pop()
+    if sw is None:
+        sw = placed.pop()
+    x, y = jax.tree.unflatten(treedef, placed)
+    return Batch(x, y, sw, mask, num_real)
 
 
 class Prefetcher:

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mirrorax.models.base import ModelAdapter, real_count
 from mirrorax.strategy import BATCH_AXIS, MirroredStrategy
 
-__all__ = ["StepFunctions", "InFlight", "NONFINITE_MODES"]
+__all__ = ["StepFunctions", "InFlight", "NONFINITE_MODES", "host_value", "host_tree"]
 
 PyTree = Any
 NONFINITE_MODES = ("raise", "skip", "ignore")
@@ -182,3 +182,13 @@ def host_value(a: Any) -> np.ndarray:
 
         return np.asarray(multihost_utils.process_allgather(a, tiled=True))
     return np.asarray(a)
+
+
+def host_tree(tree: PyTree) -> PyTree:
+    """Host copies of a tree of replicated arrays, in one batched transfer (not one wait per leaf)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    local = [a.addressable_shards[0].data
+             if isinstance(a, jax.Array) and not a.is_fully_addressable and a.sharding.is_fully_replicated else a
+             for a in leaves]
+    out = [host_value(a) if isinstance(a, jax.Array) and not a.is_fully_addressable else a for a in local]
+    return jax.tree.unflatten(treedef, [np.asarray(a) for a in jax.device_get(out)])

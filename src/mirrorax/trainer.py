@@ -21,7 +21,7 @@ from mirrorax import data as data_lib
 from mirrorax import resume as resume_lib
 from mirrorax.models.base import ModelAdapter, adapt
 from mirrorax.progress import Progress, resolve_verbose
-from mirrorax.step import InFlight, StepFunctions, host_value
+from mirrorax.step import InFlight, StepFunctions, host_tree, host_value
 from mirrorax.streams import Stream, make_stream
 from mirrorax.strategy import MirroredStrategy, get_strategy
 
@@ -135,23 +135,33 @@ class Trainer:
         return self._state
 
     def _place(self, tree: PyTree) -> PyTree:
+        """Replicates ``tree`` onto the mesh in buffers of its own: never aliased with the caller's arrays
+        (the model's variables), which a donated train step would otherwise delete."""
         sharding = self.strategy.replicated
+        leaves, treedef = jax.tree.flatten(tree)
+        on_device = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
+        if self.strategy.process_count == 1 and on_device:
+            # Device to devices, no host copy. device_put(..., may_alias=False) still reuses the source's
+            # buffer for the mesh's copy on the source's device (jax 0.10), so copy on that device first.
+            own = jax.device_put([leaves[i] for i in on_device], [leaves[i].sharding for i in on_device],
+                                 may_alias=False)
+            for i, a in zip(on_device, jax.device_put(own, [sharding] * len(own))):
+                leaves[i] = a
 
         def put(a: Any) -> jax.Array:
-            if self.strategy.process_count == 1 and isinstance(a, jax.Array):
-                # Device to devices, no host copy; never aliased with the model's own buffer, which the
-                # donated train step would otherwise delete under it.
-                return jax.device_put(a, sharding, may_alias=False)
+            if isinstance(a, jax.Array) and a.sharding == sharding:
+                return a
             a = np.asarray(a)
             return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
 
-        return jax.tree.map(put, tree)
+        return jax.tree.unflatten(treedef, [put(a) for a in leaves])
 
     def _ensure_state(self, sample: data_lib.Batch) -> None:
         # Building is incremental: a predict-only start builds layers; targets later add metrics, whose
         # accumulators are placed afresh for every epoch and evaluation anyway.
         self.adapter.build(sample.tree())
         if self._state is not None:
+            self._state = self._adopt_model_changes(self._state)
             return
         host = self.adapter.initial_state()
         host["step"] = np.zeros((), np.int32)
@@ -210,6 +220,13 @@ class Trainer:
     def _write_back(self) -> None:
         if self._state is not None:
             self.adapter.write_back(self._state)
+
+    def _adopt_model_changes(self, state: dict[str, PyTree]) -> dict[str, PyTree]:
+        """``state``, continuing from the model's values where they were replaced since they were lent
+        (``set_weights`` between fits or in a callback, Keras's own ``fit``): the model is the truth."""
+        if not self.adapter.model_changed():
+            return state
+        return dict(state, **self._place(self.adapter.model_values()))
 
     # -- data helpers ------------------------------------------------------------------------------
     def _batch_size(self, source: Any, batch_size: int | None) -> int:
@@ -346,6 +363,7 @@ class Trainer:
                 if callbacks:
                     self._write_back()
                     _call(callbacks, "on_epoch_end", epoch, logs)
+                    self._state = self._adopt_model_changes(self._state)
                     if getattr(self.model, "stop_training", False):
                         break
         finally:
@@ -364,7 +382,10 @@ class Trainer:
                    mode: int, *, start_batch: int = 0, saver: resume_lib.Saver | None = None,
                    callbacks: Sequence[Any] = ()) -> tuple[dict[str, float], Progress, int, int]:
         # Resuming mid-epoch keeps the checkpoint's metric accumulators: the epoch's logs stay exact.
-        state = self._state if start_batch else dict(self._state, metrics=self._place(self.adapter.initial_metrics()))
+        state = self._state
+        self.adapter.release()  # the model's variables let go of the buffers the first step donates
+        if not start_batch:
+            state = dict(state, metrics=self._place(self.adapter.initial_metrics()))
         self._state = None  # donated below; restored when the epoch ends or fails
         total = steps_per_epoch or stream.batches_per_pass
         host = stream.batches(position, steps_per_epoch, start=start_batch)
@@ -373,7 +394,7 @@ class Trainer:
         batch_hooks = [cb for cb in callbacks if hasattr(cb, "on_train_batch_end")]
         window = InFlight(self.max_in_flight)
         progress = Progress(mode, total, epoch + 1, epochs,
-                            lambda: self.adapter.metric_results(jax.tree.map(host_value, state["metrics"])),
+                            lambda: self.adapter.metric_results(host_tree(state["metrics"])),
                             stream=self.stream)
         steps = samples = 0
         halted = False
@@ -394,8 +415,13 @@ class Trainer:
                 before = steps
                 steps += max(k, 1)
                 samples += stream.last_real(k)
-                for cb in batch_hooks:
-                    cb.on_train_batch_end(start_batch + steps - 1, {})
+                if batch_hooks:
+                    self.adapter.expose(state)  # Keras callbacks read it through Callback.model
+                    for cb in batch_hooks:
+                        cb.on_train_batch_end(start_batch + steps - 1, {})
+                    if self.adapter.exposure_read():
+                        state = self._adopt_model_changes(state)
+                        self.adapter.release()
                 in_epoch = start_batch + steps
                 if raise_mode and time.perf_counter() - last_look > 0.5 and window.last_done is not None:
                     last_look = time.perf_counter()  # a finished step's flag: no wait
@@ -415,6 +441,7 @@ class Trainer:
         finally:
             if isinstance(batches, data_lib.Prefetcher):
                 batches.close()
+            self.adapter.conceal()
             self._state = state
         if raise_mode and (halted or int(host_value(state["skipped"]))):
             bad = int(host_value(state["nonfinite_step"]))
@@ -424,7 +451,7 @@ class Trainer:
                 f"{start_batch + bad - first_step} of the epoch). The update of that step was not applied: the "
                 "trainer, the model and any checkpoint hold the values from before it. Lower the learning rate, "
                 "check the inputs for NaN/inf, or pass Trainer(..., on_nonfinite='skip') to drop such steps.")
-        logs = self.adapter.metric_results(jax.tree.map(host_value, state["metrics"]))
+        logs = self.adapter.metric_results(host_tree(state["metrics"]))
         if self.steps.on_nonfinite == "skip":
             logs["skipped_steps"] = float(host_value(state["skipped"]))
         return logs, progress, steps, samples
@@ -474,7 +501,7 @@ class Trainer:
         finally:
             if isinstance(batches, data_lib.Prefetcher):
                 batches.close()
-        return self.adapter.metric_results(jax.tree.map(host_value, metrics))
+        return self.adapter.metric_results(host_tree(metrics))
 
     def predict(self, x: Any, *, batch_size: int | None = None, verbose: int | str = 0) -> Any:
         """The model's outputs for every row of ``x``, in input order.

@@ -69,9 +69,36 @@ class ModelAdapter(abc.ABC):
     def write_back(self, state: dict[str, PyTree]) -> None:
         """Stores trained values into the user's model object.
 
-        ``state`` is the device state; copy it to the host one variable at a time (``host_value``), so
-        that writing back never holds a second copy of the whole state.
+        ``state`` is the device state. Either copy it to the host one variable at a time
+        (``host_value``), so that writing back never holds a second copy of the whole state, or lend
+        the model this process's copy of each array (no transfer, no new buffer) and take it back in
+        :meth:`release`, before the trainer donates the state to the next train step.
         """
+
+    #: The state groups that :meth:`write_back` stores into the model.
+    written_groups: tuple[str, ...] = ("params", "model_state", "optimizer")
+
+    def model_changed(self) -> bool:
+        """Whether the model's values were replaced since they were lent (``set_weights``,
+        ``load_weights``, Keras's own ``fit`` or ``evaluate``): the trainer then continues from them."""
+        return False
+
+    def model_values(self) -> dict[str, PyTree]:
+        """The :attr:`written_groups` as the model holds them now (after :meth:`model_changed`)."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Before a fit's first train step: the model lets go of the values it shares with the state."""
+
+    def expose(self, state: dict[str, PyTree]) -> None:
+        """Mid-epoch, before the batch callbacks: lets them read ``state`` through the model."""
+
+    def exposure_read(self) -> bool:
+        """After the batch callbacks: whether one read the exposed state (it is then lent to the model)."""
+        return False
+
+    def conceal(self) -> None:
+        """At an epoch's end: withdraws what :meth:`expose` offered."""
 
     def build(self, sample: dict[str, PyTree]) -> None:
         """Creates every variable from a host sample batch, before :meth:`initial_state`."""
