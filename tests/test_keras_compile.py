@@ -106,19 +106,23 @@ def test_sequence_model_per_timestep_loss_matches_keras():
     assert hist["accuracy"] == pytest.approx(ref_hist["accuracy"], abs=1e-7)
 
 
+def _two_epochs(callbacks=()) -> keras.Model:
+    x, y, _, _ = flat_digits(64)
+    model = dense()
+    mx.Trainer(model, strategy(2)).fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                                       callbacks=list(callbacks))
+    return model
+
+
 def test_batch_callbacks_read_the_newest_weights_through_callback_model():
     """Mid-epoch, Keras callbacks see the weights after the step just taken (as with Keras's own fit)."""
-    x, y, _, _ = flat_digits(64)
-    ref = dense()
-    mx.Trainer(ref, strategy(2)).fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    model = dense()
     seen = []
 
     class Reader(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             seen.append([w.copy() for w in self.model.get_weights()])
 
-    mx.Trainer(model, strategy(2)).fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[Reader()])
+    model, ref = _two_epochs([Reader()]), _two_epochs()
     assert len(seen) == 8
     assert not np.allclose(seen[0][0], seen[1][0])  # each batch's values, not a stale copy
     for a, b, c in zip(seen[-1], model.get_weights(), ref.get_weights()):
@@ -129,9 +133,6 @@ def test_batch_callbacks_read_the_newest_weights_through_callback_model():
 def test_keras_evaluate_in_a_callback_does_not_disturb_training():
     """Keras's own evaluate donates the variables' arrays; the trainer continues from the same values."""
     x, y, _, _ = flat_digits(64)
-    ref = dense()
-    mx.Trainer(ref, strategy(2)).fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    model = dense()
     results = []
 
     class Evaluate(keras.callbacks.Callback):
@@ -142,8 +143,7 @@ def test_keras_evaluate_in_a_callback_does_not_disturb_training():
         def on_epoch_end(self, epoch, logs=None):
             results.append(self.model.evaluate(x, y, batch_size=16, verbose=0))
 
-    mx.Trainer(model, strategy(2)).fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
-                                       callbacks=[Evaluate()])
+    model, ref = _two_epochs([Evaluate()]), _two_epochs()
     assert len(results) == 4
     assert_weights_close(model, ref, 0, 0)
 

@@ -95,26 +95,25 @@ class StepFunctions:
         grads, loss, model_state, metrics = self._grads(state, batch)
         finite = jnp.isfinite(loss)
 
-        def apply(operands):
-            state, grads, model_state, metrics = operands
-            params, opt = self.adapter.apply_gradients(dict(state, model_state=model_state), grads)
-            return dict(state, params=params, optimizer=opt, model_state=model_state, metrics=metrics,
-                        step=state["step"] + 1)
+        def apply(params_opt):
+            return self.adapter.apply_gradients(dict(state, params=params_opt[0], optimizer=params_opt[1],
+                                                     model_state=model_state), grads)
 
-        operands = (state, grads, model_state, metrics)
+        params_opt = (state["params"], state["optimizer"])
         if self.on_nonfinite == "ignore":
-            return apply(operands), {"loss": loss, "halted": jnp.zeros((), bool)}
+            params, opt = apply(params_opt)
+            return (dict(state, params=params, optimizer=opt, model_state=model_state, metrics=metrics,
+                         step=state["step"] + 1), {"loss": loss, "halted": jnp.zeros((), bool)})
         ok = finite & (state["skipped"] == 0) if self.on_nonfinite == "raise" else finite
         first_bad = jnp.where((state["nonfinite_step"] == 0) & ~finite, state["step"] + 1, state["nonfinite_step"])
-
-        def skip(operands):
-            state = operands[0]
-            return dict(state, step=state["step"] + 1, skipped=state["skipped"] + 1)
-
-        # A branch, not a select: the optimizer's update runs only when it is applied, so guarding
-        # against non-finite steps costs no extra pass over the state.
-        new = jax.lax.cond(ok, apply, skip, operands)
-        new = dict(new, nonfinite_step=first_bad)
+        # A branch around the optimizer update alone, not a select over the state: the update runs only
+        # when it is applied, and nothing else passes through the branch (operands that only pass
+        # through a conditional cost copies). The rest is small and selected.
+        params, opt = jax.lax.cond(ok, apply, lambda po: po, params_opt)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+        new = dict(state, params=params, optimizer=opt, model_state=keep(model_state, state["model_state"]),
+                   metrics=keep(metrics, state["metrics"]), step=state["step"] + 1,
+                   skipped=state["skipped"] + (~ok).astype(state["skipped"].dtype), nonfinite_step=first_bad)
         # ``halted`` is sticky in "raise" mode: any later step's aux tells the host that training froze,
         # so the host looks only now and then, never once per step.
         return new, {"loss": loss, "halted": new["skipped"] > 0}

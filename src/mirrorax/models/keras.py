@@ -5,12 +5,18 @@ scaling of a ``LossScaleOptimizer``), called with ``sample_weight * mask * rows 
 divides a ``sum_over_batch_size`` loss by the number of rows, so this makes it the mean over the real
 examples of the global batch. Metrics get ``sample_weight * mask``, the loss tracker the real example
 count, so every metric is exact over all replicas. BatchNormalization layers compute their batch
-statistics over the real rows only (their masked-moments path), so padding never moves them.
+statistics over the real rows only (``_masked_moments``), so padding never moves them.
+
+After ``fit`` the trained arrays are lent to the model's variables (``write_back``); during ``fit`` the
+variables let go of them (``release``) and Keras callbacks read the newest values through
+``Callback.model``, which calls ``model.jax_state_sync()`` on what ``expose`` offered: Keras's own JAX
+trainer works the same way, so training holds one copy of the state.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -162,7 +168,7 @@ class KerasAdapter(ModelAdapter):
         if hasattr(y, "ndim") and y.ndim > 1:
             # Keras does not broadcast (batch,) weights over per-timestep losses: (batch, 1, ...) does.
             loss_weight = loss_weight.reshape((-1,) + (1,) * (y.ndim - 1))
-        with _masked_batch_norm(self.model, mask, real >= rows, self.keras):
+        with _masked_batch_norm(self.model, mask, self.keras):
             return self.model.compute_loss_and_updates(
                 self._unpack("params", params), self._unpack("model_state", model_state),
                 self._unpack("metrics", metrics), batch["x"], batch["y"], loss_weight,
@@ -366,23 +372,23 @@ def _layers(model: Any) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def _masked_batch_norm(model: Any, mask: Any, full: Any, keras: Any) -> Iterator[None]:
+def _masked_batch_norm(model: Any, mask: Any, keras: Any) -> Iterator[None]:
     """While a step is traced, BatchNormalization layers take batch statistics over real rows only.
 
-    ``full`` (a replicated boolean: no padding in this batch) selects Keras's plain moments at run
-    time, so the masked computation costs nothing on the full batches that are nearly all of them.
+    On a full batch the masked moments are Keras's plain ones, operation for operation (a select that
+    keeps every row, the same sums, the same divisor), and they cost one fused select: no branch and
+    no second pass over the activations for the count.
     """
     patched = []
     for layer in _layers(model):
         if isinstance(layer, keras.layers.BatchNormalization) and hasattr(layer, "_moments"):
             original = layer._moments
 
-            def moments(inputs, user_mask, _original=original):
-                m = jnp.reshape(mask, (-1,) + (1,) * (inputs.ndim - 2))
-                m = jnp.broadcast_to(m, inputs.shape[:-1])
+            def moments(inputs, user_mask, _original=original, _axes=tuple(layer._reduction_axes)):
                 if user_mask is not None:
+                    m = jnp.broadcast_to(jnp.reshape(mask, (-1,) + (1,) * (inputs.ndim - 2)), inputs.shape[:-1])
                     return _original(inputs, m * user_mask.astype(m.dtype))
-                return jax.lax.cond(full, lambda: _original(inputs, None), lambda: _original(inputs, m))
+                return _masked_moments(inputs, mask, _axes)
 
             layer._moments = moments
             patched.append(layer)
@@ -391,3 +397,24 @@ def _masked_batch_norm(model: Any, mask: Any, full: Any, keras: Any) -> Iterator
     finally:
         for layer in patched:
             del layer._moments
+
+
+def _masked_moments(x: Any, mask: Any, axes: tuple[int, ...]) -> tuple[Any, Any]:
+    """``keras.ops.moments(x, axes)`` over the rows where ``mask`` (one 0/1 per row) is 1.
+
+    Written as ``jnp.mean`` / ``jnp.var`` compute them (sum, then divide by the count; the variance
+    from the centred squares), so a full batch gives Keras's numbers exactly.
+    """
+    dtype = x.dtype
+    if dtype in (jnp.float16, jnp.bfloat16):  # as keras.ops.moments: statistics in float32
+        x = x.astype(jnp.float32)
+    keep = jnp.reshape(mask > 0, (-1,) + (1,) * (x.ndim - 1))
+    per_row = math.prod(x.shape[a] for a in axes if a % x.ndim != 0)
+    count = jnp.sum(mask).astype(x.dtype) * per_row
+    mean = jnp.sum(jnp.where(keep, x, 0), axes, keepdims=True) / count
+    var = jnp.sum(jnp.where(keep, jnp.square(x - mean), 0), axes, keepdims=True) / count
+    mean, var = jnp.squeeze(mean, axes), jnp.squeeze(var, axes)
+    if dtype in (jnp.float16, jnp.bfloat16):
+        limit = jnp.finfo(jnp.float16)
+        mean, var = (jnp.clip(v, limit.min, limit.max).astype(dtype) for v in (mean, var))
+    return mean, var
