@@ -194,3 +194,19 @@ def test_keras_model_checkpoint_saves_the_trained_weights(tmp_path, save_freq):
     loaded.optimizer.build(loaded.trainable_variables)  # the file holds Adam's state too
     loaded.load_weights(path)
     assert_weights_close(loaded, model, 0, 0)
+
+
+def test_trainer_evaluate_inside_a_batch_callback_sees_the_current_weights():
+    x, y, _, _ = flat_digits(64)
+    model = dense()
+    trainer = mx.Trainer(model, strategy(2))
+    seen = []
+
+    class Validate(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(trainer.evaluate(x, y, batch_size=32))
+
+    trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[Validate()])
+    assert len(seen) == 8 and seen[0] != seen[1]
+    assert seen[-1] == trainer.evaluate(x, y, batch_size=32)  # the last batch's view is the final state
+    assert_weights_close(model, _two_epochs(), 0, 0)  # evaluating changed nothing

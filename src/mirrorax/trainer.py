@@ -417,8 +417,10 @@ class Trainer:
                 samples += stream.last_real(k)
                 if batch_hooks:
                     self.adapter.expose(state)  # Keras callbacks read it through Callback.model
+                    self._state = state  # and this trainer's evaluate / predict / state through it
                     for cb in batch_hooks:
                         cb.on_train_batch_end(start_batch + steps - 1, {})
+                    state, self._state = self._state, None
                     if self.adapter.exposure_read():
                         state = self._adopt_model_changes(state)
                         self.adapter.release()
