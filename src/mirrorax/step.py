@@ -172,11 +172,17 @@ class InFlight:
             self.on_done(aux)
 
 
+def _one_copy(a: Any) -> Any:
+    """This process's first copy of a replicated array (no transfer of the others), else ``a``."""
+    if isinstance(a, jax.Array) and a.is_fully_replicated and len(a.sharding.device_set) > 1:
+        return a.addressable_shards[0].data
+    return a
+
+
 def host_value(a: Any) -> np.ndarray:
     """A host copy of a replicated (or fully addressable) array, on any process count."""
+    a = _one_copy(a)
     if isinstance(a, jax.Array) and not a.is_fully_addressable:
-        if a.sharding.is_fully_replicated:
-            return np.asarray(a.addressable_shards[0].data)
         from jax.experimental import multihost_utils
 
         return np.asarray(multihost_utils.process_allgather(a, tiled=True))
@@ -184,10 +190,9 @@ def host_value(a: Any) -> np.ndarray:
 
 
 def host_tree(tree: PyTree) -> PyTree:
-    """Host copies of a tree of replicated arrays, in one batched transfer (not one wait per leaf)."""
+    """Host copies of a tree of arrays as :func:`host_value` makes them, in one batched transfer (not
+    one wait per leaf)."""
     leaves, treedef = jax.tree.flatten(tree)
-    local = [a.addressable_shards[0].data
-             if isinstance(a, jax.Array) and not a.is_fully_addressable and a.sharding.is_fully_replicated else a
-             for a in leaves]
+    local = [_one_copy(a) for a in leaves]
     out = [host_value(a) if isinstance(a, jax.Array) and not a.is_fully_addressable else a for a in local]
     return jax.tree.unflatten(treedef, [np.asarray(a) for a in jax.device_get(out)])

@@ -211,11 +211,7 @@ class Trainer:
         """A host (numpy) copy of the training state."""
         if self._state is None:
             raise RuntimeError("The trainer has no state yet; call fit, evaluate or predict first.")
-        # One copy per variable (replicated: this process's first shard), fetched in one batched transfer.
-        leaves, treedef = jax.tree.flatten(self._state)
-        copies = [a.addressable_shards[0].data if isinstance(a, jax.Array) and a.is_fully_replicated else a
-                  for a in leaves]
-        return jax.tree.unflatten(treedef, [np.asarray(a) for a in jax.device_get(copies)])
+        return host_tree(self._state)
 
     def _write_back(self) -> None:
         if self._state is not None:

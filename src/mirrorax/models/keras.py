@@ -102,11 +102,11 @@ class KerasAdapter(ModelAdapter):
             _set_mixed_precision(model, mixed_precision, keras, optax=self.optax is not None)
         self.batch_dependent = any(isinstance(l, keras.layers.BatchNormalization) for l in _layers(model))
         self._built = False
-        # Metric results in one dispatch: eagerly, Keras's result() ops cost ~1.4 ms per call on an MLP,
-        # paid at the end of every fit, evaluate and epoch.
         self._lent_values: list[tuple[Any, Any]] = []  # (variable, the array write_back lent it)
         self._exposed: list[tuple[Any, Any]] = []
         self._exposed_state: dict[str, Any] | None = None
+        # Metric results in one dispatch: eagerly, Keras's result() ops cost ~1.4 ms per call on an MLP,
+        # paid at the end of every fit, evaluate and epoch.
         self._results_fn: Any = jax.jit(self._metric_values)
         self._result_names: list[str] = []
 
@@ -142,16 +142,9 @@ class KerasAdapter(ModelAdapter):
         return [tree[n] for n in self._names[group]]
 
     def initial_state(self) -> dict[str, PyTree]:
-        m = self.model
-        state = {
-            "params": self._pack("params", [v.value for v in m.trainable_variables]),
-            "model_state": self._pack("model_state", [v.value for v in m.non_trainable_variables]),
-            "metrics": self.initial_metrics(),
-        }
+        state = dict(self.model_values(), metrics=self.initial_metrics())
         if self.optax is not None:
             state["optimizer"] = self.optax.init(state["params"])
-        else:
-            state["optimizer"] = self._pack("optimizer", [v.value for v in m.optimizer.variables])
         return state
 
     def initial_metrics(self) -> PyTree:
@@ -259,9 +252,7 @@ class KerasAdapter(ModelAdapter):
 
     def model_values(self) -> dict[str, PyTree]:
         self._lent_values = []
-        m = self.model
-        groups = {"params": m.trainable_variables, "model_state": m.non_trainable_variables,
-                  "optimizer": m.optimizer.variables if m.optimizer is not None else []}
+        groups = self._group_variables()
         return {g: self._pack(g, [v.value for v in groups[g]]) for g in self.written_groups}
 
     def release(self) -> None:
@@ -302,10 +293,14 @@ class KerasAdapter(ModelAdapter):
         # An optax state lives only in the trainer; a Keras optimizer's variables are the model's.
         return ("params", "model_state") if self.optax is not None else ("params", "model_state", "optimizer")
 
-    def _written_variables(self) -> list[Any]:
+    def _group_variables(self) -> dict[str, list[Any]]:
+        """The model's variables of each state group, in the state's order."""
         m = self.model
-        groups = {"params": m.trainable_variables, "model_state": m.non_trainable_variables,
-                  "optimizer": m.optimizer.variables if m.optimizer is not None else []}
+        return {"params": m.trainable_variables, "model_state": m.non_trainable_variables,
+                "optimizer": m.optimizer.variables if m.optimizer is not None else []}
+
+    def _written_variables(self) -> list[Any]:
+        groups = self._group_variables()
         return [v for g in self.written_groups for v in groups[g]]
 
     def _written_values(self, state) -> list[Any]:
