@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import mirrorax as mx
-from mp_scripts import train_dense
+from mp_scripts import train_dense, train_unseeded
 from mp_scripts.procs import clean_env, free_port, launcher, python, run_all
 
 pytestmark = [pytest.mark.multi_process]
@@ -28,9 +28,9 @@ RTOL, ATOL = 1e-5, 1e-6
 SCRIPT = "tests/mp_scripts/train_dense.py"
 
 
-def _launch_2x2(tmp_path, timeout: float = 150, **env: str):
+def _launch_2x2(tmp_path, timeout: float = 150, script: str = SCRIPT, **env: str):
     cmd = launcher("--nprocs", "2", "--cpu-devices-per-proc", "2", "--failure-timeout", "20", "--",
-                   *python(SCRIPT))
+                   *python(script))
     start = time.monotonic()
     codes, outs, _ = run_all([cmd], [clean_env(MP_OUT=str(tmp_path), **env)], timeout=timeout)
     return codes[0], outs[0], time.monotonic() - start
@@ -118,3 +118,24 @@ def test_without_launcher_a_raise_stops_every_process_and_names_it(tmp_path):
     assert "mirrorax: process 1 of 2 failed (RuntimeError: injected failure in process 1); process 0 stops too" \
         in outs[0], outs[0][-3000:]
     assert abs(times[0] - times[1]) < 5, times
+
+
+@pytest.mark.timeout(240)
+def test_unseeded_model_trains_as_one_state_from_process_0s_weights(tmp_path):
+    """Each process draws other initial weights and sets other weights between fits: every replica
+    must hold process 0's values (broadcast), or the all-reduce averages the gradients of different
+    models. The result equals one process of 4 devices started from process 0's values."""
+    code, out, _ = _launch_2x2(tmp_path, script="tests/mp_scripts/train_unseeded.py")
+    assert code == 0, out
+    ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
+    n = len([k for k in ranks[0] if k.startswith("init_")])
+    # The precondition that makes this test able to fail: the processes' own values differ.
+    assert not np.allclose(ranks[0]["init_0"], ranks[1]["init_0"])
+    assert not np.allclose(ranks[0]["reset_0"], ranks[1]["reset_0"])
+    for i in range(n):
+        np.testing.assert_array_equal(ranks[0][f"final_{i}"], ranks[1][f"final_{i}"], err_msg=f"weight {i}")
+    start = [ranks[0][f"init_{i}"] for i in range(n)]
+    reset = [ranks[0][f"reset_{i}"] for i in range(n)]
+    want = train_unseeded.replay(mx.MirroredStrategy(devices=jax.devices()[:4]), start, reset)
+    for i in range(n):
+        np.testing.assert_allclose(ranks[0][f"final_{i}"], want[i], rtol=RTOL, atol=ATOL, err_msg=f"weight {i}")

@@ -17,6 +17,7 @@ from typing import IO, Any
 import jax
 import numpy as np
 
+from mirrorax import consistency
 from mirrorax import data as data_lib
 from mirrorax import resume as resume_lib
 from mirrorax.models.base import ModelAdapter, adapt
@@ -134,10 +135,17 @@ class Trainer:
         ``step``, ``skipped``), or ``None`` before the first use."""
         return self._state
 
-    def _place(self, tree: PyTree) -> PyTree:
+    def _place(self, tree: PyTree, *, from_host: bool = True) -> PyTree:
         """Replicates ``tree`` onto the mesh in buffers of its own: never aliased with the caller's arrays
-        (the model's variables), which a donated train step would otherwise delete."""
+        (the model's variables), which a donated train step would otherwise delete.
+
+        ``from_host``: the values come from this process's model (initial weights, weights set by the
+        user), which may differ between processes: every replica then takes process 0's values.
+        ``False`` for values that are equal everywhere by construction (metric accumulators' zeros).
+        """
         sharding = self.strategy.replicated
+        if from_host and self.strategy.process_count > 1:
+            tree = consistency.broadcast_from_primary(tree)
         leaves, treedef = jax.tree.flatten(tree)
         on_device = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
         if self.strategy.process_count == 1 and on_device:
@@ -167,7 +175,7 @@ class Trainer:
         host["step"] = np.zeros((), np.int32)
         host["skipped"] = np.zeros((), np.int32)
         host["nonfinite_step"] = np.zeros((), np.int32)
-        self._state = self._place(host)
+        self._state = self._place(host)  # process 0's values on every process
 
     @classmethod
     def load(cls, checkpoint_dir: str | os.PathLike[str], model: Any, strategy: MirroredStrategy | None = None,
@@ -217,12 +225,26 @@ class Trainer:
         if self._state is not None:
             self.adapter.write_back(self._state)
 
-    def _adopt_model_changes(self, state: dict[str, PyTree]) -> dict[str, PyTree]:
+    def _adopt_model_changes(self, state: dict[str, PyTree], *, model_has_values: bool = True
+                             ) -> dict[str, PyTree]:
         """``state``, continuing from the model's values where they were replaced since they were lent
-        (``set_weights`` between fits or in a callback, Keras's own ``fit``): the model is the truth."""
-        if not self.adapter.model_changed():
+        (``set_weights`` between fits or in a callback, Keras's own ``fit``): the model is the truth.
+
+        In a multi-process job every process must call this at the same point: they agree whether any
+        model changed, and then every replica takes process 0's model values (a change made on another
+        process only is overridden, never half-applied). ``model_has_values``: False mid-epoch when no
+        callback of this process read the model (its variables then hold nothing; the state stands in).
+        """
+        changed = model_has_values and self.adapter.model_changed()
+        if self.strategy.process_count > 1:
+            changed = consistency.any_process(changed)
+        if not changed:
             return state
-        return dict(state, **self._place(self.adapter.model_values()))
+        if model_has_values:
+            values = self.adapter.model_values()
+        else:
+            values = {g: state[g] for g in self.adapter.written_groups}
+        return dict(state, **self._place(values))
 
     # -- data helpers ------------------------------------------------------------------------------
     def _batch_size(self, source: Any, batch_size: int | None) -> int:
@@ -322,6 +344,7 @@ class Trainer:
             ckpt = Checkpointer(checkpoint_dir, keep=keep_checkpoints)
         sample = self._sample(source, batch_size)
         self._ensure_state(sample)
+        consistency.check_replicas(self._state)  # multi-process: every process holds process 0's values
         callbacks = list(callbacks or [])
         for cb in callbacks:
             if hasattr(cb, "set_model"):
@@ -354,6 +377,8 @@ class Trainer:
                     logs.update({f"val_{k}": v for k, v in vlogs.items()})
                 sps = progress.finish(steps, samples, logs)
                 history.append(epoch, logs, sps)
+                if consistency.debug_checks():
+                    consistency.check_replicas(self._state)
                 if saver is not None:
                     saver.save(self._state, epoch + 1, 0)
                 if callbacks:
@@ -381,7 +406,7 @@ class Trainer:
         state = self._state
         self.adapter.release()  # the model's variables let go of the buffers the first step donates
         if not start_batch:
-            state = dict(state, metrics=self._place(self.adapter.initial_metrics()))
+            state = dict(state, metrics=self._place(self.adapter.initial_metrics(), from_host=False))
         self._state = None  # donated below; restored when the epoch ends or fails
         total = steps_per_epoch or stream.batches_per_pass
         host = stream.batches(position, steps_per_epoch, start=start_batch)
@@ -417,8 +442,10 @@ class Trainer:
                     for cb in batch_hooks:
                         cb.on_train_batch_end(start_batch + steps - 1, {})
                     state, self._state = self._state, None
-                    if self.adapter.exposure_read():
-                        state = self._adopt_model_changes(state)
+                    read = self.adapter.exposure_read()
+                    if read or self.strategy.process_count > 1:  # the processes decide together
+                        state = self._adopt_model_changes(state, model_has_values=read)
+                    if read:
                         self.adapter.release()
                 in_epoch = start_batch + steps
                 if raise_mode and time.perf_counter() - last_look > 0.5 and window.last_done is not None:
@@ -487,7 +514,7 @@ class Trainer:
 
     def _evaluate_source(self, source: Any, batch_size: int) -> dict[str, float]:
         self._ensure_state(self._sample(source, batch_size))
-        metrics = self._place(self.adapter.initial_metrics())
+        metrics = self._place(self.adapter.initial_metrics(), from_host=False)
         stream = make_stream(source, batch_size, self.strategy)
         window = InFlight(self.max_in_flight)
         batches = self._device_batches(stream.batches(0, None), 1, stream.per_process)
