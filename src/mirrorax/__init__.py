@@ -17,8 +17,15 @@ from mirrorax.cache import enable_compilation_cache as enable_compilation_cache
 from mirrorax.cluster import ClusterError as ClusterError
 from mirrorax.cluster import ClusterInfo as ClusterInfo
 from mirrorax.cluster import initialize as initialize
+from mirrorax.distribute import DistributedBatch as DistributedBatch
+from mirrorax.distribute import DistributedDataset as DistributedDataset
 from mirrorax.models.base import ModelAdapter as ModelAdapter
 from mirrorax.models.functional import FunctionalModel as FunctionalModel
+from mirrorax.replica import ReduceOp as ReduceOp
+from mirrorax.replica import ReplicaContext as ReplicaContext
+from mirrorax.replica import compute_average_loss as compute_average_loss
+from mirrorax.replica import get_replica_context as get_replica_context
+from mirrorax.replica import masked_mean as masked_mean
 from mirrorax.strategy import InputContext as InputContext
 from mirrorax.strategy import MirroredStrategy as MirroredStrategy
 from mirrorax.strategy import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
@@ -47,6 +54,8 @@ __all__ = [
     "Checkpointer",
     "ClusterError",
     "ClusterInfo",
+    "DistributedBatch",
+    "DistributedDataset",
     "FunctionalModel",
     "History",
     "InputContext",
@@ -54,8 +63,13 @@ __all__ = [
     "ModelAdapter",
     "MultiWorkerMirroredStrategy",
     "NonFiniteLossError",
+    "ReduceOp",
+    "ReplicaContext",
     "Trainer",
+    "compute_average_loss",
     "enable_compilation_cache",
+    "get_replica_context",
     "get_strategy",
     "initialize",
+    "masked_mean",
 ]

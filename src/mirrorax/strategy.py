@@ -12,14 +12,21 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mirrorax import cluster
+import numpy as np
 
-__all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "InputContext", "get_strategy", "has_strategy"]
+from mirrorax import cluster, consistency
+from mirrorax.replica import ReduceOp, resolve_op
+
+if TYPE_CHECKING:
+    from mirrorax.dispatch import StrategyFunction
+    from mirrorax.distribute import DistributedDataset
+
+__all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "InputContext", "get_strategy"]
 
 BATCH_AXIS = "batch"
 
@@ -75,6 +82,8 @@ class MirroredStrategy:
     Args:
       devices: the devices to use; ``None`` means every device of the job (``jax.devices()``). Devices
         may be given as ``jax.Device`` objects or as integer ids.
+      max_in_flight: calls of :meth:`jit` / :meth:`run` functions allowed to be outstanding (>= 1): after
+        dispatching call ``i`` the host waits for call ``i - max_in_flight + 1``.
 
     Raises:
       ValueError: ``devices`` is empty, has duplicates, or mixes platforms.
@@ -85,7 +94,12 @@ class MirroredStrategy:
       True
     """
 
-    def __init__(self, devices: Sequence[jax.Device | int] | None = None) -> None:
+    def __init__(self, devices: Sequence[jax.Device | int] | None = None, *, max_in_flight: int = 2) -> None:
+        from mirrorax.dispatch import Window
+
+        self._window = Window(max_in_flight)  # validates max_in_flight before anything starts
+        self._pending_placements: list[Any] = []
+        self._run_functions: dict[Any, StrategyFunction] = {}
         cluster.maybe_initialize_from_env()
         self._devices = _validate_devices(devices)
         self._mesh = jax.make_mesh((len(self._devices),), (BATCH_AXIS,),
@@ -148,6 +162,200 @@ class MirroredStrategy:
     def batch_sharding(self) -> NamedSharding:
         """``NamedSharding(mesh, P("batch"))``: the layout of every global batch (split on axis 0)."""
         return self._batch_sharding
+
+    @property
+    def batch_axis(self) -> str:
+        """The mesh axis name every global batch is split over (``"batch"``)."""
+        return BATCH_AXIS
+
+    # -- the custom-loop API -----------------------------------------------------------------------
+    def replicate(self, tree: Any) -> Any:
+        """A copy of ``tree`` on every device (``NamedSharding(mesh, P())``), as one state.
+
+        The copy never aliases the caller's buffers (a donated step cannot delete them). On several
+        processes every replica holds process 0's values (broadcast): the replicas really are one state,
+        even when each process initialised its own model differently.
+
+        Args:
+          tree: a pytree of arrays (numpy, ``jax.Array``, Python numbers).
+
+        Returns:
+          The same structure of replicated ``jax.Array`` s.
+
+        Example:
+          >>> state = strategy.replicate({"params": params, "opt": optimizer.init(params)})
+        """
+        return self._replicate(tree, broadcast=True)
+
+    def _replicate(self, tree: Any, *, broadcast: bool) -> Any:
+        sharding = self._replicated
+        if broadcast and self.process_count > 1:
+            tree = consistency.broadcast_from_primary(tree)
+        leaves, treedef = jax.tree.flatten(tree)
+        on_device = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
+        if self.process_count == 1 and on_device:
+            # Device to devices, no host copy. device_put(..., may_alias=False) still reuses the source's
+            # buffer for the mesh's copy on the source's device (jax 0.10), so copy on that device first.
+            own = jax.device_put([leaves[i] for i in on_device], [leaves[i].sharding for i in on_device],
+                                 may_alias=False)
+            for i, a in zip(on_device, jax.device_put(own, [sharding] * len(own))):
+                leaves[i] = a
+
+        def put(a: Any) -> jax.Array:
+            if isinstance(a, jax.Array) and a.sharding == sharding:
+                return a
+            if isinstance(a, jax.Array) and not a.is_fully_addressable:
+                a = a.addressable_data(0)
+            a = np.asarray(a)
+            return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
+
+        return jax.tree.unflatten(treedef, [put(a) for a in leaves])
+
+    def experimental_distribute_dataset(self, data: Any, *, batch_size: int | None = None, shuffle: bool = False,
+                                        seed: int = 0) -> DistributedDataset:
+        """Global batches of ``data``, split over the devices, as :class:`mirrorax.DistributedBatch` es.
+
+        Args:
+          data: an iterable of global batches (numpy, ``tf.data``, grain, a torch ``DataLoader``; any
+            structure per item), a tuple/dict of arrays cut into global batches of ``batch_size``, or the
+            result of :meth:`distribute_datasets_from_function` (each process's own rows).
+          batch_size: the global batch, for arrays (over all devices and processes).
+          shuffle: shuffle arrays every pass, by ``(seed, pass)``: the same order on any device count.
+          seed: the shuffle seed.
+
+        Returns:
+          A :class:`mirrorax.DistributedDataset`: each ``iter()`` is one pass; each batch has the same
+          fixed shape (padded, with ``mask`` and ``num_real``), so a step compiles once.
+
+        Example:
+          >>> dist = strategy.experimental_distribute_dataset((x, y), batch_size=256, shuffle=True)
+          >>> for batch in dist:
+          ...     state, loss = step(state, batch)
+        """
+        from mirrorax.distribute import DistributedDataset
+
+        return DistributedDataset(self, data, batch_size=batch_size, shuffle=shuffle, seed=seed)
+
+    distribute_dataset = experimental_distribute_dataset
+
+    def jit(self, fn: Callable[..., Any] | None = None, *, donate_argnums: int | Sequence[int] = ()) -> Any:
+        """``fn`` compiled for the global view on this strategy's devices; usable as a decorator.
+
+        ``fn`` sees whole global batches; XLA partitions it over the batch axis and inserts the
+        all-reduce. Compiled once per input signature. Replicated arguments stay replicated, batch
+        arguments stay split; an output shaped like an argument keeps its layout, batch-shaped outputs
+        stay split, the rest is replicated. At most ``max_in_flight`` calls are outstanding, without the
+        caller writing any waits.
+
+        Args:
+          fn: the step, e.g. ``step(state, batch) -> (state, loss)``.
+          donate_argnums: arguments whose buffers the call may reuse (the state: no copy per step).
+
+        Example:
+          >>> @strategy.jit(donate_argnums=0)
+          ... def step(state, batch):
+          ...     loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
+          ...     return update(state, grads), loss
+        """
+        from mirrorax.dispatch import StrategyFunction
+
+        if fn is None:
+            return lambda f: StrategyFunction(self, f, donate_argnums=donate_argnums)
+        return StrategyFunction(self, fn, donate_argnums=donate_argnums)
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        """Runs ``fn`` once per replica on that replica's rows (TF's ``strategy.run``).
+
+        Inside ``fn``, :func:`mirrorax.get_replica_context` gives ``replica_id_in_sync_group``,
+        ``num_replicas_in_sync`` and ``all_reduce``. Batch-split arguments (a ``DistributedBatch``) arrive
+        as the replica's rows, others whole. Outputs ``fn`` made equal on every replica (all-reduced
+        values, a state updated from all-reduced gradients) come back replicated; the others as global
+        arrays holding one slice per replica (a scalar per replica gives a ``(num_replicas,)`` array), for
+        :meth:`reduce` and :meth:`gather`. Compiled once per ``fn`` and signature (pass the same
+        function each step); the same dispatch bound as :meth:`jit`.
+
+        Example:
+          >>> def replica_step(state, batch):
+          ...     loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)  # compute_average_loss
+          ...     grads = mx.get_replica_context().all_reduce("sum", grads)
+          ...     return update(state, grads), loss
+          >>> state, per_replica_loss = strategy.run(replica_step, args=(state, batch))
+          >>> strategy.reduce("sum", per_replica_loss)
+        """
+        from mirrorax.dispatch import StrategyFunction
+
+        wrapped = self._run_functions.get(fn)
+        if wrapped is None:
+            wrapped = self._run_functions[fn] = StrategyFunction(
+                self, lambda a, k: fn(*a, **k), per_replica=True)
+        return wrapped(tuple(args), dict(kwargs or {}))
+
+    def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """``value`` (a pytree) reduced over the replicas, as host numpy, the same on every process.
+
+        A per-replica value (from :meth:`run`, or any array split over the batch axis) is taken apart into
+        its replicas' values (a ``(num_replicas,)`` array: one scalar each; else equal slices of axis 0)
+        and those are combined element-wise. A replicated value counts as the same value on every
+        replica (TF's rule for mirrored values): ``"sum"`` multiplies it by ``num_replicas_in_sync``.
+        With ``axis``, each replica's value is also reduced along that axis (e.g. ``axis=0`` over examples).
+
+        Args:
+          op: ``"sum"``, ``"mean"`` or ``"max"`` (or :class:`mirrorax.ReduceOp`).
+          value: the pytree to reduce.
+          axis: an axis of each replica's value to reduce too, or ``None``.
+
+        Example:
+          >>> total = strategy.reduce("sum", per_replica_loss)
+        """
+        kind = resolve_op(op)
+        combine = {"sum": np.sum, "mean": np.mean, "max": np.max}[kind]
+
+        def one(v: Any) -> Any:
+            per = self._per_replica_values(v)
+            out = combine(per, axis=0)
+            return combine(out, axis=axis) if axis is not None else out
+
+        return jax.tree.map(one, value)
+
+    def gather(self, value: Any, axis: int = 0) -> Any:
+        """The replicas' values of ``value`` (a pytree) concatenated along ``axis``, as host numpy on every process.
+
+        For a batch-split array and ``axis=0`` this is the global array itself (padding rows included:
+        use the batch's ``mask`` to drop them). A replicated value is concatenated ``num_replicas_in_sync``
+        times, as TF does for mirrored values.
+
+        Example:
+          >>> predictions = strategy.gather(strategy.run(predict_fn, args=(params, batch)))
+        """
+        def one(v: Any) -> Any:
+            per = self._per_replica_values(v)
+            if per.ndim == 1:  # one scalar per replica
+                return per
+            return np.concatenate(list(per), axis=axis)
+
+        return jax.tree.map(one, value)
+
+    def _per_replica_values(self, v: Any) -> np.ndarray:
+        """``(num_replicas, ...)``: each replica's value of ``v``."""
+        n = self.num_replicas_in_sync
+        split = isinstance(v, jax.Array) and v.ndim and getattr(v.sharding, "spec", None) and \
+            v.sharding.spec[0] == BATCH_AXIS
+        host = _host_array(v)
+        if split:
+            if host.shape[0] == n and host.ndim == 1:
+                return host
+            return host.reshape((n, host.shape[0] // n) + host.shape[1:])
+        return np.broadcast_to(host, (n,) + host.shape)
+
+    def _dispatched(self, token: Any) -> None:
+        """After a jit/run call is dispatched: place the batches iterators asked for, then keep the bound."""
+        pending, self._pending_placements = self._pending_placements, []
+        for it in pending:
+            it.prepare()
+        self._window.push(token)
+
+    def _place_after_dispatch(self, iterator: Any) -> None:
+        self._pending_placements.append(iterator)
 
     def scope(self) -> contextlib.AbstractContextManager[MirroredStrategy]:
         """Makes this the strategy that :func:`get_strategy` and ``Trainer(model)`` use.
@@ -217,11 +425,6 @@ def get_strategy() -> MirroredStrategy:
     return default
 
 
-def has_strategy() -> bool:
-    """True inside a ``strategy.scope()``."""
-    return bool(getattr(_scope, "stack", None))
-
-
 @contextlib.contextmanager
 def _enter(strategy: MirroredStrategy) -> Iterator[MirroredStrategy]:
     stack = getattr(_scope, "stack", None)
@@ -265,3 +468,14 @@ def _validate_devices(devices: Sequence[jax.Device | int] | None) -> tuple[jax.D
         raise ValueError(f"devices mixes platforms {platforms}; one strategy runs on one platform. "
                          f"Pick the devices of one, e.g. jax.devices({platforms[0]!r}).")
     return tuple(resolved)
+
+
+def _host_array(v: Any) -> np.ndarray:
+    """The whole value of ``v`` on this host (gathered from the other processes where needed)."""
+    if isinstance(v, jax.Array) and not v.is_fully_addressable:
+        if v.is_fully_replicated:
+            return np.asarray(v.addressable_data(0))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(v, tiled=True))
+    return np.asarray(v)

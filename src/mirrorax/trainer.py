@@ -136,33 +136,13 @@ class Trainer:
         return self._state
 
     def _place(self, tree: PyTree, *, from_host: bool = True) -> PyTree:
-        """Replicates ``tree`` onto the mesh in buffers of its own: never aliased with the caller's arrays
-        (the model's variables), which a donated train step would otherwise delete.
+        """Replicates ``tree`` onto the mesh in buffers of its own (:meth:`MirroredStrategy.replicate`).
 
         ``from_host``: the values come from this process's model (initial weights, weights set by the
         user), which may differ between processes: every replica then takes process 0's values.
         ``False`` for values that are equal everywhere by construction (metric accumulators' zeros).
         """
-        sharding = self.strategy.replicated
-        if from_host and self.strategy.process_count > 1:
-            tree = consistency.broadcast_from_primary(tree)
-        leaves, treedef = jax.tree.flatten(tree)
-        on_device = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
-        if self.strategy.process_count == 1 and on_device:
-            # Device to devices, no host copy. device_put(..., may_alias=False) still reuses the source's
-            # buffer for the mesh's copy on the source's device (jax 0.10), so copy on that device first.
-            own = jax.device_put([leaves[i] for i in on_device], [leaves[i].sharding for i in on_device],
-                                 may_alias=False)
-            for i, a in zip(on_device, jax.device_put(own, [sharding] * len(own))):
-                leaves[i] = a
-
-        def put(a: Any) -> jax.Array:
-            if isinstance(a, jax.Array) and a.sharding == sharding:
-                return a
-            a = np.asarray(a)
-            return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
-
-        return jax.tree.unflatten(treedef, [put(a) for a in leaves])
+        return self.strategy._replicate(tree, broadcast=from_host)
 
     def _ensure_state(self, sample: data_lib.Batch) -> None:
         # Building is incremental: a predict-only start builds layers; targets later add metrics, whose

@@ -1,0 +1,227 @@
+"""``strategy.jit`` and ``strategy.run``: a user's step compiled once per signature, dispatched with a bound.
+
+Both compile ``fn`` once per input signature (tree structure, shapes, dtypes, layouts) and keep at most
+``max_in_flight`` dispatched calls outstanding per strategy: after dispatching call ``i`` the host waits
+for call ``i - max_in_flight + 1``, never for the call it just made. (Unbounded, the host queues steps
+without limit, which hides errors and, on multi-device CPU hosts, overruns XLA's collective rendezvous.)
+
+Where outputs live (``out_shardings``), decided when a signature is first seen:
+
+1. an output (or a top-level element of a tuple/list output) with the structure, shapes and dtypes of
+   an argument keeps that argument's layout (a state passed in and returned stays as it was placed);
+2. otherwise a leaf whose leading axis has the global batch's rows (of a batch-split argument) stays
+   split over the batch axis;
+3. everything else is replicated.
+
+``strategy.run`` is the per-replica form: ``fn`` runs on each replica's rows inside ``jax.shard_map``;
+outputs that ``fn`` made equal on every replica come back replicated (JAX tracks which values vary over
+the axis), the others as global arrays holding one slice per replica (``tf.distribute``'s ``PerReplica``):
+a scalar per replica becomes a ``(num_replicas,)`` array, a per-replica array is concatenated on axis 0.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mirrorax.replica import ReplicaContext, replica_scope
+
+if TYPE_CHECKING:
+    from mirrorax.strategy import MirroredStrategy
+
+__all__ = ["StrategyFunction", "Window"]
+
+PyTree = Any
+
+
+class Window:
+    """A bounded window of dispatched calls: after pushing call ``i``, wait for call ``i - depth + 1``."""
+
+    def __init__(self, depth: int) -> None:
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"max_in_flight must be an integer >= 1; received {depth!r}.")
+        self.depth = depth
+        self._queue: collections.deque[Any] = collections.deque()
+
+    def push(self, token: Any) -> None:
+        self._queue.append(token)
+        while len(self._queue) >= self.depth:
+            jax.block_until_ready(self._queue.popleft())
+
+    def drain(self) -> None:
+        while self._queue:
+            jax.block_until_ready(self._queue.popleft())
+
+
+def _batch_axis_of(a: Any, axis_name: str) -> bool:
+    sharding = getattr(a, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    return bool(spec) and spec[0] == axis_name
+
+
+def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
+    out = []
+    for a in leaves:
+        if isinstance(a, jax.Array):
+            out.append((a.shape, a.dtype, a.sharding))
+        elif isinstance(a, np.ndarray):
+            out.append((a.shape, a.dtype, None))
+        else:
+            out.append((type(a), np.shape(a), getattr(a, "dtype", None)))
+    return tuple(out)
+
+
+class StrategyFunction:
+    """What ``strategy.jit(fn)`` and ``strategy.run``'s compiled form return: call it like ``fn``.
+
+    Args:
+      strategy: the devices, layouts and the dispatch window.
+      fn: the function (global view), or the per-replica function with ``per_replica=True``.
+      donate_argnums: positional arguments whose buffers the call may reuse (e.g. the state).
+      per_replica: run ``fn`` once per replica on its rows (``jax.shard_map``), as ``strategy.run``.
+    """
+
+    def __init__(self, strategy: MirroredStrategy, fn: Callable[..., Any], *, donate_argnums: int | Sequence[int] = (),
+                 per_replica: bool = False) -> None:
+        if not callable(fn):
+            raise TypeError(f"Expected a callable for fn. Received: {fn!r} (of type {type(fn).__name__}).")
+        self._strategy = strategy
+        self._fn = fn
+        self._donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        self._per_replica = per_replica
+        self._compiled: dict[Any, Callable[..., Any]] = {}
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    # -- calling ---------------------------------------------------------------------------------------
+    def __call__(self, *args: Any) -> Any:
+        leaves, treedef = jax.tree.flatten(args)
+        key = (treedef, _signature(leaves))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compiled[key] = self._compile(args)
+        out, token = compiled(*args)
+        self._strategy._dispatched(token)
+        return out
+
+    def lower(self, *args: Any) -> Any:
+        """``jax.jit(...).lower`` of the program this call would run (for ``compile()``,
+        ``memory_analysis()``, ``cost_analysis()``)."""
+        return self._build(args).lower(*args)
+
+    @property
+    def compile_count(self) -> int:
+        """How many signatures were compiled (one per distinct input shape/layout)."""
+        return len(self._compiled)
+
+    # -- building ------------------------------------------------------------------------------------
+    def _compile(self, args: tuple[Any, ...]) -> Callable[..., Any]:
+        return self._build(args)
+
+    def _build(self, args: tuple[Any, ...]) -> Any:
+        s = self._strategy
+        body = self._per_replica_body(args) if self._per_replica else self._fn
+        out_shape = jax.eval_shape(body, *args)
+        out_shardings = self._out_shardings(args, out_shape)
+
+        def with_token(*a: Any) -> tuple[Any, jax.Array]:
+            # A fresh output of this program: ready exactly when the call is done, and never donated by
+            # the next call (the outputs themselves may be), so the window can wait on it.
+            return body(*a), jnp.zeros((), jnp.int32)
+
+        return jax.jit(with_token, donate_argnums=self._donate, out_shardings=(out_shardings, s.replicated))
+
+    def _out_shardings(self, args: tuple[Any, ...], out_shape: PyTree) -> PyTree:
+        s = self._strategy
+        axis = s.batch_axis
+        batch_rows = {a.shape[0] for a in jax.tree.leaves(args) if _batch_axis_of(a, axis) and a.ndim}
+
+        def layout_of(arg: Any) -> PyTree:
+            return jax.tree.map(lambda a: a.sharding if isinstance(a, jax.Array) else s.replicated, arg)
+
+        def by_shape(tree: PyTree) -> PyTree:
+            return jax.tree.map(lambda o: s.batch_sharding if o.ndim and o.shape[0] in batch_rows else s.replicated,
+                                tree)
+
+        def like_arg(out: PyTree) -> PyTree | None:
+            o_leaves, o_def = jax.tree.flatten(out)
+            for arg in args:
+                a_leaves, a_def = jax.tree.flatten(arg)
+                if a_def == o_def and all(np.shape(a) == o.shape and jnp.result_type(a) == o.dtype
+                                          for a, o in zip(a_leaves, o_leaves)):
+                    return layout_of(arg)
+            return None
+
+        if self._per_replica:
+            return self._per_replica_shardings(out_shape, like_arg)
+        whole = like_arg(out_shape)
+        if whole is not None:
+            return whole
+        if isinstance(out_shape, (tuple, list)):
+            return type(out_shape)(like_arg(o) or by_shape(o) for o in out_shape)
+        return by_shape(out_shape)
+
+    # -- per replica (strategy.run) -----------------------------------------------------------------
+    def _per_replica_body(self, args: tuple[Any, ...]) -> Callable[..., Any]:
+        s = self._strategy
+        axis = s.batch_axis
+        in_specs = jax.tree.map(lambda a: P(axis) if _batch_axis_of(a, axis) else P(), args)
+        fn = self._fn
+        seen: dict[str, Any] = {}
+
+        def inner(*a: Any) -> Any:
+            with replica_scope(ReplicaContext(axis, s.num_replicas_in_sync)):
+                out = fn(*a)
+            leaves, seen["treedef"] = jax.tree.flatten(out)
+            seen["varying"] = [_varies(v, axis) for v in leaves]
+            return out
+
+        # First trace: which outputs vary over the replicas (every output stacked per replica, so any
+        # value is allowed); the real program then gives each leaf its own out_spec.
+        probe = jax.shard_map(lambda *a: jax.tree.map(lambda v: jnp.asarray(v)[None], inner(*a)), mesh=s.mesh,
+                              in_specs=in_specs, out_specs=P(axis))
+        jax.eval_shape(probe, *args)
+        flags, treedef = list(seen["varying"]), seen["treedef"]
+        self._flags = flags
+
+        def body(*a: Any) -> Any:
+            leaves = jax.tree.leaves(inner(*a))
+            # A scalar per replica becomes one element of a (num_replicas,) array; arrays concatenate.
+            return jax.tree.unflatten(treedef, [jnp.asarray(v)[None] if f and jnp.ndim(v) == 0 else v
+                                                for v, f in zip(leaves, flags)])
+
+        out_specs = jax.tree.unflatten(treedef, [P(axis) if f else P() for f in flags])
+        return jax.shard_map(body, mesh=s.mesh, in_specs=in_specs, out_specs=out_specs)
+
+    def _per_replica_shardings(self, out_shape: PyTree, like_arg: Callable[[PyTree], PyTree | None]) -> PyTree:
+        s = self._strategy
+        leaves, treedef = jax.tree.flatten(out_shape)
+        shardings = [s.batch_sharding if f else s.replicated for f in self._flags]
+        default = jax.tree.unflatten(treedef, shardings)
+        # Replicated outputs shaped like an argument (a state passed through) keep that argument's layout.
+        if isinstance(out_shape, (tuple, list)):
+            parts = []
+            for o, d in zip(out_shape, default):
+                match = like_arg(o)
+                replicated_only = all(x == s.replicated for x in jax.tree.leaves(d))
+                parts.append(match if match is not None and replicated_only else d)
+            return type(out_shape)(parts)
+        match = like_arg(out_shape)
+        return match if match is not None and all(x == s.replicated for x in shardings) else default
+
+
+def _varies(v: Any, axis: str) -> bool:
+    t = jax.typeof(v)
+    vma = getattr(t, "vma", None)
+    if vma is None:
+        mat = getattr(t, "manual_axis_type", None)
+        vma = getattr(mat, "varying", None)
+    if vma is None:
+        return "{V:" in str(t) and axis in str(t)
+    return axis in vma

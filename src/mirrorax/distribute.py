@@ -1,0 +1,293 @@
+"""``strategy.experimental_distribute_dataset``: global batches as arrays split over the devices.
+
+Iterating a :class:`DistributedDataset` yields :class:`DistributedBatch` es: the item's own structure
+(``(x, y)``, a dict, ...) as global ``jax.Array`` s split over the batch axis, padded to one fixed shape,
+with a ``mask`` (1.0 for real rows, 0.0 for padding) and ``num_real`` (real rows of the global batch).
+Padding rows are copies of a real row, so they are harmless inputs; :func:`mirrorax.compute_average_loss`
+and :func:`mirrorax.masked_mean` leave them out.
+
+Each process builds only its own rows of every global batch. The next batch is placed right after the
+strategy dispatches a step (``strategy.jit`` / ``strategy.run``), before the host waits on the previous
+step: the host's copy overlaps the devices' work, without a second thread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+import numpy as np
+
+if TYPE_CHECKING:
+    from mirrorax.strategy import MirroredStrategy
+
+__all__ = ["DistributedBatch", "DistributedDataset"]
+
+PyTree = Any
+
+
+class DistributedBatch(NamedTuple):
+    """One global batch on the devices.
+
+    Attributes:
+      data: the item's own structure (e.g. ``(x, y)``) as global ``jax.Array`` s split over the batch axis,
+        every leaf with the same fixed number of rows (the global batch rounded up to the device count).
+      mask: float32 ``(rows,)``: 1.0 for a real example, 0.0 for a padding row.
+      num_real: a replicated float32 scalar: the real examples of the whole global batch.
+    """
+
+    data: PyTree
+    mask: jax.Array
+    num_real: jax.Array
+
+
+def _numeric(a: Any, what: str) -> np.ndarray:
+    if hasattr(a, "numpy") and not isinstance(a, np.ndarray):
+        a = a.numpy()  # tf.Tensor, torch.Tensor
+    arr = np.asarray(a)
+    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
+        raise TypeError(f"{what} must hold numbers; received an array of dtype {arr.dtype} (shape {arr.shape}). "
+                        "Convert it first (e.g. np.asarray(..., dtype=np.float32)) or encode categories as integers.")
+    if arr.ndim == 0:
+        raise ValueError(f"{what} must have a leading example axis; received a scalar {arr!r}.")
+    wanted = jax.dtypes.canonicalize_dtype(arr.dtype)  # float64 -> float32 unless JAX runs in x64
+    return arr if arr.dtype == wanted else arr.astype(wanted)
+
+
+def _tree(data: Any, what: str) -> PyTree:
+    paths, treedef = jax.tree_util.tree_flatten_with_path(data)
+    return jax.tree.unflatten(treedef, [_numeric(a, f"{what}{jax.tree_util.keystr(p)}") for p, a in paths])
+
+
+def _rows(tree: PyTree, what: str) -> int:
+    lengths = {jax.tree_util.keystr(p): a.shape[0] for p, a in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    if not lengths:
+        raise ValueError(f"{what} holds no array.")
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"Every array of {what} must have the same number of rows; received {lengths}.")
+    return next(iter(lengths.values()))
+
+
+class _HostBatch(NamedTuple):
+    rows: PyTree  # this process's rows (numpy)
+    mask: np.ndarray  # float32 (local rows,)
+    num_real: int  # real rows of the global batch (-1: unknown here, summed on the devices)
+
+
+class DistributedDataset:
+    """Global batches of ``data`` for a strategy (see :meth:`MirroredStrategy.experimental_distribute_dataset`).
+
+    Each ``iter()`` is one pass (an epoch): arrays are cut into global batches of ``batch_size`` (pass
+    ``k`` shuffled by ``(seed, k)`` when ``shuffle``: an order that depends on neither the device nor
+    the process count); an iterable yields one global batch per item (a short item is padded).
+    ``len()`` is the number of batches per pass when known.
+    """
+
+    def __init__(self, strategy: MirroredStrategy, data: Any, *, batch_size: int | None = None,
+                 shuffle: bool = False, seed: int = 0) -> None:
+        from mirrorax.strategy import _PerProcessDataset
+
+        self._strategy = strategy
+        self._shuffle, self._seed = bool(shuffle), int(seed)
+        self._passes = 0
+        self._per_process = isinstance(data, _PerProcessDataset)
+        self._num_real_cache: dict[int, jax.Array] = {}
+        self._mask_cache: dict[int, jax.Array] = {}
+        if _is_arrays(data):
+            if batch_size is None:
+                raise ValueError("batch_size is required when data holds arrays: it is the global batch "
+                                 "(over all devices and processes), e.g. batch_size=256.")
+            self._arrays: PyTree = _tree(data, "data")
+            self._n = _rows(self._arrays, "data")
+            if self._n == 0:
+                raise ValueError("data is empty (0 rows).")
+            self._iterable = None
+        else:
+            if shuffle:
+                raise ValueError("shuffle=True applies to arrays; an iterable yields batches in its own order "
+                                 "(shuffle it at its source, e.g. tf.data's shuffle or a DataLoader's).")
+            if not isinstance(data, Iterable) or isinstance(data, (str, bytes)):
+                raise TypeError("data must be an iterable of global batches or a tuple/dict of arrays; received "
+                                f"{type(data).__name__}.")
+            self._arrays, self._n, self._iterable = None, 0, data
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
+                                       or batch_size < 1):
+            raise ValueError(f"batch_size must be a positive integer (the global batch); received {batch_size!r}.")
+        self._batch_size = None if batch_size is None else int(batch_size)
+
+    # -- sizes -----------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int | None:
+        """The global batch (``None`` for an iterable until its first item is seen)."""
+        return self._batch_size
+
+    def padded_rows(self, batch_size: int) -> int:
+        """Rows of every placed batch: ``batch_size`` rounded up to a multiple of the device count."""
+        n = self._strategy.num_replicas_in_sync
+        return math.ceil(batch_size / n) * n
+
+    def __len__(self) -> int:
+        if self._arrays is not None:
+            return math.ceil(self._n / self._batch_size)
+        return len(self._iterable)  # type: ignore[arg-type]  # TypeError for iterables without a length
+
+    # -- iteration ---------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[DistributedBatch]:
+        pass_index = self._passes
+        self._passes += 1
+        host = self._array_batches(pass_index) if self._arrays is not None else self._iterable_batches()
+        return _PlacingIterator(self._strategy, host, self._place)
+
+    def _array_batches(self, pass_index: int) -> Iterator[_HostBatch]:
+        s, b = self._strategy, self._batch_size
+        assert b is not None
+        order = np.random.default_rng([self._seed, pass_index]).permutation(self._n) if self._shuffle \
+            else np.arange(self._n)
+        local = self.padded_rows(b) // s.process_count
+        lo = s.process_index * local
+        for first in range(0, self._n, b):
+            real = order[first:first + b]
+            slot = np.arange(lo, lo + local)
+            valid = slot < len(real)
+            if valid.all() and not self._shuffle:
+                idx: Any = slice(first + lo, first + lo + local)  # contiguous rows: views, no copy
+            else:
+                idx = np.where(valid, real[np.minimum(slot, len(real) - 1)], real[0])
+            take = (lambda a: a[idx]) if isinstance(idx, slice) else (lambda a: np.take(a, idx, axis=0))
+            yield _HostBatch(jax.tree.map(take, self._arrays), valid.astype(np.float32), len(real))
+
+    def _iterable_batches(self) -> Iterator[_HostBatch]:
+        s = self._strategy
+        multi = s.process_count > 1
+        it = iter(self._iterable)  # type: ignore[arg-type]
+        template: _HostBatch | None = None
+        index = 0
+        while True:
+            item = next(it, None)
+            if multi and self._per_process:
+                # The processes agree each step whether any still has data: none waits in a collective
+                # for a batch that another never sends.
+                from jax.experimental import multihost_utils
+
+                have = multihost_utils.process_allgather(np.array([item is not None], np.int32))
+                if not np.any(have):
+                    return
+            elif item is None:
+                return
+            if item is None:
+                if template is None:
+                    raise RuntimeError("This process's pipeline yielded no batch while another process still had "
+                                       "data. Give every process at least one batch per pass.")
+                yield template._replace(mask=np.zeros_like(template.mask), num_real=-1)
+                continue
+            rows = _tree(item, f"batch {index}")
+            n = _rows(rows, f"batch {index}")
+            if self._batch_size is None:
+                self._batch_size = n * s.process_count if self._per_process else n
+            padded = self.padded_rows(self._batch_size)
+            limit = padded // s.process_count if self._per_process else padded
+            if n > limit:
+                raise ValueError(f"Batch {index} has {n} rows, more than batch_size={self._batch_size} allows "
+                                 f"({limit} rows per {'process' if self._per_process else 'global batch'}). Pass "
+                                 "batch_size equal to the largest batch the iterable yields.")
+            if self._per_process or not multi:
+                slot = np.arange(limit)
+            else:
+                local = padded // s.process_count
+                slot = np.arange(s.process_index * local, (s.process_index + 1) * local)
+            valid = slot < n
+            idx = np.where(valid, np.minimum(slot, n - 1), 0)
+            template = _HostBatch(jax.tree.map(lambda a: np.take(a, idx, axis=0), rows), valid.astype(np.float32),
+                                  -1 if self._per_process and multi else n)
+            index += 1
+            yield template
+
+    # -- placement ---------------------------------------------------------------------------------
+    def _place(self, host: _HostBatch) -> DistributedBatch:
+        s = self._strategy
+        sharding = s.batch_sharding
+        leaves, treedef = jax.tree.flatten(host.rows)
+        if s.process_count == 1:
+            placed = jax.device_put(leaves, [sharding] * len(leaves))  # one transfer for every leaf
+        else:
+            placed = [jax.make_array_from_process_local_data(sharding, a, (a.shape[0] * s.process_count,) + a.shape[1:])
+                      for a in leaves]
+        full = bool(host.mask.all())
+        mask = self._mask_cache.get(host.mask.shape[0]) if full else None
+        if mask is None:
+            mask = self._put_rows(host.mask)
+            if full:
+                self._mask_cache[host.mask.shape[0]] = mask
+        if host.num_real >= 0:
+            num_real = self._num_real_cache.get(host.num_real)
+            if num_real is None:
+                num_real = self._num_real_cache[host.num_real] = s.replicate(np.float32(host.num_real))
+        else:  # per-process pipelines: only the devices know the global count
+            num_real = _sum_mask(mask)
+        return DistributedBatch(jax.tree.unflatten(treedef, placed), mask, num_real)
+
+    def _put_rows(self, a: np.ndarray) -> jax.Array:
+        s = self._strategy
+        if s.process_count == 1:
+            return jax.device_put(a, s.batch_sharding)
+        return jax.make_array_from_process_local_data(s.batch_sharding, a, (a.shape[0] * s.process_count,))
+
+    def __repr__(self) -> str:
+        kind = f"arrays of {self._n} rows" if self._arrays is not None else type(self._iterable).__name__
+        return f"DistributedDataset({kind}, batch_size={self._batch_size}, shuffle={self._shuffle})"
+
+
+@jax.jit
+def _sum_mask(mask: jax.Array) -> jax.Array:
+    return mask.sum()
+
+
+class _PlacingIterator:
+    """Yields placed batches; places the next one right after the strategy's next dispatch."""
+
+    _END = object()
+
+    def __init__(self, strategy: MirroredStrategy, host: Iterator[_HostBatch], place: Any) -> None:
+        self._strategy, self._host, self._place = strategy, host, place
+        self._ready: Any = None
+
+    def _next_placed(self) -> Any:
+        try:
+            return self._place(next(self._host))
+        except StopIteration:
+            return self._END
+        except Exception as e:  # noqa: BLE001 - re-raised by the next() that would have returned it
+            return e
+
+    def prepare(self) -> None:
+        """Places the next batch now (the strategy calls this after dispatching a step)."""
+        if self._ready is None:
+            self._ready = self._next_placed()
+
+    def __iter__(self) -> _PlacingIterator:
+        return self
+
+    def __next__(self) -> DistributedBatch:
+        ready, self._ready = self._ready, None
+        if ready is None:
+            ready = self._next_placed()
+        if ready is self._END:
+            self._ready = self._END
+            raise StopIteration
+        if isinstance(ready, Exception):
+            raise ready
+        self._strategy._place_after_dispatch(self)
+        return ready
+
+
+def _is_arrays(x: Any) -> bool:
+    if isinstance(x, (np.ndarray, jax.Array)) or (hasattr(x, "__array__") and not isinstance(x, Iterator)
+                                                  and not type(x).__module__.startswith(("tensorflow", "torch.utils"))):
+        return not isinstance(x, (str, bytes))
+    if isinstance(x, Mapping):
+        return len(x) > 0 and all(_is_arrays(v) for v in x.values())
+    if isinstance(x, tuple) or isinstance(x, list) and x and not isinstance(x[0], tuple):
+        return len(x) > 0 and all(_is_arrays(v) for v in x)
+    return False

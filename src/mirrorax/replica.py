@@ -1,0 +1,168 @@
+"""The per-replica view (``strategy.run``) and the losses that stay exact under padding.
+
+Inside a function given to ``strategy.run``, :func:`get_replica_context` says which replica is running
+and reduces values over all of them (``tf.distribute.get_replica_context()``'s meaning). Outside it
+(in the global view of ``strategy.jit``, or plain Python) there is no replica context: ``None``.
+
+:func:`compute_average_loss` is written once for both views: the sum of the real rows' losses divided by
+the *global* count of real rows. In the global view that is the mean over the global batch; per replica
+it is that replica's share of it, so summing the replicas' gradients (``all_reduce("sum", grads)``)
+gives the gradient of the global mean, as with TF's ``tf.nn.compute_average_loss``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["ReduceOp", "ReplicaContext", "get_replica_context", "compute_average_loss", "masked_mean"]
+
+PyTree = Any
+
+
+class ReduceOp(str, enum.Enum):
+    """How values of the replicas combine (``tf.distribute.ReduceOp``); the strings work too."""
+
+    SUM = "sum"
+    MEAN = "mean"
+    MAX = "max"
+
+
+def resolve_op(op: Any, allowed: tuple[str, ...] = ("sum", "mean", "max")) -> str:
+    """``op`` as one of ``allowed`` (a :class:`ReduceOp` or its string, case-insensitive)."""
+    value = op.value if isinstance(op, ReduceOp) else op
+    if isinstance(value, str) and value.lower() in allowed:
+        return value.lower()
+    raise ValueError(f"Expected a reduce op among {list(allowed)} (or mx.ReduceOp.SUM/MEAN"
+                     f"{'/MAX' if 'max' in allowed else ''}). Received: {op!r} (of type {type(op).__name__}).")
+
+
+class ReplicaContext:
+    """Which replica runs, and reductions over every replica; only inside ``strategy.run``.
+
+    Attributes:
+      num_replicas_in_sync: how many replicas run ``fn`` (the strategy's device count).
+    """
+
+    def __init__(self, axis_name: str, num_replicas: int) -> None:
+        self._axis = axis_name
+        self.num_replicas_in_sync = num_replicas
+
+    @property
+    def replica_id_in_sync_group(self) -> jax.Array:
+        """This replica's index, ``0 <= id < num_replicas_in_sync`` (a traced int32 scalar)."""
+        return jax.lax.axis_index(self._axis)
+
+    def all_reduce(self, op: ReduceOp | str, value: PyTree) -> PyTree:
+        """``value`` (any pytree) reduced over every replica; the result is the same on all of them.
+
+        Args:
+          op: ``"sum"``, ``"mean"`` or ``"max"`` (or a :class:`ReduceOp`).
+          value: a pytree of arrays, the replica's own values.
+
+        Example:
+          >>> grads = mx.get_replica_context().all_reduce("sum", grads)  # inside strategy.run
+        """
+        kind = resolve_op(op)
+        reduce = {"sum": jax.lax.psum, "mean": jax.lax.pmean, "max": jax.lax.pmax}[kind]
+        return jax.tree.map(lambda v: reduce(v, self._axis), value)
+
+    def __repr__(self) -> str:
+        return f"ReplicaContext(num_replicas_in_sync={self.num_replicas_in_sync})"
+
+
+_local = threading.local()
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """The :class:`ReplicaContext` while ``strategy.run`` traces ``fn``; ``None`` anywhere else.
+
+    Example:
+      >>> def fn(batch):
+      ...     ctx = mx.get_replica_context()
+      ...     return ctx.all_reduce("sum", jnp.sum(batch.mask))   # real rows of the global batch
+      >>> strategy.run(fn, args=(batch,))
+    """
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def replica_scope(context: ReplicaContext) -> Iterator[ReplicaContext]:
+    """Makes ``context`` what :func:`get_replica_context` returns (while ``strategy.run`` traces)."""
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    stack.append(context)
+    try:
+        yield context
+    finally:
+        stack.pop()
+
+
+def _batch_fields(batch: Any) -> tuple[Any, Any]:
+    try:
+        return batch.mask, batch.num_real
+    except AttributeError:
+        raise TypeError(f"Expected an mx.DistributedBatch (from strategy.experimental_distribute_dataset), whose "
+                        f"mask and num_real say which rows are real. Received: {type(batch).__name__}.") from None
+
+
+def _per_row(values: Any, rows: int, what: str) -> Any:
+    """``values`` reduced to one value per row (the mean over any further axes, e.g. time steps)."""
+    values = jnp.asarray(values)
+    if values.ndim == 0 or values.shape[0] != rows:
+        raise ValueError(f"{what} must have one value per row of the batch (leading axis {rows}); received shape "
+                         f"{values.shape}. Pass per-example values, e.g. a loss with reduction='none'.")
+    return values.reshape(rows, -1).mean(axis=1) if values.ndim > 1 else values
+
+
+def compute_average_loss(per_example_loss: Any, batch: Any, *, sample_weight: Any = None) -> jax.Array:
+    """The mean of ``per_example_loss`` over the real rows of the *global* batch (padding masked out).
+
+    ``sum(loss * mask * sample_weight) / batch.num_real``: in the global view (``strategy.jit``) the mean
+    over the global batch; inside ``strategy.run`` this replica's share of it (its rows' sum over the
+    global count), so that the replicas' gradients add up to the gradient of the global mean. A loss
+    with more than one value per example (e.g. per time step) is first averaged over those axes. The
+    result has the loss's dtype (float64 stays float64).
+
+    Args:
+      per_example_loss: one loss per row of ``batch`` (shape ``(rows, ...)``).
+      batch: the :class:`mirrorax.DistributedBatch` the loss was computed on.
+      sample_weight: optional per-row weights (still divided by the count of real rows, as Keras and
+        TF do for ``sum_over_batch_size``).
+
+    Example:
+      >>> def loss_fn(params, batch):
+      ...     x, y = batch.data
+      ...     return mx.compute_average_loss(cross_entropy(y, apply(params, x)), batch)
+    """
+    mask, num_real = _batch_fields(batch)
+    per_row = _per_row(per_example_loss, mask.shape[0], "per_example_loss")
+    dtype = per_row.dtype
+    weight = mask.astype(dtype)
+    if sample_weight is not None:
+        weight = weight * jnp.asarray(sample_weight).astype(dtype).reshape(mask.shape[0])
+    # where, not a product alone: a NaN/inf in a padding row (a copy of a real row) must not leak.
+    total = jnp.sum(jnp.where(mask > 0, per_row * weight, jnp.zeros((), dtype)))
+    return total / jnp.maximum(jnp.asarray(num_real).astype(dtype), jnp.ones((), dtype))
+
+
+def masked_mean(values: Any, batch: Any) -> jax.Array:
+    """The mean of per-row ``values`` over the real rows of the global batch (e.g. an accuracy).
+
+    The same rule as :func:`compute_average_loss` (global count; per replica, the replica's share).
+
+    Example:
+      >>> accuracy = mx.masked_mean(jnp.argmax(logits, -1) == y, batch)
+    """
+    values = jnp.asarray(values)
+    if not jnp.issubdtype(values.dtype, jnp.floating):
+        values = values.astype(jnp.float32)
+    return compute_average_loss(values, batch)
