@@ -21,4 +21,9 @@ def test_trainer_contract_signature():
     assert fit["epochs"].default == 1 and fit["shuffle"].default is True and fit["verbose"].default == "auto"
     assert "batch_size" in inspect.signature(mx.Trainer.evaluate).parameters
     assert "batch_size" in inspect.signature(mx.Trainer.predict).parameters
-    assert list(inspect.signature(mx.MirroredStrategy).parameters) == ["devices"]
+    params = inspect.signature(mx.MirroredStrategy).parameters
+    assert list(params)[0] == "devices"
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for name, p in params.items() if name != "devices")
+    for method in ("replicate", "experimental_distribute_dataset", "distribute_dataset", "jit", "run", "reduce",
+                   "gather", "scope"):
+        assert inspect.getdoc(getattr(mx.MirroredStrategy, method)), method
