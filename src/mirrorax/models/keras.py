@@ -132,7 +132,6 @@ class KerasAdapter(ModelAdapter):
         }
         model.reset_metrics()
         self._metrics_init = [np.asarray(v.value) for v in model.metrics_variables]
-        self._opt_vars_const = [v.value for v in model.optimizer.variables] if model.optimizer else []
         self._built = "full" if y is not None else "layers"
 
     def _pack(self, group: str, values: Sequence[Any]) -> dict[str, Any]:
@@ -168,7 +167,13 @@ class KerasAdapter(ModelAdapter):
                 training=training, optimizer_variables=opt_vars)
 
     def grads(self, state, batch, loss_scale=1.0):
-        opt_vars = self._opt_vars_const if self.optax is not None else self._unpack("optimizer", state["optimizer"])
+        if self.optax is not None:
+            # Keras's loss code maps its (unused) optimizer's variables; zeros made while tracing are
+            # folded away. Holding the variables' values instead kept a whole single-device copy of each
+            # (Adam: two per weight) on one device for the life of the trainer.
+            opt_vars = [jnp.zeros(v.shape, v.dtype) for v in self.model.optimizer.variables]
+        else:
+            opt_vars = self._unpack("optimizer", state["optimizer"])
 
         def loss_fn(params):
             scaled, aux = self._loss_and_updates(params, state["model_state"], state["metrics"], opt_vars, batch, True)
