@@ -243,12 +243,13 @@ class KerasAdapter(ModelAdapter):
         return {k: v for k, v in logs.items() if np.ndim(v) == 0}
 
     def write_back(self, state) -> None:
-        # Lends each variable this process's first copy of the trained array: no device-to-host round
-        # trip and no second buffer (Keras's own JAX trainer hands its state back the same way). The
-        # variables let go of them (release) before the trainer donates them to the next step.
+        # Lends each variable the trained, replicated array itself (TF's MirroredVariable: one value on
+        # every device of the strategy): no device-to-host round trip and no second buffer (Keras's own
+        # JAX trainer hands its state back the same way). The variables let go of them (release) before
+        # the trainer donates them to the next step.
         pairs = []
         for v, a in zip(self._written_variables(), self._written_values(state)):
-            v.assign(a.addressable_shards[0].data if isinstance(a, jax.Array) else a)
+            v.assign(_local_replica(a))
             pairs.append((v, v._value))
         self._lent_values = pairs
 
@@ -310,6 +311,17 @@ class KerasAdapter(ModelAdapter):
 
     def _written_values(self, state) -> list[Any]:
         return [a for g in self.written_groups for a in self._unpack(g, state[g])]
+
+
+def _local_replica(a: Any) -> Any:
+    """``a`` where this process can read it whole: a replicated array spanning other processes' devices
+    becomes the same buffers viewed as an array over this process's devices only (no copy)."""
+    if not isinstance(a, jax.Array) or a.is_fully_addressable:
+        return a
+    shards = a.addressable_shards
+    mesh = jax.sharding.Mesh(np.array([s.device for s in shards]), ("batch",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.make_array_from_single_device_arrays(a.shape, sharding, [s.data for s in shards])
 
 
 MIXED_PRECISION = ("bfloat16", "float16")
