@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from mirrorax import _discovery, cluster
-from mp_scripts.procs import clean_env, free_port, python, run_all
+from mp_scripts.procs import clean_env, free_port, launcher, python, run_all
 
 JOB_PREFIXES = ("MIRRORAX_", "TF_CONFIG", "SLURM_", "OMPI_", "JAX_COORDINATOR", "JAX_LOCAL_DEVICE_IDS",
                 "KUBERNETES_SERVICE_HOST")
@@ -140,6 +140,41 @@ def test_process_helpers_before_any_job():
     assert _discovery.split_address("[::1]:80") == ("::1", 80)
     if not cluster.is_initialized():
         assert cluster.process_count() >= 1 and cluster.process_index() >= 0
+
+
+# -- where process 0's coordination service listens -------------------------------------------------
+@pytest.mark.parametrize("address, want", [
+    ("127.0.0.1:1234", "127.0.0.1:1234"), ("127.3.2.1:1234", "127.3.2.1:1234"),
+    ("localhost:1234", "localhost:1234"), ("[::1]:1234", "[::1]:1234"),
+    ("10.0.0.1:1234", None), ("host0:1234", None), ("[fe80::1]:1234", None),
+])
+def test_a_loopback_coordinator_listens_on_loopback_only(env, address, want):
+    assert cluster.resolve_bind_address(address) == want
+
+
+def test_bind_address_overrides(env):
+    assert cluster.resolve_bind_address("127.0.0.1:1", "0.0.0.0:1") == "0.0.0.0:1"
+    env(JAX_COORDINATOR_BIND_ADDRESS="10.1.1.1:1")
+    assert cluster.resolve_bind_address("127.0.0.1:1") is None  # JAX reads its own variable
+    env(MIRRORAX_COORDINATOR_BIND="10.2.2.2:1")
+    assert cluster.resolve_bind_address("10.0.0.1:1") == "10.2.2.2:1"
+    env(MIRRORAX_COORDINATOR_BIND="10.2.2.2")
+    with pytest.raises(ValueError, match="MIRRORAX_COORDINATOR_BIND: .*'host:port'"):
+        cluster.resolve_bind_address("10.0.0.1:1")
+
+
+@pytest.mark.multi_process
+@pytest.mark.timeout(90)
+def test_under_the_launcher_the_coordinator_listens_on_loopback_only():
+    port = free_port()
+    codes, outs, _ = run_all([launcher("--nprocs", "2", "--cpu-devices-per-proc", "2", "--port", str(port),
+                                       "--", *python("tests/mp_scripts/psum.py"))],
+                             [clean_env(MP_LISTENERS="1")], timeout=80)
+    assert codes == [0], outs
+    line = next(x for x in outs[0].splitlines() if "LISTENERS" in x)
+    addresses = line.split("LISTENERS")[1].split()
+    # gRPC listens on an IPv6 socket; "::ffff:127.0.0.1" is its IPv4 loopback address.
+    assert addresses and set(addresses) <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, line
 
 
 # -- joining, in subprocesses ---------------------------------------------------------------------

@@ -19,11 +19,17 @@ Timeouts (seconds; environment variables override the defaults of :func:`maybe_i
 (30) is how long a silent process may go before the others abort, which bounds how long they outlive a
 dead peer; ``MIRRORAX_SHUTDOWN_TIMEOUT`` (300) is how long a finished process waits for the others.
 A process that dies of an uncaught exception tells the others at once (:mod:`mirrorax._failure`).
+
+Process 0's coordination service listens on the loopback address when the coordinator's host is one
+(every process is then on this host: ``mirrorax launch``), else on every interface, as JAX does;
+``MIRRORAX_COORDINATOR_BIND=host:port`` chooses (:func:`resolve_bind_address`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import ipaddress
 import os
 import socket
 import sys
@@ -38,7 +44,7 @@ from mirrorax import _discovery, _failure
 from mirrorax._discovery import ClusterInfo, job_from_env
 
 __all__ = ["ClusterInfo", "ClusterError", "initialize", "maybe_initialize_from_env", "is_initialized",
-           "job_from_env", "process_index", "process_count", "cluster_info"]
+           "job_from_env", "process_index", "process_count", "cluster_info", "resolve_bind_address"]
 
 DEFAULT_INIT_TIMEOUT = 60
 DEFAULT_HEARTBEAT_TIMEOUT = 30
@@ -98,7 +104,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                initialization_timeout: int = DEFAULT_INIT_TIMEOUT,
                heartbeat_timeout_seconds: int = DEFAULT_HEARTBEAT_TIMEOUT,
                shutdown_timeout_seconds: int = DEFAULT_SHUTDOWN_TIMEOUT,
-               cluster_detection_method: str | None = None) -> ClusterInfo:
+               cluster_detection_method: str | None = None,
+               coordinator_bind_address: str | None = None) -> ClusterInfo:
     """Joins a multi-process job explicitly; call it first, before anything else touches JAX.
 
     With no address, count and id, the job is read from the environment (:func:`job_from_env`, or the
@@ -113,6 +120,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       heartbeat_timeout_seconds: a process silent this long is declared dead and the others abort.
       shutdown_timeout_seconds: how long a finished process waits at exit for the others to finish.
       cluster_detection_method: a ``jax.distributed`` detection method used for unset values.
+      coordinator_bind_address: ``"host:port"`` where process 0's coordination service listens;
+        ``None``: see :func:`coordinator_bind_address` (the loopback address for a loopback coordinator,
+        else every interface).
 
     Returns:
       The :class:`ClusterInfo` of the job joined.
@@ -155,7 +165,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         _apply_cpu_devices()
         if jax.config.jax_cpu_collectives_implementation is None:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        _connect(info, initialization_timeout, shutdown_timeout_seconds)
+        bind = resolve_bind_address(info.coordinator_address, coordinator_bind_address)
+        _connect(info, initialization_timeout, shutdown_timeout_seconds, bind)
         _info = info
         # Armed before the count check, so that a process that fails it takes the others down quickly.
         _failure.install(_client(), info.process_id, info.num_processes)
@@ -233,12 +244,62 @@ def _resolve(address: str | None, num_processes: int | None, process_id: int | N
     return _discovery.make_info(address, num_processes, process_id, local_device_ids, source)
 
 
-def _connect(info: ClusterInfo, timeout: int, shutdown_timeout: int) -> None:
+def resolve_bind_address(coordinator_address: str, explicit: str | None = None) -> str | None:
+    """Where process 0's coordination service listens; ``None`` leaves JAX's choice (every interface).
+
+    First match wins: ``explicit``; ``MIRRORAX_COORDINATOR_BIND``; ``JAX_COORDINATOR_BIND_ADDRESS``
+    (``None``: JAX reads it itself); the coordinator's own address when its host is a loopback address
+    (``127.x.y.z``, ``localhost``, ``::1``), because then every process is on this host and nothing
+    elsewhere should reach the service; else ``None`` (JAX binds ``[::]:port``, which other hosts need).
+
+    Args:
+      coordinator_address: the job's ``"host:port"``.
+      explicit: a ``"host:port"`` given by the caller, or ``None``.
+
+    Returns:
+      A ``"host:port"`` to bind, or ``None`` for JAX's default.
+
+    Raises:
+      ValueError: the explicit address or ``MIRRORAX_COORDINATOR_BIND`` is not ``"host:port"``.
+
+    Example:
+      >>> resolve_bind_address("127.0.0.1:1234")
+      '127.0.0.1:1234'
+      >>> resolve_bind_address("10.0.0.1:1234") is None  # every interface: the other hosts connect
+      True
+    """
+    for value, name in ((explicit, "coordinator_bind_address"),
+                        (os.environ.get("MIRRORAX_COORDINATOR_BIND"), "MIRRORAX_COORDINATOR_BIND")):
+        if value:
+            try:
+                _discovery.split_address(value)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+            return value
+    if os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        return None
+    host, port = _discovery.split_address(coordinator_address)
+    if not _is_loopback(host):
+        return None
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def _connect(info: ClusterInfo, timeout: int, shutdown_timeout: int, bind: str | None) -> None:
     """``jax.distributed.initialize`` with the failure modes that would crash in C++ turned into errors."""
     deadline = time.monotonic() + timeout
     host, port = _discovery.split_address(info.coordinator_address)
     if info.process_id == 0:
-        _check_port_free(port, info.coordinator_address)
+        _check_port_free(bind or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or f"[::]:{port}",
+                         info.coordinator_address)
     else:
         _wait_for_listener(host, port, info, deadline, timeout)
     # Past this point JAX aborts the process from C++ if not every process joins in time; a timer that
@@ -263,24 +324,44 @@ def _connect(info: ClusterInfo, timeout: int, shutdown_timeout: int) -> None:
             local_device_ids=list(info.local_device_ids) if info.local_device_ids is not None else None,
             cluster_detection_method="deactivate", initialization_timeout=timeout + 30,
             heartbeat_timeout_seconds=info.heartbeat_timeout_seconds,
-            shutdown_timeout_seconds=shutdown_timeout)
+            shutdown_timeout_seconds=shutdown_timeout, coordinator_bind_address=bind)
     finally:
         joined.set()
         timer.cancel()
 
 
-def _check_port_free(port: int, address: str) -> None:
-    family, bind = (socket.AF_INET6, "::") if socket.has_ipv6 else (socket.AF_INET, "0.0.0.0")
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no conflict
-        try:
-            s.bind((bind, port))
-        except OSError as e:
+def _check_port_free(bind: str, address: str) -> None:
+    """Raises unless the coordination service can listen at ``bind`` (``"host:port"``): JAX would abort
+    from C++ otherwise."""
+    host, port = _discovery.split_address(bind)
+    try:
+        candidates = {(i[0], i[4][:2]) for i in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                    flags=socket.AI_PASSIVE)}
+    except socket.gaierror as e:
+        raise ClusterError(f"Process 0 should host the coordinator listening at {bind}, but {host!r} does not "
+                           f"resolve on this host ({e.strerror}). Fix MIRRORAX_COORDINATOR_BIND (or "
+                           "coordinator_bind_address) to an address of this host.") from None
+    errors = []
+    for family, sockaddr in sorted(candidates):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no conflict
+            try:
+                s.bind(sockaddr)
+            except OSError as e:
+                errors.append(e)
+    if errors and (len(errors) == len(candidates) or any(e.errno == errno.EADDRINUSE for e in errors)):
+        in_use = any(e.errno == errno.EADDRINUSE for e in errors)
+        why = errors[0].strerror
+        if in_use:
             raise ClusterError(
                 f"Process 0 hosts the coordinator at {address}, but port {port} is in use on this host "
-                f"({e.strerror}). Pick a free port (mirrorax launch picks one when --port is not given), "
+                f"({why}). Pick a free port (mirrorax launch picks one when --port is not given), "
                 "or stop the process that holds it (e.g. a previous run: `ss -ltnp | grep "
-                f":{port}`).") from None
+                f":{port}`).")
+        raise ClusterError(
+            f"Process 0 hosts the coordinator at {address} and should listen at {bind}, but cannot ({why}). "
+            "Set MIRRORAX_COORDINATOR_BIND (or coordinator_bind_address) to an address of this host, e.g. "
+            f"'0.0.0.0:{port}'.")
 
 
 def _wait_for_listener(host: str, port: int, info: ClusterInfo, deadline: float, timeout: int) -> None:
