@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import textwrap
 
 import pytest
@@ -140,6 +141,59 @@ def test_process_helpers_before_any_job():
     assert _discovery.split_address("[::1]:80") == ("::1", 80)
     if not cluster.is_initialized():
         assert cluster.process_count() >= 1 and cluster.process_index() >= 0
+
+
+# -- a JAX without the private modules mirrorax reads ----------------------------------------------
+@pytest.fixture
+def without(monkeypatch):
+    """``without("clusters")``: importing ``jax._src.clusters`` fails, as on a JAX that moved it."""
+    monkeypatch.setattr(cluster, "_warned", set())
+
+    def hide(name: str) -> None:
+        monkeypatch.setitem(sys.modules, f"jax._src.{name}", None)
+
+    return hide
+
+
+def test_without_backend_query_warns_and_assumes_not_started(without):
+    without("xla_bridge")
+    with pytest.warns(RuntimeWarning, match="cannot tell whether JAX's backend started.*assumes"):
+        assert cluster.backend_started() is False
+    assert cluster.backend_started() is False  # warned once
+
+
+def test_without_jax_detectors_a_multi_task_job_is_a_clear_error(env, without):
+    without("clusters")
+    assert cluster.job_from_env() is None  # no scheduler: nothing to detect
+    env(**{**SLURM, "SLURM_NTASKS": "1"})
+    assert cluster.job_from_env() is None  # one task: it runs alone anyway
+    env(**SLURM)
+    with pytest.raises(cluster.ClusterError, match="SLURM_NTASKS=8: .*one task of a 8-task job.*jax._src.clusters"
+                                                   ".*Set MIRRORAX_COORDINATOR"):
+        cluster.job_from_env()
+    env(MIRRORAX_COORDINATOR="h0:1", MIRRORAX_NUM_PROCESSES=8, MIRRORAX_PROCESS_ID=5)
+    assert cluster.job_from_env().process_id == 5  # the fix the message names works
+
+
+def test_without_jax_detectors_a_detection_method_is_a_clear_error(env, without):
+    without("clusters")
+    with pytest.raises(cluster.ClusterError, match="cluster_detection_method='mpi4py' .*jax._src.clusters.*"
+                                                   "Pass coordinator_address"):
+        cluster._resolve(None, None, None, None, "mpi4py", 5)
+
+
+@pytest.mark.timeout(60)
+def test_without_the_distributed_client_a_job_still_joins_with_a_warning():
+    port = free_port()
+    codes, outs, _ = run_all([_snippet(f"""
+        import sys, warnings
+        import mirrorax.cluster as c
+        sys.modules["jax._src.distributed"] = None  # a JAX that moved its client
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            info = c.initialize("127.0.0.1:{port}", 1, 0)
+        print("JOINED", info.num_processes, [str(w.message)[:60] for w in caught])""")], [clean_env()], timeout=50)
+    assert "JOINED 1" in outs[0] and "has no jax._src.distributed.global_state.client" in outs[0], outs[0]
 
 
 # -- where process 0's coordination service listens -------------------------------------------------

@@ -35,13 +35,14 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from mirrorax import _discovery, _failure
-from mirrorax._discovery import ClusterInfo, job_from_env
+from mirrorax._discovery import ClusterError, ClusterInfo, job_from_env, private_jax
 
 __all__ = ["ClusterInfo", "ClusterError", "initialize", "maybe_initialize_from_env", "is_initialized",
            "job_from_env", "process_index", "process_count", "cluster_info", "resolve_bind_address"]
@@ -54,15 +55,31 @@ _info: ClusterInfo | None = None
 _lock = threading.Lock()
 
 
-class ClusterError(RuntimeError):
-    """A job that cannot be joined: the set-up is inconsistent or a peer is unreachable."""
+_warned: set[str] = set()
 
 
 def backend_started() -> bool:
-    """True once anything (``jax.devices()``, a computation, ...) has started JAX's backend."""
-    from jax._src import xla_bridge  # JAX offers no public query; jax.distributed uses this one.
+    """True once anything (``jax.devices()``, a computation, ...) has started JAX's backend.
 
-    return bool(xla_bridge.backends_are_initialized())
+    JAX offers no public query; ``jax.distributed`` uses the private one we use. On a JAX without it,
+    this warns once and answers False: ``jax.distributed.initialize`` then refuses a started backend
+    itself, in its own words.
+    """
+    query = getattr(private_jax("xla_bridge"), "backends_are_initialized", None)
+    if query is None:
+        _warn_once("backend", f"mirrorax cannot tell whether JAX's backend started: jax {jax.__version__} has no "
+                   "jax._src.xla_bridge.backends_are_initialized (a private function that mirrorax relies on, "
+                   "tested with jax 0.10). It assumes the backend did not start. If joining a job then fails "
+                   "because JAX computations already ran, create mx.MirroredStrategy() (or call "
+                   "mx.initialize()) before any other JAX call.")
+        return False
+    return bool(query())
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def is_initialized() -> bool:
@@ -168,9 +185,16 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         bind = resolve_bind_address(info.coordinator_address, coordinator_bind_address)
         _connect(info, initialization_timeout, shutdown_timeout_seconds, bind)
         _info = info
+        client = _client()
+        if client is None:
+            _warn_once("client", f"jax {jax.__version__} has no jax._src.distributed.global_state.client (a "
+                       "private object that mirrorax relies on, tested with jax 0.10): the processes do not "
+                       "check that they agree on the job's size, and one that raises does not stop the others "
+                       "at once (they stop after MIRRORAX_HEARTBEAT_TIMEOUT, or when mirrorax launch stops them).")
+            return info
         # Armed before the count check, so that a process that fails it takes the others down quickly.
-        _failure.install(_client(), info.process_id, info.num_processes)
-        _check_process_counts(info, initialization_timeout)
+        _failure.install(client, info.process_id, info.num_processes)
+        _check_process_counts(info, initialization_timeout, client)
         return info
 
 
@@ -221,9 +245,15 @@ def _resolve(address: str | None, num_processes: int | None, process_id: int | N
     source = "arguments"
     if None in (address, num_processes, process_id):
         if method is not None:
-            from jax._src import clusters
-
-            address, num_processes, process_id, ids = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+            detect = getattr(getattr(private_jax("clusters"), "ClusterEnv", None),
+                             "auto_detect_unset_distributed_params", None)
+            if detect is None:
+                raise ClusterError(
+                    f"cluster_detection_method={method!r} asks JAX's own cluster detection, which mirrorax "
+                    f"reaches through the private jax._src.clusters, absent from jax {jax.__version__} "
+                    "(mirrorax is tested with jax 0.10). Pass coordinator_address, num_processes and "
+                    "process_id, or set MIRRORAX_COORDINATOR / MIRRORAX_NUM_PROCESSES / MIRRORAX_PROCESS_ID.")
+            address, num_processes, process_id, ids = detect(
                 address, num_processes, process_id, local_device_ids, method, timeout)
             local_device_ids, source = ids, method
         elif (found := job_from_env()) is not None:
@@ -381,9 +411,8 @@ def _wait_for_listener(host: str, port: int, info: ClusterInfo, deadline: float,
         "or raise MIRRORAX_INIT_TIMEOUT if process 0 starts late.")
 
 
-def _check_process_counts(info: ClusterInfo, timeout: int) -> None:
+def _check_process_counts(info: ClusterInfo, timeout: int, client: Any) -> None:
     """Every process must agree on the process count; JAX trusts process 0's number silently."""
-    client = _client()
     client.key_value_set(f"mirrorax/num_processes/{info.process_id}", str(info.num_processes))
     others = range(1, info.num_processes) if info.process_id == 0 else [0]
     for other in others:
@@ -399,10 +428,10 @@ def _check_process_counts(info: ClusterInfo, timeout: int) -> None:
                 "process with the same MIRRORAX_NUM_PROCESSES (or num_processes=...).")
 
 
-def _client() -> Any:
-    from jax._src import distributed  # the connected client; jax.distributed does not re-export it
-
-    return distributed.global_state.client
+def _client() -> Any | None:
+    """The connected ``DistributedRuntimeClient`` (``jax.distributed`` does not export it); ``None`` on a
+    JAX where it moved."""
+    return getattr(getattr(private_jax("distributed"), "global_state", None), "client", None)
 
 
 def _apply_cpu_devices() -> None:
