@@ -219,7 +219,7 @@ def test_bind_address_overrides(env):
 
 @pytest.mark.multi_process
 @pytest.mark.timeout(90)
-def test_under_the_launcher_the_coordinator_listens_on_loopback_only():
+def test_under_the_launcher_the_coordinator_listens_on_loopback_only_and_gloo_is_quiet():
     port = free_port()
     codes, outs, _ = run_all([launcher("--nprocs", "2", "--cpu-devices-per-proc", "2", "--port", str(port),
                                        "--", *python("tests/mp_scripts/psum.py"))],
@@ -229,6 +229,7 @@ def test_under_the_launcher_the_coordinator_listens_on_loopback_only():
     addresses = line.split("LISTENERS")[1].split()
     # gRPC listens on an IPv6 socket; "::ffff:127.0.0.1" is its IPv4 loopback address.
     assert addresses and set(addresses) <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, line
+    assert "[Gloo]" not in outs[0], outs[0]  # gloo's connection chatter is dropped by the launcher
 
 
 # -- joining, in subprocesses ---------------------------------------------------------------------

@@ -118,3 +118,20 @@ def test_without_launcher_a_raise_stops_every_process_and_names_it(tmp_path):
     assert "mirrorax: process 1 of 2 failed (RuntimeError: injected failure in process 1); process 0 stops too" \
         in outs[0], outs[0][-3000:]
     assert abs(times[0] - times[1]) < 5, times
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("frozen", [1, 0])
+def test_launcher_says_that_a_frozen_rank_stopped_answering(frozen):
+    """A SIGSTOPped rank (Ctrl-Z, a debugger, a stuck host) neither exits nor answers: the heartbeat
+    (10 s here) makes the other abort, and the launcher names the frozen rank, not the one that aborted."""
+    cmd = launcher("--nprocs", "2", "--cpu-devices-per-proc", "2", "--failure-timeout", "20", "--",
+                   *python("tests/mp_scripts/psum.py"))
+    codes, outs, times = run_all([cmd], [clean_env(MP_FAIL=f"stop:{frozen}", MP_FAIL_STEP="3")], timeout=100)
+    out = outs[0]
+    report = out[out.index("mirrorax launch: rank"):]
+    assert codes[0] not in (0, -999) and times[0] < 60, (codes, times, out[-3000:])
+    assert report.startswith(f"mirrorax launch: rank {frozen} stopped answering (its process was stopped"), report
+    assert f"process {frozen} fails now (stop)" in report, report  # the frozen rank's own last words
+    assert "stopped by the launcher" not in out and "@ 0x" not in report, report
+    assert "[Gloo]" not in out, out[-3000:]

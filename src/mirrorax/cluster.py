@@ -45,8 +45,14 @@ from mirrorax import _discovery, _failure
 from mirrorax._discovery import ClusterError, ClusterInfo, job_from_env, private_jax
 
 __all__ = ["ClusterInfo", "ClusterError", "initialize", "maybe_initialize_from_env", "is_initialized",
-           "job_from_env", "process_index", "process_count", "cluster_info", "resolve_bind_address"]
+           "job_from_env", "process_index", "process_count", "cluster_info", "resolve_bind_address",
+           "PREEMPTED_EXIT_CODE"]
 
+# The exit status of a process that stopped because it was asked to (SIGTERM: preemption, eviction,
+# `scancel`), after saving what it needs to resume: "preempted, requeue me". 128 + SIGTERM, the status
+# a shell reports for a process that SIGTERM ended. `mirrorax launch` returns it when every process
+# did, and restarts the group on it under --max-restarts.
+PREEMPTED_EXIT_CODE = 143
 DEFAULT_INIT_TIMEOUT = 60
 DEFAULT_HEARTBEAT_TIMEOUT = 30
 DEFAULT_SHUTDOWN_TIMEOUT = 300
