@@ -41,7 +41,7 @@ from typing import Any
 
 import jax
 
-from mirrorax import _discovery, _failure
+from mirrorax import _discovery, _failure, _output
 from mirrorax._discovery import ClusterError, ClusterInfo, job_from_env, private_jax
 
 __all__ = ["ClusterInfo", "ClusterError", "initialize", "maybe_initialize_from_env", "is_initialized",
@@ -191,6 +191,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         bind = resolve_bind_address(info.coordinator_address, coordinator_bind_address)
         _connect(info, initialization_timeout, shutdown_timeout_seconds, bind)
         _info = info
+        _quiet_collectives(info)
         client = _client()
         if client is None:
             _warn_once("client", f"jax {jax.__version__} has no jax._src.distributed.global_state.client (a "
@@ -432,6 +433,17 @@ def _check_process_counts(info: ClusterInfo, timeout: int, client: Any) -> None:
                 f"The processes disagree on the job's size: process {info.process_id} was told "
                 f"num_processes={info.num_processes}, process {other} was told {theirs}. Start every "
                 "process with the same MIRRORAX_NUM_PROCESSES (or num_processes=...).")
+
+
+def _quiet_collectives(info: ClusterInfo) -> None:
+    """Drops gloo's connection lines from this process's stdout (:mod:`mirrorax._output`), unless the
+    launcher does it (``MIRRORAX_LAUNCHED``), the user wants them, or this is not a CPU job (only the
+    CPU collectives are gloo's, and accelerator jobs should keep a plain stdout)."""
+    from mirrorax.launch import accelerators_present
+
+    if (info.num_processes > 1 and not os.environ.get("MIRRORAX_LAUNCHED") and not _output.verbose()
+            and ((jax.config.jax_platforms or "").strip() == "cpu" or not accelerators_present())):
+        _output.install()
 
 
 def _client() -> Any | None:

@@ -30,6 +30,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
+from mirrorax._output import ChatterFilter, verbose
 from mirrorax.cluster import PREEMPTED_EXIT_CODE
 
 __all__ = ["add_parser", "run", "launch", "main"]
@@ -38,7 +39,6 @@ TAIL_LINES = 20
 SETTLE_SECONDS = 2.0
 INTERRUPT_GRACE_SECONDS = 5.0
 TERM_GRACE_SECONDS = 30.0
-_CHATTER = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 # Lines of a C++ stack trace (absl's "Check failure stack trace"): kept out of the report's tail.
 _TRACE = re.compile(r"^\s*@\s+0x[0-9a-fA-F]+\s|^\*\*\* Check failure stack trace")
 _OWN = re.compile(r"mirrorax: process (\d+) of \d+ failed with")
@@ -185,7 +185,7 @@ class _Group:
         self.cmd, self.nprocs, self.env, self.cpu_devices = cmd, nprocs, env, cpu_devices
         self.failure_timeout, self.term_grace, self.out = failure_timeout, term_grace, out
         self.grace = min(2.0, failure_timeout / 4)
-        self.verbose = env.get("MIRRORAX_VERBOSE_COLLECTIVES", "").lower() in ("1", "true", "yes")
+        self.verbose = verbose(env)
         self.children: list[subprocess.Popen[bytes]] = []
         self.interrupted: int | None = None
         self.hurry = False  # a second signal: stop waiting for the children to exit by themselves
@@ -301,9 +301,10 @@ class _Group:
     def _pump(self, rank: int, child: subprocess.Popen[bytes], tail: collections.deque[str]) -> None:
         prefix = f"[rank {rank}] " if self.nprocs > 1 else ""
         assert child.stdout is not None
+        keep = ChatterFilter().keep
         for raw in iter(child.stdout.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
-            if not self.verbose and _CHATTER.match(line):
+            if not self.verbose and not keep(line):
                 continue
             if not _TRACE.match(line):
                 tail.append(line)
