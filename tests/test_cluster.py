@@ -217,6 +217,20 @@ def test_bind_address_overrides(env):
         cluster.resolve_bind_address("10.0.0.1:1")
 
 
+def test_the_port_check_probes_the_address_to_be_bound():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for bind in (f"127.0.0.1:{port}", f"[::]:{port}", f"0.0.0.0:{port}"):
+            with pytest.raises(cluster.ClusterError, match=f"port {port} is in use"):
+                cluster._check_port_free(bind, f"127.0.0.1:{port}")
+        cluster._check_port_free(f"127.0.0.2:{port}", f"127.0.0.2:{port}")  # another address: free
+    with pytest.raises(cluster.ClusterError, match="should listen at 192.0.2.1:1234, but cannot .*"
+                                                   "MIRRORAX_COORDINATOR_BIND"):
+        cluster._check_port_free("192.0.2.1:1234", "h0:1234")  # not an address of this host
+
+
 @pytest.mark.multi_process
 @pytest.mark.timeout(90)
 def test_under_the_launcher_the_coordinator_listens_on_loopback_only_and_gloo_is_quiet():

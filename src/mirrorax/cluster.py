@@ -378,27 +378,27 @@ def _check_port_free(bind: str, address: str) -> None:
         raise ClusterError(f"Process 0 should host the coordinator listening at {bind}, but {host!r} does not "
                            f"resolve on this host ({e.strerror}). Fix MIRRORAX_COORDINATOR_BIND (or "
                            "coordinator_bind_address) to an address of this host.") from None
-    errors = []
+    if host in ("::", "0.0.0.0"):  # every interface: gRPC falls back to IPv4 where IPv6 is off
+        candidates |= {(socket.AF_INET, ("0.0.0.0", port)), (socket.AF_INET6, ("::", port))}
+    errors: list[OSError] = []
     for family, sockaddr in sorted(candidates):
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no conflict
-            try:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT is no conflict
                 s.bind(sockaddr)
-            except OSError as e:
-                errors.append(e)
-    if errors and (len(errors) == len(candidates) or any(e.errno == errno.EADDRINUSE for e in errors)):
-        in_use = any(e.errno == errno.EADDRINUSE for e in errors)
-        why = errors[0].strerror
-        if in_use:
-            raise ClusterError(
-                f"Process 0 hosts the coordinator at {address}, but port {port} is in use on this host "
-                f"({why}). Pick a free port (mirrorax launch picks one when --port is not given), "
-                "or stop the process that holds it (e.g. a previous run: `ss -ltnp | grep "
-                f":{port}`).")
+        except OSError as e:
+            errors.append(e)
+    in_use = [e for e in errors if e.errno == errno.EADDRINUSE]
+    if in_use:
         raise ClusterError(
-            f"Process 0 hosts the coordinator at {address} and should listen at {bind}, but cannot ({why}). "
-            "Set MIRRORAX_COORDINATOR_BIND (or coordinator_bind_address) to an address of this host, e.g. "
-            f"'0.0.0.0:{port}'.")
+            f"Process 0 hosts the coordinator at {address}, but port {port} is in use on this host "
+            f"({in_use[0].strerror}). Pick a free port (mirrorax launch picks one when --port is not given), "
+            f"or stop the process that holds it (e.g. a previous run: `ss -ltnp | grep :{port}`).")
+    if errors and len(errors) == len(candidates):
+        raise ClusterError(
+            f"Process 0 hosts the coordinator at {address} and should listen at {bind}, but cannot "
+            f"({errors[0].strerror}). Set MIRRORAX_COORDINATOR_BIND (or coordinator_bind_address) to an "
+            f"address of this host, e.g. '0.0.0.0:{port}'.")
 
 
 def _wait_for_listener(host: str, port: int, info: ClusterInfo, deadline: float, timeout: int) -> None:
