@@ -214,7 +214,18 @@ def test_a_child_that_outlives_the_grace_period_is_killed_and_named(tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGKILL and time.monotonic() - start < 10, (proc.returncode, out)
-    assert "rank 1 did not exit within 1 s of SIGTERM (--grace): killed" in out and "    ignoring SIGTERM" in out, out
+    assert "rank 1 was still running 1 s after SIGTERM (--grace): killed" in out and "    ignoring SIGTERM" in out, out
+
+
+def test_a_second_signal_cuts_the_grace_period_short(tmp_path):
+    proc = _start_launcher(tmp_path, "signal.signal(signal.SIGTERM, signal.SIG_IGN)", "--grace", "30")
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 137 and time.monotonic() - start < 15, (proc.returncode, out)
+    assert "rank 0 was still running at the second signal: killed" in out, out
 
 
 def test_children_without_a_handler_ended_by_sigterm_count_as_preempted(tmp_path):

@@ -285,7 +285,8 @@ class _Group:
         if failed:
             rank = failed[0]
             if rank in late:
-                what, code = f"did not exit within {self.term_grace:g} s of SIGTERM (--grace): killed", 128 + 9
+                when = "at the second signal" if self.hurry else f"{self.term_grace:g} s after SIGTERM (--grace)"
+                what, code = f"was still running {when}: killed", 128 + signal.SIGKILL
             else:
                 what, code = f"failed after SIGTERM ({_describe(codes[rank])})", codes[rank]
             tail = "".join(f"    {line}\n" for line in tails[rank]) or "    (no output)\n"
