@@ -55,6 +55,16 @@ def test_the_relay_loses_nothing_when_a_process_leaves_through_die():
 
 
 @pytest.mark.timeout(60)
+def test_the_last_words_of_a_process_killed_at_once_still_come_out():
+    proc = _relay("""
+        import signal
+        print("last words", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)""", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = proc.communicate(timeout=50)
+    assert proc.returncode == -9 and out == b"last words\n", out
+
+
+@pytest.mark.timeout(60)
 def test_on_a_terminal_the_relay_keeps_stdout_a_terminal():
     master, slave = pty.openpty()
     proc = _relay(f"""

@@ -4,9 +4,9 @@ On every new communicator, gloo prints ``[Gloo] Rank R is connected to N peer ra
 connected peer ranks is : N`` once per CPU device, from C++ (``std::cout``), with no setting to silence it
 (jaxlib 0.10); the devices' threads print at once, so the lines come mangled into each other. Under
 ``mirrorax launch`` the launcher drops them as it streams the output (:class:`ChatterFilter`). A process
-of a job started otherwise (``srun``, ``mpirun``, by hand) routes its file descriptor 1 through a pipe
-(a pseudo-terminal when it was a terminal, so that ``isatty()`` stays true) and a thread copies
-everything but those lines to the real stdout (:func:`install`). ``MIRRORAX_VERBOSE_COLLECTIVES=1``
+of a CPU job started otherwise (``srun``, ``mpirun``, by hand) routes its file descriptor 1 through a
+pipe (a pseudo-terminal when it was a terminal, so that ``isatty()`` stays true) to a small relay
+process that copies everything but those lines to the real stdout (:func:`install`). ``MIRRORAX_VERBOSE_COLLECTIVES=1``
 keeps them in both cases.
 """
 
@@ -15,8 +15,9 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import signal
+import subprocess
 import sys
-import threading
 from typing import Any
 
 __all__ = ["ChatterFilter", "install", "restore", "verbose"]
@@ -64,7 +65,12 @@ class ChatterFilter:
 
 
 def install() -> bool:
-    """Routes file descriptor 1 through the filter until :func:`restore` (registered at exit).
+    """Routes file descriptor 1 through a relay process that drops the chatter, until :func:`restore`.
+
+    The relay is a process, not a thread, so that what this process printed last still comes out when
+    it dies suddenly (SIGKILL, an abort from C++): the relay reads the pipe to its end. It ignores
+    SIGINT, SIGTERM and SIGHUP (a Ctrl-C or a preemption must not break this process's stdout) and
+    leaves when every writer has closed the pipe.
 
     Returns:
       True if it was installed now; False if already installed or stdout cannot be duplicated.
@@ -81,28 +87,36 @@ def install() -> bool:
         _as_terminal(original, write_fd)
     else:
         read_fd, write_fd = os.pipe()
+    try:
+        relay = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__)], stdin=read_fd,
+                                 stdout=original, stderr=subprocess.DEVNULL)
+    except OSError:
+        for fd in (read_fd, write_fd, original):
+            os.close(fd)
+        return False
+    os.close(read_fd)
     os.dup2(write_fd, 1)
     os.close(write_fd)
-    thread = threading.Thread(target=_copy, args=(read_fd, original), name="mirrorax-output", daemon=True)
-    _state.update(original=original, thread=thread)
-    thread.start()
+    _state.update(original=original, relay=relay)
     atexit.register(restore)
     return True
 
 
 def restore() -> None:
-    """Gives file descriptor 1 back and copies what is still in the pipe (bounded: 2 s)."""
+    """Gives file descriptor 1 back, once the relay copied what was written before (bounded: 2 s)."""
     if not _state:
         return
-    original, thread = _state.pop("original"), _state.pop("thread")
-    _state.clear()
+    original, relay = _state.pop("original"), _state.pop("relay")
     try:
         sys.stdout.flush()
     except (OSError, ValueError):
         pass
-    os.dup2(original, 1)  # closes our end of the pipe: the copier reads to the end and stops
-    thread.join(timeout=2.0)
+    os.dup2(original, 1)  # closes our end of the pipe: the relay reads to the end and leaves
     os.close(original)
+    try:
+        relay.wait(timeout=2.0)
+    except subprocess.TimeoutExpired:  # a child process of ours still holds the pipe: the relay stays
+        pass
 
 
 def _as_terminal(terminal: int, pty: int) -> None:
@@ -151,3 +165,9 @@ def _write(fd: int, data: bytes) -> bool:
         except OSError:
             return False
     return True
+
+
+if __name__ == "__main__":  # the relay: stdin is the pipe (or pseudo-terminal), stdout the real stdout
+    for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(_sig, signal.SIG_IGN)
+    _copy(0, 1)
