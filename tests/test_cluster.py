@@ -175,6 +175,20 @@ def test_without_jax_detectors_a_multi_task_job_is_a_clear_error(env, without):
     assert cluster.job_from_env().process_id == 5  # the fix the message names works
 
 
+def test_jax_detectors_with_another_interface_are_a_clear_error_too(env, monkeypatch):
+    from jax._src import clusters
+
+    class Moved:  # a detector whose methods JAX renamed
+        opt_in_only_method = False
+        __name__ = "Moved"
+
+    monkeypatch.setattr(clusters.ClusterEnv, "_cluster_types", [Moved])
+    env(**SLURM)
+    with pytest.raises(cluster.ClusterError, match="SLURM_NTASKS=8: .*jax._src.clusters\\) changed "
+                                                   "\\(AttributeError"):
+        cluster.job_from_env()
+
+
 def test_without_jax_detectors_a_detection_method_is_a_clear_error(env, without):
     without("clusters")
     with pytest.raises(cluster.ClusterError, match="cluster_detection_method='mpi4py' .*jax._src.clusters.*"

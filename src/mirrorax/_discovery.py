@@ -176,7 +176,15 @@ def _from_jax_detectors() -> ClusterInfo | None:
     """Asks JAX's cluster detectors, in JAX's order, but only whether their environment is present."""
     kinds = getattr(getattr(private_jax("clusters"), "ClusterEnv", None), "_cluster_types", None)
     if kinds is None:
-        return _without_jax_detectors()
+        return _without_jax_detectors("JAX's cluster detectors (the private jax._src.clusters) are absent")
+    try:
+        return _detect(kinds)
+    except (AttributeError, TypeError) as e:  # the private interface changed under us
+        return _without_jax_detectors(f"JAX's cluster detectors (the private jax._src.clusters) changed "
+                                      f"({type(e).__name__}: {e})")
+
+
+def _detect(kinds: Sequence[Any]) -> ClusterInfo | None:
     for env in kinds:
         if env.opt_in_only_method:
             continue
@@ -197,7 +205,7 @@ def _from_jax_detectors() -> ClusterInfo | None:
     return None
 
 
-def _without_jax_detectors() -> None:
+def _without_jax_detectors(why: str) -> None:
     """No detection on a JAX whose detectors moved: refuse to run a task of a multi-task job alone."""
     for name in _SCHEDULER_COUNTS:
         raw = os.environ.get(name, "")
@@ -206,10 +214,10 @@ def _without_jax_detectors() -> None:
 
             raise ClusterError(
                 f"{name}={raw}: this process looks like one task of a {raw}-task job, but mirrorax cannot "
-                f"read the job: it uses JAX's cluster detectors (the private jax._src.clusters), absent from "
-                f"jax {jax.__version__} (mirrorax is tested with jax 0.10). Running alone, every task would "
-                "train its own copy. Set MIRRORAX_COORDINATOR=host:port, MIRRORAX_NUM_PROCESSES and "
-                "MIRRORAX_PROCESS_ID for each task (e.g. from SLURM_PROCID), or call mx.initialize(...).")
+                f"read the job: {why} in jax {jax.__version__} (mirrorax is tested with jax 0.10). Running "
+                "alone, every task would train its own copy. Set MIRRORAX_COORDINATOR=host:port, "
+                "MIRRORAX_NUM_PROCESSES and MIRRORAX_PROCESS_ID for each task (e.g. from SLURM_PROCID), or "
+                "call mx.initialize(...).")
     return None
 
 
