@@ -144,7 +144,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       shutdown_timeout_seconds: how long a finished process waits at exit for the others to finish.
       cluster_detection_method: a ``jax.distributed`` detection method used for unset values.
       coordinator_bind_address: ``"host:port"`` where process 0's coordination service listens;
-        ``None``: see :func:`coordinator_bind_address` (the loopback address for a loopback coordinator,
+        ``None``: see :func:`resolve_bind_address` (the loopback address for a loopback coordinator,
         else every interface).
 
     Returns:
