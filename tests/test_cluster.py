@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import textwrap
 
 import pytest
 
 from mirrorax import _discovery, cluster
-from mp_scripts.procs import clean_env, free_port, python, run_all
+from mp_scripts.procs import clean_env, free_port, launcher, python, run_all
 
 JOB_PREFIXES = ("MIRRORAX_", "TF_CONFIG", "SLURM_", "OMPI_", "JAX_COORDINATOR", "JAX_LOCAL_DEVICE_IDS",
                 "KUBERNETES_SERVICE_HOST")
@@ -140,6 +141,123 @@ def test_process_helpers_before_any_job():
     assert _discovery.split_address("[::1]:80") == ("::1", 80)
     if not cluster.is_initialized():
         assert cluster.process_count() >= 1 and cluster.process_index() >= 0
+
+
+# -- a JAX without the private modules mirrorax reads ----------------------------------------------
+@pytest.fixture
+def without(monkeypatch):
+    """``without("clusters")``: importing ``jax._src.clusters`` fails, as on a JAX that moved it."""
+    monkeypatch.setattr(cluster, "_warned", set())
+
+    def hide(name: str) -> None:
+        monkeypatch.setitem(sys.modules, f"jax._src.{name}", None)
+
+    return hide
+
+
+def test_without_backend_query_warns_and_assumes_not_started(without):
+    without("xla_bridge")
+    with pytest.warns(RuntimeWarning, match="cannot tell whether JAX's backend started.*assumes"):
+        assert cluster.backend_started() is False
+    assert cluster.backend_started() is False  # warned once
+
+
+def test_without_jax_detectors_a_multi_task_job_is_a_clear_error(env, without):
+    without("clusters")
+    assert cluster.job_from_env() is None  # no scheduler: nothing to detect
+    env(**{**SLURM, "SLURM_NTASKS": "1"})
+    assert cluster.job_from_env() is None  # one task: it runs alone anyway
+    env(**SLURM)
+    with pytest.raises(cluster.ClusterError, match="SLURM_NTASKS=8: .*one task of a 8-task job.*jax._src.clusters"
+                                                   ".*Set MIRRORAX_COORDINATOR"):
+        cluster.job_from_env()
+    env(MIRRORAX_COORDINATOR="h0:1", MIRRORAX_NUM_PROCESSES=8, MIRRORAX_PROCESS_ID=5)
+    assert cluster.job_from_env().process_id == 5  # the fix the message names works
+
+
+def test_jax_detectors_with_another_interface_are_a_clear_error_too(env, monkeypatch):
+    from jax._src import clusters
+
+    class Moved:  # a detector whose methods JAX renamed
+        opt_in_only_method = False
+        __name__ = "Moved"
+
+    monkeypatch.setattr(clusters.ClusterEnv, "_cluster_types", [Moved])
+    env(**SLURM)
+    with pytest.raises(cluster.ClusterError, match="SLURM_NTASKS=8: .*jax._src.clusters\\) changed "
+                                                   "\\(AttributeError"):
+        cluster.job_from_env()
+
+
+def test_without_jax_detectors_a_detection_method_is_a_clear_error(env, without):
+    without("clusters")
+    with pytest.raises(cluster.ClusterError, match="cluster_detection_method='mpi4py' .*jax._src.clusters.*"
+                                                   "Pass coordinator_address"):
+        cluster._resolve(None, None, None, None, "mpi4py", 5)
+
+
+@pytest.mark.timeout(60)
+def test_without_the_distributed_client_a_job_still_joins_with_a_warning():
+    port = free_port()
+    codes, outs, _ = run_all([_snippet(f"""
+        import sys, warnings
+        import mirrorax.cluster as c
+        sys.modules["jax._src.distributed"] = None  # a JAX that moved its client
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            info = c.initialize("127.0.0.1:{port}", 1, 0)
+        print("JOINED", info.num_processes, [str(w.message)[:60] for w in caught])""")], [clean_env()], timeout=50)
+    assert "JOINED 1" in outs[0] and "has no jax._src.distributed.global_state.client" in outs[0], outs[0]
+
+
+# -- where process 0's coordination service listens -------------------------------------------------
+@pytest.mark.parametrize("address, want", [
+    ("127.0.0.1:1234", "127.0.0.1:1234"), ("127.3.2.1:1234", "127.3.2.1:1234"),
+    ("localhost:1234", "localhost:1234"), ("[::1]:1234", "[::1]:1234"),
+    ("10.0.0.1:1234", None), ("host0:1234", None), ("[fe80::1]:1234", None),
+])
+def test_a_loopback_coordinator_listens_on_loopback_only(env, address, want):
+    assert cluster.resolve_bind_address(address) == want
+
+
+def test_bind_address_overrides(env):
+    assert cluster.resolve_bind_address("127.0.0.1:1", "0.0.0.0:1") == "0.0.0.0:1"
+    env(JAX_COORDINATOR_BIND_ADDRESS="10.1.1.1:1")
+    assert cluster.resolve_bind_address("127.0.0.1:1") is None  # JAX reads its own variable
+    env(MIRRORAX_COORDINATOR_BIND="10.2.2.2:1")
+    assert cluster.resolve_bind_address("10.0.0.1:1") == "10.2.2.2:1"
+    env(MIRRORAX_COORDINATOR_BIND="10.2.2.2")
+    with pytest.raises(ValueError, match="MIRRORAX_COORDINATOR_BIND: .*'host:port'"):
+        cluster.resolve_bind_address("10.0.0.1:1")
+
+
+def test_the_port_check_probes_the_address_to_be_bound():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for bind in (f"127.0.0.1:{port}", f"[::]:{port}", f"0.0.0.0:{port}"):
+            with pytest.raises(cluster.ClusterError, match=f"port {port} is in use"):
+                cluster._check_port_free(bind, f"127.0.0.1:{port}")
+        cluster._check_port_free(f"127.0.0.2:{port}", f"127.0.0.2:{port}")  # another address: free
+    with pytest.raises(cluster.ClusterError, match="should listen at 192.0.2.1:1234, but cannot .*"
+                                                   "MIRRORAX_COORDINATOR_BIND"):
+        cluster._check_port_free("192.0.2.1:1234", "h0:1234")  # not an address of this host
+
+
+@pytest.mark.multi_process
+@pytest.mark.timeout(90)
+def test_under_the_launcher_the_coordinator_listens_on_loopback_only_and_gloo_is_quiet():
+    port = free_port()
+    codes, outs, _ = run_all([launcher("--nprocs", "2", "--cpu-devices-per-proc", "2", "--port", str(port),
+                                       "--", *python("tests/mp_scripts/psum.py"))],
+                             [clean_env(MP_LISTENERS="1")], timeout=80)
+    assert codes == [0], outs
+    line = next(x for x in outs[0].splitlines() if "LISTENERS" in x)
+    addresses = line.split("LISTENERS")[1].split()
+    # gRPC listens on an IPv6 socket; "::ffff:127.0.0.1" is its IPv4 loopback address.
+    assert addresses and set(addresses) <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, line
+    assert "[Gloo]" not in outs[0], outs[0]  # gloo's connection chatter is dropped by the launcher
 
 
 # -- joining, in subprocesses ---------------------------------------------------------------------

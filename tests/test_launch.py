@@ -98,6 +98,33 @@ def test_a_peer_aborted_by_the_lost_connection_is_not_named_as_the_cause():
     assert code == 128 + signal.SIGKILL and "rank 1 failed (killed by signal SIGKILL)" in out, out
 
 
+GLOO = "[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
+
+
+@pytest.mark.parametrize("verbose", ["", "1"])
+def test_gloo_chatter_is_dropped_unless_asked_for(verbose):
+    out = io.StringIO()
+    code = launch_lib.launch(_child(f"print({GLOO!r}); print('[Gloo] something else'); print('work')"), 2,
+                             env=clean_env(MIRRORAX_VERBOSE_COLLECTIVES=verbose), out=out)
+    assert code == 0 and out.getvalue().count("] work") == 2, out.getvalue()
+    assert out.getvalue().count("] [Gloo] something else") == 2, out.getvalue()  # only the chatter goes
+    assert out.getvalue().count(GLOO) == (2 if verbose else 0), out.getvalue()
+
+
+def test_a_cpp_stack_trace_stays_out_of_the_report():
+    code, out, _ = _launch(_child("""
+        import os, sys
+        if os.environ["MIRRORAX_PROCESS_ID"] == "1":
+            print("F1130 client.h:80] Terminating process because ...")
+            print("*** Check failure stack trace: ***")
+            for i in range(30):
+                print(f"    @     0x7f8edc04{i:04x}  absl::log_internal::LogMessage::SendToLog()")
+            sys.exit(134)"""), 2)
+    report = out[out.index("mirrorax launch: rank 1"):]
+    assert code == 134 and "Terminating process because" in report and "@ " not in report, report
+    assert out.count("[rank 1]     @     0x7f8edc04") == 30  # still streamed as it came
+
+
 def test_max_restarts_restarts_the_whole_group_on_a_fresh_port():
     code, out, _ = _launch(_child("""
         import os, sys
@@ -134,6 +161,90 @@ def test_ctrl_c_on_the_launcher_stops_every_child(tmp_path):
             os.kill(int(f.read_text()), 0)
 
 
+def _start_launcher(tmp_path, child: str, *flags: str) -> subprocess.Popen:
+    """The launcher on 2 children running ``child``; returns once both wrote their pid file."""
+    cmd = launcher("--nprocs", "2", *flags, "--", *_child(f"""
+        import os, signal, sys, time
+        rank = os.environ["MIRRORAX_PROCESS_ID"]
+        def note(what):
+            open(os.path.join({str(tmp_path)!r}, what + rank), "w").write(str(time.monotonic()))
+        {textwrap.indent(textwrap.dedent(child), "        ").strip()}
+        open(os.path.join({str(tmp_path)!r}, "pid" + rank), "w").write(str(os.getpid()))
+        time.sleep(60)"""))
+    proc = subprocess.Popen(cmd, env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.monotonic() + 20
+    while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc
+
+
+def test_sigterm_is_forwarded_as_sigterm_with_the_grace_period(tmp_path):
+    # Each child saves for 2 s after SIGTERM, then exits "preempted"; --grace 15 lets it.
+    proc = _start_launcher(tmp_path, """
+        def on_term(signum, frame):
+            note("term"); time.sleep(2.0); note("saved"); sys.exit(143)
+        signal.signal(signal.SIGTERM, on_term)
+        signal.signal(signal.SIGINT, lambda *a: note("int"))""", "--grace", "15", "--max-restarts", "2")
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=40)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == launch_lib.PREEMPTED_EXIT_CODE == 143, (proc.returncode, out)
+    assert 2.0 <= elapsed < 15, (elapsed, out)
+    for rank in "01":
+        assert (tmp_path / f"term{rank}").exists() and (tmp_path / f"saved{rank}").exists(), out
+        assert not (tmp_path / f"int{rank}").exists(), out
+    assert "forwarded it to the 2 running process(es); they have 15 s" in out, out
+    assert "preempted: all 2 processes stopped after SIGTERM; exit status 143" in out, out
+    assert "restarting" not in out, out  # the launcher itself was stopped: no restart
+    for f in tmp_path.glob("pid*"):
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(f.read_text()), 0)
+
+
+def test_a_child_that_outlives_the_grace_period_is_killed_and_named(tmp_path):
+    proc = _start_launcher(tmp_path, """
+        if rank == "1":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            print("ignoring SIGTERM", flush=True)
+        else:
+            signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))""", "--grace", "1")
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGKILL and time.monotonic() - start < 10, (proc.returncode, out)
+    assert "rank 1 was still running 1 s after SIGTERM (--grace): killed" in out and "    ignoring SIGTERM" in out, out
+
+
+def test_a_second_signal_cuts_the_grace_period_short(tmp_path):
+    proc = _start_launcher(tmp_path, "signal.signal(signal.SIGTERM, signal.SIG_IGN)", "--grace", "30")
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 137 and time.monotonic() - start < 15, (proc.returncode, out)
+    assert "rank 0 was still running at the second signal: killed" in out, out
+
+
+def test_children_without_a_handler_ended_by_sigterm_count_as_preempted(tmp_path):
+    proc = _start_launcher(tmp_path, "pass", "--grace", "10")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 143 and "preempted: all 2 processes" in out, (proc.returncode, out)
+
+
+def test_a_preempted_group_is_restarted_under_max_restarts():
+    code, out, _ = _launch(_child("""
+        import os, sys
+        print("attempt", os.environ["MIRRORAX_RESTART"])
+        sys.exit(143 if os.environ["MIRRORAX_RESTART"] == "0" else 0)"""), 2, max_restarts=1)
+    assert code == 0 and "failed (exit code 143: preempted)" in out and "restart 1 of 1" in out, out
+    code, out, _ = _launch(_child("import sys; sys.exit(143)"), 2)
+    assert code == 143 and "failed (exit code 143: preempted)" in out, out
+
+
 def test_cpu_devices_refused_on_a_machine_with_accelerators(tmp_path, monkeypatch):
     (tmp_path / "nvidia0").write_text("")
     monkeypatch.setattr(launch_lib, "ACCELERATOR_PATTERNS", [str(tmp_path / "nvidia[0-9]*")])
@@ -148,6 +259,7 @@ def test_cpu_devices_refused_on_a_machine_with_accelerators(tmp_path, monkeypatc
     (["--nprocs", "2", "--max-restarts", "-1", "--", "python"], "max_restarts must be an int >= 0"),
     (["--nprocs", "2", "--cpu-devices-per-proc", "0", "--", "python"], "cpu_devices_per_proc must be a positive"),
     (["--nprocs", "2", "--", "no-such-command-xyz"], "Cannot run 'no-such-command-xyz': No such file"),
+    (["--nprocs", "2", "--grace", "-1", "--", "python"], "grace must be >= 0 seconds; received -1.0"),
 ])
 def test_bad_arguments_are_clear_errors(argv, match, capsys):
     assert launch_lib.main(argv) == 2

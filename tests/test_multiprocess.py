@@ -139,3 +139,20 @@ def test_unseeded_model_trains_as_one_state_from_process_0s_weights(tmp_path):
     want = train_unseeded.replay(mx.MirroredStrategy(devices=jax.devices()[:4]), start, reset)
     for i in range(n):
         np.testing.assert_allclose(ranks[0][f"final_{i}"], want[i], rtol=RTOL, atol=ATOL, err_msg=f"weight {i}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("frozen", [1, 0])
+def test_launcher_says_that_a_frozen_rank_stopped_answering(frozen):
+    """A SIGSTOPped rank (Ctrl-Z, a debugger, a stuck host) neither exits nor answers: the heartbeat
+    (10 s here) makes the other abort, and the launcher names the frozen rank, not the one that aborted."""
+    cmd = launcher("--nprocs", "2", "--cpu-devices-per-proc", "2", "--failure-timeout", "20", "--",
+                   *python("tests/mp_scripts/psum.py"))
+    codes, outs, times = run_all([cmd], [clean_env(MP_FAIL=f"stop:{frozen}", MP_FAIL_STEP="3")], timeout=100)
+    out = outs[0]
+    report = out[out.index("mirrorax launch: rank"):]
+    assert codes[0] not in (0, -999) and times[0] < 60, (codes, times, out[-3000:])
+    assert report.startswith(f"mirrorax launch: rank {frozen} stopped answering (its process was stopped"), report
+    assert f"process {frozen} fails now (stop)" in report, report  # the frozen rank's own last words
+    assert "stopped by the launcher" not in out and "@ 0x" not in report, report
+    assert "[Gloo]" not in out, out[-3000:]

@@ -12,10 +12,29 @@ import importlib.util
 import json
 import os
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["ClusterInfo", "job_from_env", "make_info", "split_address"]
+__all__ = ["ClusterError", "ClusterInfo", "job_from_env", "make_info", "split_address", "private_jax"]
 
 _OURS = ("MIRRORAX_COORDINATOR", "MIRRORAX_NUM_PROCESSES", "MIRRORAX_PROCESS_ID")
+# Variables that say "this process is one task of several" to the schedulers JAX detects.
+_SCHEDULER_COUNTS = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+class ClusterError(RuntimeError):
+    """A job that cannot be joined: the set-up is inconsistent or a peer is unreachable."""
+
+
+def private_jax(name: str) -> Any | None:
+    """``jax._src.<name>``, or ``None`` on a JAX where that private module is gone.
+
+    mirrorax reads a few things JAX does not export (its cluster detectors, whether the backend started,
+    the distributed client); every use goes through here and has a fallback for a JAX that moved them.
+    """
+    try:
+        return importlib.import_module(f"jax._src.{name}")
+    except ImportError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +108,8 @@ def job_from_env(environ: dict[str, str] | None = None) -> ClusterInfo | None:
     Raises:
       ValueError: ``MIRRORAX_*`` variables are partly set or malformed, or ``TF_CONFIG`` is malformed
         or gives this process a role mirrorax has no use for (``ps``, ``evaluator``).
+      ClusterError: a scheduler describes several tasks (``SLURM_NTASKS``, ``OMPI_COMM_WORLD_SIZE``) but
+        this JAX lacks the detectors that read them.
 
     Example:
       >>> job_from_env({"MIRRORAX_COORDINATOR": "h0:1234", "MIRRORAX_NUM_PROCESSES": "2",
@@ -153,9 +174,18 @@ def _from_tf_config(raw: str) -> ClusterInfo:
 
 def _from_jax_detectors() -> ClusterInfo | None:
     """Asks JAX's cluster detectors, in JAX's order, but only whether their environment is present."""
-    from jax._src import clusters
+    kinds = getattr(getattr(private_jax("clusters"), "ClusterEnv", None), "_cluster_types", None)
+    if kinds is None:
+        return _without_jax_detectors("JAX's cluster detectors (the private jax._src.clusters) are absent")
+    try:
+        return _detect(kinds)
+    except (AttributeError, TypeError) as e:  # the private interface changed under us
+        return _without_jax_detectors(f"JAX's cluster detectors (the private jax._src.clusters) changed "
+                                      f"({type(e).__name__}: {e})")
 
-    for env in clusters.ClusterEnv._cluster_types:
+
+def _detect(kinds: Sequence[Any]) -> ClusterInfo | None:
+    for env in kinds:
         if env.opt_in_only_method:
             continue
         # JAX's Kubernetes detector warns in every pod without the `kubernetes` package and queries
@@ -172,6 +202,22 @@ def _from_jax_detectors() -> ClusterInfo | None:
         address = os.environ.get("JAX_COORDINATOR_ADDRESS") or env.get_coordinator_address(
             timeout_secs=60, override_coordinator_port=port)
         return make_info(address, count, env.get_process_id(), _local_ids(env), env.name or env.__name__)
+    return None
+
+
+def _without_jax_detectors(why: str) -> None:
+    """No detection on a JAX whose detectors moved: refuse to run a task of a multi-task job alone."""
+    for name in _SCHEDULER_COUNTS:
+        raw = os.environ.get(name, "")
+        if raw.isdigit() and int(raw) > 1:
+            import jax
+
+            raise ClusterError(
+                f"{name}={raw}: this process looks like one task of a {raw}-task job, but mirrorax cannot "
+                f"read the job: {why} in jax {jax.__version__} (mirrorax is tested with jax 0.10). Running "
+                "alone, every task would train its own copy. Set MIRRORAX_COORDINATOR=host:port, "
+                "MIRRORAX_NUM_PROCESSES and MIRRORAX_PROCESS_ID for each task (e.g. from SLURM_PROCID), or "
+                "call mx.initialize(...).")
     return None
 
 

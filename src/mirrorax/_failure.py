@@ -21,6 +21,8 @@ import threading
 import types
 from typing import Any
 
+from mirrorax import _output
+
 __all__ = ["install", "uninstall", "die", "FAILURE_KEY", "POLL_SECONDS"]
 
 FAILURE_KEY = "mirrorax/failure"
@@ -35,6 +37,7 @@ def die(message: str, code: int = 1) -> None:
     try:
         sys.stdout.flush()
         print(message, file=sys.stderr, flush=True)
+        _output.restore()  # what this process printed last is still in the filter's pipe
     finally:
         os._exit(code)
 

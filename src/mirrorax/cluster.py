@@ -19,27 +19,40 @@ Timeouts (seconds; environment variables override the defaults of :func:`maybe_i
 (30) is how long a silent process may go before the others abort, which bounds how long they outlive a
 dead peer; ``MIRRORAX_SHUTDOWN_TIMEOUT`` (300) is how long a finished process waits for the others.
 A process that dies of an uncaught exception tells the others at once (:mod:`mirrorax._failure`).
+
+Process 0's coordination service listens on the loopback address when the coordinator's host is one
+(every process is then on this host: ``mirrorax launch``), else on every interface, as JAX does;
+``MIRRORAX_COORDINATOR_BIND=host:port`` chooses (:func:`resolve_bind_address`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import ipaddress
 import os
 import socket
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 
-from mirrorax import _discovery, _failure
-from mirrorax._discovery import ClusterInfo, job_from_env
+from mirrorax import _discovery, _failure, _output
+from mirrorax._discovery import ClusterError, ClusterInfo, job_from_env, private_jax
 
 __all__ = ["ClusterInfo", "ClusterError", "initialize", "maybe_initialize_from_env", "is_initialized",
-           "job_from_env", "process_index", "process_count", "cluster_info"]
+           "job_from_env", "process_index", "process_count", "cluster_info", "resolve_bind_address",
+           "PREEMPTED_EXIT_CODE"]
 
+# The exit status of a process that stopped because it was asked to (SIGTERM: preemption, eviction,
+# `scancel`), after saving what it needs to resume: "preempted, requeue me". 128 + SIGTERM, the status
+# a shell reports for a process that SIGTERM ended. `mirrorax launch` returns it when every process
+# did, and restarts the group on it under --max-restarts.
+PREEMPTED_EXIT_CODE = 143
 DEFAULT_INIT_TIMEOUT = 60
 DEFAULT_HEARTBEAT_TIMEOUT = 30
 DEFAULT_SHUTDOWN_TIMEOUT = 300
@@ -48,15 +61,31 @@ _info: ClusterInfo | None = None
 _lock = threading.Lock()
 
 
-class ClusterError(RuntimeError):
-    """A job that cannot be joined: the set-up is inconsistent or a peer is unreachable."""
+_warned: set[str] = set()
 
 
 def backend_started() -> bool:
-    """True once anything (``jax.devices()``, a computation, ...) has started JAX's backend."""
-    from jax._src import xla_bridge  # JAX offers no public query; jax.distributed uses this one.
+    """True once anything (``jax.devices()``, a computation, ...) has started JAX's backend.
 
-    return bool(xla_bridge.backends_are_initialized())
+    JAX offers no public query; ``jax.distributed`` uses the private one we use. On a JAX without it,
+    this warns once and answers False: ``jax.distributed.initialize`` then refuses a started backend
+    itself, in its own words.
+    """
+    query = getattr(private_jax("xla_bridge"), "backends_are_initialized", None)
+    if query is None:
+        _warn_once("backend", f"mirrorax cannot tell whether JAX's backend started: jax {jax.__version__} has no "
+                   "jax._src.xla_bridge.backends_are_initialized (a private function that mirrorax relies on, "
+                   "tested with jax 0.10). It assumes the backend did not start. If joining a job then fails "
+                   "because JAX computations already ran, create mx.MirroredStrategy() (or call "
+                   "mx.initialize()) before any other JAX call.")
+        return False
+    return bool(query())
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def is_initialized() -> bool:
@@ -98,7 +127,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                initialization_timeout: int = DEFAULT_INIT_TIMEOUT,
                heartbeat_timeout_seconds: int = DEFAULT_HEARTBEAT_TIMEOUT,
                shutdown_timeout_seconds: int = DEFAULT_SHUTDOWN_TIMEOUT,
-               cluster_detection_method: str | None = None) -> ClusterInfo:
+               cluster_detection_method: str | None = None,
+               coordinator_bind_address: str | None = None) -> ClusterInfo:
     """Joins a multi-process job explicitly; call it first, before anything else touches JAX.
 
     With no address, count and id, the job is read from the environment (:func:`job_from_env`, or the
@@ -113,6 +143,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       heartbeat_timeout_seconds: a process silent this long is declared dead and the others abort.
       shutdown_timeout_seconds: how long a finished process waits at exit for the others to finish.
       cluster_detection_method: a ``jax.distributed`` detection method used for unset values.
+      coordinator_bind_address: ``"host:port"`` where process 0's coordination service listens;
+        ``None``: see :func:`resolve_bind_address` (the loopback address for a loopback coordinator,
+        else every interface).
 
     Returns:
       The :class:`ClusterInfo` of the job joined.
@@ -155,11 +188,20 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         _apply_cpu_devices()
         if jax.config.jax_cpu_collectives_implementation is None:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        _connect(info, initialization_timeout, shutdown_timeout_seconds)
+        bind = resolve_bind_address(info.coordinator_address, coordinator_bind_address)
+        _connect(info, initialization_timeout, shutdown_timeout_seconds, bind)
         _info = info
+        _quiet_collectives(info)
+        client = _client()
+        if client is None:
+            _warn_once("client", f"jax {jax.__version__} has no jax._src.distributed.global_state.client (a "
+                       "private object that mirrorax relies on, tested with jax 0.10): the processes do not "
+                       "check that they agree on the job's size, and one that raises does not stop the others "
+                       "at once (they stop after MIRRORAX_HEARTBEAT_TIMEOUT, or when mirrorax launch stops them).")
+            return info
         # Armed before the count check, so that a process that fails it takes the others down quickly.
-        _failure.install(_client(), info.process_id, info.num_processes)
-        _check_process_counts(info, initialization_timeout)
+        _failure.install(client, info.process_id, info.num_processes)
+        _check_process_counts(info, initialization_timeout, client)
         return info
 
 
@@ -210,9 +252,15 @@ def _resolve(address: str | None, num_processes: int | None, process_id: int | N
     source = "arguments"
     if None in (address, num_processes, process_id):
         if method is not None:
-            from jax._src import clusters
-
-            address, num_processes, process_id, ids = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+            detect = getattr(getattr(private_jax("clusters"), "ClusterEnv", None),
+                             "auto_detect_unset_distributed_params", None)
+            if detect is None:
+                raise ClusterError(
+                    f"cluster_detection_method={method!r} asks JAX's own cluster detection, which mirrorax "
+                    f"reaches through the private jax._src.clusters, absent from jax {jax.__version__} "
+                    "(mirrorax is tested with jax 0.10). Pass coordinator_address, num_processes and "
+                    "process_id, or set MIRRORAX_COORDINATOR / MIRRORAX_NUM_PROCESSES / MIRRORAX_PROCESS_ID.")
+            address, num_processes, process_id, ids = detect(
                 address, num_processes, process_id, local_device_ids, method, timeout)
             local_device_ids, source = ids, method
         elif (found := job_from_env()) is not None:
@@ -233,12 +281,62 @@ def _resolve(address: str | None, num_processes: int | None, process_id: int | N
     return _discovery.make_info(address, num_processes, process_id, local_device_ids, source)
 
 
-def _connect(info: ClusterInfo, timeout: int, shutdown_timeout: int) -> None:
+def resolve_bind_address(coordinator_address: str, explicit: str | None = None) -> str | None:
+    """Where process 0's coordination service listens; ``None`` leaves JAX's choice (every interface).
+
+    First match wins: ``explicit``; ``MIRRORAX_COORDINATOR_BIND``; ``JAX_COORDINATOR_BIND_ADDRESS``
+    (``None``: JAX reads it itself); the coordinator's own address when its host is a loopback address
+    (``127.x.y.z``, ``localhost``, ``::1``), because then every process is on this host and nothing
+    elsewhere should reach the service; else ``None`` (JAX binds ``[::]:port``, which other hosts need).
+
+    Args:
+      coordinator_address: the job's ``"host:port"``.
+      explicit: a ``"host:port"`` given by the caller, or ``None``.
+
+    Returns:
+      A ``"host:port"`` to bind, or ``None`` for JAX's default.
+
+    Raises:
+      ValueError: the explicit address or ``MIRRORAX_COORDINATOR_BIND`` is not ``"host:port"``.
+
+    Example:
+      >>> resolve_bind_address("127.0.0.1:1234")
+      '127.0.0.1:1234'
+      >>> resolve_bind_address("10.0.0.1:1234") is None  # every interface: the other hosts connect
+      True
+    """
+    for value, name in ((explicit, "coordinator_bind_address"),
+                        (os.environ.get("MIRRORAX_COORDINATOR_BIND"), "MIRRORAX_COORDINATOR_BIND")):
+        if value:
+            try:
+                _discovery.split_address(value)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+            return value
+    if os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        return None
+    host, port = _discovery.split_address(coordinator_address)
+    if not _is_loopback(host):
+        return None
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def _connect(info: ClusterInfo, timeout: int, shutdown_timeout: int, bind: str | None) -> None:
     """``jax.distributed.initialize`` with the failure modes that would crash in C++ turned into errors."""
     deadline = time.monotonic() + timeout
     host, port = _discovery.split_address(info.coordinator_address)
     if info.process_id == 0:
-        _check_port_free(port, info.coordinator_address)
+        _check_port_free(bind or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or f"[::]:{port}",
+                         info.coordinator_address)
     else:
         _wait_for_listener(host, port, info, deadline, timeout)
     # Past this point JAX aborts the process from C++ if not every process joins in time; a timer that
@@ -263,24 +361,44 @@ def _connect(info: ClusterInfo, timeout: int, shutdown_timeout: int) -> None:
             local_device_ids=list(info.local_device_ids) if info.local_device_ids is not None else None,
             cluster_detection_method="deactivate", initialization_timeout=timeout + 30,
             heartbeat_timeout_seconds=info.heartbeat_timeout_seconds,
-            shutdown_timeout_seconds=shutdown_timeout)
+            shutdown_timeout_seconds=shutdown_timeout, coordinator_bind_address=bind)
     finally:
         joined.set()
         timer.cancel()
 
 
-def _check_port_free(port: int, address: str) -> None:
-    family, bind = (socket.AF_INET6, "::") if socket.has_ipv6 else (socket.AF_INET, "0.0.0.0")
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no conflict
+def _check_port_free(bind: str, address: str) -> None:
+    """Raises unless the coordination service can listen at ``bind`` (``"host:port"``): JAX would abort
+    from C++ otherwise."""
+    host, port = _discovery.split_address(bind)
+    try:
+        candidates = {(i[0], i[4][:2]) for i in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                    flags=socket.AI_PASSIVE)}
+    except socket.gaierror as e:
+        raise ClusterError(f"Process 0 should host the coordinator listening at {bind}, but {host!r} does not "
+                           f"resolve on this host ({e.strerror}). Fix MIRRORAX_COORDINATOR_BIND (or "
+                           "coordinator_bind_address) to an address of this host.") from None
+    if host in ("::", "0.0.0.0"):  # every interface: gRPC falls back to IPv4 where IPv6 is off
+        candidates |= {(socket.AF_INET, ("0.0.0.0", port)), (socket.AF_INET6, ("::", port))}
+    errors: list[OSError] = []
+    for family, sockaddr in sorted(candidates):
         try:
-            s.bind((bind, port))
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT is no conflict
+                s.bind(sockaddr)
         except OSError as e:
-            raise ClusterError(
-                f"Process 0 hosts the coordinator at {address}, but port {port} is in use on this host "
-                f"({e.strerror}). Pick a free port (mirrorax launch picks one when --port is not given), "
-                "or stop the process that holds it (e.g. a previous run: `ss -ltnp | grep "
-                f":{port}`).") from None
+            errors.append(e)
+    in_use = [e for e in errors if e.errno == errno.EADDRINUSE]
+    if in_use:
+        raise ClusterError(
+            f"Process 0 hosts the coordinator at {address}, but port {port} is in use on this host "
+            f"({in_use[0].strerror}). Pick a free port (mirrorax launch picks one when --port is not given), "
+            f"or stop the process that holds it (e.g. a previous run: `ss -ltnp | grep :{port}`).")
+    if errors and len(errors) == len(candidates):
+        raise ClusterError(
+            f"Process 0 hosts the coordinator at {address} and should listen at {bind}, but cannot "
+            f"({errors[0].strerror}). Set MIRRORAX_COORDINATOR_BIND (or coordinator_bind_address) to an "
+            f"address of this host, e.g. '0.0.0.0:{port}'.")
 
 
 def _wait_for_listener(host: str, port: int, info: ClusterInfo, deadline: float, timeout: int) -> None:
@@ -300,9 +418,8 @@ def _wait_for_listener(host: str, port: int, info: ClusterInfo, deadline: float,
         "or raise MIRRORAX_INIT_TIMEOUT if process 0 starts late.")
 
 
-def _check_process_counts(info: ClusterInfo, timeout: int) -> None:
+def _check_process_counts(info: ClusterInfo, timeout: int, client: Any) -> None:
     """Every process must agree on the process count; JAX trusts process 0's number silently."""
-    client = _client()
     client.key_value_set(f"mirrorax/num_processes/{info.process_id}", str(info.num_processes))
     others = range(1, info.num_processes) if info.process_id == 0 else [0]
     for other in others:
@@ -318,10 +435,21 @@ def _check_process_counts(info: ClusterInfo, timeout: int) -> None:
                 "process with the same MIRRORAX_NUM_PROCESSES (or num_processes=...).")
 
 
-def _client() -> Any:
-    from jax._src import distributed  # the connected client; jax.distributed does not re-export it
+def _quiet_collectives(info: ClusterInfo) -> None:
+    """Drops gloo's connection lines from this process's stdout (:mod:`mirrorax._output`), unless the
+    launcher does it (``MIRRORAX_LAUNCHED``), the user wants them, or this is not a CPU job (only the
+    CPU collectives are gloo's, and accelerator jobs should keep a plain stdout)."""
+    from mirrorax.launch import accelerators_present
 
-    return distributed.global_state.client
+    if (info.num_processes > 1 and not os.environ.get("MIRRORAX_LAUNCHED") and not _output.verbose()
+            and ((jax.config.jax_platforms or "").strip() == "cpu" or not accelerators_present())):
+        _output.install()
+
+
+def _client() -> Any | None:
+    """The connected ``DistributedRuntimeClient`` (``jax.distributed`` does not export it); ``None`` on a
+    JAX where it moved."""
+    return getattr(getattr(private_jax("distributed"), "global_state", None), "client", None)
 
 
 def _apply_cpu_devices() -> None:

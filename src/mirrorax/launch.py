@@ -3,9 +3,12 @@
 Each child gets ``MIRRORAX_COORDINATOR=127.0.0.1:<free port>``, ``MIRRORAX_NUM_PROCESSES`` and
 ``MIRRORAX_PROCESS_ID``, so ``mx.MirroredStrategy()`` joins the job with no change to the script; with
 ``--cpu-devices-per-proc K`` it also gets K simulated CPU devices. Output is streamed with a
-``[rank R]`` prefix. When a child fails (non-zero exit or a signal) the launcher stops the others
-(SIGTERM to each child's process group, SIGKILL after a grace period), prints which rank failed and
-the last lines it wrote, and returns non-zero; ``--max-restarts`` restarts the whole group instead.
+``[rank R]`` prefix (gloo's "[Gloo] Rank R is connected to ..." lines are dropped unless
+``MIRRORAX_VERBOSE_COLLECTIVES=1``). When a child fails (non-zero exit or a signal) the launcher stops
+the others (SIGTERM to each child's process group, SIGKILL after a grace period), prints which rank
+failed and the last lines it wrote, and returns non-zero; ``--max-restarts`` restarts the whole group
+instead. SIGTERM to the launcher (preemption) is forwarded to every child, which then has ``--grace``
+seconds to save and exit; Ctrl-C sends SIGINT. See :func:`launch` for the exit status.
 
 Example:
   $ mirrorax launch --nprocs 2 --cpu-devices-per-proc 4 -- python train.py --epochs 3
@@ -27,11 +30,17 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
+from mirrorax._output import ChatterFilter, verbose
+from mirrorax.cluster import PREEMPTED_EXIT_CODE
+
 __all__ = ["add_parser", "run", "launch", "main"]
 
 TAIL_LINES = 20
 SETTLE_SECONDS = 2.0
 INTERRUPT_GRACE_SECONDS = 5.0
+TERM_GRACE_SECONDS = 30.0
+# Lines of a C++ stack trace (absl's "Check failure stack trace"): kept out of the report's tail.
+_TRACE = re.compile(r"^\s*@\s+0x[0-9a-fA-F]+\s|^\*\*\* Check failure stack trace")
 _OWN = re.compile(r"mirrorax: process (\d+) of \d+ failed with")
 _NAMED = re.compile(r"mirrorax: process (\d+) of \d+ failed \(")
 # What a process prints when it dies only because a peer it was exchanging data with went away (gloo
@@ -61,6 +70,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--failure-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="bound on how long processes outlive a dead peer (default 60; sets the "
                         "heartbeat timeout to half of it)")
+    p.add_argument("--grace", type=float, default=TERM_GRACE_SECONDS, metavar="SECONDS",
+                   help="after SIGTERM to the launcher, how long the processes have to save and exit "
+                        f"before SIGKILL (default {TERM_GRACE_SECONDS:g}); SIGTERM is forwarded to them")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     p.set_defaults(func=run)
     return p
@@ -73,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         command = command[1:]
     try:
         return launch(command, args.nprocs, cpu_devices_per_proc=args.cpu_devices_per_proc,
-                      max_restarts=args.max_restarts, port=args.port, failure_timeout=args.failure_timeout)
+                      max_restarts=args.max_restarts, port=args.port, failure_timeout=args.failure_timeout,
+                      grace=args.grace)
     except ValueError as e:
         print(f"mirrorax launch: error: {e}", file=sys.stderr)
         return 2
@@ -81,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
 
 def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None = None,
            max_restarts: int = 0, port: int | None = None, failure_timeout: float = 60.0,
-           env: Mapping[str, str] | None = None, out: IO[str] | None = None) -> int:
+           grace: float = TERM_GRACE_SECONDS, env: Mapping[str, str] | None = None,
+           out: IO[str] | None = None) -> int:
     """Runs ``cmd`` as ``nprocs`` processes of one job and waits for them.
 
     Args:
@@ -89,16 +103,22 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
       nprocs: how many processes.
       cpu_devices_per_proc: simulated CPU devices per process (sets ``JAX_PLATFORMS=cpu``); refused
         on a machine with accelerators.
-      max_restarts: how many times to restart the whole group after a failure.
+      max_restarts: how many times to restart the whole group after a failure; children that exit
+        with ``PREEMPTED_EXIT_CODE`` count as one. Never after the launcher itself got SIGINT/SIGTERM.
       port: the coordinator port; ``None`` picks a free one for every attempt.
       failure_timeout: seconds within which the processes stop after one dies: children get half of
         it as ``MIRRORAX_HEARTBEAT_TIMEOUT`` (unless ``env`` sets one); the launcher stops the rest at once.
+      grace: after SIGTERM to the launcher, seconds the children (sent SIGTERM) have to exit before
+        SIGKILL.
       env: the children's base environment (default ``os.environ``).
       out: where the children's prefixed output and the launcher's messages go (default stdout).
 
     Returns:
       0 when every process exits 0; else the failed rank's exit code (128 + signal when killed by a
-      signal), 130/143 when the launcher itself was interrupted.
+      signal). After Ctrl-C (SIGINT): 130. After SIGTERM: ``PREEMPTED_EXIT_CODE`` (143, "preempted,
+      requeue") when every process stopped with it (or was ended by the SIGTERM itself) or finished;
+      0 when every one finished; else the code of the first that failed otherwise, 137 for one still
+      running after ``grace`` (SIGKILLed).
 
     Raises:
       ValueError: bad arguments, a command that cannot be started, or ``cpu_devices_per_proc`` on a
@@ -128,11 +148,13 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
                 "(or hide them yourself, e.g. CUDA_VISIBLE_DEVICES='', and set JAX_PLATFORMS=cpu).")
     if failure_timeout <= 0:
         raise ValueError(f"failure_timeout must be > 0 seconds; received {failure_timeout!r}.")
+    if not grace >= 0:
+        raise ValueError(f"grace must be >= 0 seconds; received {grace!r}.")
     if port is not None and not 0 < port < 65536:
         raise ValueError(f"port must be in 1..65535; received {port!r}.")
     out = out or sys.stdout
     group = _Group(cmd, nprocs, dict(os.environ if env is None else env), cpu_devices_per_proc,
-                   failure_timeout, out)
+                   failure_timeout, grace, out)
     with _forward_signals(group):
         for attempt in range(max_restarts + 1):
             code = group.run(port if port is not None else free_port(), attempt)
@@ -159,12 +181,14 @@ class _Group:
     """One attempt at a time: start N children, stream their output, stop all when one fails."""
 
     def __init__(self, cmd: list[str], nprocs: int, env: dict[str, str], cpu_devices: int | None,
-                 failure_timeout: float, out: IO[str]) -> None:
+                 failure_timeout: float, term_grace: float, out: IO[str]) -> None:
         self.cmd, self.nprocs, self.env, self.cpu_devices = cmd, nprocs, env, cpu_devices
-        self.failure_timeout, self.out = failure_timeout, out
+        self.failure_timeout, self.term_grace, self.out = failure_timeout, term_grace, out
         self.grace = min(2.0, failure_timeout / 4)
+        self.verbose = verbose(env)
         self.children: list[subprocess.Popen[bytes]] = []
         self.interrupted: int | None = None
+        self.hurry = False  # a second signal: stop waiting for the children to exit by themselves
         self.lock = threading.Lock()
 
     def say(self, message: str) -> None:
@@ -175,7 +199,8 @@ class _Group:
     def child_env(self, rank: int, port: int, attempt: int) -> dict[str, str]:
         env = dict(self.env)
         env.update(MIRRORAX_COORDINATOR=f"127.0.0.1:{port}", MIRRORAX_NUM_PROCESSES=str(self.nprocs),
-                   MIRRORAX_PROCESS_ID=str(rank), MIRRORAX_RESTART=str(attempt), PYTHONUNBUFFERED="1")
+                   MIRRORAX_PROCESS_ID=str(rank), MIRRORAX_RESTART=str(attempt), PYTHONUNBUFFERED="1",
+                   MIRRORAX_LAUNCHED="1")  # the launcher filters the output: the child need not
         env.setdefault("MIRRORAX_HEARTBEAT_TIMEOUT", str(max(2, int(self.failure_timeout // 2))))
         if self.cpu_devices is not None:
             env.update(MIRRORAX_CPU_DEVICES=str(self.cpu_devices), JAX_NUM_CPU_DEVICES=str(self.cpu_devices),
@@ -204,6 +229,10 @@ class _Group:
             if all(c == 0 for c in codes):
                 break
             time.sleep(0.05)
+        if self.interrupted == signal.SIGTERM:
+            return self.terminate(readers, tails)
+        # A process stopped (SIGSTOP, Ctrl-Z, a debugger) answers nothing; seen now, before it is killed.
+        frozen = {r for r, c in enumerate(self.children) if c.poll() is None and _state(c.pid) in ("T", "t")}
         if failed is not None and failed[1] > 0:
             # A process that raised exits 1; the others usually leave by themselves within a second, naming the process that failed
             # first (mirrorax._failure); let them, so that the report can name the right rank.
@@ -217,20 +246,69 @@ class _Group:
             return 128 + self.interrupted
         if failed is None:
             return 0
-        rank = _root_cause(tails, _first_failed(own, tails, failed[0]))
+        rank = _root_cause(tails, _first_failed(own, tails, failed[0]), frozen)
         code = own[rank] if own[rank] not in (None, 0) else failed[1]
-        how = _describe(own[rank]) if own[rank] not in (None, 0) else "stopped by the launcher"
+        if own[rank] not in (None, 0):
+            what = f"failed ({_describe(own[rank])})"
+        elif rank in frozen:
+            what = ("stopped answering (its process was stopped: SIGSTOP, Ctrl-Z or a debugger; the others "
+                    "gave up on it when its heartbeats stopped)")
+        elif rank in _unhealthy(tails):
+            what = "stopped answering (it stopped sending heartbeats; the others gave up on it)"
+        else:
+            what = "failed (stopped by the launcher)"
         tail = "".join(f"    {line}\n" for line in tails[rank]) or "    (no output)\n"
-        self.say(f"rank {rank} failed ({how}); stopped the other {self.nprocs - 1} process(es). "
+        self.say(f"rank {rank} {what}; stopped the other {self.nprocs - 1} process(es). "
                  f"Last lines of rank {rank}:\n{tail.rstrip()}")
         return 128 - code if code < 0 else code
+
+    def terminate(self, readers: Sequence[threading.Thread], tails: Sequence[collections.deque[str]]) -> int:
+        """After SIGTERM to the launcher: SIGTERM to every child, ``term_grace`` seconds to save and exit,
+        SIGKILL for the rest; the exit status says whether the group can resume (see :func:`launch`)."""
+        live = [c for c in self.children if c.poll() is None]
+        self.say(f"received SIGTERM: forwarded it to the {len(live)} running process(es); they have "
+                 f"{self.term_grace:g} s to save and exit (--grace)")
+        for child in live:
+            _signal_group(child, signal.SIGTERM)
+        deadline = time.monotonic() + self.term_grace
+        while any(c.poll() is None for c in live) and time.monotonic() < deadline and not self.hurry:
+            time.sleep(0.05)
+        late = [r for r, c in enumerate(self.children) if c.poll() is None]
+        for child in self.children:
+            _signal_group(child, signal.SIGKILL)  # also reaps grandchildren left in the group
+            child.wait()
+        for reader in readers:
+            reader.join(timeout=2.0)
+        codes = [c.returncode for c in self.children]
+        preempted = [r for r, c in enumerate(codes) if r not in late and c in (PREEMPTED_EXIT_CODE, -signal.SIGTERM)]
+        failed = [r for r, c in enumerate(codes) if r in late or (c != 0 and r not in preempted)]
+        if failed:
+            rank = failed[0]
+            if rank in late:
+                when = "at the second signal" if self.hurry else f"{self.term_grace:g} s after SIGTERM (--grace)"
+                what, code = f"was still running {when}: killed", 128 + signal.SIGKILL
+            else:
+                what, code = f"failed after SIGTERM ({_describe(codes[rank])})", codes[rank]
+            tail = "".join(f"    {line}\n" for line in tails[rank]) or "    (no output)\n"
+            self.say(f"rank {rank} {what}. Last lines of rank {rank}:\n{tail.rstrip()}")
+            return 128 - code if code < 0 else code
+        if preempted:
+            self.say(f"preempted: all {self.nprocs} processes stopped after SIGTERM; exit status "
+                     f"{PREEMPTED_EXIT_CODE} (requeue the job to resume)")
+            return PREEMPTED_EXIT_CODE
+        self.say(f"all {self.nprocs} processes finished after SIGTERM")
+        return 0
 
     def _pump(self, rank: int, child: subprocess.Popen[bytes], tail: collections.deque[str]) -> None:
         prefix = f"[rank {rank}] " if self.nprocs > 1 else ""
         assert child.stdout is not None
+        keep = ChatterFilter().keep
         for raw in iter(child.stdout.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
-            tail.append(line)
+            if not self.verbose and not keep(line):
+                continue
+            if not _TRACE.match(line):
+                tail.append(line)
             with self.lock:
                 self.out.write(f"{prefix}{line}\n")
                 self.out.flush()
@@ -256,10 +334,11 @@ class _Group:
             child.wait()
 
 
-def _root_cause(tails: Sequence[Sequence[str]], first: int) -> int:
+def _root_cause(tails: Sequence[Sequence[str]], first: int, frozen: set[int] = frozenset()) -> int:
     """The rank that failed first, from what the processes said: a process that raised says
     "mirrorax: process K of N failed with ...", the others "mirrorax: process K of N failed (...)" and JAX's
-    heartbeat "The following tasks are unhealthy ...:" with K on the next line."""
+    heartbeat "The following tasks are unhealthy ...:" with K on the next line. A stopped (frozen)
+    process comes after one that raised: it says nothing, and the heartbeat names it."""
     own, named = None, None
     for tail in tails:
         lines = list(tail)
@@ -271,10 +350,30 @@ def _root_cause(tails: Sequence[Sequence[str]], first: int) -> int:
             elif "tasks are unhealthy" in line and named is None and i + 1 < len(lines):
                 ids = re.findall(r"\d+", lines[i + 1])
                 named = int(ids[0]) if ids else None
-    for rank in (own, named):
+    for rank in (own, min(frozen, default=None), named):
         if rank is not None and 0 <= rank < len(tails):
             return rank
     return first
+
+
+def _unhealthy(tails: Sequence[Sequence[str]]) -> set[int]:
+    """The ranks JAX's heartbeat declared dead ("The following tasks are unhealthy ...:" then the ids)."""
+    found: set[int] = set()
+    for tail in tails:
+        lines = list(tail)
+        for i, line in enumerate(lines[:-1]):
+            if "tasks are unhealthy" in line:
+                found.update(int(x) for x in re.findall(r"\d+", lines[i + 1]))
+    return found
+
+
+def _state(pid: int) -> str:
+    """The one-letter state of a process (``R``, ``S``, ``T`` stopped, ...) from ``/proc``; ``""`` if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]  # after "pid (comm)": comm may hold spaces
+    except (OSError, IndexError):
+        return ""
 
 
 def _first_failed(codes: Sequence[int | None], tails: Sequence[Sequence[str]], first: int) -> int:
@@ -292,7 +391,7 @@ def _describe(code: int) -> str:
             return f"killed by signal {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
-    return f"exit code {code}"
+    return f"exit code {code}" + (": preempted" if code == PREEMPTED_EXIT_CODE else "")
 
 
 def _signal_group(child: subprocess.Popen[bytes], sig: signal.Signals) -> None:
@@ -304,13 +403,17 @@ def _signal_group(child: subprocess.Popen[bytes], sig: signal.Signals) -> None:
 
 class _forward_signals:
     """While the group runs, SIGINT/SIGTERM to the launcher mark it interrupted (the run loop then stops
-    every child); handlers can only be set from the main thread, elsewhere this does nothing."""
+    every child, with the same signal); a second signal cuts the wait short. Handlers can only be set
+    from the main thread, elsewhere this does nothing."""
 
     def __init__(self, group: _Group) -> None:
         self.group, self.saved = group, {}
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.group.interrupted = signum
+        if self.group.interrupted is None:
+            self.group.interrupted = signum
+        else:
+            self.group.hurry = True
 
     def __enter__(self) -> None:
         if threading.current_thread() is threading.main_thread():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import subprocess
@@ -69,3 +70,26 @@ def run_all(commands: list[list[str]], envs: list[dict[str, str]], timeout: floa
 def launcher(*args: str) -> list[str]:
     """``python -m mirrorax.launch ARGS``."""
     return python("-m", "mirrorax.launch", *args)
+
+
+def listeners(port: int) -> list[str]:
+    """The local addresses of the TCP sockets listening on ``port`` on this host (from /proc/net/tcp*,
+    so no tool is needed), e.g. ``["127.0.0.1", "::ffff:127.0.0.1"]``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            hex_address, hex_port = fields[1].split(":")
+            if fields[3] != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            # Each 32-bit word of the address is printed in host (little-endian) byte order.
+            raw = b"".join(bytes.fromhex(hex_address[i:i + 8])[::-1] for i in range(0, len(hex_address), 8))
+            address = ipaddress.ip_address(raw)
+            mapped = getattr(address, "ipv4_mapped", None)
+            found.append(f"::ffff:{mapped}" if mapped else str(address))
+    return found

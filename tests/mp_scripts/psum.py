@@ -1,8 +1,9 @@
 """A plain-JAX job for the launcher and cluster tests: join from the environment, then all-reduce.
 
 Prints one line per process: ``RESULT <process> <count> <global devices> <sum>``. ``MP_FAIL=raise:R`` /
-``MP_FAIL=kill:R`` makes process R raise / SIGKILL itself after ``MP_FAIL_STEP`` steps (default 5) while
+``MP_FAIL=kill:R`` / ``MP_FAIL=stop:R`` makes process R raise / SIGKILL / SIGSTOP itself after ``MP_FAIL_STEP`` steps (default 5) while
 the others keep all-reducing (they block in the collective, the case that must not hang).
+``MP_LISTENERS=1`` makes process 0 print ``LISTENERS <addresses>``: where the coordinator's port listens.
 """
 
 import os
@@ -36,8 +37,12 @@ while step < steps or mode:
         print(f"process {me} fails now ({mode}) at {time.time():.3f}", flush=True)
         if mode == "raise":
             raise RuntimeError(f"boom in process {me}")
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if mode == "stop" else signal.SIGKILL)
     if mode and step > 100000:
         break
+if os.environ.get("MP_LISTENERS") and me == 0:
+    from procs import listeners  # this script's folder is on sys.path
+
+    print("LISTENERS", *listeners(int(os.environ["MIRRORAX_COORDINATOR"].rpartition(":")[2])), flush=True)
 print(f"RESULT {me} {count} {jax.device_count()} {value} joined={joined}", flush=True)
 sys.exit(0)
