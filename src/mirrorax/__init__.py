@@ -19,6 +19,8 @@ from mirrorax.cluster import ClusterInfo as ClusterInfo
 from mirrorax.cluster import initialize as initialize
 from mirrorax.models.base import ModelAdapter as ModelAdapter
 from mirrorax.models.functional import FunctionalModel as FunctionalModel
+from mirrorax.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
+from mirrorax.preemption import Preempted as Preempted
 from mirrorax.strategy import InputContext as InputContext
 from mirrorax.strategy import MirroredStrategy as MirroredStrategy
 from mirrorax.strategy import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
@@ -54,6 +56,8 @@ __all__ = [
     "ModelAdapter",
     "MultiWorkerMirroredStrategy",
     "NonFiniteLossError",
+    "PREEMPTED_EXIT_CODE",
+    "Preempted",
     "Trainer",
     "enable_compilation_cache",
     "get_strategy",
