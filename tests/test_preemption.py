@@ -4,9 +4,9 @@
   the checkpoint is; the rerun ends with the weights and history of an uninterrupted run.
 * Without checkpoint_dir: exit status 143, promptly, with a message saying the work is lost and how
   to keep it.
-* grain input: the resumed epoch continues the loader from its saved state (``set_state``): the data
-  source reads exactly the records not yet trained on (a replay would read the epoch's first batches
-  again).
+* grain input, stopped by SIGTERM or by SIGKILL (then resumed from a periodic checkpoint): the
+  resumed epoch continues the loader from its saved state (``set_state``): the data source reads
+  exactly the records not yet trained on (a replay would read the epoch's first batches again).
 * torchdata-style loaders (``state_dict`` / ``load_state_dict``): the same, in-process, with a
   stand-in loader (torchdata is not a dependency).
 * 2 processes x 2 devices, SIGTERM to process 1 only: both stop at the same step and exit 143; the
@@ -48,9 +48,9 @@ def _run(args, timeout=240):
     return out.stdout + out.stderr
 
 
-def _run_and_term(args, term_after_steps, timeout=240):
-    """Runs the script, sends SIGTERM after ``term_after_steps`` steps; returns (status, output, seconds
-    from the signal to the exit)."""
+def _run_and_signal(args, after_steps, sig=signal.SIGTERM, timeout=240, ready=lambda: True):
+    """Runs the script, sends ``sig`` after ``after_steps`` steps (and once ``ready()``); returns
+    (status, output, seconds from the signal to the exit)."""
     proc = subprocess.Popen(python(SCRIPT, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=clean_env())
     timer = threading.Timer(timeout, proc.kill)
@@ -59,8 +59,8 @@ def _run_and_term(args, term_after_steps, timeout=240):
     try:
         for line in proc.stdout:
             seen.append(line)
-            if sent is None and sum(l.startswith("STEP") for l in seen) >= term_after_steps:
-                proc.send_signal(signal.SIGTERM)
+            if sent is None and sum(l.startswith("STEP") for l in seen) >= after_steps and ready():
+                proc.send_signal(sig)
                 sent = time.monotonic()
         proc.wait(timeout=60)
     finally:
@@ -128,21 +128,30 @@ def _resumed_at(out: str) -> tuple[int, int]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("inputs", ["arrays", "grain"])
-def test_sigterm_mid_epoch_saves_exits_143_and_the_rerun_resumes_exactly(tmp_path, inputs):
+@pytest.mark.parametrize("inputs, sig", [("arrays", "SIGTERM"), ("grain", "SIGTERM"), ("grain", "SIGKILL")])
+def test_stopped_mid_epoch_the_rerun_resumes_exactly(tmp_path, inputs, sig):
+    """SIGTERM: fit saves where it stops and exits 143. SIGKILL: the resume starts from the newest
+    periodic checkpoint (every 3 steps), which also holds grain's state."""
     ckpt, got = tmp_path / "ckpt", tmp_path / "got.npz"
-    # SIGTERM after 10 of 21 steps (epoch 2, batch 3); the sleep keeps the run going meanwhile.
-    code, out, seconds = _run_and_term([str(ckpt), str(tmp_path / "never.npz"), "--input", inputs,
-                                        "--sleep", "0.1"], term_after_steps=10)
-    print(f"SIGTERM to exit: {seconds:.2f} s")
-    assert code == mx.PREEMPTED_EXIT_CODE == 143, out
-    assert re.search(r"mirrorax: preempted \(SIGTERM\): saved checkpoint step \d+ \(epoch 2, batch \d+\) in "
-                     r".*; exiting with status 143", out), out
-    assert "Traceback" not in out, out
+    every = ["--every", "3"] if sig == "SIGKILL" else []
+    # The signal after 10 of 21 steps (epoch 2, batch 3); the sleep keeps the run going meanwhile.
+    # SIGKILL waits for the periodic checkpoint of step 9 (epoch 2, batch 2) to be on disk.
+    ready = (lambda: (ckpt / "9").is_dir()) if sig == "SIGKILL" else (lambda: True)
+    code, out, seconds = _run_and_signal([str(ckpt), str(tmp_path / "never.npz"), "--input", inputs,
+                                          "--sleep", "0.3" if every else "0.1", *every], 10, getattr(signal, sig),
+                                         ready=ready)
     assert not (tmp_path / "never.npz").exists()
-    assert seconds < 30, seconds  # a typical scheduler grace period; measured ~1 s (one step + the save)
+    if sig == "SIGTERM":
+        print(f"SIGTERM to exit: {seconds:.2f} s")
+        assert code == mx.PREEMPTED_EXIT_CODE == 143, out
+        assert re.search(r"mirrorax: preempted \(SIGTERM\): saved checkpoint step \d+ \(epoch 2, batch \d+\) "
+                         r"in .*; exiting with status 143", out), out
+        assert "Traceback" not in out, out
+        assert seconds < 30, seconds  # a typical grace period; measured ~1 s (one step + the save)
+    else:
+        assert code == -signal.SIGKILL, out
 
-    out = _run([str(ckpt), str(got), "--input", inputs])  # the same command again
+    out = _run([str(ckpt), str(got), "--input", inputs, *every])  # the same command again
     epoch, batch = _resumed_at(out)
     assert epoch == 2 and 0 < batch < 7, out  # mid-epoch
     result = dict(np.load(got))
@@ -156,7 +165,7 @@ def test_sigterm_mid_epoch_saves_exits_143_and_the_rerun_resumes_exactly(tmp_pat
 
 @pytest.mark.timeout(120)
 def test_sigterm_without_checkpoint_dir_ends_promptly_and_says_how_to_keep_the_work(tmp_path):
-    code, out, seconds = _run_and_term(["-", str(tmp_path / "never.npz"), "--sleep", "0.1"], term_after_steps=3)
+    code, out, seconds = _run_and_signal(["-", str(tmp_path / "never.npz"), "--sleep", "0.1"], 3)
     assert code == 143, out
     assert "mirrorax: preempted (SIGTERM) at step" in out and "the work since fit started is lost" in out, out
     assert "checkpoint_dir" in out, out

@@ -1,6 +1,7 @@
 """A training run that a test stops with SIGTERM (preemption) and then runs again to resume.
 
 Usage: python train_preempt.py CHECKPOINT_DIR|- OUT.npz [--devices N] [--input arrays|grain] [--sleep S]
+                               [--every K]
 Prints "STEP n" after each step (flushed) so the test can signal it at a known point. Writes the final
 weights and history to OUT.npz, and, with --input grain, the number of records the data source read.
 """
@@ -18,6 +19,7 @@ parser.add_argument("--devices", type=int, default=2)
 parser.add_argument("--input", choices=("arrays", "grain"), default="arrays")
 parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--every", type=int, default=None, help="checkpoint_every (default: every epoch)")
 args = parser.parse_args()
 
 os.environ["KERAS_BACKEND"] = "jax"
@@ -87,7 +89,8 @@ with strategy.scope():
 trainer = mx.Trainer(model)
 print(f"START {time.time() - T0:.2f}", flush=True)
 hist = trainer.fit(*fit_args, batch_size=BATCH, epochs=args.epochs, verbose=2, callbacks=[Steps()],
-                   checkpoint_dir=None if args.checkpoint_dir == "-" else args.checkpoint_dir, **fit_kwargs)
+                   checkpoint_dir=None if args.checkpoint_dir == "-" else args.checkpoint_dir,
+                   checkpoint_every=args.every or "epoch", **fit_kwargs)
 np.savez(args.out, *model.get_weights(), loss=np.array(hist.history["loss"]),
          accuracy=np.array(hist.history["accuracy"]),
          reads=np.array(-1 if records is None else records.reads))
