@@ -21,6 +21,8 @@ from mirrorax.distribute import DistributedBatch as DistributedBatch
 from mirrorax.distribute import DistributedDataset as DistributedDataset
 from mirrorax.models.base import ModelAdapter as ModelAdapter
 from mirrorax.models.functional import FunctionalModel as FunctionalModel
+from mirrorax.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
+from mirrorax.preemption import Preempted as Preempted
 from mirrorax.replica import ReduceOp as ReduceOp
 from mirrorax.replica import ReplicaContext as ReplicaContext
 from mirrorax.replica import compute_average_loss as compute_average_loss
@@ -63,6 +65,8 @@ __all__ = [
     "ModelAdapter",
     "MultiWorkerMirroredStrategy",
     "NonFiniteLossError",
+    "PREEMPTED_EXIT_CODE",
+    "Preempted",
     "ReduceOp",
     "ReplicaContext",
     "Trainer",

@@ -19,6 +19,7 @@ import numpy as np
 
 from mirrorax import consistency
 from mirrorax import data as data_lib
+from mirrorax import preemption
 from mirrorax import resume as resume_lib
 from mirrorax.models.base import ModelAdapter, adapt
 from mirrorax.progress import Progress, resolve_verbose
@@ -334,23 +335,30 @@ class Trainer:
         per_epoch = steps_per_epoch or stream.batches_per_pass
         run = {"batch_size": batch_size, "shuffle": bool(shuffle), "seed": int(seed),
                "steps_per_epoch": steps_per_epoch}
-        start_epoch, start_batch = initial_epoch, 0
+        start_epoch, start_batch, input_state = initial_epoch, 0, None
+        inputs = None if ckpt is None else resume_lib.InputState.attach(source, self.strategy.process_count)
+        watch = preemption.Watch(self.strategy.process_count)
+        stopped: preemption.Preempted | None = None
         try:
+            watch.__enter__()
             if ckpt is not None:
                 resumed = resume_lib.resume(ckpt, self._abstract_state(), run, history)
                 if resumed is not None:
-                    self._state, start_epoch, start_batch, step = resumed
+                    self._state, start_epoch, start_batch, step, input_state = resumed
                     if mode:
                         self.stream.write(f"Resumed from checkpoint step {step} in {ckpt.directory} "
                                           f"(epoch {start_epoch + 1}, batch {start_batch}).\n")
-            saver = None if ckpt is None else resume_lib.Saver(ckpt, every, run, history, resume_lib.sample_spec(sample))
+            saver = None if ckpt is None else resume_lib.Saver(ckpt, every, run, history, resume_lib.sample_spec(sample),
+                                                               inputs=inputs)
             _call(callbacks, "on_train_begin", {})
             for epoch in range(start_epoch, epochs):
                 _call(callbacks, "on_epoch_begin", epoch, {})
                 position = epoch * per_epoch if per_epoch else 0
+                if inputs is not None and start_batch:
+                    inputs.position(start_batch, input_state)
                 logs, progress, steps, samples = self._run_epoch(
                     stream, position, steps_per_epoch, epoch, epochs, mode, start_batch=start_batch,
-                    saver=saver, callbacks=callbacks)
+                    saver=saver, callbacks=callbacks, watch=watch, positioned=inputs is not None)
                 start_batch = 0
                 if val is not None:
                     vlogs = self._evaluate_source(val, validation_batch_size or batch_size)
@@ -367,21 +375,47 @@ class Trainer:
                     self._state = self._adopt_model_changes(self._state)
                     if getattr(self.model, "stop_training", False):
                         break
+                # One more look per epoch (the same on every process): a SIGTERM during the epoch's last
+                # batch or its validation stops here, after the epoch-end checkpoint.
+                if watch.reached():
+                    raise self._preempted(ckpt, epoch + 1, 0)
+        except preemption.Preempted as stop:
+            stopped = stop
         finally:
+            watch.close()
             self._write_back()
             if ckpt is not None:
                 ckpt.close()
+        if stopped is not None:
+            # Said only now that the checkpoint is on disk (close waited for the write).
+            preemption.announce(stopped.message, self.strategy.is_primary)
+            raise stopped
         _call(callbacks, "on_train_end", {})
         if hasattr(self.model, "stop_training"):
             self.model.stop_training = False
         return history
+
+    def _preempted(self, ckpt: Any, epoch: int, batch: int) -> preemption.Preempted:
+        """The stop of every process on SIGTERM, once the checkpoint (if any) is started."""
+        step = int(host_value(self._state["step"])) if self._state is not None else 0
+        code = preemption.PREEMPTED_EXIT_CODE
+        if ckpt is not None:
+            message = (f"mirrorax: preempted (SIGTERM): saved checkpoint step {step} (epoch {epoch + 1}, batch "
+                       f"{batch}) in {ckpt.directory}; exiting with status {code}. Run the same command again "
+                       "to resume from it.")
+        else:
+            message = (f"mirrorax: preempted (SIGTERM) at step {step}: no checkpoint_dir, so the work since fit "
+                       f"started is lost; exiting with status {code}. Pass fit(checkpoint_dir=...) to save on "
+                       "SIGTERM and resume from there.")
+        return preemption.Preempted(message, step=step, checkpoint_dir=None if ckpt is None else ckpt.directory)
 
     def _abstract_state(self) -> PyTree:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._state)
 
     def _run_epoch(self, stream: Stream, position: int, steps_per_epoch: int | None, epoch: int, epochs: int,
                    mode: int, *, start_batch: int = 0, saver: resume_lib.Saver | None = None,
-                   callbacks: Sequence[Any] = ()) -> tuple[dict[str, float], Progress, int, int]:
+                   callbacks: Sequence[Any] = (), watch: preemption.Watch | None = None,
+                   positioned: bool = False) -> tuple[dict[str, float], Progress, int, int]:
         # Resuming mid-epoch keeps the checkpoint's metric accumulators: the epoch's logs stay exact.
         state = self._state
         self.adapter.release()  # the model's variables let go of the buffers the first step donates
@@ -389,7 +423,11 @@ class Trainer:
             state = dict(state, metrics=self._place(self.adapter.initial_metrics(), from_host=False))
         self._state = None  # donated below; restored when the epoch ends or fails
         total = steps_per_epoch or stream.batches_per_pass
-        host = stream.batches(position, steps_per_epoch, start=start_batch)
+        if positioned and start_batch:
+            # The input starts itself at start_batch (its own saved state, or replay): count from there.
+            host = stream.batches(position, steps_per_epoch and steps_per_epoch - start_batch, start=0)
+        else:
+            host = stream.batches(position, steps_per_epoch, start=start_batch)
         first_step = int(host_value(state["step"]))
         raise_mode = self.steps.on_nonfinite == "raise"
         batch_hooks = [cb for cb in callbacks if hasattr(cb, "on_train_batch_end")]
@@ -398,7 +436,7 @@ class Trainer:
                             lambda: self.adapter.metric_results(host_tree(state["metrics"])),
                             stream=self.stream)
         steps = samples = 0
-        halted = False
+        halted = preempted = False
         last_look = time.perf_counter()
         batches = iter(self._device_batches(host, self.steps_per_execution, stream.per_process))
         try:
@@ -433,6 +471,18 @@ class Trainer:
                     if np.any(host_value(window.last_done["halted"])):
                         halted = True
                         break
+                if watch is not None and watch.reached() and upcoming is not None and \
+                        (total is None or in_epoch < total):
+                    # Stop here (the same step on every process). At the epoch's last batch the
+                    # epoch ends normally instead and fit stops after its checkpoint.
+                    window.drain()
+                    if raise_mode and int(host_value(state["skipped"])):
+                        halted = True
+                        break
+                    if saver is not None:
+                        saver.save(state, epoch, in_epoch)
+                    preempted = True
+                    break
                 if saver is not None and saver.due(first_step + before, first_step + steps) and \
                         (total is None or in_epoch < total):
                     window.drain()
@@ -443,6 +493,9 @@ class Trainer:
                 progress.update(in_epoch, samples)
             window.drain()
             progress.stop()
+            if preempted:
+                self._state = state
+                raise self._preempted(None if saver is None else saver.ckpt, epoch, start_batch + steps)
         finally:
             if isinstance(batches, data_lib.Prefetcher):
                 batches.close()
