@@ -63,9 +63,9 @@ class StepFunctions:
         rep = strategy.replicated
         self.stacked_sharding = NamedSharding(strategy.mesh, P(None, BATCH_AXIS))
         donate_args = (0,) if donate else ()
-        self.train = jax.jit(self._train_step, donate_argnums=donate_args, out_shardings=rep)
-        self.train_many = jax.jit(self._train_many, donate_argnums=donate_args, out_shardings=rep)
-        self.evaluate = jax.jit(self._eval_step, donate_argnums=(1,), out_shardings=rep)
+        self.train = jax.jit(self._train_with_logs, donate_argnums=donate_args, out_shardings=rep)
+        self.train_many = jax.jit(self._train_many_with_logs, donate_argnums=donate_args, out_shardings=rep)
+        self.evaluate = jax.jit(self._eval_with_logs, donate_argnums=(1,), out_shardings=rep)
         self.predict = jax.jit(self._predict_step, out_shardings=strategy.batch_sharding)
 
     # -- pure functions --------------------------------------------------------------------------
@@ -128,6 +128,21 @@ class StepFunctions:
 
     def _predict_step(self, state: dict[str, PyTree], x: PyTree):
         return self.adapter.predict(state, x)
+
+    # The step's metric results ride along as device scalars (a few divisions in the same program):
+    # batch callbacks get them as logs without another dispatch, and nobody waits for them unless a
+    # callback reads them.
+    def _train_with_logs(self, state: dict[str, PyTree], batch: dict[str, PyTree]):
+        new, aux = self._train_step(state, batch)
+        return new, dict(aux, logs=self.adapter.metric_logs(new["metrics"]))
+
+    def _train_many_with_logs(self, state: dict[str, PyTree], batches: dict[str, PyTree]):
+        new, aux = self._train_many(state, batches)
+        return new, dict(aux, logs=self.adapter.metric_logs(new["metrics"]))
+
+    def _eval_with_logs(self, state: dict[str, PyTree], metrics: PyTree, batch: dict[str, PyTree]):
+        metrics, token = self._eval_step(state, metrics, batch)
+        return metrics, {"token": token, "logs": self.adapter.metric_logs(metrics)}
 
     # -- helpers ---------------------------------------------------------------------------------
     def compile_counts(self) -> dict[str, int]:

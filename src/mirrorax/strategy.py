@@ -360,7 +360,10 @@ class MirroredStrategy:
     def scope(self) -> contextlib.AbstractContextManager[MirroredStrategy]:
         """Makes this the strategy that :func:`get_strategy` and ``Trainer(model)`` use.
 
-        Models may be built inside or outside the scope: the trainer places their values itself.
+        A Keras model created or compiled inside the scope belongs to this strategy, as in TF: its own
+        ``fit``, ``evaluate``, ``predict`` and ``*_on_batch`` then train on every device of the strategy
+        (through a :class:`mirrorax.Trainer`), inside the scope or after it. Models made outside any
+        scope are untouched.
 
         Example:
           >>> with MirroredStrategy().scope() as s:
@@ -425,15 +428,25 @@ def get_strategy() -> MirroredStrategy:
     return default
 
 
+def current_scope() -> MirroredStrategy | None:
+    """The strategy of the innermost enclosing ``scope()`` of this thread, or ``None`` (no default)."""
+    stack = getattr(_scope, "stack", None)
+    return stack[-1] if stack else None
+
+
 @contextlib.contextmanager
 def _enter(strategy: MirroredStrategy) -> Iterator[MirroredStrategy]:
+    from mirrorax import keras_fit
+
     stack = getattr(_scope, "stack", None)
     if stack is None:
         stack = _scope.stack = []
     stack.append(strategy)
+    keras_fit.enter(strategy)  # models made or compiled in the scope belong to it (see keras_fit)
     try:
         yield strategy
     finally:
+        keras_fit.leave()
         stack.pop()
 
 

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from mirrorax import consistency
+from mirrorax.hooks import Callbacks
 from mirrorax import data as data_lib
 from mirrorax import preemption
 from mirrorax import resume as resume_lib
@@ -267,9 +268,10 @@ class Trainer:
 
     # -- fit ---------------------------------------------------------------------------------------
     def fit(self, x: Any, y: Any = None, *, batch_size: int | None = None, epochs: int = 1,
-            validation_data: Any = None, validation_batch_size: int | None = None, shuffle: bool = True,
+            validation_data: Any = None, validation_batch_size: int | None = None,
+            validation_steps: int | None = None, validation_freq: int | Sequence[int] = 1, shuffle: bool = True,
             seed: int = 0, sample_weight: Any = None, steps_per_epoch: int | None = None,
-            initial_epoch: int = 0, callbacks: Sequence[Any] | None = None, verbose: int | str = "auto",
+            initial_epoch: int = 0, callbacks: Any = None, verbose: int | str = "auto",
             checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int | str = "epoch",
             keep_checkpoints: int | None = 3) -> History:
         """Trains for ``epochs`` epochs over the global batches of ``(x, y)``.
@@ -284,6 +286,8 @@ class Trainer:
           validation_data: ``(x_val, y_val)``, ``(x_val, y_val, w_val)`` or an iterable; evaluated after
             every epoch, its metrics recorded with a ``val_`` prefix.
           validation_batch_size: global batch for validation (default ``batch_size``).
+          validation_steps: validation batches per evaluation (default: all of ``validation_data``).
+          validation_freq: validate every this many epochs, or after the epochs listed (1-based, as Keras).
           shuffle: shuffle array inputs every epoch, with an order that depends only on ``seed`` and
             the epoch (never on the device or process count).
           seed: the shuffle seed.
@@ -291,8 +295,9 @@ class Trainer:
           steps_per_epoch: batches per epoch (default: one pass over the data). Array inputs continue
             where the previous epoch stopped, starting a new shuffled pass when one ends.
           initial_epoch: the epoch to start at (as Keras).
-          callbacks: Keras callbacks (``on_epoch_end(epoch, logs)``, ``on_train_batch_end(batch)``
-            etc.; ``model.stop_training`` is honoured) or plain objects with any of those methods.
+          callbacks: Keras callbacks (or a ``keras.callbacks.CallbackList``), driven as Keras's own
+            ``fit`` drives them (every ``on_*`` hook, batch logs, ``model.stop_training``); for a
+            :class:`FunctionalModel`, plain objects with any of those methods.
           verbose: ``"auto"`` (bar on a terminal, a line per epoch otherwise), 0, 1 or 2.
           checkpoint_dir: save the whole training state here (Orbax, asynchronously) and, if it
             already holds checkpoints, resume from the newest good one: the same call after a crash
@@ -326,16 +331,18 @@ class Trainer:
         sample = self._sample(source, batch_size)
         self._ensure_state(sample)
         consistency.check_replicas(self._state)  # multi-process: every process holds process 0's values
-        callbacks = list(callbacks or [])
-        for cb in callbacks:
-            if hasattr(cb, "set_model"):
-                cb.set_model(self.model)
+        self._write_back()  # lent to the model: what callbacks change on it from here on is adopted
         history = History()
         stream = make_stream(source, batch_size, self.strategy, shuffle=shuffle, seed=seed)
         per_epoch = steps_per_epoch or stream.batches_per_pass
+        hooks = Callbacks(callbacks, self.model, epochs=epochs, steps=per_epoch, verbose=0 if not mode else mode)
+        should_validate = _validation_schedule(validation_freq)
+        if self.strategy.process_count > 1:  # every process must take the same path through each step
+            hooks.listens = {kind: consistency.any_process(v) for kind, v in hooks.listens.items()}
         run = {"batch_size": batch_size, "shuffle": bool(shuffle), "seed": int(seed),
                "steps_per_epoch": steps_per_epoch}
         start_epoch, start_batch, input_state = initial_epoch, 0, None
+        training_logs: dict[str, float] = {}
         inputs = None if ckpt is None else resume_lib.InputState.attach(source, self.strategy.process_count)
         watch = preemption.Watch(self.strategy.process_count)
         stopped: preemption.Preempted | None = None
@@ -350,18 +357,20 @@ class Trainer:
                                           f"(epoch {start_epoch + 1}, batch {start_batch}).\n")
             saver = None if ckpt is None else resume_lib.Saver(ckpt, every, run, history, resume_lib.sample_spec(sample),
                                                                inputs=inputs)
-            _call(callbacks, "on_train_begin", {})
+            hooks.call("on_train_begin")
             for epoch in range(start_epoch, epochs):
-                _call(callbacks, "on_epoch_begin", epoch, {})
+                hooks.call("on_epoch_begin", epoch)
+                self._state = self._adopt_model_changes(self._state)  # e.g. a learning rate a callback set
                 position = epoch * per_epoch if per_epoch else 0
                 if inputs is not None and start_batch:
                     inputs.position(start_batch, input_state)
                 logs, progress, steps, samples = self._run_epoch(
                     stream, position, steps_per_epoch, epoch, epochs, mode, start_batch=start_batch,
-                    saver=saver, callbacks=callbacks, watch=watch, positioned=inputs is not None)
+                    saver=saver, hooks=hooks, watch=watch, positioned=inputs is not None)
                 start_batch = 0
-                if val is not None:
-                    vlogs = self._evaluate_source(val, validation_batch_size or batch_size)
+                if val is not None and should_validate(epoch):
+                    vlogs = self._evaluate_source(val, validation_batch_size or batch_size, steps=validation_steps,
+                                                  hooks=hooks)
                     logs.update({f"val_{k}": v for k, v in vlogs.items()})
                 sps = progress.finish(steps, samples, logs)
                 history.append(epoch, logs, sps)
@@ -369,12 +378,12 @@ class Trainer:
                     consistency.check_replicas(self._state)
                 if saver is not None:
                     saver.save(self._state, epoch + 1, 0)
-                if callbacks:
-                    self._write_back()
-                    _call(callbacks, "on_epoch_end", epoch, logs)
-                    self._state = self._adopt_model_changes(self._state)
-                    if getattr(self.model, "stop_training", False):
-                        break
+                self._write_back()
+                hooks.call("on_epoch_end", epoch, logs)
+                training_logs = logs
+                self._state = self._adopt_model_changes(self._state)
+                if getattr(self.model, "stop_training", False):
+                    break
                 # One more look per epoch (the same on every process): a SIGTERM during the epoch's last
                 # batch or its validation stops here, after the epoch-end checkpoint.
                 if watch.reached():
@@ -390,7 +399,7 @@ class Trainer:
             # Said only now that the checkpoint is on disk (close waited for the write).
             preemption.announce(stopped.message, self.strategy.is_primary)
             raise stopped
-        _call(callbacks, "on_train_end", {})
+        hooks.call("on_train_end", training_logs)
         if hasattr(self.model, "stop_training"):
             self.model.stop_training = False
         return history
@@ -414,7 +423,7 @@ class Trainer:
 
     def _run_epoch(self, stream: Stream, position: int, steps_per_epoch: int | None, epoch: int, epochs: int,
                    mode: int, *, start_batch: int = 0, saver: resume_lib.Saver | None = None,
-                   callbacks: Sequence[Any] = (), watch: preemption.Watch | None = None,
+                   hooks: Callbacks | None = None, watch: preemption.Watch | None = None,
                    positioned: bool = False) -> tuple[dict[str, float], Progress, int, int]:
         # Resuming mid-epoch keeps the checkpoint's metric accumulators: the epoch's logs stay exact.
         state = self._state
@@ -430,7 +439,8 @@ class Trainer:
             host = stream.batches(position, steps_per_epoch, start=start_batch)
         first_step = int(host_value(state["step"]))
         raise_mode = self.steps.on_nonfinite == "raise"
-        batch_hooks = [cb for cb in callbacks if hasattr(cb, "on_train_batch_end")]
+        listens_begin = hooks is not None and hooks.listens["train_begin"]
+        listens_end = hooks is not None and hooks.listens["train_end"]
         window = InFlight(self.max_in_flight)
         progress = Progress(mode, total, epoch + 1, epochs,
                             lambda: self.adapter.metric_results(host_tree(state["metrics"])),
@@ -443,6 +453,8 @@ class Trainer:
             upcoming = next(batches, None)
             while upcoming is not None:
                 k, batch = upcoming
+                if listens_begin:
+                    hooks.call("on_train_batch_begin", start_batch + steps)
                 if k:
                     state, aux = self.steps.train_many(state, batch.tree())
                 else:
@@ -454,17 +466,18 @@ class Trainer:
                 before = steps
                 steps += max(k, 1)
                 samples += stream.last_real(k)
-                if batch_hooks:
+                if listens_end:
                     self.adapter.expose(state)  # Keras callbacks read it through Callback.model
                     self._state = state  # and this trainer's evaluate / predict / state through it
-                    for cb in batch_hooks:
-                        cb.on_train_batch_end(start_batch + steps - 1, {})
+                    hooks.call("on_train_batch_end", start_batch + steps - 1, aux["logs"])
                     state, self._state = self._state, None
                     read = self.adapter.exposure_read()
                     if read or self.strategy.process_count > 1:  # the processes decide together
                         state = self._adopt_model_changes(state, model_has_values=read)
                     if read:
                         self.adapter.release()
+                    if getattr(self.model, "stop_training", False):
+                        break
                 in_epoch = start_batch + steps
                 if raise_mode and time.perf_counter() - last_look > 0.5 and window.last_done is not None:
                     last_look = time.perf_counter()  # a finished step's flag: no wait
@@ -524,10 +537,11 @@ class Trainer:
 
     # -- evaluate / predict ------------------------------------------------------------------------
     def evaluate(self, x: Any, y: Any = None, *, batch_size: int | None = None, sample_weight: Any = None,
-                 verbose: int | str = 0) -> dict[str, float]:
+                 verbose: int | str = 0, steps: int | None = None, callbacks: Any = None) -> dict[str, float]:
         """Loss and metrics over every example of ``(x, y)``, in inference mode.
 
         Exact over all replicas: sums and counts over the real examples, padding masked out.
+        ``steps`` limits the batches (default: all); ``callbacks`` get Keras's ``on_test_*`` hooks.
 
         Returns:
           ``{"loss": ..., "<metric>": ...}`` as floats, the same on every process.
@@ -538,33 +552,50 @@ class Trainer:
         """
         source = data_lib.make_source(x, y, sample_weight)
         batch_size = self._batch_size(source, batch_size)
-        logs = self._evaluate_source(source, batch_size)
+        if steps is not None:
+            _check_positive_int("steps", steps)
+        hooks = Callbacks(callbacks, self.model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
+        logs = self._evaluate_source(source, batch_size, steps=steps, hooks=hooks)
         if self.strategy.is_primary and resolve_verbose(verbose, self.stream):
             from mirrorax.progress import format_logs
 
             self.stream.write(f"evaluate - {format_logs(logs)}\n")
         return logs
 
-    def _evaluate_source(self, source: Any, batch_size: int) -> dict[str, float]:
+    def _evaluate_source(self, source: Any, batch_size: int, *, steps: int | None = None,
+                         hooks: Callbacks | None = None) -> dict[str, float]:
         self._ensure_state(self._sample(source, batch_size))
         metrics = self._place(self.adapter.initial_metrics(), from_host=False)
         stream = make_stream(source, batch_size, self.strategy)
         window = InFlight(self.max_in_flight)
-        batches = self._device_batches(stream.batches(0, None), 1, stream.per_process)
+        batches = self._device_batches(stream.batches(0, steps), 1, stream.per_process)
+        begin = hooks is not None and hooks.listens["test_begin"]
+        end = hooks is not None and hooks.listens["test_end"]
+        if hooks is not None:
+            hooks.call("on_test_begin")
         try:
-            for _, batch in batches:
-                metrics, token = self.steps.evaluate(self._state, metrics, batch.tree())
-                window.push(token)
+            for i, (_, batch) in enumerate(batches):
+                if begin:
+                    hooks.call("on_test_batch_begin", i)
+                metrics, aux = self.steps.evaluate(self._state, metrics, batch.tree())
+                window.push(aux["token"])
+                if end:
+                    hooks.call("on_test_batch_end", i, aux["logs"])
             window.drain()
         finally:
             if isinstance(batches, data_lib.Prefetcher):
                 batches.close()
-        return self.adapter.metric_results(host_tree(metrics))
+        logs = self.adapter.metric_results(host_tree(metrics))
+        if hooks is not None:
+            hooks.call("on_test_end", logs)
+        return logs
 
-    def predict(self, x: Any, *, batch_size: int | None = None, verbose: int | str = 0) -> Any:
+    def predict(self, x: Any, *, batch_size: int | None = None, verbose: int | str = 0, steps: int | None = None,
+                callbacks: Any = None) -> Any:
         """The model's outputs for every row of ``x``, in input order.
 
-        Every process returns the full result (all rows), gathered from all devices.
+        Every process returns the full result (all rows), gathered from all devices. ``steps`` limits
+        the batches (default: all); ``callbacks`` get Keras's ``on_predict_*`` hooks.
 
         Returns:
           A numpy array with ``len(x)`` rows (a pytree of them for multi-output models).
@@ -579,25 +610,74 @@ class Trainer:
         source = data_lib.make_source(x)
         batch_size = self._batch_size(source, batch_size)
         self._ensure_state(self._sample(source, batch_size, with_targets=False))
+        if steps is not None:
+            _check_positive_int("steps", steps)
         stream = make_stream(source, batch_size, self.strategy, with_targets=False)
         outputs: list[Any] = []
+        hooks = Callbacks(callbacks, self.model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
+        end = hooks is not None and hooks.listens["predict_end"]
 
         def collect(item: tuple[Any, Any]) -> None:
             y, mask = item
             mask_h = host_value(mask) > 0
             outputs.append(jax.tree.map(lambda a: host_value(a)[mask_h], y))
+            if end:
+                hooks.call("on_predict_batch_end", len(outputs) - 1, {"outputs": outputs[-1]})
 
         window = InFlight(self.max_in_flight, collect)
-        batches = self._device_batches(stream.batches(0, None), 1, stream.per_process)
+        batches = self._device_batches(stream.batches(0, steps), 1, stream.per_process)
+        if hooks is not None:
+            hooks.call("on_predict_begin")
         try:
-            for _, batch in batches:
+            for i, (_, batch) in enumerate(batches):
+                if hooks is not None and hooks.listens["predict_begin"]:
+                    hooks.call("on_predict_batch_begin", i)
                 y = self.steps.predict(self._state, batch.x)
                 window.push((y, batch.mask))
             window.drain()
         finally:
             if isinstance(batches, data_lib.Prefetcher):
                 batches.close()
+        if hooks is not None:
+            hooks.call("on_predict_end")
         return jax.tree.map(lambda *a: np.concatenate(a), *outputs)
+
+    # -- one batch (Keras's *_on_batch) ------------------------------------------------------------
+    def train_on_batch(self, x: Any, y: Any = None, *, sample_weight: Any = None, class_weight: Any = None
+                       ) -> dict[str, float]:
+        """One train step on one global batch (padded to the device count); its loss and metrics.
+
+        The metrics cover this batch only (as Keras's ``train_on_batch``). A non-finite loss raises
+        :class:`NonFiniteLossError` with the update not applied (unless ``on_nonfinite`` says otherwise).
+
+        Example:
+          >>> logs = trainer.train_on_batch(x[:64], y[:64])
+        """
+        if class_weight is not None:
+            sample_weight = _class_weights(y, class_weight, sample_weight)
+        source = data_lib.ArraySource(x, y, sample_weight)
+        batch_size = source.num_examples
+        sample = self._sample(source, batch_size)
+        self._ensure_state(sample)
+        host = next(source.batches(batch_size, self.strategy, shuffle=False, seed=0, pass_index=0))
+        batch = data_lib.to_global(host, self.strategy)
+        state = dict(self._state, metrics=self._place(self.adapter.initial_metrics(), from_host=False))
+        self.adapter.release()
+        self._state = None
+        try:
+            state, aux = self.steps.train(state, batch.tree())
+        finally:
+            self._state = state if state is not None else self._state
+        self._write_back()
+        if self.steps.on_nonfinite == "raise" and int(host_value(state["skipped"])):
+            raise NonFiniteLossError("The loss of this batch is not finite; the update was not applied (the model "
+                                     "keeps its values). Check the batch for NaN/inf or lower the learning rate.")
+        return self.adapter.metric_results(host_tree(state["metrics"]))
+
+    def test_on_batch(self, x: Any, y: Any = None, *, sample_weight: Any = None) -> dict[str, float]:
+        """Loss and metrics of one batch in inference mode (Keras's ``test_on_batch``)."""
+        source = data_lib.ArraySource(x, y, sample_weight)
+        return self._evaluate_source(source, source.num_examples)
 
     def compile_counts(self) -> dict[str, int]:
         """Programs compiled per step kind (fixed shapes: one per kind used)."""
@@ -609,8 +689,29 @@ def _check_positive_int(name: str, value: Any, low: int = 1) -> None:
         raise ValueError(f"{name} must be an integer >= {low}; received {value!r}.")
 
 
-def _call(callbacks: Iterable[Any], method: str, *args: Any) -> None:
-    for cb in callbacks:
-        fn: Callable[..., Any] | None = getattr(cb, method, None)
-        if fn is not None:
-            fn(*args)
+def _validation_schedule(freq: Any) -> Callable[[int], bool]:
+    """Keras's ``validation_freq``: every ``freq`` epochs, or after the (1-based) epochs listed."""
+    if isinstance(freq, (list, tuple, set)):
+        wanted = {int(e) for e in freq}
+        return lambda epoch: epoch + 1 in wanted
+    _check_positive_int("validation_freq", freq)
+    return lambda epoch: (epoch + 1) % int(freq) == 0
+
+
+def _class_weights(y: Any, class_weight: Any, sample_weight: Any) -> np.ndarray:
+    """Per-example weights from ``{class: weight}`` (Keras's rule: the label, or the argmax of one-hot)."""
+    if sample_weight is not None:
+        raise ValueError("Pass sample_weight or class_weight, not both (as Keras): received both. Multiply the "
+                         "class weights into sample_weight yourself to use them together.")
+    if not isinstance(class_weight, dict):
+        raise TypeError(f"class_weight must be a dict {{class index: weight}}; received {type(class_weight).__name__}.")
+    labels = np.asarray(y)
+    if labels.ndim > 1 and labels.shape[-1] > 1:
+        labels = labels.argmax(axis=-1)
+    labels = labels.reshape(len(labels), -1)[:, 0].astype(np.int64)
+    missing = sorted(set(np.unique(labels).tolist()) - set(int(k) for k in class_weight))
+    if missing:
+        raise ValueError(f"class_weight has no weight for class(es) {missing[:10]} found in y; received keys "
+                         f"{sorted(class_weight)[:10]}. Give every class a weight.")
+    table = {int(k): float(v) for k, v in class_weight.items()}
+    return np.asarray([table[int(c)] for c in labels], np.float32)

@@ -66,6 +66,11 @@ class ModelAdapter(abc.ABC):
     def metric_results(self, metrics: PyTree) -> dict[str, float]:
         """Final metric values from host copies of the accumulators (``{"loss": ..., "accuracy": ...}``)."""
 
+    def metric_logs(self, metrics: PyTree) -> dict[str, Any]:
+        """Metric results as traced scalars, inside a step (batch logs for callbacks); ``{}`` if the
+        adapter cannot compute them in a traced program."""
+        return {}
+
     def write_back(self, state: dict[str, PyTree]) -> None:
         """Stores trained values into the user's model object.
 

@@ -168,6 +168,9 @@ class _FunctionalAdapter(ModelAdapter):
     def predict(self, state, x):
         return self._apply(state["params"], state["model_state"] or None, x, False)[0]
 
+    def metric_logs(self, metrics):
+        return {n: m["total"] / jnp.maximum(m["count"], 1e-12) for n, m in metrics.items()}
+
     def metric_results(self, metrics):
         return {n: float(np.asarray(m["total"]) / max(float(np.asarray(m["count"])), 1e-12))
                 for n, m in metrics.items()}

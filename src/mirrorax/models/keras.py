@@ -231,6 +231,12 @@ class KerasAdapter(ModelAdapter):
                 return {k: float(v) for k, v in zip(self._result_names, results)}
         return {k: float(np.asarray(v)) for k, v in self._metric_results(values).items()}
 
+    def metric_logs(self, metrics) -> dict[str, Any]:
+        try:
+            return self._metric_results(self._unpack("metrics", metrics))
+        except (TypeError, jax.errors.ConcretizationTypeError):  # a result() that branches on values
+            return {}
+
     def _metric_values(self, values: list[Any]) -> list[Any]:
         logs = self._metric_results(values)
         self._result_names = list(logs)  # set while tracing: a jitted function returns no strings

@@ -1,0 +1,94 @@
+"""Callbacks driven as Keras's own ``fit`` drives them, at no per-step cost when none listens.
+
+A Keras model's callbacks go through ``keras.callbacks.CallbackList`` (``set_params``, ``set_model``,
+every ``on_*`` hook, Keras's asynchronous dispatch of batch hooks); anything else (callbacks of a
+:class:`mirrorax.FunctionalModel`) is a list of plain objects whose ``on_*`` methods are called when
+present. Batch hooks are called only when some callback implements one, so a run whose callbacks
+only act per epoch pays nothing per step. Batch logs are the step's metric results as device scalars:
+Keras's ``CallbackList`` turns them into floats on a worker thread when every batch hook is async-safe
+(its own ``History`` / ``ProgbarLogger``), on the loop's thread otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["Callbacks"]
+
+_BATCH_HOOKS = {
+    "train_begin": ("on_train_batch_begin", "on_batch_begin"),
+    "train_end": ("on_train_batch_end", "on_batch_end"),
+    "test_begin": ("on_test_batch_begin",),
+    "test_end": ("on_test_batch_end",),
+    "predict_begin": ("on_predict_batch_begin",),
+    "predict_end": ("on_predict_batch_end",),
+}
+
+
+def _overrides(cb: Any, names: Sequence[str]) -> bool:
+    """Whether ``cb`` implements one of the hooks ``names`` (not Keras's default no-op)."""
+    try:
+        from keras.src import utils
+
+        is_default: Callable[[Any], bool] = utils.is_default
+    except ImportError:  # pragma: no cover - Keras is a dependency
+        def is_default(method: Any) -> bool:
+            return False
+    return any(callable(getattr(cb, n, None)) and not is_default(getattr(cb, n)) for n in names)
+
+
+class Callbacks:
+    """The callbacks of one ``fit`` / ``evaluate`` / ``predict`` call.
+
+    Args:
+      callbacks: a list of callbacks, a ``keras.callbacks.CallbackList``, or ``None``.
+      model: the model (Keras models get a ``CallbackList``; anything else plain calls).
+      params: ``set_params`` values (``epochs``, ``steps``, ``verbose``) for a new ``CallbackList``.
+      add_history, add_progbar: as ``CallbackList``'s (what Keras's ``fit`` passes).
+    """
+
+    def __init__(self, callbacks: Any, model: Any, *, add_history: bool = False, add_progbar: bool = False,
+                 **params: Any) -> None:
+        self.keras = _is_keras_model(model)
+        if self.keras:
+            import keras
+
+            if isinstance(callbacks, keras.callbacks.CallbackList):
+                self._list: Any = callbacks
+                if params:
+                    callbacks.set_params({**(callbacks.params or {}), **params})
+            else:
+                self._list = keras.callbacks.CallbackList(callbacks, add_history=add_history,
+                                                          add_progbar=add_progbar, model=model, **params)
+            members = list(self._list.callbacks)
+        else:
+            members = list(callbacks or [])
+            for cb in members:
+                if hasattr(cb, "set_model"):
+                    cb.set_model(model)
+            self._list = members
+        self.listens = {kind: any(_overrides(cb, names) for cb in members) for kind, names in _BATCH_HOOKS.items()}
+
+    @property
+    def callback_list(self) -> Any:
+        """The ``CallbackList`` (Keras models) or the list of callbacks."""
+        return self._list
+
+    def call(self, method: str, *args: Any) -> None:
+        """Calls ``method`` (e.g. ``"on_epoch_end"``) on every callback that has it."""
+        if self.keras:
+            getattr(self._list, method)(*args)
+            return
+        for cb in self._list:
+            fn = getattr(cb, method, None)
+            if fn is not None:
+                fn(*args)
+
+
+def _is_keras_model(model: Any) -> bool:
+    try:
+        import keras
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, keras.Model)

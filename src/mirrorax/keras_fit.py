@@ -1,0 +1,308 @@
+"""The TF program unchanged: a Keras model made or compiled under ``strategy.scope()`` trains on mirrorax.
+
+As in TF, a model remembers the strategy it was built (or compiled) under: its own ``fit``,
+``evaluate``, ``predict``, ``train_on_batch``, ``test_on_batch`` and ``predict_on_batch`` then run on
+a :class:`mirrorax.Trainer` for that model and strategy (one engine, the Trainer's guarantees: global
+batch, padding and masking, exact metrics, bounded dispatch, donation), whether they are called inside
+the scope or after it. Models made outside any scope are untouched.
+
+How: while a scope is open (and only then), Keras's model constructor and ``compile`` are wrapped so
+that a model created or compiled in it gets the strategy and these six methods as attributes of its
+own; leaving the last open scope restores Keras's functions. Nothing global outlives the scope.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from mirrorax.strategy import MirroredStrategy
+    from mirrorax.trainer import Trainer
+
+__all__ = ["strategy_of", "trainer_of", "enter", "leave"]
+
+_lock = threading.Lock()
+_open_scopes = 0
+_saved: dict[str, Any] = {}
+_ROUTED = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
+
+
+def strategy_of(model: Any) -> MirroredStrategy | None:
+    """The strategy ``model`` was created or compiled under, or ``None``."""
+    return model.__dict__.get("_mirrorax_strategy") if hasattr(model, "__dict__") else None
+
+
+def enter(strategy: MirroredStrategy) -> None:
+    """Called when a scope opens: wraps Keras's model constructor and ``compile`` (first open scope)."""
+    global _open_scopes
+    with _lock:
+        _open_scopes += 1
+        if _open_scopes > 1:
+            return
+        try:
+            from keras.src.backend.jax.trainer import JAXTrainer
+            from keras.src.trainers.trainer import Trainer as KerasTrainer
+        except ImportError:  # no Keras, or Keras on another backend: nothing to attach to
+            return
+        _saved["init"] = JAXTrainer.__init__
+        _saved["compile"] = KerasTrainer.compile
+        JAXTrainer.__init__ = _wrap(JAXTrainer.__init__)  # type: ignore[method-assign]
+        KerasTrainer.compile = _wrap(KerasTrainer.compile)  # type: ignore[method-assign]
+
+
+def leave() -> None:
+    """Called when a scope closes: the last one restores Keras's functions."""
+    global _open_scopes
+    with _lock:
+        _open_scopes -= 1
+        if _open_scopes or not _saved:
+            return
+        from keras.src.backend.jax.trainer import JAXTrainer
+        from keras.src.trainers.trainer import Trainer as KerasTrainer
+
+        JAXTrainer.__init__ = _saved.pop("init")  # type: ignore[method-assign]
+        KerasTrainer.compile = _saved.pop("compile")  # type: ignore[method-assign]
+
+
+def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        from mirrorax.strategy import current_scope
+
+        strategy = current_scope()  # this thread's scope; another thread's models stay plain Keras
+        if strategy is not None:
+            _attach(self, strategy)
+        return result
+
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _attach(model: Any, strategy: MirroredStrategy) -> None:
+    import keras
+
+    if not isinstance(model, keras.Model):
+        return
+    object.__setattr__(model, "_mirrorax_strategy", strategy)  # not a tracked Keras attribute
+    for name in _ROUTED:
+        # A method the model's class overrides itself stays the user's.
+        if getattr(type(model), name) is getattr(keras.Model, name):
+            object.__setattr__(model, name, types.MethodType(_METHODS[name], model))
+
+
+def trainer_of(model: Any) -> Trainer:
+    """The :class:`mirrorax.Trainer` behind a strategy model's ``fit`` (made on first use; a new one after
+    ``compile`` is called again, as Keras rebuilds its train function then)."""
+    from mirrorax.trainer import Trainer
+
+    strategy = strategy_of(model)
+    key = (id(strategy), id(model.optimizer), id(getattr(model, "_compile_loss", None)),
+           id(getattr(model, "_compile_metrics", None)), model.steps_per_execution)
+    cached = model.__dict__.get("_mirrorax_trainer")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    trainer = Trainer(model, strategy, steps_per_execution=int(model.steps_per_execution or 1))
+    object.__setattr__(model, "_mirrorax_trainer", (key, trainer))
+    return trainer
+
+
+def _eager_fallback(model: Any, name: str) -> Callable[..., Any] | None:
+    """Keras's own method when the model runs eagerly (a debugging mode mirrorax does not distribute)."""
+    if not getattr(model, "run_eagerly", False):
+        return None
+    warnings.warn(f"{type(model).__name__}.{name}: run_eagerly=True runs Keras's own single-device loop "
+                  "(a debugging mode); compile with run_eagerly=False to train on every device.", stacklevel=3)
+    return types.MethodType(getattr(type(model), name), model)
+
+
+# -- the routed methods (bound to the model) ------------------------------------------------------------
+
+def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
+         verbose: Any = "auto", callbacks: Any = None, validation_split: float = 0.0, validation_data: Any = None,
+         shuffle: bool = True, class_weight: Any = None, sample_weight: Any = None, initial_epoch: int = 0,
+         steps_per_epoch: int | None = None, validation_steps: int | None = None,
+         validation_batch_size: int | None = None, validation_freq: int = 1) -> Any:
+    """Keras's ``Model.fit``, on every device of the model's strategy (see ``mirrorax.keras_fit``)."""
+    self._assert_compile_called("fit")
+    fallback = _eager_fallback(self, "fit")
+    if fallback is not None:
+        return fallback(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
+                        validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
+                        class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
+                        steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+                        validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+    import keras
+
+    from mirrorax import data as data_lib
+
+    trainer = trainer_of(self)
+    arrays = data_lib.is_array_tree(x)
+    if validation_split and validation_data is None:
+        if not arrays:
+            raise ValueError(f"validation_split={validation_split} needs x as arrays (it holds out the last share of "
+                             f"the rows, as Keras does); received x of type {type(x).__name__}. Pass "
+                             "validation_data=... instead.")
+        from keras.src.trainers.data_adapters import array_slicing
+
+        (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
+            (x, y, sample_weight), validation_split=validation_split)
+    if class_weight is not None:
+        if not arrays:
+            raise ValueError("class_weight needs y as arrays here; received an iterable of batches. Weight the "
+                             "batches themselves: yield (x, y, sample_weight).")
+        from mirrorax.trainer import _class_weights
+
+        sample_weight = _class_weights(y, class_weight, sample_weight)
+    if validation_data is not None and not isinstance(validation_data, tuple) and data_lib.is_array_tree(validation_data):
+        raise ValueError("validation_data must be a tuple (x_val, y_val) or (x_val, y_val, sample_weight), or an "
+                         f"iterable of such batches; received {type(validation_data).__name__}.")
+    if not arrays:
+        x = _batches(x)
+    if not isinstance(callbacks, keras.callbacks.CallbackList):
+        steps = steps_per_epoch or _num_batches(x, batch_size or (None if not arrays else 32))
+        callbacks = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
+                                                 verbose=verbose, epochs=epochs, steps=steps, model=self)
+    trainer.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=callbacks,
+                validation_data=validation_data, shuffle=shuffle, sample_weight=sample_weight,
+                initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+                validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+    return self.history
+
+
+def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None, verbose: Any = "auto",
+              sample_weight: Any = None, steps: int | None = None, callbacks: Any = None, return_dict: bool = False,
+              **kwargs: Any) -> Any:
+    """Keras's ``Model.evaluate``, on every device of the model's strategy."""
+    self._assert_compile_called("evaluate")
+    fallback = _eager_fallback(self, "evaluate")
+    if fallback is not None:
+        return fallback(x, y, batch_size=batch_size, verbose=verbose, sample_weight=sample_weight, steps=steps,
+                        callbacks=callbacks, return_dict=return_dict, **kwargs)
+    kwargs.pop("_use_cached_eval_dataset", None)
+    if kwargs:
+        raise ValueError(f"Arguments not recognized: {kwargs}")
+    import keras
+
+    from mirrorax import data as data_lib
+
+    if not data_lib.is_array_tree(x):
+        x = _batches(x)
+    if not isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
+                                                 steps=steps or _num_batches(x, batch_size or 32), model=self)
+    logs = trainer_of(self).evaluate(x, y, batch_size=batch_size or (32 if data_lib.is_array_tree(x) else None),
+                                     sample_weight=sample_weight, steps=steps, callbacks=callbacks)
+    return logs if return_dict else self._flatten_metrics_in_order(logs)
+
+
+def _predict(self: Any, x: Any, batch_size: int | None = None, verbose: Any = "auto", steps: int | None = None,
+             callbacks: Any = None) -> Any:
+    """Keras's ``Model.predict``, on every device of the model's strategy."""
+    fallback = _eager_fallback(self, "predict")
+    if fallback is not None:
+        return fallback(x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
+    import keras
+
+    from mirrorax import data as data_lib
+
+    if not data_lib.is_array_tree(x):
+        x = _batches(x)
+    if not isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
+                                                 steps=steps or _num_batches(x, batch_size or 32), model=self)
+    return trainer_of(self).predict(x, batch_size=batch_size or (32 if data_lib.is_array_tree(x) else None),
+                                    steps=steps, callbacks=callbacks)
+
+
+def _train_on_batch(self: Any, x: Any, y: Any = None, sample_weight: Any = None, class_weight: Any = None,
+                    return_dict: bool = False) -> Any:
+    """Keras's ``Model.train_on_batch``: one step on every device of the model's strategy."""
+    self._assert_compile_called("train_on_batch")
+    fallback = _eager_fallback(self, "train_on_batch")
+    if fallback is not None:
+        return fallback(x, y, sample_weight=sample_weight, class_weight=class_weight, return_dict=return_dict)
+    logs = trainer_of(self).train_on_batch(x, y, sample_weight=sample_weight, class_weight=class_weight)
+    return logs if return_dict else self._flatten_metrics_in_order(logs)
+
+
+def _test_on_batch(self: Any, x: Any, y: Any = None, sample_weight: Any = None, return_dict: bool = False) -> Any:
+    """Keras's ``Model.test_on_batch``, on every device of the model's strategy."""
+    self._assert_compile_called("test_on_batch")
+    fallback = _eager_fallback(self, "test_on_batch")
+    if fallback is not None:
+        return fallback(x, y, sample_weight=sample_weight, return_dict=return_dict)
+    logs = trainer_of(self).test_on_batch(x, y, sample_weight=sample_weight)
+    return logs if return_dict else self._flatten_metrics_in_order(logs)
+
+
+def _predict_on_batch(self: Any, x: Any) -> Any:
+    """Keras's ``Model.predict_on_batch``, on every device of the model's strategy."""
+    fallback = _eager_fallback(self, "predict_on_batch")
+    if fallback is not None:
+        return fallback(x)
+    return trainer_of(self).predict(x, batch_size=_rows(x))
+
+
+class _batches:
+    """A Keras ``PyDataset`` (or any other iterable of batches) as one iteration per epoch, calling the
+    dataset's own ``on_epoch_end`` after each, as Keras's data adapter does."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def __iter__(self) -> Any:
+        data = self.data
+        if hasattr(data, "__getitem__") and hasattr(data, "num_batches") and hasattr(data, "on_epoch_end"):
+            n = data.num_batches
+            index = 0
+            while n is None or index < n:
+                try:
+                    item = data[index]
+                except IndexError:
+                    break
+                yield item
+                index += 1
+            data.on_epoch_end()
+            return
+        yield from data
+
+    def __len__(self) -> int:
+        n = getattr(self.data, "num_batches", None)
+        if n is not None:
+            return int(n)
+        return len(self.data)
+
+
+def _num_batches(x: Any, batch_size: int | None) -> int | None:
+    from mirrorax import data as data_lib
+
+    if data_lib.is_array_tree(x):
+        import jax
+
+        rows = int(np.shape(jax.tree.leaves(x)[0])[0])
+        return -(-rows // (batch_size or 32))
+    try:
+        return len(x)
+    except TypeError:
+        return None
+
+
+def _rows(x: Any) -> int:
+    import jax
+
+    leaves = jax.tree.leaves(x)
+    if not leaves:
+        raise ValueError(f"predict_on_batch needs an array (or a structure of arrays); received {type(x).__name__}.")
+    return max(1, int(np.shape(leaves[0])[0]))
+
+
+_METHODS: dict[str, Callable[..., Any]] = {
+    "fit": _fit, "evaluate": _evaluate, "predict": _predict, "train_on_batch": _train_on_batch,
+    "test_on_batch": _test_on_batch, "predict_on_batch": _predict_on_batch,
+}

@@ -1,0 +1,167 @@
+"""The TF program unchanged: a Keras model made or compiled under ``strategy.scope()`` trains with its own
+``fit`` / ``evaluate`` / ``predict`` / ``*_on_batch`` on every device of the strategy, and ends where
+Keras's single-device ``fit`` ends (atol 1e-4 / rtol 1e-5 on weights after 2 Adam epochs, as in
+``test_equivalence.py``)."""
+
+import keras
+import numpy as np
+import pytest
+
+import mirrorax as mx
+from helpers import assert_weights_close, digits, flat_digits, strategy
+from mirrorax import zoo
+
+pytestmark = pytest.mark.multi_device
+
+WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-4
+
+
+def _cnn() -> keras.Model:
+    keras.utils.set_random_seed(1)
+    m = zoo.digits_cnn(width=8, dropout=0.1)  # BatchNorm + Dropout
+    m.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return m
+
+
+@pytest.fixture(scope="module")
+def keras_cnn_reference():
+    x, y, xt, yt = digits(200)  # 200 rows, batch 48: the last batch has 8
+    model = _cnn()
+    hist = model.fit(x, y, batch_size=48, epochs=2, shuffle=False, verbose=0).history
+    return model, hist, model.evaluate(xt, yt, batch_size=64, verbose=0), model.predict(xt, batch_size=64, verbose=0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_seed_program_under_scope_trains_on_every_device_with_keras_numbers(keras_cnn_reference, n):
+    ref, ref_hist, ref_eval, ref_pred = keras_cnn_reference
+    x, y, xt, yt = digits(200)
+    s = strategy(n)
+    with s.scope():
+        model = _cnn()
+    history = model.fit(x, y, batch_size=48, epochs=2, shuffle=False, verbose=0)
+    assert isinstance(history, keras.callbacks.History) and model.history is history
+    assert history.epoch == [0, 1]
+    assert_weights_close(model, ref, WEIGHT_RTOL, WEIGHT_ATOL)  # BatchNorm statistics included
+    np.testing.assert_allclose(history.history["loss"], ref_hist["loss"], rtol=1e-5)
+    assert history.history["accuracy"] == pytest.approx(ref_hist["accuracy"], abs=1e-7)
+    # The variables are mirrored: one value on every device of the strategy.
+    assert model.trainable_variables[0].value.sharding.device_set == set(s.devices)
+    ev = model.evaluate(xt, yt, batch_size=64, verbose=0)
+    assert isinstance(ev, list) and len(ev) == 2  # Keras's list, in model.metrics_names order
+    np.testing.assert_allclose(ev, ref_eval, rtol=1e-5)
+    assert model.evaluate(xt, yt, batch_size=64, verbose=0, return_dict=True)["accuracy"] == pytest.approx(ref_eval[1])
+    pred = model.predict(xt, batch_size=64, verbose=0)
+    assert isinstance(pred, np.ndarray) and pred.shape == (len(xt), 10)
+    np.testing.assert_allclose(pred, ref_pred, rtol=1e-5, atol=1e-6)
+    assert mx.keras_fit.trainer_of(model).compile_counts()["train"] == 1  # uneven last batch: padded, one program
+
+
+def test_model_made_outside_any_scope_is_plain_keras():
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    init = JAXTrainer.__init__
+    with strategy(2).scope():
+        assert JAXTrainer.__init__ is not init  # wrapped while the scope is open
+        inside = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    assert JAXTrainer.__init__ is init  # and restored when it closes: nothing global outlives it
+    outside = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    outside.compile(optimizer="sgd", loss="mse")
+    assert "fit" not in outside.__dict__ and mx.keras_fit.strategy_of(outside) is None
+    assert "fit" in inside.__dict__
+    outside.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0)  # Keras's own loop, one device
+    assert len(outside.trainable_variables[0].value.sharding.device_set) == 1
+
+
+def test_compiled_under_scope_after_being_built_outside():
+    x, y, _, _ = flat_digits(64)
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+    s = strategy(4)
+    with s.scope():
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # called after the scope closed
+    assert model.trainable_variables[0].value.sharding.device_set == set(s.devices)
+
+
+def test_two_strategies_in_one_process():
+    import jax
+
+    x, y, _, _ = flat_digits(64)
+    a, b = mx.MirroredStrategy(devices=jax.devices()[:2]), mx.MirroredStrategy(devices=jax.devices()[4:8])
+    models = []
+    for s in (a, b):
+        with s.scope():
+            keras.utils.set_random_seed(1)
+            m = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+            m.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        models.append(m)
+    for m in models:
+        m.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert models[0].trainable_variables[0].value.sharding.device_set == set(a.devices)
+    assert models[1].trainable_variables[0].value.sharding.device_set == set(b.devices)
+    assert_weights_close(models[0], models[1], 1e-5, 1e-6)  # the same run on other devices
+
+
+def test_train_on_batch_loop_equals_keras():
+    x, y, _, _ = flat_digits(90)
+
+    def build():
+        keras.utils.set_random_seed(2)
+        m = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(10, activation="softmax")])
+        m.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        return m
+
+    ref = build()
+    with strategy(4).scope():
+        model = build()
+    for i in range(0, 90, 30):  # 30 rows do not divide by 4: padded and masked
+        want = ref.train_on_batch(x[i:i + 30], y[i:i + 30], return_dict=True)
+        got = model.train_on_batch(x[i:i + 30], y[i:i + 30], return_dict=True)
+        assert got.keys() == want.keys()
+        np.testing.assert_allclose([got[k] for k in want], [want[k] for k in want], rtol=1e-5)
+    assert_weights_close(model, ref, 1e-5, 1e-6)
+    np.testing.assert_allclose(model.test_on_batch(x[:30], y[:30]), ref.test_on_batch(x[:30], y[:30]), rtol=1e-5)
+    np.testing.assert_allclose(model.predict_on_batch(x[:30]), ref.predict_on_batch(x[:30]), rtol=1e-5, atol=1e-6)
+
+
+def test_fit_signature_validation_split_class_weight_and_validation_freq_match_keras():
+    x, y, _, _ = flat_digits(120)
+    weights = {c: 1.0 + 0.1 * c for c in range(10)}
+
+    def build():
+        keras.utils.set_random_seed(3)
+        m = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(10, activation="softmax")])
+        m.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        return m
+
+    kwargs = dict(batch_size=25, epochs=3, shuffle=False, verbose=0, validation_split=0.25, class_weight=weights,
+                  validation_freq=2)
+    ref = build()
+    want = ref.fit(x, y, **kwargs).history
+    with strategy(8).scope():
+        model = build()
+    got = model.fit(x, y, **kwargs).history
+    assert sorted(got) == sorted(want)
+    for k in want:  # val_* only at epochs 2 (validation_freq=2): one value
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, err_msg=k)
+    assert_weights_close(model, ref, 1e-5, 1e-6)
+
+
+def test_unsupported_argument_is_a_clear_error():
+    x, y, _, _ = flat_digits(32)
+    with strategy(2).scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    with pytest.raises(ValueError, match="validation_split"):
+        model.fit(iter([(x, y)]), validation_split=0.5, verbose=0)
+
+
+def test_run_eagerly_falls_back_to_keras_with_a_warning():
+    x, y, _, _ = flat_digits(32)
+    with strategy(2).scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", run_eagerly=True)
+    with pytest.warns(UserWarning, match="run_eagerly=True"):
+        model.fit(x, y, batch_size=16, verbose=0)
