@@ -23,7 +23,9 @@ def test_mirrorax_train_reaches_95_percent_on_8_simulated_devices(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert "Devices: 8 x cpu" in text
-    assert len(re.findall(r"^Epoch \d+/12 - 23 steps", text, re.M)) == 12  # one plain line per epoch
+    # Keras's own progress lines (verbose="auto" off a terminal: one per epoch), from model.fit under scope
+    assert len(re.findall(r"^Epoch \d+/12$", text, re.M)) == 12
+    assert len(re.findall(r"^23/23 - .* - accuracy: [0-9.]+ - loss: [0-9.]+ - val_accuracy: ", text, re.M)) == 12
     acc = float(re.search(r"Test accuracy: ([0-9.]+)", text).group(1))
     assert acc >= 0.95, text
     assert re.search(r"Throughput: [0-9,]+ samples/s", text)

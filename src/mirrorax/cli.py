@@ -88,6 +88,9 @@ def _devices(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    """The main job, written as the TF program users know: build and compile under the strategy's
+    scope, then the model's own ``fit``. ``--checkpoint-dir`` uses the explicit :class:`mirrorax.Trainer`
+    (checkpoints of the whole state, resumable on any device count)."""
     _configure_devices(args.cpu_devices)
     import keras
     import numpy as np
@@ -105,28 +108,66 @@ def _train(args: argparse.Namespace) -> int:
     say(f"Data: {len(x)} training and {len(xt)} test images of {x.shape[1]}x{x.shape[2]} "
         f"({'MNIST .npz ' + args.data if args.data else 'scikit-learn digits'})")
     keras.utils.set_random_seed(args.seed)
-    with strategy.scope():
-        model = zoo.digits_cnn(x.shape[1:], int(max(y.max(), yt.max())) + 1)
-        model.compile(optimizer=keras.optimizers.Adam(args.learning_rate),
-                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    trainer = mx.Trainer(model, steps_per_execution=args.steps_per_execution, mixed_precision=args.mixed_precision)
     verbose = args.verbose if args.verbose == "auto" else int(args.verbose)
-    fit_kwargs = {}
+    if verbose == "auto":  # a bar on a terminal, one line per epoch in a log file or a pipe
+        verbose = 1 if sys.stdout.isatty() else 2
     if args.checkpoint_dir:
-        every = args.checkpoint_dir and args.checkpoint_every
-        fit_kwargs = {"checkpoint_dir": args.checkpoint_dir,
-                      "checkpoint_every": every if every == "epoch" else int(every)}
-    start = time.perf_counter()
-    history = trainer.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, validation_data=(xt, yt),
-                          seed=args.seed, verbose=verbose, **fit_kwargs)
-    wall = time.perf_counter() - start
-    result = trainer.evaluate(xt, yt, batch_size=256)
-    sps = history.samples_per_second
+        with strategy.scope():
+            model = zoo.digits_cnn(x.shape[1:], int(max(y.max(), yt.max())) + 1)
+            model.compile(optimizer=keras.optimizers.Adam(args.learning_rate),
+                          loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        trainer = mx.Trainer(model, steps_per_execution=args.steps_per_execution,
+                             mixed_precision=args.mixed_precision)
+        every = args.checkpoint_every
+        start = time.perf_counter()
+        history = trainer.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, validation_data=(xt, yt),
+                              seed=args.seed, verbose=verbose, checkpoint_dir=args.checkpoint_dir,
+                              checkpoint_every=every if every == "epoch" else int(every))
+        wall = time.perf_counter() - start
+        result = trainer.evaluate(xt, yt, batch_size=256)
+        sps = history.samples_per_second
+    else:
+        if args.mixed_precision:
+            keras.mixed_precision.set_global_policy(f"mixed_{args.mixed_precision}")
+        with strategy.scope():  # the TF program: only the strategy line differs
+            model = zoo.digits_cnn(x.shape[1:], int(max(y.max(), yt.max())) + 1)
+            model.compile(optimizer=keras.optimizers.Adam(args.learning_rate),
+                          loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+                          steps_per_execution=args.steps_per_execution)
+        timer = _epoch_timer(len(x))
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, validation_data=(xt, yt),
+                  verbose=verbose if strategy.is_primary else 0, callbacks=[timer])
+        wall = time.perf_counter() - start
+        loss, accuracy = model.evaluate(xt, yt, batch_size=256, verbose=0)
+        result = {"loss": loss, "accuracy": accuracy}
+        sps = timer.samples_per_second
     steady = float(np.median(sps[1:])) if len(sps) > 1 else float(sps[0]) if sps else 0.0
     say(f"Test accuracy: {result['accuracy']:.4f} (loss {result['loss']:.4f})")
     say(f"Throughput: {steady:,.0f} samples/s (median over epochs after the first); fit took {wall:.1f} s "
         f"on {strategy.num_replicas_in_sync} device(s)")
     return 0
+
+
+def _epoch_timer(samples: int):
+    """A Keras callback timing each epoch's training part (until validation starts): samples/s."""
+    import keras
+
+    class EpochTimer(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.samples_per_second: list[float] = []
+            self._start = 0.0
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._start = time.perf_counter()
+
+        def on_test_begin(self, logs=None):
+            if self._start:
+                self.samples_per_second.append(samples / (time.perf_counter() - self._start))
+                self._start = 0.0
+
+    return EpochTimer()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

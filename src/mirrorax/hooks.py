@@ -56,8 +56,8 @@ class Callbacks:
 
             if isinstance(callbacks, keras.callbacks.CallbackList):
                 self._list: Any = callbacks
-                if params:
-                    callbacks.set_params({**(callbacks.params or {}), **params})
+                if params:  # the caller's (Keras's fit) params win: ours only fill what is missing
+                    callbacks.set_params({**params, **(callbacks.params or {})})
             else:
                 self._list = keras.callbacks.CallbackList(callbacks, add_history=add_history,
                                                           add_progbar=add_progbar, model=model, **params)
