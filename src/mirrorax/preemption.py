@@ -135,7 +135,7 @@ class Watch:
         """``True`` at the step boundary where this process (and every other one) must stop.
 
         Cost: a Python attribute read (one process), or one C++ call that takes a mutex (JAX's sync
-        point; measured about 1 microsecond); never a device sync or a network round trip.
+        point; measured 3 to 5 microseconds in a 2-process job); never a device sync or a network round trip.
         """
         if self.mode == "signal":
             return self.received
