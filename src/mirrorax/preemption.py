@@ -79,8 +79,9 @@ class Preempted(SystemExit):
 class Watch:
     """Listens for SIGTERM during one ``fit``; :meth:`reached` says when every process should stop.
 
-    Use as a context manager around the fit; call :meth:`reached` once per dispatched step (and at
-    each epoch end), in the same order on every process.
+    :meth:`start` it (or use it as a context manager) around the fit, :meth:`close` it after; call
+    :meth:`reached` once per dispatched step (and at each epoch end), in the same order on every
+    process.
 
     Args:
       process_count: the job's process count (only used to choose the mechanism).
@@ -94,6 +95,10 @@ class Watch:
 
     # -- installation --------------------------------------------------------------------------
     def __enter__(self) -> Watch:
+        return self.start()
+
+    def start(self) -> Watch:
+        """Chooses the mechanism (see the module docstring) and installs the handler if it is ours."""
         import jax
 
         if jax.distributed.is_initialized() and _jax_sync_point_available():
@@ -105,7 +110,7 @@ class Watch:
                     "processes of this job cannot agree on a step at which to stop on SIGTERM: SIGTERM "
                     "ends a process at once, losing the work since the last checkpoint. Leave "
                     "jax_enable_preemption_service at its default (True) to checkpoint on SIGTERM.",
-                    RuntimeWarning, stacklevel=3)
+                    RuntimeWarning, stacklevel=4)
         elif threading.current_thread() is threading.main_thread():
             # signal.signal works in the main thread only; elsewhere SIGTERM keeps its effect.
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -130,7 +135,7 @@ class Watch:
         """``True`` at the step boundary where this process (and every other one) must stop.
 
         Cost: a Python attribute read (one process), or one C++ call that takes a mutex (JAX's sync
-        point; measured about 1 microsecond); never a device sync or a network round trip.
+        point; measured 3 to 5 microseconds in a 2-process job); never a device sync or a network round trip.
         """
         if self.mode == "signal":
             return self.received

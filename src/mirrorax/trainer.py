@@ -347,7 +347,7 @@ class Trainer:
         watch = preemption.Watch(self.strategy.process_count)
         stopped: preemption.Preempted | None = None
         try:
-            watch.__enter__()
+            watch.start()
             if ckpt is not None:
                 resumed = resume_lib.resume(ckpt, self._abstract_state(), run, history)
                 if resumed is not None:
@@ -355,8 +355,8 @@ class Trainer:
                     if mode:
                         self.stream.write(f"Resumed from checkpoint step {step} in {ckpt.directory} "
                                           f"(epoch {start_epoch + 1}, batch {start_batch}).\n")
-            saver = None if ckpt is None else resume_lib.Saver(ckpt, every, run, history, resume_lib.sample_spec(sample),
-                                                               inputs=inputs)
+            saver = None if ckpt is None else resume_lib.Saver(
+                ckpt, every, run, history, resume_lib.sample_spec(sample), inputs=inputs)
             hooks.call("on_train_begin")
             for epoch in range(start_epoch, epochs):
                 hooks.call("on_epoch_begin", epoch)
