@@ -237,9 +237,13 @@ def test_dispatch_waits_for_the_previous_call_never_the_current(monkeypatch):
     step = _linear_step(s)
     params = s.replicate({"w": np.zeros(3, np.float32), "b": np.float32(0)})
     batch = next(iter(s.experimental_distribute_dataset(_linear_data(), batch_size=8)))
+
+    def count(params, batch):
+        return jnp.sum(batch.mask)
+
     for i in range(4):
         if i % 2:  # strategy.run shares the window with strategy.jit
-            s.run(lambda p, b: jnp.sum(b.mask), args=(params, batch))
+            s.run(count, args=(params, batch))
         else:
             params, _, _ = step(params, batch)
         assert len(pushed) == i + 1
