@@ -373,3 +373,6 @@ def test_errors_say_what_was_received():
         mx.compute_average_loss(jnp.ones(4), (np.ones(4),))
     with pytest.raises(ValueError, match="batch_size is required"):
         s.experimental_distribute_dataset((np.ones((4, 2)),))
+    step = s.jit(lambda a, scale=1.0: a * scale)
+    with pytest.raises(TypeError, match=r"positional arguments only; received keyword\(s\) \['scale'\]"):
+        step(np.ones(2, np.float32), scale=2.0)

@@ -100,7 +100,12 @@ class StrategyFunction:
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
     # -- calling ---------------------------------------------------------------------------------------
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            # Donation and layouts are decided per positional argument; keywords have no position.
+            raise TypeError(f"{getattr(self._fn, '__name__', 'fn')} (compiled by strategy.jit) takes positional "
+                            f"arguments only; received keyword(s) {sorted(kwargs)}. Pass them positionally, or bind "
+                            "constants first: strategy.jit(functools.partial(fn, scale=2.0)).")
         leaves, treedef = jax.tree.flatten(args)
         key = (treedef, _signature(leaves))
         compiled = self._compiled.get(key)
