@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mirrorax.replica import ReplicaContext, replica_scope
+from mirrorax.replica import ReplicaContext, replica_scope, varies_over
 
 if TYPE_CHECKING:
     from mirrorax.strategy import MirroredStrategy
@@ -100,7 +100,12 @@ class StrategyFunction:
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
     # -- calling ---------------------------------------------------------------------------------------
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            # Donation and layouts are decided per positional argument; keywords have no position.
+            raise TypeError(f"{getattr(self._fn, '__name__', 'fn')} (compiled by strategy.jit) takes positional "
+                            f"arguments only; received keyword(s) {sorted(kwargs)}. Pass them positionally, or bind "
+                            "constants first: strategy.jit(functools.partial(fn, scale=2.0)).")
         leaves, treedef = jax.tree.flatten(args)
         key = (treedef, _signature(leaves))
         compiled = self._compiled.get(key)
@@ -179,7 +184,7 @@ class StrategyFunction:
             with replica_scope(ReplicaContext(axis, s.num_replicas_in_sync)):
                 out = fn(*a)
             leaves, seen["treedef"] = jax.tree.flatten(out)
-            seen["varying"] = [_varies(v, axis) for v in leaves]
+            seen["varying"] = [varies_over(v, axis) for v in leaves]
             return out
 
         # First trace: which outputs vary over the replicas (every output stacked per replica, so any
@@ -214,14 +219,3 @@ class StrategyFunction:
             return type(out_shape)(parts)
         match = like_arg(out_shape)
         return match if match is not None and all(x == s.replicated for x in shardings) else default
-
-
-def _varies(v: Any, axis: str) -> bool:
-    t = jax.typeof(v)
-    vma = getattr(t, "vma", None)
-    if vma is None:
-        mat = getattr(t, "manual_axis_type", None)
-        vma = getattr(mat, "varying", None)
-    if vma is None:
-        return "{V:" in str(t) and axis in str(t)
-    return axis in vma

@@ -288,6 +288,7 @@ def _is_arrays(x: Any) -> bool:
         return not isinstance(x, (str, bytes))
     if isinstance(x, Mapping):
         return len(x) > 0 and all(_is_arrays(v) for v in x.values())
-    if isinstance(x, tuple) or isinstance(x, list) and x and not isinstance(x[0], tuple):
+    # A list of tuples or dicts is a list of batches; a list of arrays is one structure (multi-input).
+    if isinstance(x, tuple) or isinstance(x, list) and x and not isinstance(x[0], (tuple, list, Mapping)):
         return len(x) > 0 and all(_is_arrays(v) for v in x)
     return False

@@ -6,8 +6,10 @@ and reduces values over all of them (``tf.distribute.get_replica_context()``'s m
 
 :func:`compute_average_loss` is written once for both views: the sum of the real rows' losses divided by
 the *global* count of real rows. In the global view that is the mean over the global batch; per replica
-it is that replica's share of it, so summing the replicas' gradients (``all_reduce("sum", grads)``)
-gives the gradient of the global mean, as with TF's ``tf.nn.compute_average_loss``.
+it is that replica's share of it, so the sum of the replicas' gradients is the gradient of the global
+mean, as with TF's ``tf.nn.compute_average_loss``. JAX takes that sum itself: inside ``strategy.run`` the
+gradient of a replicated value (the state) comes out already summed over the replicas, as TF's
+``optimizer.apply_gradients`` sums them; it needs no ``all_reduce``.
 """
 
 from __future__ import annotations
@@ -62,19 +64,56 @@ class ReplicaContext:
     def all_reduce(self, op: ReduceOp | str, value: PyTree) -> PyTree:
         """``value`` (any pytree) reduced over every replica; the result is the same on all of them.
 
+        The gradient of a replicated value (the state) needs no all-reduce: JAX already sums it over the
+        replicas inside ``strategy.run`` (as TF's ``optimizer.apply_gradients`` does), so with
+        :func:`compute_average_loss` it is the gradient of the global mean. Summing such a value again
+        would multiply it by ``num_replicas_in_sync``, so ``"sum"`` of a value that is already the same
+        on every replica raises; ``"mean"`` and ``"max"`` leave it as it is.
+
         Args:
           op: ``"sum"``, ``"mean"`` or ``"max"`` (or a :class:`ReduceOp`).
           value: a pytree of arrays, the replica's own values.
 
+        Raises:
+          ValueError: ``op`` is not a known reduction, or ``"sum"`` of a value that does not vary over the
+            replicas.
+
         Example:
-          >>> grads = mx.get_replica_context().all_reduce("sum", grads)  # inside strategy.run
+          >>> correct = mx.get_replica_context().all_reduce("sum", jnp.sum(hits * batch.mask))  # in run
         """
         kind = resolve_op(op)
         reduce = {"sum": jax.lax.psum, "mean": jax.lax.pmean, "max": jax.lax.pmax}[kind]
+        if kind == "sum":
+            paths = jax.tree_util.tree_flatten_with_path(value)[0]
+            same = [jax.tree_util.keystr(p) or "value" for p, v in paths if not varies_over(v, self._axis)]
+            if same:
+                raise ValueError(
+                    f"all_reduce('sum', value) received a value already the same on every replica (at "
+                    f"{', '.join(same[:4])}{', ...' if len(same) > 4 else ''}): summing it would multiply it by "
+                    "num_replicas_in_sync. A gradient of a "
+                    "replicated value (the state) is already summed over the replicas by JAX inside strategy.run "
+                    "(as TF's apply_gradients does): drop the all_reduce. For n times a value, write "
+                    "ctx.num_replicas_in_sync * value.")
         return jax.tree.map(lambda v: reduce(v, self._axis), value)
 
     def __repr__(self) -> str:
         return f"ReplicaContext(num_replicas_in_sync={self.num_replicas_in_sync})"
+
+
+def varies_over(value: Any, axis: str) -> bool:
+    """Whether ``value`` (traced inside ``jax.shard_map``) may differ between the replicas of ``axis``.
+
+    JAX types every value inside ``shard_map`` with the mesh axes it varies over (``jax.typeof(v).vma``):
+    replicated inputs, their gradients and all-reduced values do not vary; the replica's rows do.
+    """
+    t = jax.typeof(value)
+    vma = getattr(t, "vma", None)
+    if vma is None:
+        mat = getattr(t, "manual_axis_type", None)
+        vma = getattr(mat, "varying", None)
+    if vma is None:
+        return "{V:" in str(t) and axis in str(t)
+    return axis in vma
 
 
 _local = threading.local()
@@ -128,7 +167,8 @@ def compute_average_loss(per_example_loss: Any, batch: Any, *, sample_weight: An
 
     ``sum(loss * mask * sample_weight) / batch.num_real``: in the global view (``strategy.jit``) the mean
     over the global batch; inside ``strategy.run`` this replica's share of it (its rows' sum over the
-    global count), so that the replicas' gradients add up to the gradient of the global mean. A loss
+    global count), so that the replicas' gradients add up to the gradient of the global mean (JAX adds
+    them: the gradient of a replicated value comes out summed over the replicas). A loss
     with more than one value per example (e.g. per time step) is first averaged over those axes. The
     result has the loss's dtype (float64 stays float64).
 

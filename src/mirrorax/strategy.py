@@ -268,16 +268,19 @@ class MirroredStrategy:
 
         Inside ``fn``, :func:`mirrorax.get_replica_context` gives ``replica_id_in_sync_group``,
         ``num_replicas_in_sync`` and ``all_reduce``. Batch-split arguments (a ``DistributedBatch``) arrive
-        as the replica's rows, others whole. Outputs ``fn`` made equal on every replica (all-reduced
-        values, a state updated from all-reduced gradients) come back replicated; the others as global
+        as the replica's rows, others whole. The gradient of a replicated argument (the state) comes out
+        already summed over the replicas (JAX inserts the all-reduce, as TF's ``apply_gradients`` does):
+        with :func:`mirrorax.compute_average_loss` it is the gradient of the global mean, with no
+        ``all_reduce`` to write. Outputs ``fn`` made equal on every replica (all-reduced values, a state
+        updated from those gradients) come back replicated; the others as global
         arrays holding one slice per replica (a scalar per replica gives a ``(num_replicas,)`` array), for
         :meth:`reduce` and :meth:`gather`. Compiled once per ``fn`` and signature (pass the same
         function each step); the same dispatch bound as :meth:`jit`.
 
         Example:
           >>> def replica_step(state, batch):
-          ...     loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)  # compute_average_loss
-          ...     grads = mx.get_replica_context().all_reduce("sum", grads)
+          ...     # loss_fn ends in mx.compute_average_loss: this replica's share of the global mean
+          ...     loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)  # grads: summed already
           ...     return update(state, grads), loss
           >>> state, per_replica_loss = strategy.run(replica_step, args=(state, batch))
           >>> strategy.reduce("sum", per_replica_loss)

@@ -1,0 +1,378 @@
+"""Custom training loops on the strategy's own API, and the three examples in ``examples/``.
+
+Examples: each is run on 1 device and on a device count that does not divide its global batch (every
+batch then carries padding rows; the last one is short too) and must give the same weights. Measured
+(each example's ``main`` on 1 and on 3 devices): keras_io_guide 1.2e-7, tf_custom_loop (``strategy.run``
+on 3 devices vs the global view on 1) 6e-8, gan 7.5e-8. The tolerance (atol 1e-5 on weights) leaves room
+for float32 reassociation, not for a wrong gradient scale: tf_custom_loop's per-replica step uses SGD,
+whose step scales with the gradient (Adam's would hide a gradient summed twice: 4e-5 after 2 epochs).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mirrorax as mx
+from helpers import strategy
+
+pytestmark = pytest.mark.multi_device
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(f"mirrorax_example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _assert_trees_close(a, b, atol: float) -> None:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb) and la
+    for i, (u, v) in enumerate(zip(la, lb)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=0, atol=atol, err_msg=f"leaf {i}")
+
+
+def _batches(dist):
+    """Every batch of one pass as host values: (data, mask, num_real)."""
+    return [(jax.tree.map(np.asarray, b.data), np.asarray(b.mask), float(b.num_real)) for b in dist]
+
+
+# -- the examples ------------------------------------------------------------------------------------
+def test_keras_io_guide_equals_one_device():
+    guide = _example("keras_io_guide")
+    # 200 digits in batches of 64 (3 full, last 8); 64 rows do not divide by 3: padded to 66.
+    one = guide.main(num_devices=1, epochs=2, verbose=False)
+    three = guide.main(num_devices=3, epochs=2, verbose=False)
+    _assert_trees_close(one["weights"], three["weights"], atol=1e-5)
+    np.testing.assert_allclose(one["losses"], three["losses"], rtol=1e-5)
+    assert one["losses"][1] < one["losses"][0]
+
+
+def test_tf_custom_loop_per_replica_equals_global_view():
+    tf_loop = _example("tf_custom_loop")
+    global_view = tf_loop.main(num_devices=1, mode="jit", verbose=False)
+    per_replica = tf_loop.main(num_devices=3, mode="run", verbose=False)
+    _assert_trees_close(global_view["weights"], per_replica["weights"], atol=1e-5)
+    for key in ("train_loss", "test_loss"):
+        np.testing.assert_allclose(global_view[key], per_replica[key], rtol=1e-5)
+    for key in ("train_accuracy", "test_accuracy"):
+        assert global_view[key] == per_replica[key]
+    assert per_replica["train_loss"][1] < per_replica["train_loss"][0]
+
+
+def test_gan_trains_and_equals_one_device():
+    gan = _example("gan")
+    one = gan.main(num_devices=1, verbose=False)
+    three = gan.main(num_devices=3, verbose=False)  # batch 100: padded to 102 rows
+    _assert_trees_close(one["generator"], three["generator"], atol=1e-5)
+    _assert_trees_close(one["discriminator"], three["discriminator"], atol=1e-5)
+    np.testing.assert_allclose(one["d_losses"], three["d_losses"], rtol=1e-5)
+    np.testing.assert_allclose(one["g_losses"], three["g_losses"], rtol=1e-5)
+    # The generated points walk toward the real ones, epoch after epoch.
+    distance = np.linalg.norm(np.asarray(three["fake_means"]) - gan.REAL_MEAN, axis=1)
+    assert np.all(np.diff(distance) < 0), distance
+    assert distance[-1] < 0.25 * distance[0], distance
+    # The discriminator wins at first (loss well below log 4, its loss when it cannot tell real from
+    # fake); as the generator catches up, the discriminator's loss rises and the generator's falls.
+    assert three["d_losses"][0] < math.log(4) - 0.2, three["d_losses"]
+    assert three["d_losses"][-1] > three["d_losses"][0] + 0.1, three["d_losses"]
+    assert three["g_losses"][-1] < three["g_losses"][0], three["g_losses"]
+
+
+# -- DistributedBatch ---------------------------------------------------------------------------------
+def test_arrays_are_cut_padded_and_masked():
+    s = strategy(3)
+    x = np.arange(20, dtype=np.float32).reshape(10, 2)
+    y = np.arange(10, dtype=np.int32)
+    dist = s.experimental_distribute_dataset({"x": x, "y": y}, batch_size=4)
+    assert len(dist) == 3
+    batches = list(dist)
+    assert [float(b.num_real) for b in batches] == [4, 4, 2]
+    for b in batches:
+        assert set(b.data) == {"x", "y"}
+        assert b.data["x"].shape == (6, 2) and b.data["y"].shape == (6,) and b.mask.shape == (6,)
+        assert b.data["x"].dtype == np.float32 and b.data["y"].dtype == np.int32 and b.mask.dtype == np.float32
+        assert b.data["x"].sharding.spec == jax.sharding.PartitionSpec("batch")
+        assert b.mask.sharding.spec == jax.sharding.PartitionSpec("batch")
+        assert b.num_real.sharding.is_fully_replicated
+    host = _batches(s.experimental_distribute_dataset({"x": x, "y": y}, batch_size=4))
+    np.testing.assert_array_equal(host[0][1], [1, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(host[2][1], [1, 1, 0, 0, 0, 0])
+    real = np.concatenate([d["y"][m > 0] for d, m, _ in host])
+    np.testing.assert_array_equal(real, y)  # every example once, in order
+    for d, m, _ in host:  # padding rows are copies of real rows: harmless inputs
+        assert set(d["y"][m == 0]) <= set(d["y"][m > 0])
+
+
+def test_iterable_of_ragged_batches():
+    s = strategy(3)
+    rng = np.random.default_rng(0)
+    items = [(rng.normal(size=(n, 3)).astype(np.float32), np.arange(n)) for n in (5, 5, 2)]
+    host = _batches(s.experimental_distribute_dataset(items))
+    assert [n for _, _, n in host] == [5, 5, 2]
+    for (xb, yb), mask, n in host:
+        assert xb.shape == (6, 3) and yb.shape == (6,)  # 5 rows rounded up to the device count
+        assert mask.sum() == n
+    np.testing.assert_array_equal(host[2][0][0][host[2][1] > 0], items[2][0])
+    # dict-structured items keep their structure
+    dicts = [{"image": np.ones((n, 2, 2), np.float32), "label": np.zeros((n,), np.int32)} for n in (4, 1)]
+    batches = list(s.experimental_distribute_dataset(dicts))
+    assert set(batches[1].data) == {"image", "label"}
+    assert batches[1].data["image"].shape == (6, 2, 2) and float(batches[1].num_real) == 1
+    # a later item larger than the first (the batch size) is refused, with the fix in the message
+    with pytest.raises(ValueError, match="batch_size"):
+        list(s.experimental_distribute_dataset([(np.ones((3, 1)),), (np.ones((4, 1)),)]))
+
+
+def test_shuffle_is_reproducible_and_independent_of_the_device_count():
+    x = np.arange(23, dtype=np.int32)
+
+    def orders(n: int, seed: int) -> list[np.ndarray]:
+        dist = strategy(n).experimental_distribute_dataset((x,), batch_size=8, shuffle=True, seed=seed)
+        return [np.concatenate([d[0][m > 0] for d, m, _ in _batches(dist)]) for _ in range(2)]
+
+    one, three, eight = orders(1, 5), orders(3, 5), orders(8, 5)
+    for a, b, c in zip(one, three, eight):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(np.sort(a), x)  # a permutation: every example once
+    assert not np.array_equal(one[0], one[1])  # each pass has its own order
+    np.testing.assert_array_equal(orders(3, 5)[0], three[0])  # same seed, same orders
+    assert not np.array_equal(orders(1, 6)[0], one[0])
+
+
+# -- replicate ----------------------------------------------------------------------------------------
+def test_replicate_never_aliases_the_callers_buffers():
+    s = strategy(3)
+    original = s.replicate({"w": np.arange(4, dtype=np.float32)})
+    on_one_device = jnp.arange(4, dtype=np.float32)
+    copy = s.replicate({"w": original["w"], "v": on_one_device})
+    assert copy["w"].sharding == s.replicated and copy["v"].sharding == s.replicated
+
+    @s.jit(donate_argnums=0)
+    def step(state):
+        return jax.tree.map(lambda a: a + 1, state)
+
+    new = step(copy)
+    assert copy["w"].is_deleted()  # the donated copy is gone ...
+    assert not original["w"].is_deleted() and not on_one_device.is_deleted()  # ... the originals live
+    np.testing.assert_array_equal(np.asarray(original["w"]), np.arange(4))
+    np.testing.assert_array_equal(np.asarray(on_one_device), np.arange(4))
+    np.testing.assert_array_equal(np.asarray(new["v"]), np.arange(1, 5))
+
+
+# -- jit ------------------------------------------------------------------------------------------------
+def _linear_step(s):
+    @s.jit(donate_argnums=0)
+    def step(params, batch):
+        x, y = batch.data
+
+        def loss_fn(p):
+            return mx.compute_average_loss((x @ p["w"] + p["b"] - y) ** 2, batch)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        per_example = (x @ params["w"] + params["b"] - y) ** 2
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss, per_example
+
+    return step
+
+
+def _linear_data(n: int = 22):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(n, 3)).astype(np.float32)
+    return x, (x @ np.array([1.0, -2.0, 0.5], np.float32)).astype(np.float32)
+
+
+def test_jit_compiles_once_and_lays_out_outputs():
+    s = strategy(3)
+    step = _linear_step(s)
+    params = s.replicate({"w": np.zeros(3, np.float32), "b": np.float32(0)})
+    dist = s.experimental_distribute_dataset(_linear_data(), batch_size=8)  # 8, 8, 6: padded to 9 rows
+    for _ in range(2):
+        for batch in dist:
+            params, loss, per_example = step(params, batch)
+    assert step.compile_count == 1
+    assert all(p.sharding == s.replicated for p in jax.tree.leaves(params))  # the state stays replicated
+    assert loss.shape == () and loss.sharding == s.replicated
+    assert per_example.shape == (9,) and per_example.sharding == s.batch_sharding  # batch-shaped: split
+
+
+def test_jit_matches_one_device_with_sgd():
+    x, y = _linear_data()
+
+    def train(n: int):
+        s = strategy(n)
+        step = _linear_step(s)
+        params = s.replicate({"w": np.zeros(3, np.float32), "b": np.float32(0)})
+        losses = []
+        for batch in s.experimental_distribute_dataset((x, y), batch_size=8):
+            params, loss, _ = step(params, batch)
+            losses.append(float(loss))
+        return jax.tree.map(np.asarray, params), losses
+
+    (p1, l1), (p3, l3) = train(1), train(3)
+    _assert_trees_close(p1, p3, atol=1e-6)
+    np.testing.assert_allclose(l1, l3, rtol=1e-6)
+    # first step's loss is the mean over the 8 real rows, not over the 9 padded ones
+    np.testing.assert_allclose(l1[0], np.mean(y[:8] ** 2), rtol=1e-6)
+
+
+def test_dispatch_waits_for_the_previous_call_never_the_current(monkeypatch):
+    s = strategy(2)
+    pushed, waited = [], []
+    real_block = jax.block_until_ready
+    # Record what the host waits on, and still wait (steps with collectives must not pile up).
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: (waited.append(x), real_block(x))[1])
+    push = s._window.push
+    monkeypatch.setattr(s._window, "push", lambda token: (pushed.append(token), push(token))[1])
+    step = _linear_step(s)
+    params = s.replicate({"w": np.zeros(3, np.float32), "b": np.float32(0)})
+    batch = next(iter(s.experimental_distribute_dataset(_linear_data(), batch_size=8)))
+
+    def count(params, batch):
+        return jnp.sum(batch.mask)
+
+    for i in range(4):
+        if i % 2:  # strategy.run shares the window with strategy.jit
+            s.run(count, args=(params, batch))
+        else:
+            params, _, _ = step(params, batch)
+        assert len(pushed) == i + 1
+        # after dispatching call i the host has waited for calls 0 .. i-1, never for call i
+        assert [id(t) for t in waited] == [id(t) for t in pushed[:i]]
+
+
+def test_max_in_flight_one_waits_for_each_call(monkeypatch):
+    s = mx.MirroredStrategy(devices=jax.devices()[:2], max_in_flight=1)
+    waited = []
+    real_block = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: (waited.append(x), real_block(x))[1])
+    f = s.jit(lambda a: a * 2)
+    a = s.replicate(np.ones(2, np.float32))
+    for i in range(3):
+        a = f(a)
+        assert len(waited) == i + 1
+    with pytest.raises(ValueError, match="max_in_flight"):
+        mx.MirroredStrategy(max_in_flight=0)
+
+
+# -- run ------------------------------------------------------------------------------------------------
+def test_run_replica_context_and_output_kinds():
+    s = strategy(3)
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    batch = next(iter(s.experimental_distribute_dataset((x,), batch_size=6)))
+    assert mx.get_replica_context() is None  # outside strategy.run
+
+    def fn(batch):
+        ctx = mx.get_replica_context()
+        (rows,) = batch.data
+        local = jnp.sum(rows)
+        return {"id": ctx.replica_id_in_sync_group, "n": ctx.num_replicas_in_sync, "local": local,
+                "sum": ctx.all_reduce("sum", local), "mean": ctx.all_reduce(mx.ReduceOp.MEAN, local),
+                "max": ctx.all_reduce("MAX", local), "rows": rows * 2}
+
+    out = s.run(fn, args=(batch,))
+    np.testing.assert_array_equal(np.asarray(out["id"]), [0, 1, 2])
+    assert out["id"].sharding == s.batch_sharding  # varies over the replicas: one value each
+    locals_ = x.reshape(3, 2, 2).sum(axis=(1, 2))
+    np.testing.assert_array_equal(np.asarray(out["local"]), locals_)
+    for key, want in (("sum", locals_.sum()), ("mean", locals_.mean()), ("max", locals_.max())):
+        assert out[key].shape == () and out[key].sharding == s.replicated, key  # equal everywhere
+        np.testing.assert_allclose(float(out[key]), want, rtol=1e-6)
+    assert int(out["n"]) == 3
+    np.testing.assert_array_equal(s.gather(out["rows"]), x * 2)  # per-replica rows, in replica order
+
+
+def test_run_gradient_of_the_state_is_already_summed():
+    """The all_reduce bug: summing the replicas' gradients again multiplied them by the replica count."""
+    s = strategy(3)
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    batch = next(iter(s.experimental_distribute_dataset((x,), batch_size=6)))
+    w = s.replicate(np.ones(2, np.float32))
+
+    def grad(w, batch):
+        (rows,) = batch.data
+        return jax.grad(lambda w: mx.compute_average_loss(rows @ w, batch))(w)
+
+    np.testing.assert_allclose(np.asarray(s.run(grad, args=(w, batch))), x.mean(axis=0), rtol=1e-6)
+    with pytest.raises(ValueError, match="already the same on every replica"):
+        s.run(lambda w, b: mx.get_replica_context().all_reduce("sum", grad(w, b)), args=(w, batch))
+
+
+def test_run_keeps_the_state_replicated_and_compiles_once():
+    s = strategy(3)
+    x, y = _linear_data()
+
+    def replica_step(params, batch):
+        xb, yb = batch.data
+        loss, grads = jax.value_and_grad(
+            lambda p: mx.compute_average_loss((xb @ p["w"] + p["b"] - yb) ** 2, batch))(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    params = s.replicate({"w": np.zeros(3, np.float32), "b": np.float32(0)})
+    losses = []
+    for batch in s.experimental_distribute_dataset((x, y), batch_size=8):
+        params, per_replica = s.run(replica_step, args=(params, batch))
+        losses.append(s.reduce("sum", per_replica))
+    assert all(p.sharding == s.replicated for p in jax.tree.leaves(params))
+    assert per_replica.shape == (3,) and per_replica.sharding == s.batch_sharding
+    assert s._run_functions[replica_step].compile_count == 1
+    # the same numbers as the global view on one device
+    ref = strategy(1)
+    step = _linear_step(ref)
+    ref_params = ref.replicate({"w": np.zeros(3, np.float32), "b": np.float32(0)})
+    ref_losses = []
+    for batch in ref.experimental_distribute_dataset((x, y), batch_size=8):
+        ref_params, loss, _ = step(ref_params, batch)
+        ref_losses.append(float(loss))
+    _assert_trees_close(ref_params, params, atol=1e-6)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+
+
+# -- reduce and gather ----------------------------------------------------------------------------------
+def test_reduce_and_gather():
+    s = strategy(3)
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    split = jax.device_put(x, s.batch_sharding)  # replica r holds rows 2r, 2r+1
+    per_replica = x.reshape(3, 2, 2)
+    np.testing.assert_allclose(s.reduce("sum", split), per_replica.sum(axis=0))
+    np.testing.assert_allclose(s.reduce(mx.ReduceOp.MEAN, split), per_replica.mean(axis=0))
+    np.testing.assert_allclose(s.reduce("max", split), per_replica.max(axis=0))
+    np.testing.assert_allclose(s.reduce("sum", split, axis=0), x.sum(axis=0))  # over examples too
+    np.testing.assert_allclose(s.reduce("mean", split, axis=1), per_replica.mean(axis=0).mean(axis=1))
+    np.testing.assert_array_equal(s.gather(split), x)
+    np.testing.assert_array_equal(s.gather(split, axis=1), np.concatenate(list(per_replica), axis=1))
+    # a replicated value counts once per replica (TF's rule for mirrored values)
+    replicated = s.replicate(np.float32(2))
+    assert float(s.reduce("sum", replicated)) == 6 and float(s.reduce("mean", replicated)) == 2
+    np.testing.assert_array_equal(s.gather(replicated), [2, 2, 2])
+    # pytrees, and scalars per replica from strategy.run
+    tree = s.reduce("sum", {"a": split, "b": [split]})
+    np.testing.assert_allclose(tree["b"][0], per_replica.sum(axis=0))
+    ids = s.run(lambda: mx.get_replica_context().replica_id_in_sync_group.astype(jnp.float32))
+    assert float(s.reduce("sum", ids)) == 3 and isinstance(s.gather(ids), np.ndarray)
+
+
+def test_errors_say_what_was_received():
+    s = strategy(2)
+    with pytest.raises(ValueError, match=r"'avg'"):
+        s.reduce("avg", np.ones(2))
+    batch = next(iter(s.experimental_distribute_dataset((np.ones((4, 2), np.float32),), batch_size=4)))
+    with pytest.raises(ValueError, match=r"one value per row.*\(3,\)"):
+        mx.compute_average_loss(jnp.ones(3), batch)
+    with pytest.raises(TypeError, match="DistributedBatch"):
+        mx.compute_average_loss(jnp.ones(4), (np.ones(4),))
+    with pytest.raises(ValueError, match="batch_size is required"):
+        s.experimental_distribute_dataset((np.ones((4, 2)),))
+    step = s.jit(lambda a, scale=1.0: a * scale)
+    with pytest.raises(TypeError, match=r"positional arguments only; received keyword\(s\) \['scale'\]"):
+        step(np.ones(2, np.float32), scale=2.0)
