@@ -34,11 +34,10 @@ import warnings
 from types import FrameType
 from typing import Any
 
+from mirrorax.cluster import PREEMPTED_EXIT_CODE  # 128 + SIGTERM: "preempted, requeue"
+
 __all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "Watch", "announce"]
 
-# 128 + SIGTERM, the status of a process ended by SIGTERM's default action: schedulers (and
-# `mirrorax launch --max-restarts`) read it as "preempted, requeue".
-PREEMPTED_EXIT_CODE = 128 + int(signal.SIGTERM)
 
 # One call of reached_preemption_sync_point per dispatch, numbered across every fit of this process.
 _dispatch_counter = itertools.count(1)
