@@ -87,10 +87,14 @@ def any_process(flag: bool, timeout_s: float = 300.0) -> bool:
     """
     if jax.process_count() == 1:
         return bool(flag)
-    from jax._src import distributed  # the coordination service's client; jax.distributed exposes no getter
+    from mirrorax.cluster import _client
 
-    client = distributed.global_state.client
+    client = _client()
     pid, n = jax.process_index(), jax.process_count()
+    if client is None:  # a JAX whose client moved: a device collective (waits for the dispatched steps)
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.array([bool(flag)], np.int32))))
     r = next(_round)
     client.key_value_set(f"mirrorax/agree/{r}/{pid}", "1" if flag else "0")
     result = bool(flag)
