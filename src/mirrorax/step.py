@@ -67,6 +67,19 @@ class StepFunctions:
         self.train_many = jax.jit(self._train_many_with_logs, donate_argnums=donate_args, out_shardings=rep)
         self.evaluate = jax.jit(self._eval_with_logs, donate_argnums=(1,), out_shardings=rep)
         self.predict = jax.jit(self._predict_step, out_shardings=strategy.batch_sharding)
+        self._donate_args = donate_args
+        self._state_layout: Any = None
+
+    def set_state_layout(self, layout: PyTree) -> None:
+        """The train steps return the state laid out as ``layout`` (a pytree prefix of the state of
+        ``NamedSharding``s: sharded parameters / optimizer state stay sharded). Replicated by default."""
+        if layout == self._state_layout:
+            return
+        self._state_layout = layout
+        rep = self.strategy.replicated
+        self.train = jax.jit(self._train_with_logs, donate_argnums=self._donate_args, out_shardings=(layout, rep))
+        self.train_many = jax.jit(self._train_many_with_logs, donate_argnums=self._donate_args,
+                                  out_shardings=(layout, rep))
 
     # -- pure functions --------------------------------------------------------------------------
     def _grads(self, state: dict[str, PyTree], batch: dict[str, PyTree]):

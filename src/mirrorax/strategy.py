@@ -9,10 +9,11 @@ with these shardings, so XLA inserts the cross-device reduction of gradients and
 from __future__ import annotations
 
 import contextlib
+import math
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -29,6 +30,13 @@ if TYPE_CHECKING:
 __all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "InputContext", "get_strategy"]
 
 BATCH_AXIS = "batch"
+
+ShardMode = Literal["optimizer", "all"] | None
+SHARD_MODES: tuple[ShardMode, ...] = (None, "optimizer", "all")
+_SHARDED_ROLES = {"optimizer": ("optimizer",), "all": ("params", "optimizer")}
+#: Variables with fewer elements stay replicated in the sharded modes: their all-gather's fixed cost is
+#: larger than the memory they would save (a 128x128 kernel is 64 KiB in float32).
+SHARD_MIN_SIZE = 16384
 
 _scope = threading.local()
 
@@ -82,11 +90,23 @@ class MirroredStrategy:
     Args:
       devices: the devices to use; ``None`` means every device of the job (``jax.devices()``). Devices
         may be given as ``jax.Device`` objects or as integer ids.
+      shard: how the training state is laid out over the same devices (the maths, and so the result,
+        is the same in every mode; what changes is the memory each device holds):
+
+        * ``None``: replicated: every device holds the whole state (parameters, gradients, optimizer
+          state), as TF's ``MirroredStrategy``.
+        * ``"optimizer"``: the optimizer state and its update are split over the devices (each updates its
+          slice of every large variable; the new values are gathered): ZeRO-1 / weight-update sharding.
+        * ``"all"``: the parameters are split too, gathered for compute and never stored whole: ZeRO-3 /
+          FSDP.
+
+        A variable with fewer than :data:`SHARD_MIN_SIZE` elements, or no axis that divides by the
+        device count, stays replicated; so does non-trainable state (BatchNorm statistics).
       max_in_flight: calls of :meth:`jit` / :meth:`run` functions allowed to be outstanding (>= 1): after
         dispatching call ``i`` the host waits for call ``i - max_in_flight + 1``.
 
     Raises:
-      ValueError: ``devices`` is empty, has duplicates, or mixes platforms.
+      ValueError: ``devices`` is empty, has duplicates, or mixes platforms; ``shard`` is not a mode.
 
     Example:
       >>> strategy = MirroredStrategy()
@@ -94,9 +114,15 @@ class MirroredStrategy:
       True
     """
 
-    def __init__(self, devices: Sequence[jax.Device | int] | None = None, *, max_in_flight: int = 2) -> None:
+    def __init__(self, devices: Sequence[jax.Device | int] | None = None, *, shard: ShardMode = None,
+                 max_in_flight: int = 2) -> None:
         from mirrorax.dispatch import Window
 
+        if shard not in SHARD_MODES:
+            raise ValueError(f"shard must be one of {SHARD_MODES}: None (replicated), 'optimizer' (ZeRO-1: optimizer "
+                             f"state split over the devices) or 'all' (ZeRO-3 / FSDP: parameters too); received "
+                             f"{shard!r}.")
+        self._shard = shard
         self._window = Window(max_in_flight)  # validates max_in_flight before anything starts
         self._pending_placements: list[Any] = []
         self._run_functions: dict[Any, StrategyFunction] = {}
@@ -164,6 +190,63 @@ class MirroredStrategy:
         return self._batch_sharding
 
     @property
+    def shard(self) -> ShardMode:
+        """The state layout mode: ``None`` (replicated), ``"optimizer"`` or ``"all"``."""
+        return self._shard
+
+    def state_sharding(self, shape: Sequence[int], role: str) -> NamedSharding:
+        """Where a state variable of ``shape`` lives: split over the batch axis on its largest axis that
+        divides by the device count, when the mode shards its ``role`` (``"params"`` or ``"optimizer"``)
+        and it has at least :data:`SHARD_MIN_SIZE` elements; replicated otherwise.
+
+        Example:
+          >>> MirroredStrategy(shard="all").state_sharding((1024, 512), "params").spec  # on 8 devices
+          PartitionSpec('batch', None)
+        """
+        if self._shard is None or role not in _SHARDED_ROLES[self._shard] or math.prod(shape) < SHARD_MIN_SIZE:
+            return self._replicated
+        n = self.num_replicas_in_sync
+        axes = [i for i, d in enumerate(shape) if d % n == 0 and d >= n]
+        if n == 1 or not axes:
+            return self._replicated
+        axis = max(axes, key=lambda i: (shape[i], -i))
+        spec = [None] * len(shape)
+        spec[axis] = BATCH_AXIS
+        return NamedSharding(self._mesh, P(*spec))
+
+    def state_layout(self, tree: Any, role: str) -> Any:
+        """:meth:`state_sharding` for every leaf of ``tree`` (a tree of arrays or shapes)."""
+        return jax.tree.map(lambda a: self.state_sharding(np.shape(a), role), tree)
+
+    def place(self, tree: Any, shardings: Any, *, broadcast: bool = True) -> Any:
+        """``tree`` placed with ``shardings`` (a matching tree of ``NamedSharding``), in buffers of its own.
+
+        ``broadcast``: on several processes every process takes process 0's values (see :meth:`replicate`).
+        """
+        if broadcast and self.process_count > 1:
+            tree = consistency.broadcast_from_primary(tree)
+        leaves, treedef = jax.tree.flatten(tree)
+        targets = treedef.flatten_up_to(shardings)
+        on_device = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
+        if self.process_count == 1 and on_device:
+            # Device to devices, no host copy. device_put(..., may_alias=False) still reuses the source's
+            # buffer for the mesh's copy on the source's device (jax 0.10), so copy on that device first.
+            own = jax.device_put([leaves[i] for i in on_device], [leaves[i].sharding for i in on_device],
+                                 may_alias=False)
+            for i, a in zip(on_device, jax.device_put(own, [targets[i] for i in on_device])):
+                leaves[i] = a
+
+        def put(a: Any, sharding: NamedSharding) -> jax.Array:
+            if isinstance(a, jax.Array) and a.sharding == sharding:
+                return a
+            if isinstance(a, jax.Array) and not a.is_fully_addressable:
+                a = a.addressable_data(0) if a.is_fully_replicated else _host_array(a)
+            a = np.asarray(a)
+            return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
+
+        return jax.tree.unflatten(treedef, [put(a, t) for a, t in zip(leaves, targets)])
+
+    @property
     def batch_axis(self) -> str:
         """The mesh axis name every global batch is split over (``"batch"``)."""
         return BATCH_AXIS
@@ -188,28 +271,7 @@ class MirroredStrategy:
         return self._replicate(tree, broadcast=True)
 
     def _replicate(self, tree: Any, *, broadcast: bool) -> Any:
-        sharding = self._replicated
-        if broadcast and self.process_count > 1:
-            tree = consistency.broadcast_from_primary(tree)
-        leaves, treedef = jax.tree.flatten(tree)
-        on_device = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
-        if self.process_count == 1 and on_device:
-            # Device to devices, no host copy. device_put(..., may_alias=False) still reuses the source's
-            # buffer for the mesh's copy on the source's device (jax 0.10), so copy on that device first.
-            own = jax.device_put([leaves[i] for i in on_device], [leaves[i].sharding for i in on_device],
-                                 may_alias=False)
-            for i, a in zip(on_device, jax.device_put(own, [sharding] * len(own))):
-                leaves[i] = a
-
-        def put(a: Any) -> jax.Array:
-            if isinstance(a, jax.Array) and a.sharding == sharding:
-                return a
-            if isinstance(a, jax.Array) and not a.is_fully_addressable:
-                a = a.addressable_data(0)
-            a = np.asarray(a)
-            return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
-
-        return jax.tree.unflatten(treedef, [put(a) for a in leaves])
+        return self.place(tree, jax.tree.map(lambda _: self._replicated, tree), broadcast=broadcast)
 
     def experimental_distribute_dataset(self, data: Any, *, batch_size: int | None = None, shuffle: bool = False,
                                         seed: int = 0) -> DistributedDataset:

@@ -157,7 +157,19 @@ class Trainer:
         host["step"] = np.zeros((), np.int32)
         host["skipped"] = np.zeros((), np.int32)
         host["nonfinite_step"] = np.zeros((), np.int32)
-        self._state = self._place(host)  # process 0's values on every process
+        self._state = self._place_state(host)  # process 0's values on every process
+        if self.strategy.shard is not None:
+            rep = self.strategy.replicated
+            self.steps.set_state_layout({k: jax.tree.map(lambda a: a.sharding, v) if k in _SHARDED_GROUPS else rep
+                                         for k, v in self._state.items()})
+
+    def _place_state(self, tree: dict[str, PyTree], *, from_host: bool = True) -> dict[str, PyTree]:
+        """State groups placed as the strategy lays them out (parameters and optimizer state split over the
+        devices in the sharded modes, everything else replicated), with process 0's values."""
+        s = self.strategy
+        shardings = {k: s.state_layout(v, _SHARDED_GROUPS[k]) if k in _SHARDED_GROUPS
+                     else jax.tree.map(lambda _: s.replicated, v) for k, v in tree.items()}
+        return s.place(tree, shardings, broadcast=from_host)
 
     @classmethod
     def load(cls, checkpoint_dir: str | os.PathLike[str], model: Any, strategy: MirroredStrategy | None = None,
@@ -226,7 +238,7 @@ class Trainer:
             values = self.adapter.model_values()
         else:
             values = {g: state[g] for g in self.adapter.written_groups}
-        return dict(state, **self._place(values))
+        return dict(state, **self._place_state(values))
 
     # -- data helpers ------------------------------------------------------------------------------
     def _batch_size(self, source: Any, batch_size: int | None) -> int:
@@ -687,6 +699,10 @@ class Trainer:
 def _check_positive_int(name: str, value: Any, low: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}; received {value!r}.")
+
+
+# The state groups the sharded modes split over the devices, and the role each has for the strategy.
+_SHARDED_GROUPS = {"params": "params", "optimizer": "optimizer"}
 
 
 def _validation_schedule(freq: Any) -> Callable[[int], bool]:

@@ -322,7 +322,11 @@ class KerasAdapter(ModelAdapter):
 def _local_replica(a: Any) -> Any:
     """``a`` where this process can read it whole: a replicated array spanning other processes' devices
     becomes the same buffers viewed as an array over this process's devices only (no copy)."""
-    if not isinstance(a, jax.Array) or a.is_fully_addressable:
+    if not isinstance(a, jax.Array):
+        return a
+    if not a.is_fully_replicated:  # a sharded state (shard="optimizer" / "all"): the model gets it whole
+        a = jax.device_put(a, a.sharding.update(spec=jax.sharding.PartitionSpec()))
+    if a.is_fully_addressable:
         return a
     shards = a.addressable_shards
     mesh = jax.sharding.Mesh(np.array([s.device for s in shards]), ("batch",))
