@@ -59,7 +59,8 @@ class Callbacks:
                 if params:  # the caller's (Keras's fit) params win: ours only fill what is missing
                     callbacks.set_params({**params, **(callbacks.params or {})})
             else:
-                self._list = keras.callbacks.CallbackList(callbacks, add_history=add_history,
+                members = [cb if isinstance(cb, keras.callbacks.Callback) else _Plain(cb) for cb in callbacks or []]
+                self._list = keras.callbacks.CallbackList(members, add_history=add_history,
                                                           add_progbar=add_progbar, model=model, **params)
             members = list(self._list.callbacks)
         else:
@@ -84,6 +85,42 @@ class Callbacks:
             fn = getattr(cb, method, None)
             if fn is not None:
                 fn(*args)
+
+
+def _plain_base() -> type:
+    import keras
+
+    return keras.callbacks.Callback
+
+
+class _Plain:
+    """A plain object with some ``on_*`` methods, as a Keras callback (a ``CallbackList`` takes only those)."""
+
+    def __new__(cls, target: Any) -> Any:
+        base = _plain_base()
+
+        class Forward(base):  # type: ignore[misc, valid-type]
+            def __init__(self) -> None:
+                super().__init__()
+                self.target = target
+
+            def set_model(self, model: Any) -> None:
+                super().set_model(model)
+                if hasattr(target, "set_model"):
+                    target.set_model(model)
+
+        for name in dir(base):
+            if name.startswith("on_") and callable(getattr(target, name, None)):
+                setattr(Forward, name, _forward(name))
+        return Forward()
+
+
+def _forward(name: str) -> Callable[..., Any]:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.target, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
 
 
 def _is_keras_model(model: Any) -> bool:
