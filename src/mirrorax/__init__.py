@@ -20,6 +20,8 @@ from mirrorax.cluster import initialize as initialize
 from mirrorax.distribute import DistributedBatch as DistributedBatch
 from mirrorax.distribute import DistributedDataset as DistributedDataset
 from mirrorax.models.base import ModelAdapter as ModelAdapter
+from mirrorax.plan import Plan as Plan
+from mirrorax.plan import plan as plan
 from mirrorax.models.functional import FunctionalModel as FunctionalModel
 from mirrorax.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
 from mirrorax.preemption import Preempted as Preempted
@@ -65,6 +67,7 @@ __all__ = [
     "ModelAdapter",
     "MultiWorkerMirroredStrategy",
     "NonFiniteLossError",
+    "Plan",
     "PREEMPTED_EXIT_CODE",
     "Preempted",
     "ReduceOp",
@@ -76,4 +79,5 @@ __all__ = [
     "get_strategy",
     "initialize",
     "masked_mean",
+    "plan",
 ]

@@ -153,23 +153,30 @@ class Trainer:
         if self._state is not None:
             self._state = self._adopt_model_changes(self._state)
             return
-        host = self.adapter.initial_state()
-        host["step"] = np.zeros((), np.int32)
-        host["skipped"] = np.zeros((), np.int32)
-        host["nonfinite_step"] = np.zeros((), np.int32)
-        self._state = self._place_state(host)  # process 0's values on every process
+        self._state = self._place_state(self._initial_host_state())  # process 0's values on every process
         if self.strategy.shard is not None:
             rep = self.strategy.replicated
             self.steps.set_state_layout({k: jax.tree.map(lambda a: a.sharding, v) if k in _SHARDED_GROUPS else rep
                                          for k, v in self._state.items()})
 
+    def _initial_host_state(self) -> dict[str, PyTree]:
+        """The model's values plus the engine's counters, on the host (built model required)."""
+        host = self.adapter.initial_state()
+        host["step"] = np.zeros((), np.int32)
+        host["skipped"] = np.zeros((), np.int32)
+        host["nonfinite_step"] = np.zeros((), np.int32)
+        return host
+
+    def state_layout(self, state: dict[str, PyTree]) -> dict[str, PyTree]:
+        """Where each leaf of a state (arrays or shapes) lives on the strategy's devices."""
+        s = self.strategy
+        return {k: s.state_layout(v, _SHARDED_GROUPS[k]) if k in _SHARDED_GROUPS
+                else jax.tree.map(lambda _: s.replicated, v) for k, v in state.items()}
+
     def _place_state(self, tree: dict[str, PyTree], *, from_host: bool = True) -> dict[str, PyTree]:
         """State groups placed as the strategy lays them out (parameters and optimizer state split over the
         devices in the sharded modes, everything else replicated), with process 0's values."""
-        s = self.strategy
-        shardings = {k: s.state_layout(v, _SHARDED_GROUPS[k]) if k in _SHARDED_GROUPS
-                     else jax.tree.map(lambda _: s.replicated, v) for k, v in tree.items()}
-        return s.place(tree, shardings, broadcast=from_host)
+        return self.strategy.place(tree, self.state_layout(tree), broadcast=from_host)
 
     @classmethod
     def load(cls, checkpoint_dir: str | os.PathLike[str], model: Any, strategy: MirroredStrategy | None = None,
@@ -344,6 +351,8 @@ class Trainer:
         self._ensure_state(sample)
         consistency.check_replicas(self._state)  # multi-process: every process holds process 0's values
         self._write_back()  # lent to the model: what callbacks change on it from here on is adopted
+        if isinstance(source, data_lib.ArraySource):  # will it fit? (only where a device's memory is known)
+            _plan_module().check_fits(self, source.x, source.y, batch_size)
         history = History()
         stream = make_stream(source, batch_size, self.strategy, shuffle=shuffle, seed=seed)
         per_epoch = steps_per_epoch or stream.batches_per_pass
@@ -699,6 +708,12 @@ class Trainer:
 def _check_positive_int(name: str, value: Any, low: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}; received {value!r}.")
+
+
+def _plan_module() -> Any:
+    import importlib
+
+    return importlib.import_module("mirrorax.plan")  # (mirrorax.plan the attribute is the function mx.plan)
 
 
 # The state groups the sharded modes split over the devices, and the role each has for the strategy.

@@ -1,0 +1,293 @@
+"""``mx.plan``: what a training step will cost on each device, known before step 1.
+
+The train step is compiled without running (``jit(...).lower(abstract args).compile()``, abstract arrays
+carry the strategy's layouts), and read: XLA's ``memory_analysis()`` (arguments, outputs, temporaries,
+per device), ``cost_analysis()["flops"]`` and the collectives in the compiled program (their result
+bytes). The state's own bytes per device come from each variable's shape and layout, exactly. Given a
+per-device memory, the largest global batch that fits is searched for in every sharding mode, with
+compile-only programs (a few seconds each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["Plan", "plan", "parse_bytes"]
+
+# A collective's result: one array type, or a tuple of them (which may hold /*index=N*/ comments).
+_COLLECTIVE = re.compile(r"=\s*(\([^)]*\)|[a-z0-9]+\[[0-9,]*\][^ ]*)\s+"
+                         r"(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(")
+_SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
+_BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32,
+         "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128}
+MODES: tuple[Any, ...] = (None, "optimizer", "all")
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"24GB"`` / ``"24GiB"`` / ``"512MB"`` / ``12345`` -> bytes (GB = 10^9, GiB = 2^30).
+
+    Example:
+      >>> parse_bytes("24GiB")
+      25769803776
+    """
+    if isinstance(text, (int, np.integer)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", str(text), re.I)
+    if not m:
+        raise ValueError(f"A memory size must look like '24GB', '24GiB' or '512MB'; received {text!r}.")
+    value, unit, binary = float(m.group(1)), m.group(2).upper(), bool(m.group(3))
+    power = "KMGT".index(unit) + 1 if unit else 0
+    return int(value * ((1024 if binary else 1000) ** power))
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+@dataclasses.dataclass
+class Plan:
+    """What one train step costs per device (bytes), for one layout and global batch.
+
+    Attributes:
+      shard: the strategy's mode (``None``, ``"optimizer"``, ``"all"``).
+      num_devices, batch_size: the devices and the global batch planned for.
+      param_bytes, optimizer_bytes, model_state_bytes: the state's bytes held on one device (exact).
+      gradient_bytes: the gradients' bytes on one device (the parameters' full size, or their slice when
+        the parameters are split).
+      argument_bytes, output_bytes, temp_bytes: XLA's ``memory_analysis()`` of the compiled step, one device.
+      peak_bytes: arguments + outputs - aliased (donated) + temporaries: the step's peak on one device.
+      flops: floating-point operations of one step on one device (``cost_analysis``).
+      collective_bytes: bytes produced by the step's collectives on one device (all-reduce, all-gather, ...).
+      device_memory: the per-device memory planned against (``None``: unknown).
+      largest_batch: ``{mode: largest global batch that fits}`` when ``device_memory`` is known.
+    """
+
+    shard: Any
+    num_devices: int
+    batch_size: int
+    param_bytes: int
+    optimizer_bytes: int
+    model_state_bytes: int
+    gradient_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    peak_bytes: int
+    flops: float
+    collective_bytes: int
+    device_memory: int | None = None
+    largest_batch: dict[Any, int | None] = dataclasses.field(default_factory=dict)
+
+    @property
+    def state_bytes(self) -> int:
+        """Parameters + optimizer state + non-trainable state on one device."""
+        return self.param_bytes + self.optimizer_bytes + self.model_state_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the step's peak fits ``device_memory`` (``None`` when that is unknown)."""
+        return None if self.device_memory is None else self.peak_bytes <= self.device_memory
+
+    def summary(self) -> str:
+        """One line, as ``fit`` prints it with ``verbose``."""
+        return (f"plan: {self.num_devices} devices, shard={self.shard!r}, global batch {self.batch_size}: per device "
+                f"state {_mib(self.state_bytes)} (params {_mib(self.param_bytes)}, optimizer "
+                f"{_mib(self.optimizer_bytes)}), step peak {_mib(self.peak_bytes)}, {self.flops / 1e9:,.2f} GFLOP, "
+                f"collectives {_mib(self.collective_bytes)}")
+
+    def __str__(self) -> str:
+        rows = [("parameters", self.param_bytes), ("gradients", self.gradient_bytes),
+                ("optimizer state", self.optimizer_bytes), ("non-trainable state", self.model_state_bytes),
+                ("step arguments (state + batch)", self.argument_bytes), ("step outputs", self.output_bytes),
+                ("activations / temporaries", self.temp_bytes), ("step peak", self.peak_bytes),
+                ("collectives per step", self.collective_bytes)]
+        lines = [f"mirrorax plan: {self.num_devices} device(s), shard={self.shard!r}, global batch {self.batch_size}",
+                 "  per device:"]
+        lines += [f"    {name:<32} {_mib(v):>14}" for name, v in rows]
+        lines.append(f"    {'FLOPs per step':<32} {self.flops:>14,.3g}")
+        if self.device_memory is not None:
+            lines.append(f"  device memory {_mib(self.device_memory)}: the step "
+                         f"{'fits' if self.fits else 'does NOT fit'}")
+            for mode, b in self.largest_batch.items():
+                lines.append(f"    largest global batch that fits with shard={mode!r}: "
+                             f"{b if b is not None else 'none (the state alone does not fit)'}")
+        return "\n".join(lines)
+
+
+def _per_device_bytes(tree: Any, shardings: Any) -> int:
+    total = 0
+    for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+        shape = np.shape(a)
+        local = s.shard_shape(shape) if hasattr(s, "shard_shape") else shape
+        total += int(math.prod(local)) * np.dtype(getattr(a, "dtype", np.float32)).itemsize
+    return total
+
+
+def _collective_bytes(hlo: str) -> int:
+    total = 0
+    for match in _COLLECTIVE.finditer(hlo):
+        for dtype, dims in _SHAPE.findall(match.group(1)):
+            bits = _BITS.get(dtype)
+            if bits:
+                total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+    return total
+
+
+def _device_memory(devices: Sequence[jax.Device]) -> int | None:
+    """``MIRRORAX_DEVICE_MEMORY`` (e.g. ``"24GB"``), else the device's own limit where JAX knows it."""
+    import os
+
+    if os.environ.get("MIRRORAX_DEVICE_MEMORY"):
+        return parse_bytes(os.environ["MIRRORAX_DEVICE_MEMORY"])
+    try:
+        stats = devices[0].memory_stats()
+    except Exception:  # noqa: BLE001 - platforms without memory stats
+        return None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, device_memory: int | str | None = None,
+         strategy: Any = None, search: bool = True) -> Plan:
+    """Compiles the train step without running it and reports its per-device cost.
+
+    Args:
+      model_or_trainer: a compiled Keras model, a :class:`mirrorax.FunctionalModel` or a :class:`mirrorax.Trainer`.
+      x, y: a sample of the inputs (arrays; only their row shapes and dtypes matter).
+      batch_size: the global batch to plan for.
+      device_memory: memory per device (bytes or ``"24GB"``); default: the device's own limit where JAX
+        knows it (GPUs, TPUs), else unknown (no search).
+      strategy: the strategy (default: the trainer's, or the enclosing scope's).
+      search: with a known ``device_memory``, find the largest global batch that fits in each mode.
+
+    Returns:
+      A :class:`Plan`; ``print(plan)`` shows the table.
+
+    Example:
+      >>> print(mx.plan(model, x_train[:1], y_train[:1], batch_size=256, device_memory="24GB"))
+    """
+    from mirrorax.strategy import MirroredStrategy, get_strategy
+    from mirrorax.trainer import Trainer
+
+    trainer = model_or_trainer if isinstance(model_or_trainer, Trainer) else None
+    model = trainer.model if trainer is not None else model_or_trainer
+    base = strategy or (trainer.strategy if trainer is not None else get_strategy())
+    memory = parse_bytes(device_memory) if device_memory is not None else _device_memory(base.devices)
+
+    def for_mode(mode: Any, batch: int) -> Plan:
+        s = base if mode == base.shard else MirroredStrategy(devices=list(base.devices), shard=mode)
+        t = trainer if trainer is not None and s is base else Trainer(model, s)
+        return _plan_one(t, x, y, batch, memory)
+
+    result = for_mode(base.shard, batch_size)
+    if memory is not None and search:
+        result.largest_batch = {
+            mode: _largest(lambda b, m=mode: for_mode(m, b).peak_bytes, memory, base.num_replicas_in_sync, batch_size)
+            for mode in MODES}
+    return result
+
+
+def _largest(peak: Any, memory: int, step: int, start: int) -> int | None:
+    """The largest multiple of ``step`` whose step peak (``peak(batch)``, one compile each) fits ``memory``.
+
+    A step's memory is its state plus activations that grow about linearly with the batch: two compiles
+    give the line, the batch read off it is checked, and bisection between the largest batch seen to fit
+    and the smallest seen not to settles it (to 1/32 of the answer: about 10 compiles in all).
+    """
+    if peak(step) > memory:
+        return None
+    lo, p_lo = step, peak(step)
+    b2 = max(start, 8 * step) // step * step
+    p2 = peak(b2)
+    if p2 > memory:
+        hi = b2
+    else:
+        lo = b2
+        slope = max((p2 - p_lo) / max(b2 - step, 1), 1.0)
+        hi = min(int(b2 + (memory - p2) / slope) // step * step, 2**24)
+        if hi <= lo:
+            return lo
+        if peak(hi) <= memory:
+            return hi
+    while hi - lo > max(step, lo // 32):
+        mid = (lo + hi) // 2 // step * step
+        if mid <= lo:
+            break
+        lo, hi = (mid, hi) if peak(mid) <= memory else (lo, mid)
+    return lo
+
+
+def _plan_one(trainer: Any, x: Any, y: Any, batch_size: int, memory: int | None) -> Plan:
+    from mirrorax import data as data_lib
+
+    s = trainer.strategy
+    source = data_lib.make_source(x, y)
+    sample = trainer._sample(source, 1)
+    trainer.adapter.build(sample.tree())
+    host = trainer._initial_host_state()
+    groups = {"params", "optimizer"}
+    layouts = trainer.state_layout(host)
+    abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=sh),
+                            host, layouts)
+    padded = data_lib.padded_batch_size(batch_size, s)
+    one = sample.tree()
+
+    def batch_spec(a: Any) -> Any:
+        a = np.asarray(a)
+        return jax.ShapeDtypeStruct((padded,) + a.shape[1:], a.dtype, sharding=s.batch_sharding)
+
+    batch = {k: jax.tree.map(batch_spec, v) for k, v in one.items() if k != "num_real" and v is not None}
+    batch["num_real"] = jax.ShapeDtypeStruct((), np.float32, sharding=s.replicated)
+    if s.shard is not None:
+        trainer.steps.set_state_layout({k: layouts[k] if k in groups else s.replicated for k in host})
+    compiled = trainer.steps.train.lower(abstract, batch).compile()
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    param_bytes = _per_device_bytes(host["params"], layouts["params"])
+    full_params = sum(np.asarray(a).nbytes for a in jax.tree.leaves(host["params"]))
+    peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+    return Plan(shard=s.shard, num_devices=s.num_replicas_in_sync, batch_size=batch_size, param_bytes=param_bytes,
+                optimizer_bytes=_per_device_bytes(host["optimizer"], layouts["optimizer"]),
+                model_state_bytes=_per_device_bytes(host["model_state"], layouts["model_state"]),
+                gradient_bytes=param_bytes if s.shard == "all" else full_params,
+                argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
+                temp_bytes=int(mem.temp_size_in_bytes), peak_bytes=int(peak), flops=float(cost.get("flops", 0.0)),
+                collective_bytes=_collective_bytes(compiled.as_text()), device_memory=memory)
+
+
+def check_fits(trainer: Any, x: Any, y: Any, batch_size: int) -> None:
+    """Raises before step 1 when the train step will not fit the device's memory (known: accelerators,
+    or ``MIRRORAX_DEVICE_MEMORY``), saying which mode or batch would; does nothing when it is unknown."""
+    memory = _device_memory(trainer.strategy.devices)
+    if memory is None:
+        return
+    here = _plan_one(trainer, x, y, batch_size, memory)
+    if here.fits:
+        return
+    s = trainer.strategy
+    options = []
+    for mode in MODES:
+        from mirrorax.strategy import MirroredStrategy
+        from mirrorax.trainer import Trainer
+
+        other = trainer if mode == s.shard else Trainer(trainer.model, MirroredStrategy(devices=list(s.devices),
+                                                                                       shard=mode))
+        if mode != s.shard and _plan_one(other, x, y, batch_size, memory).fits:
+            options.append(f"MirroredStrategy(shard={mode!r}) fits batch {batch_size}")
+    largest = _largest(lambda b: _plan_one(trainer, x, y, b, memory).peak_bytes, memory, s.num_replicas_in_sync,
+                       batch_size)
+    if largest:
+        options.append(f"with shard={s.shard!r}, a global batch of at most {largest} fits")
+    raise MemoryError(
+        f"The train step needs {_mib(here.peak_bytes)} per device (state {_mib(here.state_bytes)}, activations and "
+        f"temporaries {_mib(here.temp_bytes)}) at global batch {batch_size} with shard={s.shard!r}, but a device has "
+        f"{_mib(memory)}. " + ("; ".join(options) + "." if options else "No mode fits even a batch of one per device: "
+                               "the model is too large for these devices.")
+        + " (mx.plan(model, x, y, batch_size=...) shows the whole plan.)")
