@@ -87,7 +87,10 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 def _attach(model: Any, strategy: MirroredStrategy) -> None:
     import keras
 
-    if not isinstance(model, keras.Model):
+    from keras.src.trainers.trainer import Trainer as KerasTrainer
+
+    # A model is a layer mixed with a Trainer (keras.Model is one; Keras's own tests build others).
+    if not (isinstance(model, KerasTrainer) and isinstance(model, keras.layers.Layer)):
         return
     object.__setattr__(model, "_mirrorax_strategy", strategy)  # not a tracked Keras attribute
     for name in _ROUTED:
@@ -102,12 +105,17 @@ def trainer_of(model: Any) -> Trainer:
     from mirrorax.trainer import Trainer
 
     strategy = strategy_of(model)
-    key = (id(strategy), id(model.optimizer), id(getattr(model, "_compile_loss", None)),
+    key = (id(strategy), id(getattr(model, "optimizer", None)), id(getattr(model, "_compile_loss", None)),
            id(getattr(model, "_compile_metrics", None)), model.steps_per_execution)
     cached = model.__dict__.get("_mirrorax_trainer")
     if cached is not None and cached[0] == key:
         return cached[1]
-    trainer = Trainer(model, strategy, steps_per_execution=int(model.steps_per_execution or 1))
+    from mirrorax.models.keras import KerasAdapter
+
+    # Keras's predict needs no compile: an uncompiled model gets an adapter for predict alone.
+    adapter = KerasAdapter(model, predict_only=True)
+    trainer = Trainer(adapter, strategy, steps_per_execution=int(model.steps_per_execution or 1))
+    trainer.model = model  # callbacks, stop_training and the progress bar act on the Keras model
     object.__setattr__(model, "_mirrorax_trainer", (key, trainer))
     return trainer
 
@@ -163,7 +171,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
         raise ValueError("validation_data must be a tuple (x_val, y_val) or (x_val, y_val, sample_weight), or an "
                          f"iterable of such batches; received {type(validation_data).__name__}.")
     if not arrays:
-        x = _batches(x)
+        x = _as_batches(x)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         steps = steps_per_epoch or _num_batches(x, batch_size or (None if not arrays else 32))
         callbacks = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
@@ -192,7 +200,7 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: int | None = 
     from mirrorax import data as data_lib
 
     if not data_lib.is_array_tree(x):
-        x = _batches(x)
+        x = _as_batches(x)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
                                                  steps=steps or _num_batches(x, batch_size or 32), model=self)
@@ -212,7 +220,7 @@ def _predict(self: Any, x: Any, batch_size: int | None = None, verbose: Any = "a
     from mirrorax import data as data_lib
 
     if not data_lib.is_array_tree(x):
-        x = _batches(x)
+        x = _as_batches(x)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
                                                  steps=steps or _num_batches(x, batch_size or 32), model=self)
@@ -247,6 +255,14 @@ def _predict_on_batch(self: Any, x: Any) -> Any:
     if fallback is not None:
         return fallback(x)
     return trainer_of(self).predict(x, batch_size=_rows(x))
+
+
+def _as_batches(x: Any) -> Any:
+    """``x`` as an iterable of batches: a one-shot iterator (a generator) stays itself, so the batch the
+    trainer peeks at to build the model is still trained on."""
+    from collections.abc import Iterator
+
+    return x if isinstance(x, Iterator) else _batches(x)
 
 
 class _batches:

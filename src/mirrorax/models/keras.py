@@ -71,6 +71,8 @@ class KerasAdapter(ModelAdapter):
       mixed_precision: ``"bfloat16"`` or ``"float16"``: every layer but the output layers computes in
         that type while variables stay float32 (Keras's ``mixed_*`` dtype policies); ``"float16"`` also
         wraps the optimizer in ``keras.optimizers.LossScaleOptimizer`` (dynamic loss scaling).
+      predict_only: an uncompiled model is accepted for ``predict`` alone (as Keras's ``predict`` needs
+        no ``compile``); building it for targets then raises the not-compiled error.
 
     Raises:
       RuntimeError: Keras is not on the JAX backend.
@@ -78,22 +80,27 @@ class KerasAdapter(ModelAdapter):
     """
 
     def __init__(self, model: Any, *, loss: Any = None, optimizer: Any = None, metrics: Any = None,
-                 mixed_precision: str | None = None) -> None:
+                 mixed_precision: str | None = None, predict_only: bool = False) -> None:
         keras = check_keras_backend()
         self.keras = keras
-        if not isinstance(model, keras.Model):
+        from keras.src.trainers.trainer import Trainer as KerasTrainer
+
+        if not (isinstance(model, KerasTrainer) and isinstance(model, keras.layers.Layer)):  # keras.Model is both
             raise TypeError(f"Expected a keras.Model; received {type(model).__name__}.")
         self.model = model
         self.optax = None
         if optimizer is not None and _is_optax(optimizer):
             self.optax, optimizer = optimizer, None
-        compiled = getattr(model, "compiled", False) and getattr(model, "_compile_loss", None) is not None
-        if not compiled and loss is None:
+        # Compiled without a loss is fine when the model's losses are its own (add_loss, compute_loss).
+        compiled = getattr(model, "compiled", False)
+        self.predict_only = predict_only and not compiled and loss is None
+        if not compiled and loss is None and not self.predict_only:
             raise ValueError(
                 f"The model {model.name!r} is not compiled and no loss was given, so mirrorax does not know "
                 "what to minimise. Call model.compile(optimizer='adam', loss='sparse_categorical_crossentropy', "
                 "metrics=['accuracy']) first, or pass Trainer(model, loss=...).")
-        if not compiled or loss is not None or optimizer is not None or metrics is not None:
+        if (not compiled and not self.predict_only) or loss is not None or optimizer is not None or \
+                metrics is not None:
             model.compile(
                 optimizer=optimizer if optimizer is not None else (model.optimizer if compiled and model.optimizer else "adam"),
                 loss=loss if loss is not None else model.loss,
@@ -125,18 +132,22 @@ class KerasAdapter(ModelAdapter):
         y = sample.get("y")
         if self._built == "full" or (self._built and y is None):
             return
+        if y is not None and self.predict_only:
+            raise ValueError(f"The model {model.name!r} is not compiled, so mirrorax does not know what to "
+                             "minimise. Call model.compile(optimizer='adam', loss='mse') first.")
         if y is None:
             # predict before any fit/evaluate: build the layers only (metrics need targets to build).
             if not all(layer.built for layer in model._flatten_layers()):
                 model(jax.tree.map(lambda a: np.asarray(a)[:1], sample["x"]), training=False)
         else:
             model._symbolic_build(data_batch=(sample["x"], y, None))  # weights shape no variable
-        if model.optimizer is not None and not model.optimizer.built:
-            model.optimizer.build(model.trainable_variables)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(model.trainable_variables)
         self._names = {
             "params": _named(model.trainable_variables),
             "model_state": _named(model.non_trainable_variables),
-            "optimizer": _named(model.optimizer.variables) if self.optax is None else [],
+            "optimizer": _named(optimizer.variables) if self.optax is None and optimizer is not None else [],
             "metrics": _named(model.metrics_variables),
         }
         model.reset_metrics()
@@ -370,7 +381,7 @@ class KerasAdapter(ModelAdapter):
         """The model's variables of each state group, in the state's order."""
         m = self.model
         return {"params": m.trainable_variables, "model_state": m.non_trainable_variables,
-                "optimizer": m.optimizer.variables if m.optimizer is not None else []}
+                "optimizer": m.optimizer.variables if getattr(m, "optimizer", None) is not None else []}
 
     def _written_variables(self) -> list[Any]:
         groups = self._group_variables()
