@@ -49,7 +49,7 @@ def run_pass(scoped: bool, files: list[Path], out: Path, extra: list[str], timeo
     env = dict(os.environ, MIRRORAX_CONFORMANCE_SCOPE="1" if scoped else "0", KERAS_BACKEND="jax",
                PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "pytest", "-c", str(HERE / "pytest.ini"), "--rootdir", str(HERE),
-           "-p", "scope_plugin", "-q", f"--timeout={timeout}", f"--junitxml={xml}", *extra, *map(str, files)]
+           "-p", "scope_plugin", "-q", "-o", "junit_family=xunit1", f"--timeout={timeout}", f"--junitxml={xml}", *extra, *map(str, files)]
     print(("scoped" if scoped else "baseline") + ": " + " ".join(cmd), flush=True)
     subprocess.run(cmd, env=env, check=False)
     return outcomes(xml)
@@ -58,10 +58,9 @@ def run_pass(scoped: bool, files: list[Path], out: Path, extra: list[str], timeo
 def outcomes(xml: Path) -> dict[str, str]:
     result = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
-        file = case.get("classname", "").split(".")
-        # classname "keras.src.trainers.trainer_test.TestTrainer" -> "trainer_test.py::TestTrainer::name"
-        mod = next((i for i, p in enumerate(file) if p.endswith("_test")), len(file) - 1)
-        key = "::".join([file[mod] + ".py", *file[mod + 1:], case.get("name", "")])
+        # xunit1 names the file: "trainer_test.py::TestTrainer::test_fit_flow_jit"
+        cls = case.get("classname", "").rsplit(".", 1)[-1]
+        key = "::".join([Path(case.get("file", "?")).name, cls, case.get("name", "")])
         kinds = {child.tag for child in case}
         result[key] = ("failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds else "passed")
     return result
