@@ -161,12 +161,17 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
         (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
             (x, y, sample_weight), validation_split=validation_split)
     if class_weight is not None:
-        if not arrays:
-            raise ValueError("class_weight needs y as arrays here; received an iterable of batches. Weight the "
-                             "batches themselves: yield (x, y, sample_weight).")
-        from mirrorax.trainer import _class_weights
+        if arrays:
+            from mirrorax.trainer import _class_weights
 
-        sample_weight = _class_weights(y, class_weight, sample_weight)
+            sample_weight = _class_weights(y, class_weight, sample_weight)
+        else:  # batches (a PyDataset, a generator): each one weighted as Keras's data adapters do
+            from collections.abc import Iterator
+
+            batches = _as_batches(x)
+            x = _class_weighted(batches, class_weight)
+            if isinstance(batches, Iterator):  # a generator stays one-shot (see _as_batches)
+                x = iter(x)
     if validation_data is not None and not isinstance(validation_data, tuple) and data_lib.is_array_tree(validation_data):
         raise ValueError("validation_data must be a tuple (x_val, y_val) or (x_val, y_val, sample_weight), or an "
                          f"iterable of such batches; received {type(validation_data).__name__}.")
@@ -255,6 +260,25 @@ def _predict_on_batch(self: Any, x: Any) -> Any:
     if fallback is not None:
         return fallback(x)
     return trainer_of(self).predict(x, batch_size=_rows(x))
+
+
+class _class_weighted:
+    """Batches ``(x, y[, sample_weight])`` with ``class_weight`` folded into their sample weights."""
+
+    def __init__(self, data: Any, class_weight: Any) -> None:
+        self.data, self.class_weight = data, class_weight
+
+    def __iter__(self) -> Any:
+        import keras
+
+        from mirrorax.trainer import _class_weights
+
+        for item in self.data:
+            x, y, w = keras.utils.unpack_x_y_sample_weight(item)
+            yield x, y, _class_weights(np.asarray(y), self.class_weight, w)
+
+    def __len__(self) -> int:
+        return len(self.data)
 
 
 def _as_batches(x: Any) -> Any:
