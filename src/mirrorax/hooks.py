@@ -128,4 +128,6 @@ def _is_keras_model(model: Any) -> bool:
         import keras
     except ImportError:  # pragma: no cover
         return False
-    return isinstance(model, keras.Model)
+    from keras.src.trainers.trainer import Trainer as KerasTrainer
+
+    return isinstance(model, KerasTrainer)  # keras.Model, or a layer mixed with a Trainer

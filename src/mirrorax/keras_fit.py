@@ -87,7 +87,10 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 def _attach(model: Any, strategy: MirroredStrategy) -> None:
     import keras
 
-    if not isinstance(model, keras.Model):
+    from keras.src.trainers.trainer import Trainer as KerasTrainer
+
+    # A model is a layer mixed with a Trainer (keras.Model is one; Keras's own tests build others).
+    if not (isinstance(model, KerasTrainer) and isinstance(model, keras.layers.Layer)):
         return
     object.__setattr__(model, "_mirrorax_strategy", strategy)  # not a tracked Keras attribute
     for name in _ROUTED:
@@ -102,12 +105,17 @@ def trainer_of(model: Any) -> Trainer:
     from mirrorax.trainer import Trainer
 
     strategy = strategy_of(model)
-    key = (id(strategy), id(model.optimizer), id(getattr(model, "_compile_loss", None)),
+    key = (id(strategy), id(getattr(model, "optimizer", None)), id(getattr(model, "_compile_loss", None)),
            id(getattr(model, "_compile_metrics", None)), model.steps_per_execution)
     cached = model.__dict__.get("_mirrorax_trainer")
     if cached is not None and cached[0] == key:
         return cached[1]
-    trainer = Trainer(model, strategy, steps_per_execution=int(model.steps_per_execution or 1))
+    from mirrorax.models.keras import KerasAdapter
+
+    # Keras's predict needs no compile: an uncompiled model gets an adapter for predict alone.
+    adapter = KerasAdapter(model, predict_only=True)
+    trainer = Trainer(adapter, strategy, steps_per_execution=int(model.steps_per_execution or 1))
+    trainer.model = model  # callbacks, stop_training and the progress bar act on the Keras model
     object.__setattr__(model, "_mirrorax_trainer", (key, trainer))
     return trainer
 
@@ -153,17 +161,22 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
         (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
             (x, y, sample_weight), validation_split=validation_split)
     if class_weight is not None:
-        if not arrays:
-            raise ValueError("class_weight needs y as arrays here; received an iterable of batches. Weight the "
-                             "batches themselves: yield (x, y, sample_weight).")
-        from mirrorax.trainer import _class_weights
+        if arrays:
+            from mirrorax.trainer import _class_weights
 
-        sample_weight = _class_weights(y, class_weight, sample_weight)
+            sample_weight = _class_weights(y, class_weight, sample_weight)
+        else:  # batches (a PyDataset, a generator): each one weighted as Keras's data adapters do
+            from collections.abc import Iterator
+
+            batches = _as_batches(x)
+            x = _class_weighted(batches, class_weight)
+            if isinstance(batches, Iterator):  # a generator stays one-shot (see _as_batches)
+                x = iter(x)
     if validation_data is not None and not isinstance(validation_data, tuple) and data_lib.is_array_tree(validation_data):
         raise ValueError("validation_data must be a tuple (x_val, y_val) or (x_val, y_val, sample_weight), or an "
                          f"iterable of such batches; received {type(validation_data).__name__}.")
     if not arrays:
-        x = _batches(x)
+        x = _as_batches(x)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         steps = steps_per_epoch or _num_batches(x, batch_size or (None if not arrays else 32))
         callbacks = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
@@ -192,7 +205,7 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: int | None = 
     from mirrorax import data as data_lib
 
     if not data_lib.is_array_tree(x):
-        x = _batches(x)
+        x = _as_batches(x)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
                                                  steps=steps or _num_batches(x, batch_size or 32), model=self)
@@ -212,7 +225,7 @@ def _predict(self: Any, x: Any, batch_size: int | None = None, verbose: Any = "a
     from mirrorax import data as data_lib
 
     if not data_lib.is_array_tree(x):
-        x = _batches(x)
+        x = _as_batches(x)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
                                                  steps=steps or _num_batches(x, batch_size or 32), model=self)
@@ -247,6 +260,33 @@ def _predict_on_batch(self: Any, x: Any) -> Any:
     if fallback is not None:
         return fallback(x)
     return trainer_of(self).predict(x, batch_size=_rows(x))
+
+
+class _class_weighted:
+    """Batches ``(x, y[, sample_weight])`` with ``class_weight`` folded into their sample weights."""
+
+    def __init__(self, data: Any, class_weight: Any) -> None:
+        self.data, self.class_weight = data, class_weight
+
+    def __iter__(self) -> Any:
+        import keras
+
+        from mirrorax.trainer import _class_weights
+
+        for item in self.data:
+            x, y, w = keras.utils.unpack_x_y_sample_weight(item)
+            yield x, y, _class_weights(np.asarray(y), self.class_weight, w)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+def _as_batches(x: Any) -> Any:
+    """``x`` as an iterable of batches: a one-shot iterator (a generator) stays itself, so the batch the
+    trainer peeks at to build the model is still trained on."""
+    from collections.abc import Iterator
+
+    return x if isinstance(x, Iterator) else _batches(x)
 
 
 class _batches:

@@ -60,6 +60,10 @@ class StepFunctions:
         self.strategy = strategy
         self.on_nonfinite = on_nonfinite
         self.accumulation_steps = int(accumulation_steps)
+        if self.accumulation_steps > 1 and getattr(adapter, "custom", {}).get("train_step"):
+            raise ValueError(f"accumulation_steps={accumulation_steps} splits the batch inside mirrorax's own train "
+                             "step; the model overrides train_step, which sees the whole global batch. Use "
+                             "accumulation_steps=1, or drop the train_step override.")
         rep = strategy.replicated
         self.stacked_sharding = NamedSharding(strategy.mesh, P(None, BATCH_AXIS))
         donate_args = (0,) if donate else ()
@@ -105,12 +109,19 @@ class StepFunctions:
         return grads, loss, model_state, metrics
 
     def _train_step(self, state: dict[str, PyTree], batch: dict[str, PyTree]):
-        grads, loss, model_state, metrics = self._grads(state, batch)
-        finite = jnp.isfinite(loss)
+        if getattr(self.adapter, "custom", {}).get("train_step"):
+            # The model's own train_step computes and applies the update; the checks below still hold.
+            params_new, opt_new, model_state, metrics, loss = self.adapter.train_step(state, batch)
 
-        def apply(params_opt):
-            return self.adapter.apply_gradients(dict(state, params=params_opt[0], optimizer=params_opt[1],
-                                                     model_state=model_state), grads)
+            def apply(params_opt):
+                return params_new, opt_new
+        else:
+            grads, loss, model_state, metrics = self._grads(state, batch)
+
+            def apply(params_opt):
+                return self.adapter.apply_gradients(dict(state, params=params_opt[0], optimizer=params_opt[1],
+                                                         model_state=model_state), grads)
+        finite = jnp.isfinite(loss)
 
         params_opt = (state["params"], state["optimizer"])
         if self.on_nonfinite == "ignore":

@@ -490,7 +490,9 @@ class Trainer:
                 if listens_end:
                     self.adapter.expose(state)  # Keras callbacks read it through Callback.model
                     self._state = state  # and this trainer's evaluate / predict / state through it
-                    hooks.call("on_train_batch_end", start_batch + steps - 1, aux["logs"])
+                    # As Keras: an execution ends at begin + steps_per_execution - 1, a short last one too.
+                    hooks.call("on_train_batch_end", start_batch + before + max(k, self.steps_per_execution) - 1,
+                               aux["logs"])
                     state, self._state = self._state, None
                     read = self.adapter.exposure_read()
                     if read or self.strategy.process_count > 1:  # the processes decide together
@@ -595,13 +597,16 @@ class Trainer:
         if hooks is not None:
             hooks.call("on_test_begin")
         try:
+            spe, i, aux = self.steps_per_execution, -1, None  # batch hooks once per execution, as Keras
             for i, (_, batch) in enumerate(batches):
-                if begin:
+                if begin and i % spe == 0:
                     hooks.call("on_test_batch_begin", i)
                 metrics, aux = self.steps.evaluate(self._state, metrics, batch.tree())
                 window.push(aux["token"])
-                if end:
+                if end and (i + 1) % spe == 0:
                     hooks.call("on_test_batch_end", i, aux["logs"])
+            if end and aux is not None and (i + 1) % spe:
+                hooks.call("on_test_batch_end", i - i % spe + spe - 1, aux["logs"])
             window.drain()
         finally:
             if isinstance(batches, data_lib.Prefetcher):
@@ -637,13 +642,14 @@ class Trainer:
         outputs: list[Any] = []
         hooks = Callbacks(callbacks, self.model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
         end = hooks is not None and hooks.listens["predict_end"]
+        spe = self.steps_per_execution  # batch hooks once per execution, as Keras
 
         def collect(item: tuple[Any, Any]) -> None:
             y, mask = item
             mask_h = host_value(mask) > 0
             outputs.append(jax.tree.map(lambda a: host_value(a)[mask_h], y))
-            if end:
-                hooks.call("on_predict_batch_end", len(outputs) - 1, {"outputs": outputs[-1]})
+            if end and len(outputs) % spe == 0:
+                hooks.call("on_predict_batch_end", len(outputs) - 1, {"outputs": _joined(outputs[-spe:])})
 
         window = InFlight(self.max_in_flight, collect)
         batches = self._device_batches(stream.batches(0, steps), 1, stream.per_process)
@@ -651,11 +657,14 @@ class Trainer:
             hooks.call("on_predict_begin")
         try:
             for i, (_, batch) in enumerate(batches):
-                if hooks is not None and hooks.listens["predict_begin"]:
+                if hooks is not None and hooks.listens["predict_begin"] and i % spe == 0:
                     hooks.call("on_predict_batch_begin", i)
                 y = self.steps.predict(self._state, batch.x)
                 window.push((y, batch.mask))
             window.drain()
+            if end and len(outputs) % spe:
+                n = len(outputs)
+                hooks.call("on_predict_batch_end", n - n % spe + spe - 1, {"outputs": _joined(outputs[-(n % spe):])})
         finally:
             if isinstance(batches, data_lib.Prefetcher):
                 batches.close()
@@ -703,6 +712,11 @@ class Trainer:
     def compile_counts(self) -> dict[str, int]:
         """Programs compiled per step kind (fixed shapes: one per kind used)."""
         return self.steps.compile_counts()
+
+
+def _joined(outputs: list[Any]) -> Any:
+    """Per-batch outputs of one execution as one batch (what Keras's ``on_predict_batch_end`` gets)."""
+    return outputs[0] if len(outputs) == 1 else jax.tree.map(lambda *a: np.concatenate(a), *outputs)
 
 
 def _check_positive_int(name: str, value: Any, low: int = 1) -> None:

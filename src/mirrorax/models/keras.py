@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mirrorax.models import keras_custom
 from mirrorax.models.base import ModelAdapter, real_count
 
 __all__ = ["KerasAdapter", "check_keras_backend"]
@@ -70,6 +71,8 @@ class KerasAdapter(ModelAdapter):
       mixed_precision: ``"bfloat16"`` or ``"float16"``: every layer but the output layers computes in
         that type while variables stay float32 (Keras's ``mixed_*`` dtype policies); ``"float16"`` also
         wraps the optimizer in ``keras.optimizers.LossScaleOptimizer`` (dynamic loss scaling).
+      predict_only: an uncompiled model is accepted for ``predict`` alone (as Keras's ``predict`` needs
+        no ``compile``); building it for targets then raises the not-compiled error.
 
     Raises:
       RuntimeError: Keras is not on the JAX backend.
@@ -77,22 +80,27 @@ class KerasAdapter(ModelAdapter):
     """
 
     def __init__(self, model: Any, *, loss: Any = None, optimizer: Any = None, metrics: Any = None,
-                 mixed_precision: str | None = None) -> None:
+                 mixed_precision: str | None = None, predict_only: bool = False) -> None:
         keras = check_keras_backend()
         self.keras = keras
-        if not isinstance(model, keras.Model):
+        from keras.src.trainers.trainer import Trainer as KerasTrainer
+
+        if not (isinstance(model, KerasTrainer) and isinstance(model, keras.layers.Layer)):  # keras.Model is both
             raise TypeError(f"Expected a keras.Model; received {type(model).__name__}.")
         self.model = model
         self.optax = None
         if optimizer is not None and _is_optax(optimizer):
             self.optax, optimizer = optimizer, None
-        compiled = getattr(model, "compiled", False) and getattr(model, "_compile_loss", None) is not None
-        if not compiled and loss is None:
+        # Compiled without a loss is fine when the model's losses are its own (add_loss, compute_loss).
+        compiled = getattr(model, "compiled", False)
+        self.predict_only = predict_only and not compiled and loss is None
+        if not compiled and loss is None and not self.predict_only:
             raise ValueError(
                 f"The model {model.name!r} is not compiled and no loss was given, so mirrorax does not know "
                 "what to minimise. Call model.compile(optimizer='adam', loss='sparse_categorical_crossentropy', "
                 "metrics=['accuracy']) first, or pass Trainer(model, loss=...).")
-        if not compiled or loss is not None or optimizer is not None or metrics is not None:
+        if (not compiled and not self.predict_only) or loss is not None or optimizer is not None or \
+                metrics is not None:
             model.compile(
                 optimizer=optimizer if optimizer is not None else (model.optimizer if compiled and model.optimizer else "adam"),
                 loss=loss if loss is not None else model.loss,
@@ -109,6 +117,14 @@ class KerasAdapter(ModelAdapter):
         # paid at the end of every fit, evaluate and epoch.
         self._results_fn: Any = jax.jit(self._metric_values)
         self._result_names: list[str] = []
+        # The model's own train_step / test_step / predict_step, when its class overrides them.
+        self.custom = {k: keras_custom.overrides(model, k) for k in ("train_step", "test_step", "predict_step")}
+        if self.custom["train_step"] and self.optax is not None:
+            raise ValueError(f"{type(model).__name__} overrides train_step, which applies the model's Keras "
+                             "optimizer itself; received an optax optimizer. Compile the model with a Keras "
+                             "optimizer, or drop the train_step override.")
+        self._extras: dict[str, Any] = {}  # metrics-state slots of the custom steps' own logs
+        self._tracing: str | None = None  # the step kind being traced (its custom logs go to batch logs)
 
     # -- building ----------------------------------------------------------------------------------
     def build(self, sample: dict[str, PyTree]) -> None:
@@ -116,23 +132,49 @@ class KerasAdapter(ModelAdapter):
         y = sample.get("y")
         if self._built == "full" or (self._built and y is None):
             return
+        if y is not None and self.predict_only:
+            raise ValueError(f"The model {model.name!r} is not compiled, so mirrorax does not know what to "
+                             "minimise. Call model.compile(optimizer='adam', loss='mse') first.")
         if y is None:
             # predict before any fit/evaluate: build the layers only (metrics need targets to build).
             if not all(layer.built for layer in model._flatten_layers()):
                 model(jax.tree.map(lambda a: np.asarray(a)[:1], sample["x"]), training=False)
         else:
             model._symbolic_build(data_batch=(sample["x"], y, None))  # weights shape no variable
-        if model.optimizer is not None and not model.optimizer.built:
-            model.optimizer.build(model.trainable_variables)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(model.trainable_variables)
         self._names = {
             "params": _named(model.trainable_variables),
             "model_state": _named(model.non_trainable_variables),
-            "optimizer": _named(model.optimizer.variables) if self.optax is None else [],
+            "optimizer": _named(optimizer.variables) if self.optax is None and optimizer is not None else [],
             "metrics": _named(model.metrics_variables),
         }
         model.reset_metrics()
         self._metrics_init = [np.asarray(v.value) for v in model.metrics_variables]
+        if y is not None and (self.custom["train_step"] or self.custom["test_step"]):
+            self._extras = self._find_extra_logs(sample)
         self._built = "full" if y is not None else "layers"
+
+    def _find_extra_logs(self, sample: dict[str, PyTree]) -> dict[str, Any]:
+        """Traces the custom steps abstractly once: which scalar logs they add to the metric results."""
+        model = self.model
+        known = set(self._metric_results(list(self._metrics_init)))
+        params = [v.value for v in model.trainable_variables]
+        model_state = [v.value for v in model.non_trainable_variables]
+        metrics = list(self._metrics_init)
+        batch = {k: v for k, v in sample.items() if k != "num_real"}
+        slots: dict[str, Any] = {}
+        if self.custom["train_step"]:
+            opt_vars = [v.value for v in model.optimizer.variables]
+            logs = jax.eval_shape(lambda p, s, o, m, b: keras_custom.call_train_step(model, p, s, o, m, b)[0],
+                                  params, model_state, opt_vars, metrics, batch)
+            slots.update(keras_custom.extra_slots("train", keras_custom.scalar_log_names(logs, known)))
+        if self.custom["test_step"]:
+            logs = jax.eval_shape(lambda p, s, m, b: keras_custom.call_test_step(model, p, s, m, b)[0],
+                                  params, model_state, metrics, batch)
+            slots.update(keras_custom.extra_slots("test", keras_custom.scalar_log_names(logs, known)))
+        return slots
 
     def _pack(self, group: str, values: Sequence[Any]) -> dict[str, Any]:
         return dict(zip(self._names[group], values))
@@ -147,7 +189,8 @@ class KerasAdapter(ModelAdapter):
         return state
 
     def initial_metrics(self) -> PyTree:
-        return self._pack("metrics", [a.copy() for a in self._metrics_init])
+        return dict(self._pack("metrics", [a.copy() for a in self._metrics_init]),
+                    **{k: np.asarray(v) for k, v in self._extras.items()})
 
     # -- the pure functions ----------------------------------------------------------------------
     def _loss_and_updates(self, params, model_state, metrics, opt_vars, batch, training):
@@ -166,7 +209,20 @@ class KerasAdapter(ModelAdapter):
                 self._unpack("metrics", metrics), batch["x"], batch["y"], loss_weight,
                 training=training, optimizer_variables=opt_vars)
 
+    def train_step(self, state, batch):
+        """The model's own ``train_step`` (its class overrides it): ``(params, optimizer, model_state,
+        metrics, loss)`` after one update on the global batch."""
+        self._tracing = "train"
+        logs, (params, model_state, opt, metrics) = keras_custom.call_train_step(
+            self.model, self._unpack("params", state["params"]), self._unpack("model_state", state["model_state"]),
+            self._unpack("optimizer", state["optimizer"]), self._unpack("metrics", state["metrics"]), batch)
+        metrics = dict(self._pack("metrics", metrics), **keras_custom.store_logs("train", logs, state["metrics"]))
+        loss = jnp.asarray(logs.get("loss", 0.0), jnp.float32).reshape(())
+        return (self._pack("params", params), self._pack("optimizer", opt), self._pack("model_state", model_state),
+                metrics, loss)
+
     def grads(self, state, batch, loss_scale=1.0):
+        self._tracing = None
         if self.optax is not None:
             # Keras's loss code maps its (unused) optimizer's variables; zeros made while tracing are
             # folded away. Holding the variables' values instead kept a whole single-device copy of each
@@ -195,11 +251,20 @@ class KerasAdapter(ModelAdapter):
         return self._pack("params", new_params), self._pack("optimizer", new_opt)
 
     def evaluate(self, state, metrics, batch):
+        self._tracing = "test"
+        if self.custom["test_step"]:
+            logs, (_, _, new) = keras_custom.call_test_step(
+                self.model, self._unpack("params", state["params"]), self._unpack("model_state", state["model_state"]),
+                self._unpack("metrics", metrics), batch)
+            return dict(self._pack("metrics", new), **keras_custom.store_logs("test", logs, metrics))
         _, (loss, y_pred, _, new_metrics) = self._loss_and_updates(
             state["params"], state["model_state"], metrics, None, batch, False)
         return self._update_metrics(new_metrics, loss, batch, y_pred)
 
     def predict(self, state, x):
+        if self.custom["predict_step"]:
+            return keras_custom.call_predict_step(self.model, self._unpack("params", state["params"]),
+                                                  self._unpack("model_state", state["model_state"]), x)
         kwargs = {"training": False} if self.model._call_has_training_arg else {}
         y_pred, _ = self.model.stateless_call(self._unpack("params", state["params"]),
                                               self._unpack("model_state", state["model_state"]), x, **kwargs)
@@ -218,9 +283,14 @@ class KerasAdapter(ModelAdapter):
         for ref, v in zip(refs, values):
             new = scope.get_current_value(ref)
             out.append(v if new is None else new)
-        return self._pack("metrics", out)
+        extras = {k: v for k, v in metrics.items() if k.startswith(keras_custom.EXTRA_PREFIX)} \
+            if isinstance(metrics, dict) else {}
+        return dict(self._pack("metrics", out), **extras)
 
     def metric_results(self, metrics) -> dict[str, float]:
+        return dict(self._keras_metric_results(metrics), **keras_custom.extra_logs(metrics, host=True))
+
+    def _keras_metric_results(self, metrics) -> dict[str, float]:
         values = [np.asarray(v) for v in self._unpack("metrics", metrics)]
         if self._results_fn is not None:
             try:
@@ -232,10 +302,12 @@ class KerasAdapter(ModelAdapter):
         return {k: float(np.asarray(v)) for k, v in self._metric_results(values).items()}
 
     def metric_logs(self, metrics) -> dict[str, Any]:
+        # Called in the step's own program, right after the step was traced (``_tracing`` names it).
+        extras = keras_custom.extra_logs(metrics, self._tracing) if self._tracing else {}
         try:
-            return self._metric_results(self._unpack("metrics", metrics))
+            return dict(self._metric_results(self._unpack("metrics", metrics)), **extras)
         except (TypeError, jax.errors.ConcretizationTypeError):  # a result() that branches on values
-            return {}
+            return extras
 
     def _metric_values(self, values: list[Any]) -> list[Any]:
         logs = self._metric_results(values)
@@ -309,7 +381,7 @@ class KerasAdapter(ModelAdapter):
         """The model's variables of each state group, in the state's order."""
         m = self.model
         return {"params": m.trainable_variables, "model_state": m.non_trainable_variables,
-                "optimizer": m.optimizer.variables if m.optimizer is not None else []}
+                "optimizer": m.optimizer.variables if getattr(m, "optimizer", None) is not None else []}
 
     def _written_variables(self) -> list[Any]:
         groups = self._group_variables()

@@ -1,0 +1,156 @@
+"""A Keras model's own ``train_step`` / ``test_step`` / ``predict_step``, run inside mirrorax's steps.
+
+When a model's class overrides one of them (the JAX backend's stateless signature:
+``train_step(self, state, data) -> (logs, state)`` with ``state = (trainable_variables,
+non_trainable_variables, optimizer_variables, metrics_variables)``), the jitted step calls it on the
+padded global batch, as Keras's own loop would on one device. The override gets
+``data = (x, y, sample_weight)`` with ``sample_weight = user weight * mask * rows / real_rows``, the
+weights the adapter gives Keras's loss, so a ``compute_loss(..., sample_weight)`` in it is the mean over
+the real rows. While it is traced, the model's ``compute_metrics`` and loss tracker count real rows
+only (unless the class overrides ``compute_metrics`` too), so its metrics stay exact.
+
+Logs the override adds (``logs["my_metric"] = ...``, scalars) ride in the metrics state as two slots
+per name, ``~<kind>/<name>`` (the last value) and ``~<kind>/<name>#set``, and come back with the
+metric results of the step kind that wrote them, as Keras returns a custom step's last logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mirrorax.models.base import real_count
+
+__all__ = ["overrides", "extra_slots", "call_train_step", "call_test_step", "call_predict_step",
+           "extra_logs", "store_logs", "EXTRA_PREFIX"]
+
+EXTRA_PREFIX = "~"
+_SET = "#set"
+
+
+def overrides(model: Any, name: str) -> bool:
+    """Whether ``model``'s class overrides Keras's JAX ``train_step`` / ``test_step`` / ``predict_step``."""
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    return getattr(type(model), name, None) is not getattr(JAXTrainer, name)
+
+
+def extra_slots(kind: str, names: list[str]) -> dict[str, Any]:
+    """The metrics-state slots holding the custom logs ``names`` of a step kind, at their reset values."""
+    slots: dict[str, Any] = {}
+    for n in names:
+        slots[f"{EXTRA_PREFIX}{kind}/{n}"] = jnp.zeros((), jnp.float32)
+        slots[f"{EXTRA_PREFIX}{kind}/{n}{_SET}"] = jnp.zeros((), jnp.float32)
+    return slots
+
+
+def store_logs(kind: str, logs: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
+    """``old``'s extra slots, with those of ``kind`` that ``logs`` holds set to the new values."""
+    out = {k: v for k, v in old.items() if k.startswith(EXTRA_PREFIX)}
+    for name, value in logs.items():
+        key = f"{EXTRA_PREFIX}{kind}/{name}"
+        if key in out:
+            out[key] = jnp.asarray(value, jnp.float32).reshape(())
+            out[key + _SET] = jnp.ones((), jnp.float32)
+    return out
+
+
+def extra_logs(metrics: dict[str, Any], kind: str | None = None, *, host: bool = False) -> dict[str, Any]:
+    """The custom logs held in ``metrics``: set ones on the host (``host``), or those of ``kind`` (traced)."""
+    out = {}
+    for key, value in metrics.items():
+        if not key.startswith(EXTRA_PREFIX) or key.endswith(_SET):
+            continue
+        k, name = key[len(EXTRA_PREFIX):].split("/", 1)
+        if host:
+            if float(metrics[key + _SET]):
+                out[name] = float(value)
+        elif k == kind:
+            out[name] = value
+    return out
+
+
+def _weights(batch: dict[str, Any]) -> Any:
+    # As the adapter's loss: Keras divides by the rows, so this is the mean over the real rows.
+    mask = batch["mask"]
+    w = batch["sample_weight"] * mask * (mask.shape[0] / jnp.maximum(real_count(batch), 1.0))
+    y = batch.get("y")
+    if hasattr(y, "ndim") and y.ndim > 1:
+        w = w.reshape((-1,) + (1,) * (y.ndim - 1))
+    return w
+
+
+@contextlib.contextmanager
+def exact_metrics(model: Any, batch: dict[str, Any]) -> Iterator[None]:
+    """While an override is traced: its metric updates count real rows, with the user's weights."""
+    from keras.src.trainers.trainer import Trainer as KerasTrainer
+
+    from mirrorax.models.keras import _update_compile_metrics
+
+    mask = batch["mask"]
+    tracker = model._loss_tracker
+    patched = []
+    if type(model).compute_metrics is KerasTrainer.compute_metrics and model._compile_metrics is not None:
+        def compute_metrics(x, y, y_pred, sample_weight=None):
+            _update_compile_metrics(model._compile_metrics, y, y_pred, mask, batch["sample_weight"] * mask)
+            return model.get_metrics_result()
+
+        object.__setattr__(model, "compute_metrics", compute_metrics)
+        patched.append((model, "compute_metrics"))
+    if tracker is not None:
+        original = tracker.update_state
+
+        def update_state(values, sample_weight=None):
+            return original(values, sample_weight=real_count(batch))
+
+        object.__setattr__(tracker, "update_state", update_state)
+        patched.append((tracker, "update_state"))
+    try:
+        yield
+    finally:
+        for obj, name in patched:
+            object.__delattr__(obj, name)
+
+
+def call_train_step(model: Any, params: list, model_state: list, opt_vars: list, metrics: list,
+                    batch: dict[str, Any]) -> tuple[dict[str, Any], tuple]:
+    """The model's own ``train_step`` on a global batch: ``(logs, (params, model_state, opt, metrics))``."""
+    with exact_metrics(model, batch):
+        logs, state = model.train_step((params, model_state, opt_vars, metrics),
+                                       (batch["x"], batch["y"], _weights(batch)))
+    return _check_logs(model, "train_step", logs), tuple(state)
+
+
+def call_test_step(model: Any, params: list, model_state: list, metrics: list, batch: dict[str, Any]
+                   ) -> tuple[dict[str, Any], tuple]:
+    """The model's own ``test_step`` on a global batch: ``(logs, (params, model_state, metrics))``."""
+    with exact_metrics(model, batch):
+        logs, state = model.test_step((params, model_state, metrics), (batch["x"], batch["y"], _weights(batch)))
+    return _check_logs(model, "test_step", logs), tuple(state)
+
+
+def call_predict_step(model: Any, params: list, model_state: list, x: Any) -> Any:
+    """The model's own ``predict_step`` on a global batch of inputs: its outputs."""
+    outputs, _ = model.predict_step((params, model_state), (x,))
+    return outputs
+
+
+def _check_logs(model: Any, name: str, logs: Any) -> dict[str, Any]:
+    if not isinstance(logs, dict):
+        raise TypeError(f"{type(model).__name__}.{name} must return (logs, state) with logs a dict (the JAX "
+                        f"backend's stateless signature); received logs of type {type(logs).__name__}.")
+    return logs
+
+
+def scalar_log_names(logs: dict[str, Any], known: set[str]) -> list[str]:
+    """The names of ``logs`` (abstract values) that are scalars and not metric results."""
+    return [k for k, v in logs.items() if k not in known and tuple(getattr(v, "shape", jnp.shape(v))) == ()]
+
+
+def abstract(tree: Any) -> Any:
+    """``jax.ShapeDtypeStruct``s of a tree of arrays (for ``jax.eval_shape``)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), tree)
