@@ -62,3 +62,15 @@ def test_mirrorax_train_checkpoint_dir_resumes(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Resumed from checkpoint step 46" in again.stdout  # 2 epochs x 23 steps, now on 2 devices
     assert re.findall(r"^Epoch (\d+)/3", again.stdout, re.M) == ["3"]
+
+
+def test_mirrorax_plan_prints_the_per_device_cost_and_the_largest_batches(tmp_path):
+    out = _run(["plan", "--cpu-devices", "4", "--model", "mlp", "--batch-size", "256", "--shard", "all",
+                "--device-memory", "64MB"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "mirrorax plan: 4 device(s), shard='all', global batch 256" in text
+    for row in ("parameters", "optimizer state", "activations / temporaries", "step peak", "collectives per step"):
+        assert row in text, text
+    sizes = {m: re.search(rf"shard={m}: (\d+|none)", text).group(1) for m in ("None", "'optimizer'", "'all'")}
+    assert all(v != "none" and int(v) >= 4 for v in sizes.values()), text

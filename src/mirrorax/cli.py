@@ -1,4 +1,4 @@
-"""The ``mirrorax`` command: ``train`` (the main job), ``devices``, ``launch``.
+"""The ``mirrorax`` command: ``train`` (the main job), ``plan``, ``devices``, ``launch``.
 
 Flags map one-to-one onto library arguments; nothing is read from config files.
 """
@@ -58,6 +58,18 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--verbose", default="auto", choices=["auto", "0", "1", "2"])
     train.set_defaults(func=_train)
 
+    plan = sub.add_parser("plan", help="per-device memory, FLOPs and collectives of a train step, before running it",
+                          description="Compiles the train step of a model without running it and prints its "
+                                      "per-device cost; with --device-memory, the largest global batch that fits in "
+                                      "each sharding mode.")
+    plan.add_argument("--model", choices=["cnn", "mlp"], default="cnn",
+                      help="the main job's digits CNN, or a 784-512-10 MLP")
+    plan.add_argument("--batch-size", type=_positive, default=64, help="global batch (default 64)")
+    plan.add_argument("--shard", choices=["none", "optimizer", "all"], default="none")
+    plan.add_argument("--device-memory", default=None, help="memory per device, e.g. 24GB (default: the device's own)")
+    plan.add_argument("--cpu-devices", type=_positive, default=None, help="simulate N CPU devices")
+    plan.set_defaults(func=_plan)
+
     devices = sub.add_parser("devices", help="list the devices JAX sees")
     devices.add_argument("--cpu-devices", type=_positive, default=None)
     devices.set_defaults(func=_devices)
@@ -69,6 +81,28 @@ def _build_parser() -> argparse.ArgumentParser:
     if _launch is not None:
         _launch.add_parser(sub)
     return parser
+
+
+def _plan(args: argparse.Namespace) -> int:
+    _configure_devices(args.cpu_devices)
+    import keras
+    import numpy as np
+
+    import mirrorax as mx
+    from mirrorax import zoo
+
+    strategy = mx.MirroredStrategy(shard=None if args.shard == "none" else args.shard)
+    with strategy.scope():
+        if args.model == "cnn":
+            model, x = zoo.digits_cnn(), np.zeros((1, 8, 8, 1), np.float32)
+        else:
+            model, x = zoo.mlp(), np.zeros((1, 784), np.float32)
+        model.compile(optimizer=keras.optimizers.Adam(), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    result = mx.plan(model, x, np.zeros(1, np.int32), batch_size=args.batch_size, strategy=strategy,
+                     device_memory=args.device_memory)
+    if strategy.is_primary:
+        print(result)
+    return 0
 
 
 def _devices(args: argparse.Namespace) -> int:

@@ -15,10 +15,12 @@ __all__ = ["Progress", "resolve_verbose", "format_logs"]
 
 
 def resolve_verbose(verbose: Any, stream: IO[str] | None = None) -> int:
-    """``"auto"`` -> 1 (bar) on a terminal, 2 (line per epoch) otherwise; 0, 1, 2 as given."""
+    """``"auto"`` -> 1 (bar) on a terminal or in Jupyter, 2 (line per epoch) otherwise; 0, 1, 2 as given."""
     if verbose == "auto":
         stream = stream or sys.stdout
-        return 1 if getattr(stream, "isatty", lambda: False)() else 2
+        # A bar on a terminal and in a Jupyter notebook (whose stdout is no tty but draws \r updates).
+        interactive = getattr(stream, "isatty", lambda: False)() or "ipykernel" in sys.modules
+        return 1 if interactive else 2
     if verbose in (0, 1, 2) and not isinstance(verbose, bool) or verbose is False or verbose is True:
         return int(verbose)
     raise ValueError(f"verbose must be 'auto', 0, 1 or 2; received {verbose!r}.")
