@@ -156,3 +156,16 @@ def test_launcher_says_that_a_frozen_rank_stopped_answering(frozen):
     assert f"process {frozen} fails now (stop)" in report, report  # the frozen rank's own last words
     assert "stopped by the launcher" not in out and "@ 0x" not in report, report
     assert "[Gloo]" not in out, out[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_sharded_state_on_two_processes_matches_one_process(tmp_path):
+    """shard="all" over 2 processes x 2 devices: the 2048-wide kernel (and its Adam slots) are split
+    across the processes' devices; the result is the replicated one of 1 process x 4 devices."""
+    code, out, _ = _launch_2x2(tmp_path, MP_SHARD="all", MP_WIDTH="2048", MP_EPOCHS="2")
+    assert code == 0, out
+    ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
+    for key in ranks[0]:
+        np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
+    want = train_dense.train(mx.MirroredStrategy(devices=jax.devices()[:4]), epochs=2, width=2048)
+    _assert_same(ranks[0], want, "2x2 shard='all' vs 1x4 replicated")

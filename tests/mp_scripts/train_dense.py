@@ -42,12 +42,13 @@ class _Die:
             raise RuntimeError(f"injected failure in process {self.process}")
 
 
-def train(strategy, *, epochs: int = EPOCHS, verbose: int | str = 0, callbacks=()) -> dict[str, np.ndarray]:
+def train(strategy, *, epochs: int = EPOCHS, verbose: int | str = 0, callbacks=(), width: int = 16
+          ) -> dict[str, np.ndarray]:
     """Array inputs (the engine slices each process's rows), shuffled, with validation."""
     import mirrorax as mx
 
     x, y = data()
-    model = _model(strategy)
+    model = _model(strategy, width)
     trainer = mx.Trainer(model, strategy=strategy)
     history = trainer.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=True, seed=3, verbose=verbose,
                           validation_data=(x[:50], y[:50]), callbacks=list(callbacks))
@@ -84,13 +85,13 @@ def train_unshuffled(strategy, *, pipeline: bool) -> dict[str, np.ndarray]:
     return _results(model, history, result, trainer.predict(x, batch_size=BATCH))
 
 
-def _model(strategy):
+def _model(strategy, width: int = 16):
     import keras
 
     keras.backend.clear_session()
     keras.utils.set_random_seed(1)
     with strategy.scope():
-        model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"),
+        model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(width, activation="relu"),
                                   keras.layers.Dense(CLASSES, activation="softmax")])
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
                       metrics=["accuracy"])
@@ -108,12 +109,13 @@ def _results(model, history, result, predictions) -> dict[str, np.ndarray]:
 if __name__ == "__main__":
     import mirrorax as mx
 
-    strategy = mx.MultiWorkerMirroredStrategy()
+    shard = os.environ.get("MP_SHARD") or None  # "optimizer" / "all": the state split over the 4 devices
+    strategy = mx.MultiWorkerMirroredStrategy(shard=shard)
     print(f"process {strategy.process_index} of {strategy.process_count}: "
           f"{strategy.num_replicas_in_sync} replicas in sync", flush=True)
     die = [_Die(os.environ["MP_DIE"], strategy.process_index)] if os.environ.get("MP_DIE") else []
     epochs = int(os.environ.get("MP_EPOCHS", EPOCHS))
-    result = train(strategy, epochs=epochs, verbose=2, callbacks=die)
+    result = train(strategy, epochs=epochs, verbose=2, callbacks=die, width=int(os.environ.get("MP_WIDTH", "16")))
     np.savez(os.path.join(os.environ["MP_OUT"], f"rank{strategy.process_index}.npz"), **result)
     if os.environ.get("MP_PIPELINE"):
         result = train_unshuffled(strategy, pipeline=True)
