@@ -17,7 +17,7 @@ import itertools
 import math
 import queue
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -69,31 +69,128 @@ def check_batch_size(batch_size: Any) -> int:
     return int(batch_size)
 
 
-def _to_numeric(a: Any, what: str) -> np.ndarray:
+def _to_numeric(a: Any, what: str, float_dtype: Any = np.float32) -> np.ndarray:
+    """``a`` as a numeric numpy array; float32/float64 become ``float_dtype`` (the model's), as Keras's own
+    data adapters cast floats to ``floatx``, and int64 becomes int32."""
     if hasattr(a, "numpy") and not isinstance(a, np.ndarray):
         a = a.numpy()
-    arr = np.asarray(a)
-    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
+    try:
+        arr = np.asarray(a)
+    except ValueError as e:  # ragged nested lists
+        raise ValueError(f"{what} could not be made one array ({e}). Pass a rectangular array: pad ragged "
+                         "rows to one length first.") from None
+    if arr.dtype.kind == "c":
+        raise TypeError(f"{what} must hold real numbers; received complex values (dtype {arr.dtype}, shape "
+                        f"{arr.shape}). Pass np.real({what}), or the real and imaginary parts as separate "
+                        "features.")
+    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_
+                                   or arr.dtype.kind == "V" and "float" in arr.dtype.name):
         raise TypeError(f"{what} must hold numbers; received an array of dtype {arr.dtype} (shape "
                         f"{arr.shape}). Convert it first, e.g. np.asarray({what}, dtype=np.float32), or "
                         "encode strings/categories as integers.")
     if arr.ndim == 0:
         raise ValueError(f"{what} must have a leading example axis; received a scalar {arr!r}.")
-    if arr.dtype == np.float64:
-        arr = arr.astype(np.float32)
+    if arr.dtype in (np.float32, np.float64) and arr.dtype != float_dtype:
+        arr = arr.astype(float_dtype)
     elif arr.dtype == np.int64:
         arr = arr.astype(np.int32)
     return arr
 
 
-def _tree_numeric(tree: Any, what: str) -> Any:
+def _tree_numeric(tree: Any, what: str, float_dtype: Any = np.float32) -> Any:
     if tree is None:
         return None
     if isinstance(tree, Mapping):
-        return {k: _tree_numeric(v, f"{what}[{k!r}]") for k, v in tree.items()}
+        return {k: _tree_numeric(v, f"{what}[{k!r}]", float_dtype) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)) and not _is_nested_numbers(tree):
+        return type(tree)(_tree_numeric(v, f"{what}[{i}]", float_dtype) for i, v in enumerate(tree))
+    return _to_numeric(tree, what, float_dtype)
+
+
+def _is_nested_numbers(x: Any) -> bool:
+    """A (nested) Python list/tuple of plain numbers: one array written as lists (``[0, 2, 1]``), not a
+    tuple of arrays."""
+    while isinstance(x, (list, tuple)) and len(x) > 0:
+        x = x[0]
+    return isinstance(x, (int, float, bool, np.generic)) and not isinstance(x, np.ndarray)
+
+
+def _leaves(tree: Any, name: str) -> list[tuple[str, np.ndarray]]:
+    """``(name, array)`` for every array of ``tree``: ``x``, ``x['a']``, ``x[1]``."""
+    if tree is None:
+        return []
+    if isinstance(tree, Mapping):
+        return [leaf for k, v in tree.items() for leaf in _leaves(v, f"{name}[{k!r}]")]
     if isinstance(tree, (tuple, list)):
-        return type(tree)(_tree_numeric(v, f"{what}[{i}]") for i, v in enumerate(tree))
-    return _to_numeric(tree, what)
+        return [leaf for i, v in enumerate(tree) for leaf in _leaves(v, f"{name}[{i}]")]
+    return [(name, tree)]
+
+
+def _index_text(name: str, idx: Any) -> str:
+    return f"{name}[{', '.join(str(int(i)) for i in idx)}]"
+
+
+def check_finite_values(a: np.ndarray, what: str) -> None:
+    """Refuses NaN/inf in a float array, naming the first one (rows are scanned in chunks: no full-size
+    temporary for a large array)."""
+    if a.dtype.kind in "biu":
+        return
+    step = max(1, (1 << 22) // max(1, int(np.prod(a.shape[1:], dtype=np.int64))))
+    for lo in range(0, a.shape[0], step):
+        ok = np.isfinite(a[lo:lo + step])
+        if not ok.all():
+            idx = np.argwhere(~ok)[0]
+            idx[0] += lo
+            raise ValueError(
+                f"{what} holds {a[tuple(idx)]} at {_index_text(what, idx)} (example {idx[0]}); fit and evaluate "
+                f"refuse NaN and inf in x, y and sample_weight: one such value makes the loss, and then every "
+                f"weight, non-finite. Fix or drop those examples first (keep = np.isfinite({what})"
+                f".reshape(len({what}), -1).all(axis=1)), or pass Trainer(..., on_nonfinite='skip') to train on "
+                f"and drop the steps they spoil.")
+
+
+def check_labels(targets: Sequence[Any], note: str = "") -> None:
+    """Refuses integer labels outside ``0..classes-1`` (and non-integer ones) of sparse cross-entropy
+    targets.
+
+    Args:
+      targets: ``SparseTarget``s (name, labels, classes, ignore_class, loss) with host arrays.
+      note: appended to the message (where the labels came from).
+    """
+    for t in targets:
+        lab = np.asarray(t.labels)
+        if lab.dtype.kind not in "biuf" or lab.size == 0:
+            continue
+        if lab.dtype.kind == "f":
+            frac = lab != np.floor(lab)
+            if t.ignore_class is not None:
+                frac &= lab != t.ignore_class
+            if frac.any():
+                idx = np.argwhere(frac)[0]
+                raise ValueError(
+                    f"{t.name} holds the non-integer label {lab[tuple(idx)]} at {_index_text(t.name, idx)} "
+                    f"(example {idx[0]}){note}; the loss {t.loss} takes integer class indices 0..{t.classes - 1} "
+                    f"(it would truncate this one). Pass integer labels, or one-hot targets with "
+                    f"loss='categorical_crossentropy'.")
+        if lab.min() >= 0 and lab.max() < t.classes:
+            continue
+        bad = (lab < 0) | (lab >= t.classes)
+        if t.ignore_class is not None:
+            bad &= lab != t.ignore_class
+        if not bad.any():
+            continue
+        idx = np.argwhere(bad)[0]
+        raise ValueError(label_message(t.name, lab[tuple(idx)], t.classes, t.loss,
+                                       f"at {_index_text(t.name, idx)} (example {idx[0]}){note}"))
+
+
+def label_message(name: str, value: Any, classes: int, loss: str, where: str) -> str:
+    value = float(value)
+    shown = int(value) if value == int(value) else value
+    return (f"{name} holds the label {shown} {where}, but the model's output has {classes} units, so the loss "
+            f"{loss} takes labels 0..{classes - 1} (JAX would silently score this one as no class). Give the "
+            f"output layer as many units as there are classes (at least max(label) + 1), or map the labels "
+            f"onto 0..{classes - 1} first, e.g. np.unique({name.split('[')[0]}, return_inverse=True)[1].")
 
 
 def _leading(tree: Any) -> list[tuple[str, int]]:
@@ -117,28 +214,47 @@ def _take(tree: Any, idx: np.ndarray) -> Any:
     return jax.tree.map(lambda a: np.take(a, idx, axis=0), tree)
 
 
+def _check_weights(sample_weight: Any, float_dtype: Any) -> np.ndarray:
+    w = _to_numeric(sample_weight, "sample_weight", float_dtype)
+    if w.ndim != 1:
+        hint = " Pass sample_weight.reshape(-1)." if w.ndim == 2 and w.shape[1] == 1 else \
+            " Per-timestep or per-output weights are not supported: weight each example with one number."
+        raise ValueError(f"sample_weight must be 1-D, one weight per example; received shape {w.shape}.{hint}")
+    if w.dtype.kind not in "f":
+        w = w.astype(float_dtype)
+    check_finite_values(w, "sample_weight")
+    if (w < 0).any():
+        i = int(np.argmax(w < 0))
+        raise ValueError(f"sample_weight holds the negative weight {w[i]} at example {i}; weights must be >= 0 "
+                         "(a negative weight maximises that example's loss). Use 0 to leave an example out.")
+    return w
+
+
 class ArraySource:
     """Examples held in memory by every process: numpy arrays or tuples/dicts of them.
 
     Args:
       x: inputs; y: targets (or ``None``); sample_weight: ``(n,)`` weights (or ``None``).
+      float_dtype: the model's float type: float32/float64 arrays become it.
+      check_finite: refuse NaN/inf in ``x``, ``y`` and ``sample_weight`` (fit and evaluate with
+        ``on_nonfinite="raise"``; not predict). Negative and misshapen weights are refused regardless.
 
     Raises:
-      ValueError: empty input, or x, y and sample_weight of different lengths.
+      ValueError: empty input, x, y and sample_weight of different lengths, NaN/inf, a sample_weight
+        that is not one non-negative number per example.
       TypeError: non-numeric arrays.
     """
 
-    def __init__(self, x: PyTree, y: PyTree = None, sample_weight: Any = None) -> None:
+    def __init__(self, x: PyTree, y: PyTree = None, sample_weight: Any = None, *, float_dtype: Any = np.float32,
+                 check_finite: bool = True) -> None:
         if x is None:
             raise ValueError("x is None; pass the inputs as an array (or a tuple/dict of arrays).")
-        self.x = _tree_numeric(x, "x")
-        self.y = _tree_numeric(y, "y")
-        self.w = None if sample_weight is None else _to_numeric(sample_weight, "sample_weight").astype(np.float32)
+        float_dtype = np.dtype(float_dtype)
+        self.x = _tree_numeric(x, "x", float_dtype)
+        self.y = _tree_numeric(y, "y", float_dtype)
+        self.w = None if sample_weight is None else _check_weights(sample_weight, float_dtype)
         lengths = [("x" + n, l) for n, l in _leading(self.x)] + [("y" + n, l) for n, l in _leading(self.y)]
         if self.w is not None:
-            if self.w.ndim != 1:
-                raise ValueError(f"sample_weight must be 1-D, one weight per example; received shape "
-                                 f"{self.w.shape}.")
             lengths.append(("sample_weight", self.w.shape[0]))
         sizes = {l for _, l in lengths}
         if len(sizes) > 1:
@@ -148,6 +264,20 @@ class ArraySource:
         self.num_examples = sizes.pop()
         if self.num_examples == 0:
             raise ValueError("The input is empty (0 examples). Pass at least one example.")
+        if check_finite:
+            for name, a in _leaves(self.x, "x") + _leaves(self.y, "y"):
+                check_finite_values(a, name)
+        self._targets_checked = False
+
+    def check_targets(self, adapter: Any) -> None:
+        """Refuses inputs and targets that do not fit the model (input shapes; target shapes under the
+        loss; labels outside the classes), once per source, before anything is compiled."""
+        if self._targets_checked:
+            return
+        adapter.check_inputs(self.x)
+        if self.y is not None:
+            check_labels(adapter.sparse_targets(self.y, check_shapes=True))
+        self._targets_checked = True
 
     def batches_per_pass(self, batch_size: int) -> int:
         return math.ceil(self.num_examples / batch_size)
@@ -200,9 +330,10 @@ class IterableSource:
     A smaller item is padded to the fixed shape; a larger one is an error.
     """
 
-    def __init__(self, iterable: Iterable[Any]) -> None:
+    def __init__(self, iterable: Iterable[Any], *, float_dtype: Any = np.float32) -> None:
         self.per_process = isinstance(iterable, _PerProcessDataset)
         self.iterable = iterable
+        self.float_dtype = np.dtype(float_dtype)
         self._first: Any = None
 
     def peek(self) -> tuple[PyTree, PyTree, Any]:
@@ -214,7 +345,7 @@ class IterableSource:
             except StopIteration:
                 raise ValueError("The input iterable yielded no batch. Pass a non-empty dataset.") from None
             x, y, w = _split(raw)
-            self._first = (_tree_numeric(x, "x"), _tree_numeric(y, "y"), w)
+            self._first = (_tree_numeric(x, "x", self.float_dtype), _tree_numeric(y, "y", self.float_dtype), w)
             if it is self.iterable or isinstance(self.iterable, Iterator):
                 # A one-shot iterator: the peeked item must still be trained on.
                 self._unread = raw
@@ -233,6 +364,40 @@ class IterableSource:
         n = _leading(x)[0][1]
         return Batch(x, y if with_targets else None, np.ones(n, np.float32), np.ones(n, np.float32))
 
+    def check_targets(self, adapter: Any) -> None:
+        """Refuses a first batch whose targets do not fit the model's outputs and loss (shapes). Labels
+        outside the classes are found in the step (``StepFunctions``): reading every batch here would cost
+        host time on every step."""
+        x, y, _ = self.peek()
+        adapter.check_inputs(x)
+        if y is not None:
+            adapter.sparse_targets(y, check_shapes=True)
+
+    def _signature(self, x: PyTree, y: PyTree) -> list[tuple[str, tuple[int, ...], str]]:
+        return [(name, a.shape[1:], a.dtype.name) for name, a in _leaves(x, "x") + _leaves(y, "y")]
+
+    def _check_like_first(self, x: PyTree, y: PyTree, index: int) -> None:
+        """Every batch has the first one's arrays (names, shapes past the batch axis, dtypes): a change
+        would compile the step again (or fail inside the model) instead of training."""
+        fx, fy, _ = self.peek()
+        want, got = self._signature(fx, fy if y is not None else None), self._signature(x, y)
+        if want == got:
+            return
+        names_w, names_g = [n for n, _, _ in want], [n for n, _, _ in got]
+        if names_w != names_g:
+            raise ValueError(f"Batch {index} of the input holds the arrays {names_g}, the first batch {names_w}. "
+                             "Every batch must have the same structure (x, y and sample_weight alike).")
+        for (name, shape_w, dtype_w), (_, shape_g, dtype_g) in zip(want, got):
+            if shape_w != shape_g:
+                raise ValueError(f"Batch {index} of the input has {name} of shape {_rows_shape(shape_g)}, the first "
+                                 f"batch {_rows_shape(shape_w)}. Every batch must "
+                                 "have the same shape past the batch axis (only the number of rows may vary: "
+                                 "short batches are padded). Pad or crop to one shape in the input pipeline.")
+            if dtype_w != dtype_g:
+                raise ValueError(f"Batch {index} of the input has {name} of dtype {dtype_g}, the first batch "
+                                 f"{dtype_w}. Every batch must have the same dtypes; cast in the input pipeline "
+                                 f"(e.g. .astype('{dtype_w}')).")
+
     def first_batch_rows(self) -> int:
         x, _, _ = self.peek()
         return _leading(x)[0][1]
@@ -246,8 +411,10 @@ class IterableSource:
         for _ in range(skip):
             next(it, None)
         template = None
+        index = skip  # 1-based, as the user counts batches
         while True:
             item = next(it, None)
+            index += 1
             if multi and self.per_process:
                 # Processes agree each step whether anyone still has data, so no process waits in a
                 # collective for a batch that another never sends.
@@ -261,7 +428,9 @@ class IterableSource:
                 yield _empty_like(template)
                 continue
             x, y, w = _split(item)
-            x, y = _tree_numeric(x, "x"), _tree_numeric(y, "y") if with_targets else None
+            x = _tree_numeric(x, "x", self.float_dtype)
+            y = _tree_numeric(y, "y", self.float_dtype) if with_targets else None
+            self._check_like_first(x, y, index)
             n = {l for _, l in _leading(x) + _leading(y)}
             if len(n) != 1:
                 raise ValueError(f"A batch's arrays have different lengths {sorted(n)}; each item must hold "
@@ -271,7 +440,7 @@ class IterableSource:
                 raise ValueError(f"The input yielded a batch of {n} rows, more than batch_size={batch_size}"
                                  f" ({rows} rows per {'process' if self.per_process else 'step'}). Pass "
                                  "batch_size equal to the largest batch the iterable yields.")
-            w = np.ones(n, np.float32) if w is None else _to_numeric(w, "sample_weight").astype(np.float32)
+            w = np.ones(n, self.float_dtype) if w is None else _batch_weights(w, n, index, self.float_dtype)
             if not self.per_process and multi:
                 lo = strategy.process_index * (padded // strategy.process_count)
                 slot = np.arange(lo, lo + padded // strategy.process_count)
@@ -282,6 +451,18 @@ class IterableSource:
             template = Batch(_take(x, idx), _take(y, idx), w[idx], valid.astype(np.float32),
                              None if self.per_process else np.float32(n))
             yield template
+
+
+def _rows_shape(shape: tuple[int, ...]) -> str:
+    return "(rows" + "".join(f", {d}" for d in shape) + ("" if shape else ",") + ")"
+
+
+def _batch_weights(w: Any, n: int, index: int, float_dtype: Any) -> np.ndarray:
+    w = _to_numeric(w, "sample_weight", float_dtype).astype(float_dtype)
+    if w.shape != (n,):
+        raise ValueError(f"Batch {index} of the input has sample_weight of shape {w.shape} for {n} examples; "
+                         f"it must be ({n},): one weight per example.")
+    return w
 
 
 def _empty_like(template: Batch | None) -> Batch:
@@ -307,10 +488,16 @@ def _split(item: Any) -> tuple[Any, Any, Any]:
     return item, None, None
 
 
-def make_source(x: Any, y: Any = None, sample_weight: Any = None) -> ArraySource | IterableSource:
-    """An :class:`ArraySource` for arrays, an :class:`IterableSource` for any other iterable."""
+def make_source(x: Any, y: Any = None, sample_weight: Any = None, *, float_dtype: Any = np.float32,
+                check_finite: bool = True) -> ArraySource | IterableSource:
+    """An :class:`ArraySource` for arrays, an :class:`IterableSource` for any other iterable.
+
+    Args:
+      float_dtype: the model's float type (float32/float64 inputs become it).
+      check_finite: refuse NaN/inf in arrays (fit and evaluate; predict passes False).
+    """
     if is_array_tree(x):
-        return ArraySource(x, y, sample_weight)
+        return ArraySource(x, y, sample_weight, float_dtype=float_dtype, check_finite=check_finite)
     if y is not None or sample_weight is not None:
         raise ValueError("When x is an iterable of batches, y and sample_weight come from its items; "
                          f"received y of type {type(y).__name__} and sample_weight of type "
@@ -318,7 +505,21 @@ def make_source(x: Any, y: Any = None, sample_weight: Any = None) -> ArraySource
     if not isinstance(x, Iterable) or isinstance(x, (str, bytes)):
         raise TypeError(f"x must be an array, a tuple/list/dict of arrays, or an iterable of batches; "
                         f"received {type(x).__name__}.")
-    return IterableSource(x)
+    return IterableSource(x, float_dtype=float_dtype)
+
+
+def require_targets(source: ArraySource | IterableSource, what: str) -> None:
+    """Refuses a source without targets for ``what`` (``"fit"``, ``"evaluate"``, ``"validation_data"``)."""
+    y = source.y if isinstance(source, ArraySource) else source.peek()[1]
+    if y is None:
+        given = "x alone" if isinstance(source, ArraySource) else "batches of x alone"
+        if isinstance(source, ArraySource) and isinstance(source.x, (list, tuple)) and \
+                all(isinstance(v, (list, tuple)) for v in source.x):
+            given += (" (a list of (x, y) tuples reads as a list of input arrays, as in Keras: pass batches as "
+                      "an iterator or generator, e.g. iter(batches))")
+        raise ValueError(f"{what} needs targets to compute the loss; received {given} (y is None). Pass "
+                         f"{'fit(x, y)' if what == 'fit' else 'evaluate(x, y)' if what == 'evaluate' else '(x_val, y_val)'}"
+                         ", or an iterable that yields (x, y) or (x, y, sample_weight) batches.")
 
 
 def is_array_tree(x: Any) -> bool:
@@ -327,7 +528,7 @@ def is_array_tree(x: Any) -> bool:
     if isinstance(x, Mapping):
         return all(is_array_tree(v) for v in x.values())
     if isinstance(x, (tuple, list)):
-        return len(x) > 0 and all(is_array_tree(v) for v in x)
+        return len(x) > 0 and (_is_nested_numbers(x) or all(is_array_tree(v) for v in x))
     return False
 
 

@@ -20,13 +20,13 @@ import math
 import os
 import re
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mirrorax.models.base import ModelAdapter, real_count
+from mirrorax.models.base import ModelAdapter, SparseTarget, real_count
 
 __all__ = ["KerasAdapter", "check_keras_backend"]
 
@@ -101,6 +101,11 @@ class KerasAdapter(ModelAdapter):
         if mixed_precision is not None:
             _set_mixed_precision(model, mixed_precision, keras, optax=self.optax is not None)
         self.batch_dependent = any(isinstance(l, keras.layers.BatchNormalization) for l in _layers(model))
+        # The variables' type (float32 under mixed precision, float64 with floatx float64 and x64 on);
+        # JAX stores float64 as float32 without x64, so the canonical type is what the devices hold.
+        self.float_dtype = np.dtype(jax.dtypes.canonicalize_dtype(
+            np.result_type(np.float32, np.dtype(model.dtype_policy.variable_dtype))))
+        self._output_spec: Any = None
         self._built = False
         self._lent_values: list[tuple[Any, Any]] = []  # (variable, the array write_back lent it)
         self._exposed: list[tuple[Any, Any]] = []
@@ -116,12 +121,18 @@ class KerasAdapter(ModelAdapter):
         y = sample.get("y")
         if self._built == "full" or (self._built and y is None):
             return
+        self.check_inputs(sample["x"])
         if y is None:
             # predict before any fit/evaluate: build the layers only (metrics need targets to build).
             if not all(layer.built for layer in model._flatten_layers()):
                 model(jax.tree.map(lambda a: np.asarray(a)[:1], sample["x"]), training=False)
         else:
+            # Targets against the outputs first: Keras builds its metrics from the first targets it sees
+            # ("accuracy" becomes sparse or one-hot accuracy), so wrong ones must not reach it.
+            self._output_spec = _output_spec(model, sample["x"], self.keras)
+            self.sparse_targets(y, check_shapes=True)
             model._symbolic_build(data_batch=(sample["x"], y, None))  # weights shape no variable
+            self.sparse_targets(y, check_shapes=True)  # several outputs: with Keras's list of losses
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         self._names = {
@@ -156,7 +167,9 @@ class KerasAdapter(ModelAdapter):
         rows = mask.shape[0]
         real = real_count(batch)
         # Keras divides by the number of rows: scale the weights so the loss is the mean over real rows.
-        loss_weight = batch["sample_weight"] * mask * (rows / jnp.maximum(real, 1.0))
+        # Every factor in the model's float type: a float64 model's loss stays float64 throughout.
+        dt = self.float_dtype
+        loss_weight = batch["sample_weight"].astype(dt) * mask.astype(dt) * (rows / jnp.maximum(real.astype(dt), 1.0))
         y = batch["y"]
         if hasattr(y, "ndim") and y.ndim > 1:
             # Keras does not broadcast (batch,) weights over per-timestep losses: (batch, 1, ...) does.
@@ -199,6 +212,40 @@ class KerasAdapter(ModelAdapter):
         y_pred, _ = self.model.stateless_call(self._unpack("params", state["params"]),
                                               self._unpack("model_state", state["model_state"]), x, **kwargs)
         return y_pred
+
+    def check_inputs(self, x):
+        inputs = getattr(self.model, "inputs", None)
+        if not inputs or len(inputs) != 1 or not hasattr(x, "shape") or not hasattr(inputs[0], "shape"):
+            return  # several inputs or a subclassed model: Keras names the mismatch itself
+        want, got = tuple(inputs[0].shape[1:]), tuple(x.shape[1:])
+        if not _fits(got, want):
+            raise ValueError(f"x has shape {_shape_text(x.shape)} but the model takes inputs of shape "
+                             f"{_shape_text((None,) + want)}: every example must have shape "
+                             f"({', '.join('any' if d is None else str(d) for d in want)}{',' if len(want) == 1 else ''}"
+                             f"). Reshape x, or build the model with keras.Input({got}).")
+
+    def sparse_targets(self, y, check_shapes=False):
+        if y is None or self._output_spec is None:
+            return []
+        out = []
+        nested = isinstance(y, (dict, list, tuple))
+        for entry in _loss_entries(self.model, self._output_spec, self.keras):
+            try:
+                y_p = _resolve(entry.path, self._output_spec)
+                y_t = _resolve(entry.path, y) if nested else y
+            except (KeyError, IndexError, TypeError):
+                continue  # a structure Keras reconciles itself (a list of targets for dict outputs)
+            if y_t is None or not hasattr(y_t, "shape") or not hasattr(y_p, "shape"):
+                continue
+            name = "y" + "".join(f"[{p!r}]" for p in entry.path) if nested else "y"
+            fn = getattr(entry.loss, "fn", entry.loss)
+            kwargs = getattr(entry.loss, "_fn_kwargs", None) or {}
+            if check_shapes:
+                _check_target_shape(name, y_t, y_p, entry, fn, self.keras)
+            if fn is self.keras.losses.sparse_categorical_crossentropy and kwargs.get("axis", -1) == -1 \
+                    and y_p.shape[-1] is not None:
+                out.append(SparseTarget(name, y_t, int(y_p.shape[-1]), kwargs.get("ignore_class"), entry.name))
+        return out
 
     def _update_metrics(self, metrics, loss, batch, y_pred):
         model = self.model
@@ -348,6 +395,103 @@ def _update_compile_metrics(cm: Any, y: Any, y_pred: Any, mask: Any, weights: An
     for m, y_t, y_p in zip(cm._flat_weighted_metrics, ys, ps):
         if m:
             m.update_state(y_t, y_p, sample_weight=weights)
+
+
+def _output_spec(model: Any, x: Any, keras: Any) -> Any:
+    """The model's output shapes (batch axis ``None``) for inputs like ``x``, without running it."""
+    try:
+        spec = jax.tree.map(lambda a: keras.KerasTensor((None,) + tuple(np.shape(a)[1:]), dtype=str(a.dtype)), x)
+        return model.compute_output_spec(spec)
+    except Exception:  # noqa: BLE001 - a model Keras cannot trace symbolically: no target checks
+        return None
+
+
+class _LossEntry(NamedTuple):
+    path: tuple[Any, ...]
+    loss: Any
+    name: str
+
+
+def _loss_entries(model: Any, output_spec: Any, keras: Any) -> list[Any]:
+    """The compiled losses with the output each applies to: Keras's own list once it is built, else (a
+    single output whose build just failed) the one compiled loss."""
+    cl = getattr(model, "_compile_loss", None)
+    if cl is None:
+        return []
+    if getattr(cl, "built", False):
+        return list(cl._flat_losses)
+    user = getattr(cl, "_user_loss", None)
+    if user is None or isinstance(user, (dict, list, tuple)) or isinstance(output_spec, (dict, list, tuple)):
+        return []
+    loss = keras.losses.get(user) if isinstance(user, str) else user
+    name = user if isinstance(user, str) else getattr(loss, "name", getattr(loss, "__name__", "loss"))
+    return [_LossEntry((), loss, name)]
+
+
+def _resolve(path: Sequence[Any], tree: Any) -> Any:
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+_ONE_HOT_LOSSES = ("categorical_crossentropy", "categorical_focal_crossentropy", "kl_divergence")
+
+
+def _shape_text(shape: Sequence[Any]) -> str:
+    dims = ["n"] + [str(d) for d in shape[1:]]
+    return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
+
+
+def _check_target_shape(name: str, y_t: Any, y_p: Any, entry: Any, fn: Any, keras: Any) -> None:
+    """Refuses targets whose shape cannot meet the output's under the loss, with the fix.
+
+    Integer labels against a one-hot loss (and one-hot targets against a sparse one) get their own
+    advice; any other pairing is tried on abstract shapes (``jax.eval_shape``: nothing runs), so exactly
+    what the loss itself would refuse is refused, before anything is compiled.
+    """
+    t, p = tuple(y_t.shape[1:]), tuple(y_p.shape[1:])
+    classes = p[-1] if p else None
+    what = f"{name} has shape {_shape_text(y_t.shape)} but the model's output{_output_name(entry)} has shape " \
+           f"{_shape_text(y_p.shape)}"
+    fn_name = getattr(fn, "__name__", "")
+    if fn is keras.losses.sparse_categorical_crossentropy:
+        if _fits(t, p[:-1]) or _fits(t, p[:-1] + (1,)):
+            return
+        if _fits(t, p) and classes != 1:
+            raise ValueError(f"{what}: those look like one-hot targets, but the loss {entry.name} takes integer "
+                             f"class labels of shape {_shape_text(y_p.shape[:-1])}. Use "
+                             f"loss='categorical_crossentropy', or pass {name.split('[')[0]}.argmax(-1).")
+        raise ValueError(f"{what}; the loss {entry.name} takes integer class labels of shape "
+                         f"{_shape_text(y_p.shape[:-1])} (one label per output row).")
+    if fn_name in _ONE_HOT_LOSSES:
+        if _fits(t, p):
+            return
+        if (_fits(t, p[:-1]) or _fits(t, p[:-1] + (1,))) and classes != 1:
+            raise ValueError(f"{what}: those look like integer class labels, but the loss {entry.name} takes "
+                             f"one-hot targets of the output's shape. Use loss='sparse_categorical_crossentropy', "
+                             f"or one-hot encode: keras.utils.to_categorical({name.split('[')[0]}, {classes}).")
+        raise ValueError(f"{what}; the loss {entry.name} takes targets of the output's shape "
+                         f"{_shape_text(y_p.shape)}. Give the output layer {t[-1] if t else 1} units or fix the "
+                         "targets.")
+    if any(d is None for d in p):
+        return  # a variable-length output: only the loss itself can tell
+    rows = 2
+    t_spec = jax.ShapeDtypeStruct((rows,) + t, y_t.dtype)
+    p_spec = jax.ShapeDtypeStruct((rows,) + p, y_p.dtype)
+    try:
+        jax.eval_shape(lambda a, b: entry.loss(a, b), t_spec, p_spec)
+    except Exception as e:  # noqa: BLE001 - whatever the loss refuses, said with the shapes and the fix
+        raise ValueError(f"{what}, and the loss {entry.name} cannot compare them ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}). Give the targets the output's shape "
+                         f"{_shape_text(y_p.shape)}, or change the output layer to fit the targets.") from None
+
+
+def _output_name(entry: Any) -> str:
+    return f" {entry.path[-1]!r}" if entry.path else ""
+
+
+def _fits(target: tuple[Any, ...], output: tuple[Any, ...]) -> bool:
+    return len(target) == len(output) and all(o is None or t == o for t, o in zip(target, output))
 
 
 def _compiled_metric_args(model: Any) -> Any:
