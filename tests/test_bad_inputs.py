@@ -307,3 +307,24 @@ def test_inputs_that_do_not_fit_the_model():
         with pytest.raises(ValueError, match=match):
             call()
     assert t.compile_counts() == {"train": 1, "train_many": 0, "evaluate": 0, "predict": 0}
+
+
+def test_forgiving_forms_keras_also_takes():
+    x, y = data()
+    t = mx.Trainer(model(), strategy(2))
+    stops = keras.callbacks.EarlyStopping(monitor="loss", patience=0)
+    hist = t.fit(x, y, validation_data=[x, y], callbacks=stops, batch_size=8, epochs=1, verbose=0)
+    assert "val_loss" in hist.history  # a list [x_val, y_val] and a single callback, as Keras takes them
+
+
+def test_more_hurried_mistakes():
+    x, y = data()
+    t = mx.Trainer(model(), strategy(2))
+    with pytest.raises(ValueError, match=r"sample_weight must be one array.*received a dict"):
+        t.fit(x, y, sample_weight={"out": np.ones(24)}, batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match=r"y holds 4294967296, beyond int32"):
+        t.fit(x, np.where(np.arange(24) == 3, 2 ** 32, y.astype(np.int64)), batch_size=8, verbose=0)
+    binary = mx.Trainer(model(units=1), strategy(2))
+    with pytest.raises(ValueError, match=r"label 1 .*output has 1 units.*binary_crossentropy"):
+        binary.fit(x, y % 2, batch_size=8, verbose=0)
+    assert nothing_compiled(t) and nothing_compiled(binary)

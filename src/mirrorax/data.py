@@ -17,15 +17,18 @@ import itertools
 import math
 import queue
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
+from mirrorax.input_checks import (batch_weights, check_batch_size, check_finite_values, check_labels,
+                                   check_weights, is_nested_numbers, leaves, rows_shape, tree_numeric)
 from mirrorax.strategy import MirroredStrategy, _PerProcessDataset
 
-__all__ = ["Batch", "ArraySource", "IterableSource", "make_source", "padded_batch_size", "Prefetcher"]
+__all__ = ["Batch", "ArraySource", "IterableSource", "make_source", "padded_batch_size", "Prefetcher",
+           "check_batch_size", "require_targets"]
 
 PyTree = Any
 
@@ -62,137 +65,6 @@ def padded_batch_size(batch_size: int, strategy: MirroredStrategy) -> int:
     return math.ceil(batch_size / n) * n
 
 
-def check_batch_size(batch_size: Any) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer (the global batch, over all devices); "
-                         f"received {batch_size!r}. Use e.g. batch_size=256.")
-    return int(batch_size)
-
-
-def _to_numeric(a: Any, what: str, float_dtype: Any = np.float32) -> np.ndarray:
-    """``a`` as a numeric numpy array; float32/float64 become ``float_dtype`` (the model's), as Keras's own
-    data adapters cast floats to ``floatx``, and int64 becomes int32."""
-    if hasattr(a, "numpy") and not isinstance(a, np.ndarray):
-        a = a.numpy()
-    try:
-        arr = np.asarray(a)
-    except ValueError as e:  # ragged nested lists
-        raise ValueError(f"{what} could not be made one array ({e}). Pass a rectangular array: pad ragged "
-                         "rows to one length first.") from None
-    if arr.dtype.kind == "c":
-        raise TypeError(f"{what} must hold real numbers; received complex values (dtype {arr.dtype}, shape "
-                        f"{arr.shape}). Pass np.real({what}), or the real and imaginary parts as separate "
-                        "features.")
-    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_
-                                   or arr.dtype.kind == "V" and "float" in arr.dtype.name):
-        raise TypeError(f"{what} must hold numbers; received an array of dtype {arr.dtype} (shape "
-                        f"{arr.shape}). Convert it first, e.g. np.asarray({what}, dtype=np.float32), or "
-                        "encode strings/categories as integers.")
-    if arr.ndim == 0:
-        raise ValueError(f"{what} must have a leading example axis; received a scalar {arr!r}.")
-    if arr.dtype in (np.float32, np.float64) and arr.dtype != float_dtype:
-        arr = arr.astype(float_dtype)
-    elif arr.dtype == np.int64:
-        arr = arr.astype(np.int32)
-    return arr
-
-
-def _tree_numeric(tree: Any, what: str, float_dtype: Any = np.float32) -> Any:
-    if tree is None:
-        return None
-    if isinstance(tree, Mapping):
-        return {k: _tree_numeric(v, f"{what}[{k!r}]", float_dtype) for k, v in tree.items()}
-    if isinstance(tree, (tuple, list)) and not _is_nested_numbers(tree):
-        return type(tree)(_tree_numeric(v, f"{what}[{i}]", float_dtype) for i, v in enumerate(tree))
-    return _to_numeric(tree, what, float_dtype)
-
-
-def _is_nested_numbers(x: Any) -> bool:
-    """A (nested) Python list/tuple of plain numbers: one array written as lists (``[0, 2, 1]``), not a
-    tuple of arrays."""
-    while isinstance(x, (list, tuple)) and len(x) > 0:
-        x = x[0]
-    return isinstance(x, (int, float, bool, np.generic)) and not isinstance(x, np.ndarray)
-
-
-def _leaves(tree: Any, name: str) -> list[tuple[str, np.ndarray]]:
-    """``(name, array)`` for every array of ``tree``: ``x``, ``x['a']``, ``x[1]``."""
-    if tree is None:
-        return []
-    if isinstance(tree, Mapping):
-        return [leaf for k, v in tree.items() for leaf in _leaves(v, f"{name}[{k!r}]")]
-    if isinstance(tree, (tuple, list)):
-        return [leaf for i, v in enumerate(tree) for leaf in _leaves(v, f"{name}[{i}]")]
-    return [(name, tree)]
-
-
-def _index_text(name: str, idx: Any) -> str:
-    return f"{name}[{', '.join(str(int(i)) for i in idx)}]"
-
-
-def check_finite_values(a: np.ndarray, what: str) -> None:
-    """Refuses NaN/inf in a float array, naming the first one (rows are scanned in chunks: no full-size
-    temporary for a large array)."""
-    if a.dtype.kind in "biu":
-        return
-    step = max(1, (1 << 22) // max(1, int(np.prod(a.shape[1:], dtype=np.int64))))
-    for lo in range(0, a.shape[0], step):
-        ok = np.isfinite(a[lo:lo + step])
-        if not ok.all():
-            idx = np.argwhere(~ok)[0]
-            idx[0] += lo
-            raise ValueError(
-                f"{what} holds {a[tuple(idx)]} at {_index_text(what, idx)} (example {idx[0]}); fit and evaluate "
-                f"refuse NaN and inf in x, y and sample_weight: one such value makes the loss, and then every "
-                f"weight, non-finite. Fix or drop those examples first (keep = np.isfinite({what})"
-                f".reshape(len({what}), -1).all(axis=1)), or pass Trainer(..., on_nonfinite='skip') to train on "
-                f"and drop the steps they spoil.")
-
-
-def check_labels(targets: Sequence[Any], note: str = "") -> None:
-    """Refuses integer labels outside ``0..classes-1`` (and non-integer ones) of sparse cross-entropy
-    targets.
-
-    Args:
-      targets: ``SparseTarget``s (name, labels, classes, ignore_class, loss) with host arrays.
-      note: appended to the message (where the labels came from).
-    """
-    for t in targets:
-        lab = np.asarray(t.labels)
-        if lab.dtype.kind not in "biuf" or lab.size == 0:
-            continue
-        if lab.dtype.kind == "f":
-            frac = lab != np.floor(lab)
-            if t.ignore_class is not None:
-                frac &= lab != t.ignore_class
-            if frac.any():
-                idx = np.argwhere(frac)[0]
-                raise ValueError(
-                    f"{t.name} holds the non-integer label {lab[tuple(idx)]} at {_index_text(t.name, idx)} "
-                    f"(example {idx[0]}){note}; the loss {t.loss} takes integer class indices 0..{t.classes - 1} "
-                    f"(it would truncate this one). Pass integer labels, or one-hot targets with "
-                    f"loss='categorical_crossentropy'.")
-        if lab.min() >= 0 and lab.max() < t.classes:
-            continue
-        bad = (lab < 0) | (lab >= t.classes)
-        if t.ignore_class is not None:
-            bad &= lab != t.ignore_class
-        if not bad.any():
-            continue
-        idx = np.argwhere(bad)[0]
-        raise ValueError(label_message(t.name, lab[tuple(idx)], t.classes, t.loss,
-                                       f"at {_index_text(t.name, idx)} (example {idx[0]}){note}"))
-
-
-def label_message(name: str, value: Any, classes: int, loss: str, where: str) -> str:
-    value = float(value)
-    shown = int(value) if value == int(value) else value
-    return (f"{name} holds the label {shown} {where}, but the model's output has {classes} units, so the loss "
-            f"{loss} takes labels 0..{classes - 1} (JAX would silently score this one as no class). Give the "
-            f"output layer as many units as there are classes (at least max(label) + 1), or map the labels "
-            f"onto 0..{classes - 1} first, e.g. np.unique({name.split('[')[0]}, return_inverse=True)[1].")
-
-
 def _leading(tree: Any) -> list[tuple[str, int]]:
     out = []
     def visit(t: Any, name: str) -> None:
@@ -212,22 +84,6 @@ def _leading(tree: Any) -> list[tuple[str, int]]:
 
 def _take(tree: Any, idx: np.ndarray) -> Any:
     return jax.tree.map(lambda a: np.take(a, idx, axis=0), tree)
-
-
-def _check_weights(sample_weight: Any, float_dtype: Any) -> np.ndarray:
-    w = _to_numeric(sample_weight, "sample_weight", float_dtype)
-    if w.ndim != 1:
-        hint = " Pass sample_weight.reshape(-1)." if w.ndim == 2 and w.shape[1] == 1 else \
-            " Per-timestep or per-output weights are not supported: weight each example with one number."
-        raise ValueError(f"sample_weight must be 1-D, one weight per example; received shape {w.shape}.{hint}")
-    if w.dtype.kind not in "f":
-        w = w.astype(float_dtype)
-    check_finite_values(w, "sample_weight")
-    if (w < 0).any():
-        i = int(np.argmax(w < 0))
-        raise ValueError(f"sample_weight holds the negative weight {w[i]} at example {i}; weights must be >= 0 "
-                         "(a negative weight maximises that example's loss). Use 0 to leave an example out.")
-    return w
 
 
 class ArraySource:
@@ -250,9 +106,9 @@ class ArraySource:
         if x is None:
             raise ValueError("x is None; pass the inputs as an array (or a tuple/dict of arrays).")
         float_dtype = np.dtype(float_dtype)
-        self.x = _tree_numeric(x, "x", float_dtype)
-        self.y = _tree_numeric(y, "y", float_dtype)
-        self.w = None if sample_weight is None else _check_weights(sample_weight, float_dtype)
+        self.x = tree_numeric(x, "x", float_dtype)
+        self.y = tree_numeric(y, "y", float_dtype)
+        self.w = None if sample_weight is None else check_weights(sample_weight, float_dtype)
         lengths = [("x" + n, l) for n, l in _leading(self.x)] + [("y" + n, l) for n, l in _leading(self.y)]
         if self.w is not None:
             lengths.append(("sample_weight", self.w.shape[0]))
@@ -265,7 +121,7 @@ class ArraySource:
         if self.num_examples == 0:
             raise ValueError("The input is empty (0 examples). Pass at least one example.")
         if check_finite:
-            for name, a in _leaves(self.x, "x") + _leaves(self.y, "y"):
+            for name, a in leaves(self.x, "x") + leaves(self.y, "y"):
                 check_finite_values(a, name)
         self._targets_checked = False
 
@@ -345,7 +201,7 @@ class IterableSource:
             except StopIteration:
                 raise ValueError("The input iterable yielded no batch. Pass a non-empty dataset.") from None
             x, y, w = _split(raw)
-            self._first = (_tree_numeric(x, "x", self.float_dtype), _tree_numeric(y, "y", self.float_dtype), w)
+            self._first = (tree_numeric(x, "x", self.float_dtype), tree_numeric(y, "y", self.float_dtype), w)
             if it is self.iterable or isinstance(self.iterable, Iterator):
                 # A one-shot iterator: the peeked item must still be trained on.
                 self._unread = raw
@@ -374,7 +230,7 @@ class IterableSource:
             adapter.sparse_targets(y, check_shapes=True)
 
     def _signature(self, x: PyTree, y: PyTree) -> list[tuple[str, tuple[int, ...], str]]:
-        return [(name, a.shape[1:], a.dtype.name) for name, a in _leaves(x, "x") + _leaves(y, "y")]
+        return [(name, a.shape[1:], a.dtype.name) for name, a in leaves(x, "x") + leaves(y, "y")]
 
     def _check_like_first(self, x: PyTree, y: PyTree, index: int) -> None:
         """Every batch has the first one's arrays (names, shapes past the batch axis, dtypes): a change
@@ -389,8 +245,8 @@ class IterableSource:
                              "Every batch must have the same structure (x, y and sample_weight alike).")
         for (name, shape_w, dtype_w), (_, shape_g, dtype_g) in zip(want, got):
             if shape_w != shape_g:
-                raise ValueError(f"Batch {index} of the input has {name} of shape {_rows_shape(shape_g)}, the first "
-                                 f"batch {_rows_shape(shape_w)}. Every batch must "
+                raise ValueError(f"Batch {index} of the input has {name} of shape {rows_shape(shape_g)}, the first "
+                                 f"batch {rows_shape(shape_w)}. Every batch must "
                                  "have the same shape past the batch axis (only the number of rows may vary: "
                                  "short batches are padded). Pad or crop to one shape in the input pipeline.")
             if dtype_w != dtype_g:
@@ -428,8 +284,8 @@ class IterableSource:
                 yield _empty_like(template)
                 continue
             x, y, w = _split(item)
-            x = _tree_numeric(x, "x", self.float_dtype)
-            y = _tree_numeric(y, "y", self.float_dtype) if with_targets else None
+            x = tree_numeric(x, "x", self.float_dtype)
+            y = tree_numeric(y, "y", self.float_dtype) if with_targets else None
             self._check_like_first(x, y, index)
             n = {l for _, l in _leading(x) + _leading(y)}
             if len(n) != 1:
@@ -440,7 +296,7 @@ class IterableSource:
                 raise ValueError(f"The input yielded a batch of {n} rows, more than batch_size={batch_size}"
                                  f" ({rows} rows per {'process' if self.per_process else 'step'}). Pass "
                                  "batch_size equal to the largest batch the iterable yields.")
-            w = np.ones(n, self.float_dtype) if w is None else _batch_weights(w, n, index, self.float_dtype)
+            w = np.ones(n, self.float_dtype) if w is None else batch_weights(w, n, index, self.float_dtype)
             if not self.per_process and multi:
                 lo = strategy.process_index * (padded // strategy.process_count)
                 slot = np.arange(lo, lo + padded // strategy.process_count)
@@ -451,18 +307,6 @@ class IterableSource:
             template = Batch(_take(x, idx), _take(y, idx), w[idx], valid.astype(np.float32),
                              None if self.per_process else np.float32(n))
             yield template
-
-
-def _rows_shape(shape: tuple[int, ...]) -> str:
-    return "(rows" + "".join(f", {d}" for d in shape) + ("" if shape else ",") + ")"
-
-
-def _batch_weights(w: Any, n: int, index: int, float_dtype: Any) -> np.ndarray:
-    w = _to_numeric(w, "sample_weight", float_dtype).astype(float_dtype)
-    if w.shape != (n,):
-        raise ValueError(f"Batch {index} of the input has sample_weight of shape {w.shape} for {n} examples; "
-                         f"it must be ({n},): one weight per example.")
-    return w
 
 
 def _empty_like(template: Batch | None) -> Batch:
@@ -528,7 +372,7 @@ def is_array_tree(x: Any) -> bool:
     if isinstance(x, Mapping):
         return all(is_array_tree(v) for v in x.values())
     if isinstance(x, (tuple, list)):
-        return len(x) > 0 and (_is_nested_numbers(x) or all(is_array_tree(v) for v in x))
+        return len(x) > 0 and (is_nested_numbers(x) or all(is_array_tree(v) for v in x))
     return False
 
 

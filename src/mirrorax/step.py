@@ -232,7 +232,7 @@ class StepFunctions:
         return watch
 
     def _label_message(self, record: np.ndarray, where: str) -> str:
-        from mirrorax.data import label_message
+        from mirrorax.input_checks import label_message
 
         targets = getattr(self, "_label_targets", None) or [("y", "?", "sparse_categorical_crossentropy")]
         name, classes, loss = targets[min(int(record[1]), len(targets) - 1)]

@@ -329,6 +329,8 @@ class Trainer:
             from mirrorax.checkpoint import Checkpointer
 
             ckpt = Checkpointer(checkpoint_dir, keep=keep_checkpoints)
+        if callbacks is not None and not isinstance(callbacks, (list, tuple)):
+            callbacks = [callbacks]  # one callback, not in a list: as Keras's own fit takes it
         sample = self._sample(source, batch_size)
         self._ensure_state(sample)
         for s in (source, val):  # shapes against the outputs, labels against the classes: before compiling
@@ -475,6 +477,9 @@ class Trainer:
         if validation_data is None:
             return None
         dtype = self.adapter.float_dtype
+        if isinstance(validation_data, list) and len(validation_data) in (2, 3) and \
+                not isinstance(validation_data[0], (tuple, list)):
+            validation_data = tuple(validation_data)  # as Keras reads [x_val, y_val]
         if isinstance(validation_data, tuple) and validation_data and data_lib.is_array_tree(validation_data[0]):
             if len(validation_data) not in (2, 3):
                 raise ValueError(

@@ -20,13 +20,14 @@ import math
 import os
 import re
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mirrorax.models.base import ModelAdapter, SparseTarget, real_count
+from mirrorax.models.keras_targets import check_target_shape, fits, loss_entries, output_spec, resolve, shape_text
 
 __all__ = ["KerasAdapter", "check_keras_backend"]
 
@@ -129,7 +130,7 @@ class KerasAdapter(ModelAdapter):
         else:
             # Targets against the outputs first: Keras builds its metrics from the first targets it sees
             # ("accuracy" becomes sparse or one-hot accuracy), so wrong ones must not reach it.
-            self._output_spec = _output_spec(model, sample["x"], self.keras)
+            self._output_spec = output_spec(model, sample["x"], self.keras)
             self.sparse_targets(y, check_shapes=True)
             model._symbolic_build(data_batch=(sample["x"], y, None))  # weights shape no variable
             self.sparse_targets(y, check_shapes=True)  # several outputs: with Keras's list of losses
@@ -218,9 +219,9 @@ class KerasAdapter(ModelAdapter):
         if not inputs or len(inputs) != 1 or not hasattr(x, "shape") or not hasattr(inputs[0], "shape"):
             return  # several inputs or a subclassed model: Keras names the mismatch itself
         want, got = tuple(inputs[0].shape[1:]), tuple(x.shape[1:])
-        if not _fits(got, want):
-            raise ValueError(f"x has shape {_shape_text(x.shape)} but the model takes inputs of shape "
-                             f"{_shape_text((None,) + want)}: every example must have shape "
+        if not fits(got, want):
+            raise ValueError(f"x has shape {shape_text(x.shape)} but the model takes inputs of shape "
+                             f"{shape_text((None,) + want)}: every example must have shape "
                              f"({', '.join('any' if d is None else str(d) for d in want)}{',' if len(want) == 1 else ''}"
                              f"). Reshape x, or build the model with keras.Input({got}).")
 
@@ -229,10 +230,10 @@ class KerasAdapter(ModelAdapter):
             return []
         out = []
         nested = isinstance(y, (dict, list, tuple))
-        for entry in _loss_entries(self.model, self._output_spec, self.keras):
+        for entry in loss_entries(self.model, self._output_spec, self.keras):
             try:
-                y_p = _resolve(entry.path, self._output_spec)
-                y_t = _resolve(entry.path, y) if nested else y
+                y_p = resolve(entry.path, self._output_spec)
+                y_t = resolve(entry.path, y) if nested else y
             except (KeyError, IndexError, TypeError):
                 continue  # a structure Keras reconciles itself (a list of targets for dict outputs)
             if y_t is None or not hasattr(y_t, "shape") or not hasattr(y_p, "shape"):
@@ -241,10 +242,10 @@ class KerasAdapter(ModelAdapter):
             fn = getattr(entry.loss, "fn", entry.loss)
             kwargs = getattr(entry.loss, "_fn_kwargs", None) or {}
             if check_shapes:
-                _check_target_shape(name, y_t, y_p, entry, fn, self.keras)
+                check_target_shape(name, y_t, y_p, entry, fn, self.keras)
             if fn is self.keras.losses.sparse_categorical_crossentropy and kwargs.get("axis", -1) == -1 \
                     and y_p.shape[-1] is not None:
-                out.append(SparseTarget(name, y_t, int(y_p.shape[-1]), kwargs.get("ignore_class"), entry.name))
+                out.append(SparseTarget(name, y_t, int(y_p.shape[-1]), kwargs.get("ignore_class"), fn.__name__))
         return out
 
     def _update_metrics(self, metrics, loss, batch, y_pred):
@@ -395,103 +396,6 @@ def _update_compile_metrics(cm: Any, y: Any, y_pred: Any, mask: Any, weights: An
     for m, y_t, y_p in zip(cm._flat_weighted_metrics, ys, ps):
         if m:
             m.update_state(y_t, y_p, sample_weight=weights)
-
-
-def _output_spec(model: Any, x: Any, keras: Any) -> Any:
-    """The model's output shapes (batch axis ``None``) for inputs like ``x``, without running it."""
-    try:
-        spec = jax.tree.map(lambda a: keras.KerasTensor((None,) + tuple(np.shape(a)[1:]), dtype=str(a.dtype)), x)
-        return model.compute_output_spec(spec)
-    except Exception:  # noqa: BLE001 - a model Keras cannot trace symbolically: no target checks
-        return None
-
-
-class _LossEntry(NamedTuple):
-    path: tuple[Any, ...]
-    loss: Any
-    name: str
-
-
-def _loss_entries(model: Any, output_spec: Any, keras: Any) -> list[Any]:
-    """The compiled losses with the output each applies to: Keras's own list once it is built, else (a
-    single output whose build just failed) the one compiled loss."""
-    cl = getattr(model, "_compile_loss", None)
-    if cl is None:
-        return []
-    if getattr(cl, "built", False):
-        return list(cl._flat_losses)
-    user = getattr(cl, "_user_loss", None)
-    if user is None or isinstance(user, (dict, list, tuple)) or isinstance(output_spec, (dict, list, tuple)):
-        return []
-    loss = keras.losses.get(user) if isinstance(user, str) else user
-    name = user if isinstance(user, str) else getattr(loss, "name", getattr(loss, "__name__", "loss"))
-    return [_LossEntry((), loss, name)]
-
-
-def _resolve(path: Sequence[Any], tree: Any) -> Any:
-    for p in path:
-        tree = tree[p]
-    return tree
-
-
-_ONE_HOT_LOSSES = ("categorical_crossentropy", "categorical_focal_crossentropy", "kl_divergence")
-
-
-def _shape_text(shape: Sequence[Any]) -> str:
-    dims = ["n"] + [str(d) for d in shape[1:]]
-    return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
-
-
-def _check_target_shape(name: str, y_t: Any, y_p: Any, entry: Any, fn: Any, keras: Any) -> None:
-    """Refuses targets whose shape cannot meet the output's under the loss, with the fix.
-
-    Integer labels against a one-hot loss (and one-hot targets against a sparse one) get their own
-    advice; any other pairing is tried on abstract shapes (``jax.eval_shape``: nothing runs), so exactly
-    what the loss itself would refuse is refused, before anything is compiled.
-    """
-    t, p = tuple(y_t.shape[1:]), tuple(y_p.shape[1:])
-    classes = p[-1] if p else None
-    what = f"{name} has shape {_shape_text(y_t.shape)} but the model's output{_output_name(entry)} has shape " \
-           f"{_shape_text(y_p.shape)}"
-    fn_name = getattr(fn, "__name__", "")
-    if fn is keras.losses.sparse_categorical_crossentropy:
-        if _fits(t, p[:-1]) or _fits(t, p[:-1] + (1,)):
-            return
-        if _fits(t, p) and classes != 1:
-            raise ValueError(f"{what}: those look like one-hot targets, but the loss {entry.name} takes integer "
-                             f"class labels of shape {_shape_text(y_p.shape[:-1])}. Use "
-                             f"loss='categorical_crossentropy', or pass {name.split('[')[0]}.argmax(-1).")
-        raise ValueError(f"{what}; the loss {entry.name} takes integer class labels of shape "
-                         f"{_shape_text(y_p.shape[:-1])} (one label per output row).")
-    if fn_name in _ONE_HOT_LOSSES:
-        if _fits(t, p):
-            return
-        if (_fits(t, p[:-1]) or _fits(t, p[:-1] + (1,))) and classes != 1:
-            raise ValueError(f"{what}: those look like integer class labels, but the loss {entry.name} takes "
-                             f"one-hot targets of the output's shape. Use loss='sparse_categorical_crossentropy', "
-                             f"or one-hot encode: keras.utils.to_categorical({name.split('[')[0]}, {classes}).")
-        raise ValueError(f"{what}; the loss {entry.name} takes targets of the output's shape "
-                         f"{_shape_text(y_p.shape)}. Give the output layer {t[-1] if t else 1} units or fix the "
-                         "targets.")
-    if any(d is None for d in p):
-        return  # a variable-length output: only the loss itself can tell
-    rows = 2
-    t_spec = jax.ShapeDtypeStruct((rows,) + t, y_t.dtype)
-    p_spec = jax.ShapeDtypeStruct((rows,) + p, y_p.dtype)
-    try:
-        jax.eval_shape(lambda a, b: entry.loss(a, b), t_spec, p_spec)
-    except Exception as e:  # noqa: BLE001 - whatever the loss refuses, said with the shapes and the fix
-        raise ValueError(f"{what}, and the loss {entry.name} cannot compare them ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''}). Give the targets the output's shape "
-                         f"{_shape_text(y_p.shape)}, or change the output layer to fit the targets.") from None
-
-
-def _output_name(entry: Any) -> str:
-    return f" {entry.path[-1]!r}" if entry.path else ""
-
-
-def _fits(target: tuple[Any, ...], output: tuple[Any, ...]) -> bool:
-    return len(target) == len(output) and all(o is None or t == o for t, o in zip(target, output))
 
 
 def _compiled_metric_args(model: Any) -> Any:
