@@ -328,3 +328,21 @@ def test_more_hurried_mistakes():
     with pytest.raises(ValueError, match=r"label 1 .*output has 1 units.*binary_crossentropy"):
         binary.fit(x, y % 2, batch_size=8, verbose=0)
     assert nothing_compiled(t) and nothing_compiled(binary)
+
+
+def test_dict_inputs_with_the_wrong_names():
+    x, y = data()
+    t = mx.Trainer(model(), strategy(2))
+    with pytest.raises(ValueError, match=r"x is a dict with keys \['foo'\], but the model has one input.*"
+                                         r"Pass the array itself"):
+        t.fit({"foo": x}, y, batch_size=8, verbose=0)
+    keras.utils.set_random_seed(0)
+    ia, ib = keras.Input((4,), name="a"), keras.Input((4,), name="b")
+    two = keras.Model({"a": ia, "b": ib}, keras.layers.Dense(CLASSES, activation="softmax")(
+        keras.layers.Concatenate()([ia, ib])))
+    two.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    t2 = mx.Trainer(two, strategy(2))
+    with pytest.raises(ValueError, match=r"keys \['a', 'c'\], but the model's inputs are \['a', 'b'\]"):
+        t2.fit({"a": x, "c": x}, y, batch_size=8, verbose=0)
+    assert nothing_compiled(t) and nothing_compiled(t2)
+    t2.fit({"a": x, "b": x}, y, batch_size=8, verbose=0)

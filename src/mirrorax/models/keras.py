@@ -215,9 +215,25 @@ class KerasAdapter(ModelAdapter):
         return y_pred
 
     def check_inputs(self, x):
-        inputs = getattr(self.model, "inputs", None)
-        if not inputs or len(inputs) != 1 or not hasattr(x, "shape") or not hasattr(inputs[0], "shape"):
-            return  # several inputs or a subclassed model: Keras names the mismatch itself
+        try:
+            inputs = self.model.inputs
+            struct = getattr(self.model, "_inputs_struct", None)
+        except (AttributeError, ValueError):  # a subclassed model, or a Sequential without keras.Input
+            return
+        if not inputs:
+            return
+        if isinstance(x, dict):
+            names = sorted(struct) if isinstance(struct, dict) else [getattr(t, "name", "?") for t in inputs]
+            if len(inputs) == 1 and not isinstance(struct, dict):
+                if set(x) != set(names):
+                    raise ValueError(f"x is a dict with keys {sorted(x)}, but the model has one input (named "
+                                     f"{names[0]!r}). Pass the array itself: fit(x[{next(iter(x))!r}], ...).")
+            elif set(x) != set(names):
+                raise ValueError(f"x is a dict with keys {sorted(x)}, but the model's inputs are {names}. Pass a "
+                                 "dict with exactly those keys.")
+            return
+        if len(inputs) != 1 or not hasattr(x, "shape") or not hasattr(inputs[0], "shape"):
+            return  # several inputs: Keras names the mismatch itself
         want, got = tuple(inputs[0].shape[1:]), tuple(x.shape[1:])
         if not fits(got, want):
             raise ValueError(f"x has shape {shape_text(x.shape)} but the model takes inputs of shape "
