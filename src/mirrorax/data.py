@@ -230,7 +230,8 @@ class IterableSource:
             adapter.sparse_targets(y, check_shapes=True)
 
     def _signature(self, x: PyTree, y: PyTree) -> list[tuple[str, tuple[int, ...], str]]:
-        return [(name, a.shape[1:], a.dtype.name) for name, a in leaves(x, "x") + leaves(y, "y")]
+        # Sorted: dict keys in another order are the same batch (JAX flattens dicts by sorted key).
+        return sorted((name, a.shape[1:], a.dtype.name) for name, a in leaves(x, "x") + leaves(y, "y"))
 
     def _check_like_first(self, x: PyTree, y: PyTree, index: int) -> None:
         """Every batch has the first one's arrays (names, shapes past the batch axis, dtypes): a change
@@ -361,9 +362,9 @@ def require_targets(source: ArraySource | IterableSource, what: str) -> None:
                 all(isinstance(v, (list, tuple)) for v in source.x):
             given += (" (a list of (x, y) tuples reads as a list of input arrays, as in Keras: pass batches as "
                       "an iterator or generator, e.g. iter(batches))")
-        raise ValueError(f"{what} needs targets to compute the loss; received {given} (y is None). Pass "
-                         f"{'fit(x, y)' if what == 'fit' else 'evaluate(x, y)' if what == 'evaluate' else '(x_val, y_val)'}"
-                         ", or an iterable that yields (x, y) or (x, y, sample_weight) batches.")
+        form = {"fit": "fit(x, y)", "evaluate": "evaluate(x, y)"}.get(what, "(x_val, y_val)")
+        raise ValueError(f"{what} needs targets to compute the loss; received {given} (y is None). Pass {form}, "
+                         "or an iterable that yields (x, y) or (x, y, sample_weight) batches.")
 
 
 def is_array_tree(x: Any) -> bool:

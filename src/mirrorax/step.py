@@ -165,6 +165,11 @@ class StepFunctions:
         self._label_targets = [(t.name, t.classes, t.loss) for t in targets]  # for the host's message
         real = batch["mask"] > 0
         record = jnp.zeros(4, jnp.int32)
+        # Over the (sharded) batch axis every step sums one count, which XLA can fold into the gradients'
+        # all-reduce; the bad label's row and value are reduced in a branch taken only when there is one.
+        # An argmax or an index by a computed row would be an all-gather in every step (which, measured,
+        # also changed how a dead peer process reached the others: as a broken all-gather in the step
+        # instead of mirrorax's failure notice).
         for i, t in reversed(list(enumerate(targets))):  # the first target's record wins
             lab = t.labels
             if jnp.issubdtype(lab.dtype, jnp.floating):
@@ -174,13 +179,22 @@ class StepFunctions:
                 bad = (lab < 0) | (lab >= t.classes)
             if t.ignore_class is not None:
                 bad = bad & (lab != t.ignore_class)
-            per_row = bad.reshape(bad.shape[0], -1)
-            row_bad = jnp.any(per_row, axis=1) & real
-            row = jnp.argmax(row_bad)
-            value = lab.reshape(lab.shape[0], -1)[row, jnp.argmax(per_row[row])].astype(jnp.float32)
-            here = jnp.stack([jnp.ones((), jnp.int32), jnp.asarray(i, jnp.int32), row.astype(jnp.int32),
-                              jax.lax.bitcast_convert_type(value, jnp.int32)])
-            record = jnp.where(jnp.any(row_bad), here, record)
+            rows = bad.shape[0]
+            per_row = bad.reshape(rows, -1) & real[:, None]
+            flat = lab.reshape(rows, -1).astype(jnp.float32)
+            # Each row's first bad value: along the row, on the device that holds it.
+            first = jnp.take_along_axis(flat, jnp.argmax(per_row, axis=1)[:, None], axis=1)[:, 0]
+            row_bad = jnp.any(per_row, axis=1)
+
+            def locate(row_bad, first, i=i, rows=rows):
+                row_ids = jnp.arange(rows, dtype=jnp.int32)
+                row = jnp.min(jnp.where(row_bad, row_ids, rows))
+                value = jnp.sum(jnp.where(row_ids == row, first, 0.0))
+                return jnp.stack([jnp.ones((), jnp.int32), jnp.asarray(i, jnp.int32), row,
+                                  jax.lax.bitcast_convert_type(value, jnp.int32)])
+
+            found = jnp.sum(row_bad.astype(jnp.float32)) > 0  # a sum: it joins the gradients' all-reduce
+            record = jax.lax.cond(found, locate, lambda *_: record, row_bad, first)
         return record
 
     def _predict_step(self, state: dict[str, PyTree], x: PyTree):

@@ -160,7 +160,8 @@ class _FunctionalAdapter(ModelAdapter):
         w = batch["sample_weight"].astype(dt) * batch["mask"].astype(dt)
         real = real_count(batch).astype(dt)
         # Sums keep their type: a metric carried through a scan or donated between steps must not change it.
-        out = {"loss": {"total": metrics["loss"]["total"] + loss_sum.astype(dt), "count": metrics["loss"]["count"] + real}}
+        out = {"loss": {"total": metrics["loss"]["total"] + loss_sum.astype(dt),
+                        "count": metrics["loss"]["count"] + real}}
         for name, fn in self.metric_fns.items():
             v = fn(y, y_pred).reshape(w.shape[0], -1).mean(-1)
             out[name] = {"total": metrics[name]["total"] + jnp.sum(v * w).astype(dt),

@@ -236,10 +236,11 @@ class KerasAdapter(ModelAdapter):
             return  # several inputs: Keras names the mismatch itself
         want, got = tuple(inputs[0].shape[1:]), tuple(x.shape[1:])
         if not fits(got, want):
+            dims = ["any" if d is None else str(d) for d in want]
+            example = "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
             raise ValueError(f"x has shape {shape_text(x.shape)} but the model takes inputs of shape "
-                             f"{shape_text((None,) + want)}: every example must have shape "
-                             f"({', '.join('any' if d is None else str(d) for d in want)}{',' if len(want) == 1 else ''}"
-                             f"). Reshape x, or build the model with keras.Input({got}).")
+                             f"{shape_text((None,) + want)}: every example must have shape {example}. Reshape x, "
+                             f"or build the model with keras.Input({got}).")
 
     def sparse_targets(self, y, check_shapes=False):
         if y is None or self._output_spec is None:
