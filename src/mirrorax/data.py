@@ -23,9 +23,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from mirrorax.input_checks import (batch_weights, check_batch_size, check_finite_values, check_labels,
+                                   check_weights, is_nested_numbers, leaves, rows_shape, tree_numeric)
 from mirrorax.strategy import MirroredStrategy, _PerProcessDataset
 
-__all__ = ["Batch", "ArraySource", "IterableSource", "make_source", "padded_batch_size", "Prefetcher"]
+__all__ = ["Batch", "ArraySource", "IterableSource", "make_source", "padded_batch_size", "Prefetcher",
+           "check_batch_size", "require_targets"]
 
 PyTree = Any
 
@@ -62,40 +65,6 @@ def padded_batch_size(batch_size: int, strategy: MirroredStrategy) -> int:
     return math.ceil(batch_size / n) * n
 
 
-def check_batch_size(batch_size: Any) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer (the global batch, over all devices); "
-                         f"received {batch_size!r}. Use e.g. batch_size=256.")
-    return int(batch_size)
-
-
-def _to_numeric(a: Any, what: str) -> np.ndarray:
-    if hasattr(a, "numpy") and not isinstance(a, np.ndarray):
-        a = a.numpy()
-    arr = np.asarray(a)
-    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
-        raise TypeError(f"{what} must hold numbers; received an array of dtype {arr.dtype} (shape "
-                        f"{arr.shape}). Convert it first, e.g. np.asarray({what}, dtype=np.float32), or "
-                        "encode strings/categories as integers.")
-    if arr.ndim == 0:
-        raise ValueError(f"{what} must have a leading example axis; received a scalar {arr!r}.")
-    if arr.dtype == np.float64:
-        arr = arr.astype(np.float32)
-    elif arr.dtype == np.int64:
-        arr = arr.astype(np.int32)
-    return arr
-
-
-def _tree_numeric(tree: Any, what: str) -> Any:
-    if tree is None:
-        return None
-    if isinstance(tree, Mapping):
-        return {k: _tree_numeric(v, f"{what}[{k!r}]") for k, v in tree.items()}
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(_tree_numeric(v, f"{what}[{i}]") for i, v in enumerate(tree))
-    return _to_numeric(tree, what)
-
-
 def _leading(tree: Any) -> list[tuple[str, int]]:
     out = []
     def visit(t: Any, name: str) -> None:
@@ -122,23 +91,26 @@ class ArraySource:
 
     Args:
       x: inputs; y: targets (or ``None``); sample_weight: ``(n,)`` weights (or ``None``).
+      float_dtype: the model's float type: float32/float64 arrays become it.
+      check_finite: refuse NaN/inf in ``x``, ``y`` and ``sample_weight`` (fit and evaluate with
+        ``on_nonfinite="raise"``; not predict). Negative and misshapen weights are refused regardless.
 
     Raises:
-      ValueError: empty input, or x, y and sample_weight of different lengths.
+      ValueError: empty input, x, y and sample_weight of different lengths, NaN/inf, a sample_weight
+        that is not one non-negative number per example.
       TypeError: non-numeric arrays.
     """
 
-    def __init__(self, x: PyTree, y: PyTree = None, sample_weight: Any = None) -> None:
+    def __init__(self, x: PyTree, y: PyTree = None, sample_weight: Any = None, *, float_dtype: Any = np.float32,
+                 check_finite: bool = True) -> None:
         if x is None:
             raise ValueError("x is None; pass the inputs as an array (or a tuple/dict of arrays).")
-        self.x = _tree_numeric(x, "x")
-        self.y = _tree_numeric(y, "y")
-        self.w = None if sample_weight is None else _to_numeric(sample_weight, "sample_weight").astype(np.float32)
+        float_dtype = np.dtype(float_dtype)
+        self.x = tree_numeric(x, "x", float_dtype)
+        self.y = tree_numeric(y, "y", float_dtype)
+        self.w = None if sample_weight is None else check_weights(sample_weight, float_dtype)
         lengths = [("x" + n, l) for n, l in _leading(self.x)] + [("y" + n, l) for n, l in _leading(self.y)]
         if self.w is not None:
-            if self.w.ndim != 1:
-                raise ValueError(f"sample_weight must be 1-D, one weight per example; received shape "
-                                 f"{self.w.shape}.")
             lengths.append(("sample_weight", self.w.shape[0]))
         sizes = {l for _, l in lengths}
         if len(sizes) > 1:
@@ -148,6 +120,20 @@ class ArraySource:
         self.num_examples = sizes.pop()
         if self.num_examples == 0:
             raise ValueError("The input is empty (0 examples). Pass at least one example.")
+        if check_finite:
+            for name, a in leaves(self.x, "x") + leaves(self.y, "y"):
+                check_finite_values(a, name)
+        self._targets_checked = False
+
+    def check_targets(self, adapter: Any) -> None:
+        """Refuses inputs and targets that do not fit the model (input shapes; target shapes under the
+        loss; labels outside the classes), once per source, before anything is compiled."""
+        if self._targets_checked:
+            return
+        adapter.check_inputs(self.x)
+        if self.y is not None:
+            check_labels(adapter.sparse_targets(self.y, check_shapes=True))
+        self._targets_checked = True
 
     def batches_per_pass(self, batch_size: int) -> int:
         return math.ceil(self.num_examples / batch_size)
@@ -200,9 +186,10 @@ class IterableSource:
     A smaller item is padded to the fixed shape; a larger one is an error.
     """
 
-    def __init__(self, iterable: Iterable[Any]) -> None:
+    def __init__(self, iterable: Iterable[Any], *, float_dtype: Any = np.float32) -> None:
         self.per_process = isinstance(iterable, _PerProcessDataset)
         self.iterable = iterable
+        self.float_dtype = np.dtype(float_dtype)
         self._first: Any = None
 
     def peek(self) -> tuple[PyTree, PyTree, Any]:
@@ -214,7 +201,7 @@ class IterableSource:
             except StopIteration:
                 raise ValueError("The input iterable yielded no batch. Pass a non-empty dataset.") from None
             x, y, w = _split(raw)
-            self._first = (_tree_numeric(x, "x"), _tree_numeric(y, "y"), w)
+            self._first = (tree_numeric(x, "x", self.float_dtype), tree_numeric(y, "y", self.float_dtype), w)
             if it is self.iterable or isinstance(self.iterable, Iterator):
                 # A one-shot iterator: the peeked item must still be trained on.
                 self._unread = raw
@@ -233,6 +220,41 @@ class IterableSource:
         n = _leading(x)[0][1]
         return Batch(x, y if with_targets else None, np.ones(n, np.float32), np.ones(n, np.float32))
 
+    def check_targets(self, adapter: Any) -> None:
+        """Refuses a first batch whose targets do not fit the model's outputs and loss (shapes). Labels
+        outside the classes are found in the step (``StepFunctions``): reading every batch here would cost
+        host time on every step."""
+        x, y, _ = self.peek()
+        adapter.check_inputs(x)
+        if y is not None:
+            adapter.sparse_targets(y, check_shapes=True)
+
+    def _signature(self, x: PyTree, y: PyTree) -> list[tuple[str, tuple[int, ...], str]]:
+        # Sorted: dict keys in another order are the same batch (JAX flattens dicts by sorted key).
+        return sorted((name, a.shape[1:], a.dtype.name) for name, a in leaves(x, "x") + leaves(y, "y"))
+
+    def _check_like_first(self, x: PyTree, y: PyTree, index: int) -> None:
+        """Every batch has the first one's arrays (names, shapes past the batch axis, dtypes): a change
+        would compile the step again (or fail inside the model) instead of training."""
+        fx, fy, _ = self.peek()
+        want, got = self._signature(fx, fy if y is not None else None), self._signature(x, y)
+        if want == got:
+            return
+        names_w, names_g = [n for n, _, _ in want], [n for n, _, _ in got]
+        if names_w != names_g:
+            raise ValueError(f"Batch {index} of the input holds the arrays {names_g}, the first batch {names_w}. "
+                             "Every batch must have the same structure (x, y and sample_weight alike).")
+        for (name, shape_w, dtype_w), (_, shape_g, dtype_g) in zip(want, got):
+            if shape_w != shape_g:
+                raise ValueError(f"Batch {index} of the input has {name} of shape {rows_shape(shape_g)}, the first "
+                                 f"batch {rows_shape(shape_w)}. Every batch must "
+                                 "have the same shape past the batch axis (only the number of rows may vary: "
+                                 "short batches are padded). Pad or crop to one shape in the input pipeline.")
+            if dtype_w != dtype_g:
+                raise ValueError(f"Batch {index} of the input has {name} of dtype {dtype_g}, the first batch "
+                                 f"{dtype_w}. Every batch must have the same dtypes; cast in the input pipeline "
+                                 f"(e.g. .astype('{dtype_w}')).")
+
     def first_batch_rows(self) -> int:
         x, _, _ = self.peek()
         return _leading(x)[0][1]
@@ -246,8 +268,10 @@ class IterableSource:
         for _ in range(skip):
             next(it, None)
         template = None
+        index = skip  # 1-based, as the user counts batches
         while True:
             item = next(it, None)
+            index += 1
             if multi and self.per_process:
                 # Processes agree each step whether anyone still has data, so no process waits in a
                 # collective for a batch that another never sends.
@@ -261,7 +285,9 @@ class IterableSource:
                 yield _empty_like(template)
                 continue
             x, y, w = _split(item)
-            x, y = _tree_numeric(x, "x"), _tree_numeric(y, "y") if with_targets else None
+            x = tree_numeric(x, "x", self.float_dtype)
+            y = tree_numeric(y, "y", self.float_dtype) if with_targets else None
+            self._check_like_first(x, y, index)
             n = {l for _, l in _leading(x) + _leading(y)}
             if len(n) != 1:
                 raise ValueError(f"A batch's arrays have different lengths {sorted(n)}; each item must hold "
@@ -271,7 +297,7 @@ class IterableSource:
                 raise ValueError(f"The input yielded a batch of {n} rows, more than batch_size={batch_size}"
                                  f" ({rows} rows per {'process' if self.per_process else 'step'}). Pass "
                                  "batch_size equal to the largest batch the iterable yields.")
-            w = np.ones(n, np.float32) if w is None else _to_numeric(w, "sample_weight").astype(np.float32)
+            w = np.ones(n, self.float_dtype) if w is None else batch_weights(w, n, index, self.float_dtype)
             if not self.per_process and multi:
                 lo = strategy.process_index * (padded // strategy.process_count)
                 slot = np.arange(lo, lo + padded // strategy.process_count)
@@ -307,10 +333,16 @@ def _split(item: Any) -> tuple[Any, Any, Any]:
     return item, None, None
 
 
-def make_source(x: Any, y: Any = None, sample_weight: Any = None) -> ArraySource | IterableSource:
-    """An :class:`ArraySource` for arrays, an :class:`IterableSource` for any other iterable."""
+def make_source(x: Any, y: Any = None, sample_weight: Any = None, *, float_dtype: Any = np.float32,
+                check_finite: bool = True) -> ArraySource | IterableSource:
+    """An :class:`ArraySource` for arrays, an :class:`IterableSource` for any other iterable.
+
+    Args:
+      float_dtype: the model's float type (float32/float64 inputs become it).
+      check_finite: refuse NaN/inf in arrays (fit and evaluate; predict passes False).
+    """
     if is_array_tree(x):
-        return ArraySource(x, y, sample_weight)
+        return ArraySource(x, y, sample_weight, float_dtype=float_dtype, check_finite=check_finite)
     if y is not None or sample_weight is not None:
         raise ValueError("When x is an iterable of batches, y and sample_weight come from its items; "
                          f"received y of type {type(y).__name__} and sample_weight of type "
@@ -318,7 +350,21 @@ def make_source(x: Any, y: Any = None, sample_weight: Any = None) -> ArraySource
     if not isinstance(x, Iterable) or isinstance(x, (str, bytes)):
         raise TypeError(f"x must be an array, a tuple/list/dict of arrays, or an iterable of batches; "
                         f"received {type(x).__name__}.")
-    return IterableSource(x)
+    return IterableSource(x, float_dtype=float_dtype)
+
+
+def require_targets(source: ArraySource | IterableSource, what: str) -> None:
+    """Refuses a source without targets for ``what`` (``"fit"``, ``"evaluate"``, ``"validation_data"``)."""
+    y = source.y if isinstance(source, ArraySource) else source.peek()[1]
+    if y is None:
+        given = "x alone" if isinstance(source, ArraySource) else "batches of x alone"
+        if isinstance(source, ArraySource) and isinstance(source.x, (list, tuple)) and \
+                all(isinstance(v, (list, tuple)) for v in source.x):
+            given += (" (a list of (x, y) tuples reads as a list of input arrays, as in Keras: pass batches as "
+                      "an iterator or generator, e.g. iter(batches))")
+        form = {"fit": "fit(x, y)", "evaluate": "evaluate(x, y)"}.get(what, "(x_val, y_val)")
+        raise ValueError(f"{what} needs targets to compute the loss; received {given} (y is None). Pass {form}, "
+                         "or an iterable that yields (x, y) or (x, y, sample_weight) batches.")
 
 
 def is_array_tree(x: Any) -> bool:
@@ -327,7 +373,7 @@ def is_array_tree(x: Any) -> bool:
     if isinstance(x, Mapping):
         return all(is_array_tree(v) for v in x.values())
     if isinstance(x, (tuple, list)):
-        return len(x) > 0 and all(is_array_tree(v) for v in x)
+        return len(x) > 0 and (is_nested_numbers(x) or all(is_array_tree(v) for v in x))
     return False
 
 

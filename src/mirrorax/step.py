@@ -9,11 +9,18 @@ numbers whatever the device count.
 non-finite step leaves the state untouched and freezes it (every later step is a no-op, and
 ``state["nonfinite_step"]`` names the step) so the host can stop at its next look and the trainer still
 holds the last good values; with ``"skip"`` the update is dropped and counted in ``state["skipped"]``.
+
+Integer labels outside a sparse cross-entropy's classes freeze the state the same way in every mode
+(``state["bad_label"]`` records the first: step, target, row, value), since JAX's one-hot would score
+them as no class at all and train on silently: the host reads the record when it looks for non-finite
+steps and raises (:meth:`StepFunctions.take_bad_labels`). Array inputs are checked on the host before
+anything runs; this catches them in iterables, where reading every batch on the host would cost time.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -97,18 +104,19 @@ class StepFunctions:
 
         def body(carry, mb):
             gsum, lsum, model_state, metrics = carry
-            share = jnp.sum(mb["mask"]) / total
+            share = (jnp.sum(mb["mask"]) / total).astype(self.adapter.float_dtype)
             s = dict(state, model_state=model_state, metrics=metrics)
             g, loss, model_state, metrics = self.adapter.grads(s, mb, loss_scale=share)
             gsum = jax.tree.map(jnp.add, gsum, g)
             return (gsum, lsum + loss * share, model_state, metrics), None
 
         zeros = jax.tree.map(jnp.zeros_like, state["params"])
-        init = (zeros, jnp.zeros((), jnp.float32), state["model_state"], state["metrics"])
+        init = (zeros, jnp.zeros((), self.adapter.float_dtype), state["model_state"], state["metrics"])
         (grads, loss, model_state, metrics), _ = jax.lax.scan(body, init, micro)
         return grads, loss, model_state, metrics
 
     def _train_step(self, state: dict[str, PyTree], batch: dict[str, PyTree]):
+        labels = self._label_record(batch)
         if getattr(self.adapter, "custom", {}).get("train_step"):
             # The model's own train_step computes and applies the update; the checks below still hold.
             params_new, opt_new, model_state, metrics, loss = self.adapter.train_step(state, batch)
@@ -124,23 +132,41 @@ class StepFunctions:
         finite = jnp.isfinite(loss)
 
         params_opt = (state["params"], state["optimizer"])
-        if self.on_nonfinite == "ignore":
+        if self.on_nonfinite == "ignore" and labels is None:
             params, opt = apply(params_opt)
             return (dict(state, params=params, optimizer=opt, model_state=model_state, metrics=metrics,
                          step=state["step"] + 1), {"loss": loss, "halted": jnp.zeros((), bool)})
-        ok = finite & (state["skipped"] == 0) if self.on_nonfinite == "raise" else finite
-        first_bad = jnp.where((state["nonfinite_step"] == 0) & ~finite, state["step"] + 1, state["nonfinite_step"])
+        if labels is None:
+            bad_label, labels_ok = state["bad_label"], jnp.ones((), bool)
+        else:  # the first record sticks: every later step is a no-op until the host takes it
+            here = labels.at[0].set(jnp.where(labels[0] > 0, state["step"] + 1, 0))
+            kept = state["bad_label"][0] > 0
+            if self.on_nonfinite == "raise":  # frozen by a non-finite step first: that is the error to report
+                kept = kept | (state["skipped"] > 0)
+            bad_label = jnp.where(kept, state["bad_label"], here)
+            labels_ok = bad_label[0] == 0
+        if self.on_nonfinite == "ignore":
+            nonfinite_ok = jnp.ones((), bool)
+        else:
+            nonfinite_ok = finite & (state["skipped"] == 0) if self.on_nonfinite == "raise" else finite
+        ok = nonfinite_ok & labels_ok
+        first_bad = jnp.where((state["nonfinite_step"] == 0) & ~finite & labels_ok, state["step"] + 1,
+                              state["nonfinite_step"])
         # A branch around the optimizer update alone, not a select over the state: the update runs only
         # when it is applied, and nothing else passes through the branch (operands that only pass
         # through a conditional cost copies). The rest is small and selected.
         params, opt = jax.lax.cond(ok, apply, lambda po: po, params_opt)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+        skipped = state["skipped"] + (~nonfinite_ok & labels_ok).astype(state["skipped"].dtype)
         new = dict(state, params=params, optimizer=opt, model_state=keep(model_state, state["model_state"]),
-                   metrics=keep(metrics, state["metrics"]), step=state["step"] + 1,
-                   skipped=state["skipped"] + (~ok).astype(state["skipped"].dtype), nonfinite_step=first_bad)
-        # ``halted`` is sticky in "raise" mode: any later step's aux tells the host that training froze,
-        # so the host looks only now and then, never once per step.
-        return new, {"loss": loss, "halted": new["skipped"] > 0}
+                   metrics=keep(metrics, state["metrics"]), step=state["step"] + 1, skipped=skipped,
+                   nonfinite_step=first_bad, bad_label=bad_label)
+        # ``halted`` is sticky: any later step's aux tells the host that training froze, so the host
+        # looks only now and then, never once per step.
+        halted = bad_label[0] > 0
+        if self.on_nonfinite == "raise":
+            halted = halted | (new["skipped"] > 0)
+        return new, {"loss": loss, "halted": halted}
 
     def _train_many(self, state: dict[str, PyTree], batches: dict[str, PyTree]):
         return jax.lax.scan(self._train_step, state, batches)
@@ -148,7 +174,52 @@ class StepFunctions:
     def _eval_step(self, state: dict[str, PyTree], metrics: PyTree, batch: dict[str, PyTree]):
         # The mask's sum is the token the host waits on: the metrics themselves are donated onwards, and
         # a host-sent count would come back as the input buffer itself, ready before the step ran.
-        return self.adapter.evaluate(state, metrics, batch), jnp.sum(batch["mask"])
+        token = jnp.sum(batch["mask"])
+        labels = self._label_record(batch)
+        metrics = self.adapter.evaluate(state, metrics, batch)
+        return metrics, (token if labels is None else (token, labels))
+
+    def _label_record(self, batch: dict[str, PyTree]) -> jax.Array | None:
+        """``int32[4]``: ``(1, target, row, value)`` for the first real row holding a label outside its
+        target's classes (or a non-integer one), zeros when every label fits; ``None`` when the model has
+        no integer-label targets. The value travels as its float32 bits (labels may be floats)."""
+        targets = self.adapter.sparse_targets(batch.get("y"))
+        if not targets:
+            return None
+        self._label_targets = [(t.name, t.classes, t.loss) for t in targets]  # for the host's message
+        real = batch["mask"] > 0
+        record = jnp.zeros(4, jnp.int32)
+        # Over the (sharded) batch axis every step sums one count, which XLA can fold into the gradients'
+        # all-reduce; the bad label's row and value are reduced in a branch taken only when there is one.
+        # An argmax or an index by a computed row would be an all-gather in every step (which, measured,
+        # also changed how a dead peer process reached the others: as a broken all-gather in the step
+        # instead of mirrorax's failure notice).
+        for i, t in reversed(list(enumerate(targets))):  # the first target's record wins
+            lab = t.labels
+            if jnp.issubdtype(lab.dtype, jnp.floating):
+                bad = (lab < 0) | (lab >= t.classes) | (lab != jnp.floor(lab))
+            else:  # (uint8 labels cannot hold a class count of 256 or more to compare with)
+                lab = lab.astype(jnp.int32)
+                bad = (lab < 0) | (lab >= t.classes)
+            if t.ignore_class is not None:
+                bad = bad & (lab != t.ignore_class)
+            rows = bad.shape[0]
+            per_row = bad.reshape(rows, -1) & real[:, None]
+            flat = lab.reshape(rows, -1).astype(jnp.float32)
+            # Each row's first bad value: along the row, on the device that holds it.
+            first = jnp.take_along_axis(flat, jnp.argmax(per_row, axis=1)[:, None], axis=1)[:, 0]
+            row_bad = jnp.any(per_row, axis=1)
+
+            def locate(row_bad, first, i=i, rows=rows):
+                row_ids = jnp.arange(rows, dtype=jnp.int32)
+                row = jnp.min(jnp.where(row_bad, row_ids, rows))
+                value = jnp.sum(jnp.where(row_ids == row, first, 0.0))
+                return jnp.stack([jnp.ones((), jnp.int32), jnp.asarray(i, jnp.int32), row,
+                                  jax.lax.bitcast_convert_type(value, jnp.int32)])
+
+            found = jnp.sum(row_bad.astype(jnp.float32)) > 0  # a sum: it joins the gradients' all-reduce
+            record = jax.lax.cond(found, locate, lambda *_: record, row_bad, first)
+        return record
 
     def _predict_step(self, state: dict[str, PyTree], x: PyTree):
         return self.adapter.predict(state, x)
@@ -169,6 +240,61 @@ class StepFunctions:
         return metrics, {"token": token, "logs": self.adapter.metric_logs(metrics)}
 
     # -- helpers ---------------------------------------------------------------------------------
+    @staticmethod
+    def counters() -> dict[str, np.ndarray]:
+        """The engine's entries of a fresh training state (host arrays)."""
+        return {"step": np.zeros((), np.int32), "skipped": np.zeros((), np.int32),
+                "nonfinite_step": np.zeros((), np.int32), "bad_label": np.zeros(4, np.int32)}
+
+    def labels_halted(self, state: dict[str, PyTree]) -> bool:
+        """Whether a bad label froze ``state`` (reads one small replicated array)."""
+        return "bad_label" in state and bool(host_value(state["bad_label"])[0])
+
+    def take_bad_labels(self, state: dict[str, PyTree], epoch: int, batch_offset: int
+                        ) -> tuple[dict[str, PyTree], ValueError | None]:
+        """The error a bad label froze ``state`` with (``None`` if none), and the state to continue from:
+        the record cleared and the step counter back at the last applied step, so the same trainer
+        trains on once the labels are fixed.
+
+        Args:
+          epoch: the epoch (0-based) ``state`` trained in; batch_offset: added to a step to give its
+            1-based batch of the epoch.
+        """
+        if "bad_label" not in state:
+            return state, None
+        record = host_value(state["bad_label"])
+        if not record[0]:
+            return state, None
+        step = int(record[0])
+        state = dict(state, bad_label=state["bad_label"] * 0, step=state["step"] * 0 + (step - 1))
+        where = (f"in row {int(record[2])} of the global batch of step {step} (epoch {epoch + 1}, batch "
+                 f"{step + batch_offset} of the epoch)")
+        return state, ValueError(self._label_message(record, where) + " The update of that step was not "
+                                 "applied: the trainer and the model hold the values from before it.")
+
+    def eval_watch(self) -> Callable[[Any], None]:
+        """An ``InFlight`` ``on_done`` for evaluation: raises on a batch holding a bad label."""
+        count = itertools.count(1)
+
+        def watch(token: Any) -> None:
+            index = next(count)
+            if isinstance(token, tuple) and host_value(token[1])[0]:
+                record = host_value(token[1])
+                raise ValueError(self._label_message(record, f"in row {int(record[2])} of batch {index} of the "
+                                                     "evaluated data"))
+        return watch
+
+    def _label_message(self, record: np.ndarray, where: str) -> str:
+        from mirrorax.input_checks import label_message
+
+        targets = getattr(self, "_label_targets", None) or [("y", "?", "sparse_categorical_crossentropy")]
+        name, classes, loss = targets[min(int(record[1]), len(targets) - 1)]
+        value = np.asarray(record[3], np.int32).view(np.float32)
+        if value != np.floor(value):
+            return (f"{name} holds the non-integer label {value} {where}; the loss {loss} takes integer class "
+                    f"indices 0..{classes - 1}. Pass integer labels.")
+        return label_message(name, value, classes, loss, where)
+
     def compile_counts(self) -> dict[str, int]:
         """How many programs each step kind has compiled (one each, with fixed shapes)."""
         return {name: getattr(self, name)._cache_size()

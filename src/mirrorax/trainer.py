@@ -108,6 +108,10 @@ class Trainer:
                  optimizer: Any = None, metrics: Any = None, steps_per_execution: int = 1,
                  accumulation_steps: int = 1, max_in_flight: int = 2, prefetch: int | str = "auto",
                  on_nonfinite: str = "raise", donate: bool = True, mixed_precision: str | None = None) -> None:
+        if strategy is not None and not isinstance(strategy, MirroredStrategy):
+            raise TypeError(f"strategy must be a mirrorax.MirroredStrategy; received {strategy!r} (of type "
+                            f"{type(strategy).__name__}). Pass e.g. mx.MirroredStrategy() (every device) or "
+                            "mx.MirroredStrategy(devices=jax.devices('gpu')[:2]).")
         if prefetch == "auto":
             prefetch = 0 if (strategy or get_strategy()).devices[0].platform == "cpu" else 2
         for name, value, low in (("steps_per_execution", steps_per_execution, 1),
@@ -115,8 +119,6 @@ class Trainer:
                                  ("max_in_flight", max_in_flight, 1), ("prefetch", prefetch, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}; received {value!r}.")
-        if strategy is not None and not isinstance(strategy, MirroredStrategy):
-            raise TypeError(f"strategy must be a mirrorax.MirroredStrategy; received {type(strategy).__name__}.")
         self.strategy = strategy or get_strategy()
         self.model = model
         self.adapter: ModelAdapter = adapt(model, loss=loss, optimizer=optimizer, metrics=metrics,
@@ -129,6 +131,9 @@ class Trainer:
                                    accumulation_steps=accumulation_steps)
         self._state: dict[str, PyTree] | None = None
         self.stream: IO[str] = sys.stdout
+        # NaN/inf in array inputs are refused up front unless non-finite steps are to be skipped or
+        # ignored: then the user has chosen to train on past them.
+        self._refuse_nonfinite = on_nonfinite == "raise"
 
     # -- state -------------------------------------------------------------------------------------
     @property
@@ -162,9 +167,7 @@ class Trainer:
     def _initial_host_state(self) -> dict[str, PyTree]:
         """The model's values plus the engine's counters, on the host (built model required)."""
         host = self.adapter.initial_state()
-        host["step"] = np.zeros((), np.int32)
-        host["skipped"] = np.zeros((), np.int32)
-        host["nonfinite_step"] = np.zeros((), np.int32)
+        host.update(self.steps.counters())
         return host
 
     def state_layout(self, state: dict[str, PyTree]) -> dict[str, PyTree]:
@@ -336,10 +339,16 @@ class Trainer:
         """
         mode = resolve_verbose(verbose, self.stream) if self.strategy.is_primary else 0
         _check_positive_int("epochs", epochs, low=0)
+        _check_positive_int("initial_epoch", initial_epoch, low=0)
+        _check_positive_int("seed", seed, low=0)
         if steps_per_epoch is not None:
             _check_positive_int("steps_per_epoch", steps_per_epoch)
+        if validation_batch_size is not None:
+            data_lib.check_batch_size(validation_batch_size)
         every = resume_lib.check_every(checkpoint_every)
-        source = data_lib.make_source(x, y, sample_weight)
+        source = data_lib.make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
+                                      check_finite=self._refuse_nonfinite)
+        data_lib.require_targets(source, "fit")
         batch_size = self._batch_size(source, batch_size)
         val = self._validation_source(validation_data)
         ckpt = None
@@ -347,8 +356,13 @@ class Trainer:
             from mirrorax.checkpoint import Checkpointer
 
             ckpt = Checkpointer(checkpoint_dir, keep=keep_checkpoints)
+        if callbacks is not None and not isinstance(callbacks, (list, tuple)):
+            callbacks = [callbacks]  # one callback, not in a list: as Keras's own fit takes it
         sample = self._sample(source, batch_size)
         self._ensure_state(sample)
+        for s in (source, val):  # shapes against the outputs, labels against the classes: before compiling
+            if s is not None:
+                s.check_targets(self.adapter)
         consistency.check_replicas(self._state)  # multi-process: every process holds process 0's values
         self._write_back()  # lent to the model: what callbacks change on it from here on is adopted
         if isinstance(source, data_lib.ArraySource):  # will it fit? (only where a device's memory is known)
@@ -502,7 +516,8 @@ class Trainer:
                     if getattr(self.model, "stop_training", False):
                         break
                 in_epoch = start_batch + steps
-                if raise_mode and time.perf_counter() - last_look > 0.5 and window.last_done is not None:
+                # Looked at in every mode: a bad label halts whatever on_nonfinite says.
+                if time.perf_counter() - last_look > 0.5 and window.last_done is not None:
                     last_look = time.perf_counter()  # a finished step's flag: no wait
                     if np.any(host_value(window.last_done["halted"])):
                         halted = True
@@ -522,7 +537,7 @@ class Trainer:
                 if saver is not None and saver.due(first_step + before, first_step + steps) and \
                         (total is None or in_epoch < total):
                     window.drain()
-                    if raise_mode and int(host_value(state["skipped"])):
+                    if (raise_mode and int(host_value(state["skipped"]))) or self.steps.labels_halted(state):
                         halted = True
                         break
                     saver.save(state, epoch, in_epoch)
@@ -537,6 +552,10 @@ class Trainer:
                 batches.close()
             self.adapter.conceal()
             self._state = state
+        self._state, label_error = self.steps.take_bad_labels(state, epoch, start_batch - first_step)
+        if label_error is not None:
+            self._write_back()
+            raise label_error
         if raise_mode and (halted or int(host_value(state["skipped"]))):
             bad = int(host_value(state["nonfinite_step"]))
             self._write_back()
@@ -553,10 +572,25 @@ class Trainer:
     def _validation_source(self, validation_data: Any) -> Any:
         if validation_data is None:
             return None
-        if isinstance(validation_data, tuple) and len(validation_data) in (2, 3) and \
-                data_lib.is_array_tree(validation_data[0]):
-            return data_lib.ArraySource(*validation_data)
-        return data_lib.make_source(validation_data)
+        dtype = self.adapter.float_dtype
+        if isinstance(validation_data, list) and len(validation_data) in (2, 3) and \
+                not isinstance(validation_data[0], (tuple, list)):
+            validation_data = tuple(validation_data)  # as Keras reads [x_val, y_val]
+        if isinstance(validation_data, tuple) and validation_data and data_lib.is_array_tree(validation_data[0]):
+            if len(validation_data) not in (2, 3):
+                raise ValueError(
+                    f"validation_data must be (x_val, y_val), (x_val, y_val, sample_weight_val) or an iterable of "
+                    f"(x, y) batches; received a tuple of {len(validation_data)} element(s) (of types "
+                    f"{[type(v).__name__ for v in validation_data]}). Pass validation_data=(x_val, y_val).")
+            source = data_lib.ArraySource(*validation_data, float_dtype=dtype, check_finite=self._refuse_nonfinite)
+        elif data_lib.is_array_tree(validation_data):
+            raise ValueError(f"validation_data must be (x_val, y_val), (x_val, y_val, sample_weight_val) or an "
+                             f"iterable of (x, y) batches; received {type(validation_data).__name__} of inputs "
+                             "alone. Pass validation_data=(x_val, y_val).")
+        else:
+            source = data_lib.make_source(validation_data, float_dtype=dtype)
+        data_lib.require_targets(source, "validation_data")
+        return source
 
     # -- evaluate / predict ------------------------------------------------------------------------
     def evaluate(self, x: Any, y: Any = None, *, batch_size: int | None = None, sample_weight: Any = None,
@@ -573,7 +607,9 @@ class Trainer:
           >>> trainer.evaluate(x_test, y_test, batch_size=256)
           {'accuracy': 0.97, 'loss': 0.09}
         """
-        source = data_lib.make_source(x, y, sample_weight)
+        source = data_lib.make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
+                                      check_finite=self._refuse_nonfinite)
+        data_lib.require_targets(source, "evaluate")
         batch_size = self._batch_size(source, batch_size)
         if steps is not None:
             _check_positive_int("steps", steps)
@@ -588,9 +624,10 @@ class Trainer:
     def _evaluate_source(self, source: Any, batch_size: int, *, steps: int | None = None,
                          hooks: Callbacks | None = None) -> dict[str, float]:
         self._ensure_state(self._sample(source, batch_size))
+        source.check_targets(self.adapter)
         metrics = self._place(self.adapter.initial_metrics(), from_host=False)
         stream = make_stream(source, batch_size, self.strategy)
-        window = InFlight(self.max_in_flight)
+        window = InFlight(self.max_in_flight, self.steps.eval_watch())
         batches = self._device_batches(stream.batches(0, steps), 1, stream.per_process)
         begin = hooks is not None and hooks.listens["test_begin"]
         end = hooks is not None and hooks.listens["test_end"]
@@ -633,9 +670,11 @@ class Trainer:
         """
         if isinstance(x, tuple) and len(x) in (2, 3) and not data_lib.is_array_tree(x):
             x = x[0]
-        source = data_lib.make_source(x)
+        # NaN inputs are allowed here: they spoil only their own rows' outputs.
+        source = data_lib.make_source(x, float_dtype=self.adapter.float_dtype, check_finite=False)
         batch_size = self._batch_size(source, batch_size)
         self._ensure_state(self._sample(source, batch_size, with_targets=False))
+        source.check_targets(self.adapter)  # the inputs' shapes (no targets here)
         if steps is not None:
             _check_positive_int("steps", steps)
         stream = make_stream(source, batch_size, self.strategy, with_targets=False)

@@ -12,11 +12,29 @@ that the result does not depend on padding or on the device count.
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, NamedTuple
+
+import numpy as np
 
 PyTree = Any
 
-__all__ = ["ModelAdapter", "adapt", "real_count"]
+__all__ = ["ModelAdapter", "SparseTarget", "adapt", "real_count"]
+
+
+class SparseTarget(NamedTuple):
+    """A target of integer class labels (a sparse categorical cross-entropy), for checking its range.
+
+    Attributes:
+      name: how the user knows it (``"y"``, ``"y['cls']"``); labels: the labels (host or traced);
+      classes: the model output's last axis; ignore_class: a label the loss skips (or ``None``);
+      loss: the loss's name.
+    """
+
+    name: str
+    labels: Any
+    classes: int
+    ignore_class: int | None
+    loss: str
 
 
 def real_count(batch: dict[str, PyTree]) -> Any:
@@ -31,6 +49,23 @@ class ModelAdapter(abc.ABC):
 
     #: True when the model has layers whose training output depends on the whole batch (BatchNorm).
     batch_dependent: bool = False
+
+    #: The model's float type: float inputs are given to it in this type, and the loss's weights, mask
+    #: and counts are cast to it (float64 models train in float64 throughout).
+    float_dtype: Any = np.dtype(np.float32)
+
+    def check_inputs(self, x: PyTree) -> None:
+        """Refuses inputs whose shape the model cannot take (``ValueError`` naming both shapes)."""
+
+    def sparse_targets(self, y: PyTree, check_shapes: bool = False) -> list[SparseTarget]:
+        """The targets in ``y`` that hold integer class labels, with their class counts (after
+        :meth:`build`; host or traced arrays).
+
+        Args:
+          check_shapes: also refuse targets whose shapes do not fit the model's outputs under its loss
+            (raises ``ValueError`` naming both shapes and the fix).
+        """
+        return []
 
     @abc.abstractmethod
     def initial_state(self) -> dict[str, PyTree]:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mirrorax.models.base import ModelAdapter, real_count
+from mirrorax.models.base import ModelAdapter, SparseTarget, real_count
 
 __all__ = ["FunctionalModel"]
 
@@ -114,6 +114,13 @@ class _FunctionalAdapter(ModelAdapter):
                     named[getattr(m, "__name__", f"metric_{len(named)}")] = m
         self.model, self.loss_fn, self.opt, self.metric_fns = model, loss, optimizer, named
         self.stateful = model.model_state is not None
+        self.sparse = self.loss_fn is _sparse_ce_logits
+        # The parameters' float type (float64 only with x64 on: JAX stores float64 as float32 otherwise):
+        # inputs, loss weights and metric sums follow it.
+        floats = [np.asarray(a).dtype for a in jax.tree.leaves(model.params)
+                  if np.issubdtype(np.asarray(a).dtype, np.floating)]
+        self.float_dtype = np.dtype(jax.dtypes.canonicalize_dtype(np.result_type(np.float32, *floats)))
+        self._output_shape: tuple[int, ...] | None = None
 
     def _apply(self, params, model_state, x, training):
         if self.stateful:
@@ -127,24 +134,47 @@ class _FunctionalAdapter(ModelAdapter):
 
     def initial_metrics(self):
         names = ["loss", *self.metric_fns]
-        return {n: {"total": np.zeros((), np.float32), "count": np.zeros((), np.float32)} for n in names}
+        dt = self.float_dtype
+        return {n: {"total": np.zeros((), dt), "count": np.zeros((), dt)} for n in names}
+
+    def build(self, sample):
+        if sample.get("y") is None or not self.sparse or self._output_shape is not None:
+            return
+        state = {"params": self.model.params, "model_state": self.model.model_state or {}}
+        spec = jax.eval_shape(lambda p, s, x: self._apply(p, s or None, x, False)[0], state["params"],
+                              state["model_state"], sample["x"])
+        self._output_shape = tuple(spec.shape)
+
+    def sparse_targets(self, y, check_shapes=False):
+        if y is None or not self.sparse or self._output_shape is None:
+            return []
+        if check_shapes and tuple(np.shape(y)[1:]) not in (self._output_shape[1:-1], self._output_shape[1:-1] + (1,)):
+            raise ValueError(f"y has shape {np.shape(y)} but the model's output has shape {self._output_shape}; "
+                             "the loss sparse_categorical_crossentropy_from_logits takes one integer class label "
+                             f"per output row (shape (n,) + {self._output_shape[1:-1]}).")
+        return [SparseTarget("y", y, int(self._output_shape[-1]), None,
+                             "sparse_categorical_crossentropy_from_logits")]
 
     def _accumulate(self, metrics, loss_sum, y, y_pred, batch):
-        w = batch["sample_weight"] * batch["mask"]
-        real = real_count(batch)
-        out = {"loss": {"total": metrics["loss"]["total"] + loss_sum, "count": metrics["loss"]["count"] + real}}
+        dt = self.float_dtype
+        w = batch["sample_weight"].astype(dt) * batch["mask"].astype(dt)
+        real = real_count(batch).astype(dt)
+        # Sums keep their type: a metric carried through a scan or donated between steps must not change it.
+        out = {"loss": {"total": metrics["loss"]["total"] + loss_sum.astype(dt),
+                        "count": metrics["loss"]["count"] + real}}
         for name, fn in self.metric_fns.items():
             v = fn(y, y_pred).reshape(w.shape[0], -1).mean(-1)
-            out[name] = {"total": metrics[name]["total"] + jnp.sum(v * w),
+            out[name] = {"total": metrics[name]["total"] + jnp.sum(v * w).astype(dt),
                          "count": metrics[name]["count"] + jnp.sum(w)}
         return out
 
     def _loss(self, params, state, batch, training):
         y_pred, model_state = self._apply(params, state["model_state"] or None, batch["x"], training)
         per = self.loss_fn(batch["y"], y_pred)
-        w = batch["sample_weight"] * batch["mask"]
-        loss_sum = jnp.sum(jnp.where(batch["mask"] > 0, per * w, 0.0))
-        loss = loss_sum / jnp.maximum(real_count(batch), 1.0)
+        dt = jnp.result_type(per.dtype, self.float_dtype)  # every factor of the loss in the model's type
+        w = batch["sample_weight"].astype(dt) * batch["mask"].astype(dt)
+        loss_sum = jnp.sum(jnp.where(batch["mask"] > 0, per.astype(dt) * w, 0.0))
+        loss = loss_sum / jnp.maximum(real_count(batch).astype(dt), 1.0)
         return loss, (loss_sum, y_pred, model_state if model_state is not None else {})
 
     def grads(self, state, batch, loss_scale=1.0):

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mirrorax.models import keras_custom
-from mirrorax.models.base import ModelAdapter, real_count
+from mirrorax.models.base import ModelAdapter, SparseTarget, real_count
+from mirrorax.models.keras_targets import check_target_shape, fits, loss_entries, output_spec, resolve, shape_text
 
 __all__ = ["KerasAdapter", "check_keras_backend"]
 
@@ -109,6 +110,11 @@ class KerasAdapter(ModelAdapter):
         if mixed_precision is not None:
             _set_mixed_precision(model, mixed_precision, keras, optax=self.optax is not None)
         self.batch_dependent = any(isinstance(l, keras.layers.BatchNormalization) for l in _layers(model))
+        # The variables' type (float32 under mixed precision, float64 with floatx float64 and x64 on);
+        # JAX stores float64 as float32 without x64, so the canonical type is what the devices hold.
+        self.float_dtype = np.dtype(jax.dtypes.canonicalize_dtype(
+            np.result_type(np.float32, np.dtype(model.dtype_policy.variable_dtype))))
+        self._output_spec: Any = None
         self._built = False
         self._lent_values: list[tuple[Any, Any]] = []  # (variable, the array write_back lent it)
         self._exposed: list[tuple[Any, Any]] = []
@@ -135,12 +141,18 @@ class KerasAdapter(ModelAdapter):
         if y is not None and self.predict_only:
             raise ValueError(f"The model {model.name!r} is not compiled, so mirrorax does not know what to "
                              "minimise. Call model.compile(optimizer='adam', loss='mse') first.")
+        self.check_inputs(sample["x"])
         if y is None:
             # predict before any fit/evaluate: build the layers only (metrics need targets to build).
             if not all(layer.built for layer in model._flatten_layers()):
                 model(jax.tree.map(lambda a: np.asarray(a)[:1], sample["x"]), training=False)
         else:
+            # Targets against the outputs first: Keras builds its metrics from the first targets it sees
+            # ("accuracy" becomes sparse or one-hot accuracy), so wrong ones must not reach it.
+            self._output_spec = output_spec(model, sample["x"], self.keras)
+            self.sparse_targets(y, check_shapes=True)
             model._symbolic_build(data_batch=(sample["x"], y, None))  # weights shape no variable
+            self.sparse_targets(y, check_shapes=True)  # several outputs: with Keras's list of losses
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and not optimizer.built:
             optimizer.build(model.trainable_variables)
@@ -198,7 +210,9 @@ class KerasAdapter(ModelAdapter):
         rows = mask.shape[0]
         real = real_count(batch)
         # Keras divides by the number of rows: scale the weights so the loss is the mean over real rows.
-        loss_weight = batch["sample_weight"] * mask * (rows / jnp.maximum(real, 1.0))
+        # Every factor in the model's float type: a float64 model's loss stays float64 throughout.
+        dt = self.float_dtype
+        loss_weight = batch["sample_weight"].astype(dt) * mask.astype(dt) * (rows / jnp.maximum(real.astype(dt), 1.0))
         y = batch["y"]
         if hasattr(y, "ndim") and y.ndim > 1:
             # Keras does not broadcast (batch,) weights over per-timestep losses: (batch, 1, ...) does.
@@ -269,6 +283,57 @@ class KerasAdapter(ModelAdapter):
         y_pred, _ = self.model.stateless_call(self._unpack("params", state["params"]),
                                               self._unpack("model_state", state["model_state"]), x, **kwargs)
         return y_pred
+
+    def check_inputs(self, x):
+        try:
+            inputs = self.model.inputs
+            struct = getattr(self.model, "_inputs_struct", None)
+        except (AttributeError, ValueError):  # a subclassed model, or a Sequential without keras.Input
+            return
+        if not inputs:
+            return
+        if isinstance(x, dict):
+            names = sorted(struct) if isinstance(struct, dict) else [getattr(t, "name", "?") for t in inputs]
+            if len(inputs) == 1 and not isinstance(struct, dict):
+                if set(x) != set(names):
+                    raise ValueError(f"x is a dict with keys {sorted(x)}, but the model has one input (named "
+                                     f"{names[0]!r}). Pass the array itself: fit(x[{next(iter(x))!r}], ...).")
+            elif set(x) != set(names):
+                raise ValueError(f"x is a dict with keys {sorted(x)}, but the model's inputs are {names}. Pass a "
+                                 "dict with exactly those keys.")
+            return
+        if len(inputs) != 1 or not hasattr(x, "shape") or not hasattr(inputs[0], "shape"):
+            return  # several inputs: Keras names the mismatch itself
+        want, got = tuple(inputs[0].shape[1:]), tuple(x.shape[1:])
+        if not fits(got, want):
+            dims = ["any" if d is None else str(d) for d in want]
+            example = "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
+            raise ValueError(f"x has shape {shape_text(x.shape)} but the model takes inputs of shape "
+                             f"{shape_text((None,) + want)}: every example must have shape {example}. Reshape x, "
+                             f"or build the model with keras.Input({got}).")
+
+    def sparse_targets(self, y, check_shapes=False):
+        if y is None or self._output_spec is None:
+            return []
+        out = []
+        nested = isinstance(y, (dict, list, tuple))
+        for entry in loss_entries(self.model, self._output_spec, self.keras):
+            try:
+                y_p = resolve(entry.path, self._output_spec)
+                y_t = resolve(entry.path, y) if nested else y
+            except (KeyError, IndexError, TypeError):
+                continue  # a structure Keras reconciles itself (a list of targets for dict outputs)
+            if y_t is None or not hasattr(y_t, "shape") or not hasattr(y_p, "shape"):
+                continue
+            name = "y" + "".join(f"[{p!r}]" for p in entry.path) if nested else "y"
+            fn = getattr(entry.loss, "fn", entry.loss)
+            kwargs = getattr(entry.loss, "_fn_kwargs", None) or {}
+            if check_shapes:
+                check_target_shape(name, y_t, y_p, entry, fn, self.keras)
+            if fn is self.keras.losses.sparse_categorical_crossentropy and kwargs.get("axis", -1) == -1 \
+                    and y_p.shape[-1] is not None:
+                out.append(SparseTarget(name, y_t, int(y_p.shape[-1]), kwargs.get("ignore_class"), fn.__name__))
+        return out
 
     def _update_metrics(self, metrics, loss, batch, y_pred):
         model = self.model

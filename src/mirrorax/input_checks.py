@@ -1,0 +1,193 @@
+"""Checks of what users pass as data: numbers, finite values, weights, labels within the classes.
+
+Each check names the argument (``x``, ``y['cls']``, ``sample_weight``), what it received, where (the
+example's index) and how to fix it, and runs on the host before anything is compiled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["check_batch_size", "check_finite_values", "check_labels", "label_message", "to_numeric",
+           "tree_numeric", "leaves", "check_weights", "batch_weights", "rows_shape",
+           "is_nested_numbers"]
+
+
+def check_batch_size(batch_size: Any) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer (the global batch, over all devices); "
+                         f"received {batch_size!r}. Use e.g. batch_size=256.")
+    return int(batch_size)
+
+
+def to_numeric(a: Any, what: str, float_dtype: Any = np.float32) -> np.ndarray:
+    """``a`` as a numeric numpy array; float32/float64 become ``float_dtype`` (the model's), as Keras's own
+    data adapters cast floats to ``floatx``, and int64 becomes int32."""
+    if hasattr(a, "numpy") and not isinstance(a, np.ndarray):
+        a = a.numpy()
+    try:
+        arr = np.asarray(a)
+    except ValueError as e:  # ragged nested lists
+        raise ValueError(f"{what} could not be made one array ({e}). Pass a rectangular array: pad ragged "
+                         "rows to one length first.") from None
+    if arr.dtype.kind == "c":
+        raise TypeError(f"{what} must hold real numbers; received complex values (dtype {arr.dtype}, shape "
+                        f"{arr.shape}). Pass np.real({what}), or the real and imaginary parts as separate "
+                        "features.")
+    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_
+                                   or arr.dtype.kind == "V" and "float" in arr.dtype.name):
+        raise TypeError(f"{what} must hold numbers; received an array of dtype {arr.dtype} (shape "
+                        f"{arr.shape}). Convert it first, e.g. np.asarray({what}, dtype=np.float32), or "
+                        "encode strings/categories as integers.")
+    if arr.ndim == 0:
+        raise ValueError(f"{what} must have a leading example axis; received a scalar {arr!r}.")
+    if arr.dtype in (np.float32, np.float64) and arr.dtype != float_dtype:
+        arr = arr.astype(float_dtype)
+    elif arr.dtype == np.int64:
+        info = np.iinfo(np.int32)
+        if arr.size and (arr.max() > info.max or arr.min() < info.min):
+            i = int(np.argmax((arr > info.max) | (arr < info.min)))
+            raise ValueError(f"{what} holds {arr.flat[i]}, beyond int32, which is what integer inputs become on "
+                             f"the devices; it would wrap around silently. Map the values onto a smaller range "
+                             f"first (e.g. np.unique({what}, return_inverse=True)[1] for ids).")
+        arr = arr.astype(np.int32)
+    return arr
+
+
+def tree_numeric(tree: Any, what: str, float_dtype: Any = np.float32) -> Any:
+    if tree is None:
+        return None
+    if isinstance(tree, Mapping):
+        return {k: tree_numeric(v, f"{what}[{k!r}]", float_dtype) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)) and not is_nested_numbers(tree):
+        return type(tree)(tree_numeric(v, f"{what}[{i}]", float_dtype) for i, v in enumerate(tree))
+    return to_numeric(tree, what, float_dtype)
+
+
+def is_nested_numbers(x: Any) -> bool:
+    """A (nested) Python list/tuple of plain numbers: one array written as lists (``[0, 2, 1]``), not a
+    tuple of arrays."""
+    while isinstance(x, (list, tuple)) and len(x) > 0:
+        x = x[0]
+    return isinstance(x, (int, float, bool, np.generic)) and not isinstance(x, np.ndarray)
+
+
+def leaves(tree: Any, name: str) -> list[tuple[str, np.ndarray]]:
+    """``(name, array)`` for every array of ``tree``: ``x``, ``x['a']``, ``x[1]``."""
+    if tree is None:
+        return []
+    if isinstance(tree, Mapping):
+        return [leaf for k, v in tree.items() for leaf in leaves(v, f"{name}[{k!r}]")]
+    if isinstance(tree, (tuple, list)):
+        return [leaf for i, v in enumerate(tree) for leaf in leaves(v, f"{name}[{i}]")]
+    return [(name, tree)]
+
+
+def _index_text(name: str, idx: Any) -> str:
+    return f"{name}[{', '.join(str(int(i)) for i in idx)}]"
+
+
+def check_finite_values(a: np.ndarray, what: str) -> None:
+    """Refuses NaN/inf in a float array, naming the first one.
+
+    A finite sum proves every value finite (NaN and inf propagate through it) in one pass with no
+    temporary: 24 ms for 60000 x 784 float32 against 57 ms for ``np.isfinite``. Only a non-finite sum
+    (a bad value, or an overflow) pays for the search, in row chunks.
+    """
+    if a.dtype.kind in "biu" or a.size == 0:
+        return
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(np.sum(a)):
+            return
+    step = max(1, (1 << 22) // max(1, int(np.prod(a.shape[1:], dtype=np.int64))))
+    for lo in range(0, a.shape[0], step):
+        ok = np.isfinite(a[lo:lo + step])
+        if not ok.all():
+            idx = np.argwhere(~ok)[0]
+            idx[0] += lo
+            raise ValueError(
+                f"{what} holds {a[tuple(idx)]} at {_index_text(what, idx)} (example {idx[0]}); fit and evaluate "
+                f"refuse NaN and inf in x, y and sample_weight: one such value makes the loss, and then every "
+                f"weight, non-finite. Fix or drop those examples first (keep = np.isfinite({what})"
+                f".reshape(len({what}), -1).all(axis=1)), or pass Trainer(..., on_nonfinite='skip') to train on "
+                f"and drop the steps they spoil.")
+
+
+def check_labels(targets: Sequence[Any], note: str = "") -> None:
+    """Refuses integer labels outside ``0..classes-1`` (and non-integer ones) of sparse cross-entropy
+    targets.
+
+    Args:
+      targets: ``SparseTarget``s (name, labels, classes, ignore_class, loss) with host arrays.
+      note: appended to the message (where the labels came from).
+    """
+    for t in targets:
+        lab = np.asarray(t.labels)
+        if lab.dtype.kind not in "biuf" or lab.size == 0:
+            continue
+        if lab.dtype.kind == "f":
+            frac = lab != np.floor(lab)
+            if t.ignore_class is not None:
+                frac &= lab != t.ignore_class
+            if frac.any():
+                idx = np.argwhere(frac)[0]
+                raise ValueError(
+                    f"{t.name} holds the non-integer label {lab[tuple(idx)]} at {_index_text(t.name, idx)} "
+                    f"(example {idx[0]}){note}; the loss {t.loss} takes integer class indices 0..{t.classes - 1} "
+                    f"(it would truncate this one). Pass integer labels, or one-hot targets with "
+                    f"loss='categorical_crossentropy'.")
+        if lab.min() >= 0 and lab.max() < t.classes:
+            continue
+        bad = (lab < 0) | (lab >= t.classes)
+        if t.ignore_class is not None:
+            bad &= lab != t.ignore_class
+        if not bad.any():
+            continue
+        idx = np.argwhere(bad)[0]
+        raise ValueError(label_message(t.name, lab[tuple(idx)], t.classes, t.loss,
+                                       f"at {_index_text(t.name, idx)} (example {idx[0]}){note}"))
+
+
+def label_message(name: str, value: Any, classes: int, loss: str, where: str) -> str:
+    value = float(value)
+    shown = int(value) if value == int(value) else value
+    binary = (" For two classes with one sigmoid unit, use loss='binary_crossentropy'." if classes == 1 else "")
+    return (f"{name} holds the label {shown} {where}, but the model's output has {classes} units, so the loss "
+            f"{loss} takes labels 0..{classes - 1} (JAX would silently score this one as no class). Give the "
+            f"output layer as many units as there are classes (at least max(label) + 1), or map the labels "
+            f"onto 0..{classes - 1} first, e.g. np.unique({name.split('[')[0]}, return_inverse=True)[1].{binary}")
+
+
+def check_weights(sample_weight: Any, float_dtype: Any) -> np.ndarray:
+    if isinstance(sample_weight, (Mapping, tuple, list)) and not is_nested_numbers(sample_weight):
+        raise ValueError(f"sample_weight must be one array of one weight per example; received a "
+                         f"{type(sample_weight).__name__} of them. Per-output sample weights are not supported: "
+                         "weight the examples (shape (n,)), or weight the losses with compile(loss_weights=...).")
+    w = to_numeric(sample_weight, "sample_weight", float_dtype)
+    if w.ndim != 1:
+        hint = " Pass sample_weight.reshape(-1)." if w.ndim == 2 and w.shape[1] == 1 else \
+            " Per-timestep or per-output weights are not supported: weight each example with one number."
+        raise ValueError(f"sample_weight must be 1-D, one weight per example; received shape {w.shape}.{hint}")
+    if w.dtype.kind not in "f":
+        w = w.astype(float_dtype)
+    check_finite_values(w, "sample_weight")
+    if (w < 0).any():
+        i = int(np.argmax(w < 0))
+        raise ValueError(f"sample_weight holds the negative weight {w[i]} at example {i}; weights must be >= 0 "
+                         "(a negative weight maximises that example's loss). Use 0 to leave an example out.")
+    return w
+
+
+def rows_shape(shape: tuple[int, ...]) -> str:
+    return "(rows" + "".join(f", {d}" for d in shape) + ("" if shape else ",") + ")"
+
+
+def batch_weights(w: Any, n: int, index: int, float_dtype: Any) -> np.ndarray:
+    w = to_numeric(w, "sample_weight", float_dtype).astype(float_dtype)
+    if w.shape != (n,):
+        raise ValueError(f"Batch {index} of the input has sample_weight of shape {w.shape} for {n} examples; "
+                         f"it must be ({n},): one weight per example.")
+    return w

@@ -1,0 +1,348 @@
+"""Wrong inputs get a clear error (the argument, what was received, the fix) before any compilation where
+the host can see them, and the same trainer and model train on correctly afterwards.
+
+Labels outside the model's classes are found on the host for arrays and inside the step for iterables
+(read when the host looks for non-finite steps): the step that holds one is not applied.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import mirrorax as mx
+from mirrorax import data as data_lib
+from helpers import assert_weights_close, strategy
+
+pytestmark = pytest.mark.multi_device
+
+CLASSES = 5
+
+
+def model(loss="sparse_categorical_crossentropy", units=CLASSES, optimizer="sgd"):
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                          keras.layers.Dense(units, activation="softmax" if units > 1 else None)])
+    m.compile(optimizer=optimizer, loss=loss, metrics=["accuracy"])
+    return m
+
+
+def data(n=24, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 4)).astype(np.float32), rng.integers(0, CLASSES, n).astype(np.int32)
+
+
+class batches:  # noqa: N801 - reads as the function it stands for
+    """A dataset of ``(x, y)`` batches, iterable once per epoch (a list of tuples would read as arrays)."""
+
+    def __init__(self, x, y, bs=8):
+        self.items = [(x[i:i + bs], y[i:i + bs]) for i in range(0, len(x), bs)]
+
+    def __iter__(self):
+        return iter(self.items)
+
+    def __len__(self):
+        return len(self.items)
+
+
+def nothing_compiled(t):
+    return t.compile_counts() == {"train": 0, "train_many": 0, "evaluate": 0, "predict": 0}
+
+
+def trains_like_fresh(t, m, x, y):
+    """The trainer that raised trains exactly as a fresh one from the same weights (plain SGD: no
+    optimizer state but the weights)."""
+    ref = model()
+    ref.set_weights(m.get_weights())
+    t.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    mx.Trainer(ref, strategy(2)).fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(m, ref, 1e-6, 1e-7)
+
+
+# -- labels outside the classes ------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [7, 5, -1])
+def test_array_label_outside_classes_is_refused_before_compiling(bad):
+    x, y = data()
+    y_bad = y.copy()
+    y_bad[13] = bad
+    m = model()
+    t = mx.Trainer(m, strategy(2))
+    with pytest.raises(ValueError, match=rf"y holds the label {bad} at y\[13\] \(example 13\).*output has 5 "
+                                         r"units.*labels 0\.\.4"):
+        t.fit(x, y_bad, batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match=rf"label {bad} at y\[13\]"):
+        t.evaluate(x, y_bad, batch_size=8)
+    with pytest.raises(ValueError, match=rf"label {bad} at y\[13\]"):  # validation labels too, before training
+        t.fit(x, y, validation_data=(x, y_bad), batch_size=8, verbose=0)
+    assert nothing_compiled(t)
+    trains_like_fresh(t, m, x, y)
+
+
+def test_non_integer_float_labels_are_refused():
+    x, y = data()
+    t = mx.Trainer(model(), strategy(2))
+    with pytest.raises(ValueError, match=r"non-integer label 2\.5 at y\[4\].*integer class indices 0\.\.4"):
+        t.fit(x, np.where(np.arange(24) == 4, 2.5, y).astype(np.float32), batch_size=8, verbose=0)
+    assert nothing_compiled(t)
+    t.fit(x, y.astype(np.float32), batch_size=8, verbose=0)  # integer-valued floats are labels
+
+
+def test_ignore_class_labels_are_allowed():
+    x, y = data()
+    y[::5] = -1
+    m = model(loss=keras.losses.SparseCategoricalCrossentropy(ignore_class=-1))
+    hist = mx.Trainer(m, strategy(2)).fit(x, y, batch_size=8, verbose=0)
+    assert np.isfinite(hist.history["loss"]).all()
+
+
+def test_functional_model_labels_checked():
+    import optax
+
+    x, y = data()
+    fm = mx.FunctionalModel(lambda p, xb: xb @ p["w"], {"w": np.zeros((4, CLASSES), np.float32)},
+                            loss="sparse_categorical_crossentropy_from_logits", optimizer=optax.sgd(0.1))
+    t = mx.Trainer(fm, strategy(2))
+    with pytest.raises(ValueError, match=r"label 9 at y\[2\].*output has 5 units"):
+        t.fit(x, np.where(np.arange(24) == 2, 9, y), batch_size=8, verbose=0)
+    assert nothing_compiled(t)
+    t.fit(x, y, batch_size=8, verbose=0)
+
+
+@pytest.mark.parametrize("on_nonfinite", ["raise", "skip", "ignore"])
+def test_iterable_label_outside_classes_stops_training_without_applying_that_step(on_nonfinite):
+    x, y = data(48)
+    y_bad = y.copy()
+    y_bad[8 * 2 + 3] = 7  # the third batch, its row 3
+    m = model(optimizer="adam")
+    t = mx.Trainer(m, strategy(2), on_nonfinite=on_nonfinite)
+    with pytest.raises(ValueError, match=r"y holds the label 7 in row 3 of the global batch of step 3 \(epoch 1, "
+                                         r"batch 3 of the epoch\).*5 units.*not\s+applied"):
+        t.fit(batches(x, y_bad), epochs=1, verbose=0)
+    # Exactly the two good batches were applied (none after the bad one either), the counter says so.
+    ref = model(optimizer="adam")
+    ref_trainer = mx.Trainer(ref, strategy(2), on_nonfinite=on_nonfinite)
+    ref_trainer.fit(batches(x[:16], y[:16]), epochs=1, verbose=0)
+    assert_weights_close(m, ref, 1e-6, 1e-7)
+    assert int(np.asarray(t.host_state()["step"])) == 2
+    # The same trainer goes on as one that never saw the bad batch (Adam's moments and count included).
+    t.fit(batches(x, y), epochs=2, verbose=0)
+    ref_trainer.fit(batches(x, y), epochs=2, verbose=0)
+    assert_weights_close(m, ref, 1e-6, 1e-7)
+
+
+def test_iterable_label_outside_classes_in_evaluate():
+    x, y = data()
+    y_bad = y.copy()
+    y_bad[9] = 11
+    t = mx.Trainer(model(), strategy(2))
+    t.fit(x, y, batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match=r"label 11 in row 1 of batch 2 of the evaluated data.*5 units"):
+        t.evaluate(batches(x, y_bad), batch_size=8)
+    assert t.evaluate(batches(x, y), batch_size=8) == pytest.approx(t.evaluate(x, y, batch_size=8), rel=1e-6)
+
+
+# -- validation_data, strategy, other arguments --------------------------------------------------------
+@pytest.mark.parametrize("val, what", [
+    (lambda x, y: (x,), r"a tuple of 1 element\(s\)"),
+    (lambda x, y: (x, y, np.ones(len(x)), 1), r"a tuple of 4 element\(s\)"),
+    (lambda x, y: x, r"received ndarray of inputs alone"),
+])
+def test_validation_data_of_the_wrong_arity(val, what):
+    x, y = data()
+    t = mx.Trainer(model(), strategy(2))
+    with pytest.raises(ValueError, match=r"validation_data must be \(x_val, y_val\).*" + what):
+        t.fit(x, y, validation_data=val(x, y), batch_size=8, verbose=0)
+    assert nothing_compiled(t)
+    t.fit(x, y, validation_data=(x, y), batch_size=8, verbose=0)
+
+
+def test_strategy_of_the_wrong_type():
+    with pytest.raises(TypeError, match=r"strategy must be a mirrorax.MirroredStrategy; received 'gpu'"):
+        mx.Trainer(model(), strategy="gpu")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(initial_epoch=-1), "initial_epoch must be an integer >= 0; received -1"),
+    (dict(seed="a"), "seed must be an integer >= 0; received 'a'"),
+    (dict(validation_batch_size=0), "batch_size must be a positive integer"),
+    (dict(epochs=-1), "epochs must be an integer >= 0"),
+])
+def test_bad_fit_arguments(kwargs, match):
+    x, y = data()
+    t = mx.Trainer(model(), strategy(2))
+    with pytest.raises(ValueError, match=match):
+        t.fit(x, y, batch_size=8, verbose=0, **kwargs)
+    assert nothing_compiled(t)
+
+
+def test_targets_missing():
+    x, y = data()
+    t = mx.Trainer(model(), strategy(2))
+    with pytest.raises(ValueError, match=r"fit needs targets.*received x alone"):
+        t.fit(x, batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match=r"fit needs targets.*batches of x alone"):
+        t.fit(iter([(x[:8],), (x[8:],)]), verbose=0)
+    with pytest.raises(ValueError, match=r"evaluate needs targets"):
+        t.evaluate(x, batch_size=8)
+    assert nothing_compiled(t)
+
+
+# -- values and dtypes ---------------------------------------------------------------------------------
+def test_non_finite_values_are_refused_with_their_place():
+    x, y = data()
+    t = mx.Trainer(model(), strategy(2))
+    xn = x.copy()
+    xn[5, 2] = np.nan
+    with pytest.raises(ValueError, match=r"x holds nan at x\[5, 2\] \(example 5\).*refuse NaN and inf"):
+        t.fit(xn, y, batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match=r"x\['a'\] holds inf at x\['a'\]\[3, 0\]"):
+        data_lib.ArraySource({"a": np.where(np.arange(24)[:, None] == 3, np.inf, x)}, y)
+    w = np.ones(24)
+    w[7] = -np.inf
+    with pytest.raises(ValueError, match=r"sample_weight holds -inf at sample_weight\[7\]"):
+        t.fit(x, y, sample_weight=w, batch_size=8, verbose=0)
+    reg = mx.Trainer(model(loss="mse", units=1), strategy(2))
+    with pytest.raises(ValueError, match=r"y holds nan at y\[2\]"):
+        reg.fit(x, np.where(np.arange(24) == 2, np.nan, 1.0), batch_size=8, verbose=0)
+    assert nothing_compiled(t) and nothing_compiled(reg)
+    assert t.predict(xn, batch_size=8).shape == (24, CLASSES)  # predict keeps NaN rows to themselves
+    # Skipping non-finite steps is the user's choice to train on past such values: not refused.
+    hist = mx.Trainer(model(), strategy(2), on_nonfinite="skip").fit(xn, y, batch_size=8, shuffle=False, verbose=0)
+    assert hist.history["skipped_steps"] == [1.0]
+
+
+@pytest.mark.parametrize("w, match", [
+    (np.where(np.arange(24) == 6, -0.5, 1.0), r"negative weight -0.5 at example 6"),
+    (np.ones((24, 1)), r"received shape \(24, 1\)\. Pass sample_weight.reshape\(-1\)"),
+    (np.ones((24, 3)), r"received shape \(24, 3\)"),
+    (np.ones(23), r"sample_weight: 23"),
+])
+def test_bad_sample_weights(w, match):
+    x, y = data()
+    t = mx.Trainer(model(), strategy(2))
+    with pytest.raises(ValueError, match=match):
+        t.fit(x, y, sample_weight=w, batch_size=8, verbose=0)
+    assert nothing_compiled(t)
+
+
+def test_bad_dtypes():
+    x, y = data()
+    t = mx.Trainer(model(), strategy(2))
+    with pytest.raises(TypeError, match=r"x must hold real numbers; received complex values"):
+        t.fit(x.astype(np.complex64), y, batch_size=8, verbose=0)
+    with pytest.raises(TypeError, match=r"y must hold numbers; received an array of dtype <U1"):
+        t.fit(x, np.array(list("abcdefghijklmnopqrstuvwx")), batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match=r"x could not be made one array"):
+        t.fit([[1.0, 2.0, 3.0, 4.0], [1.0]], [0, 1], batch_size=8, verbose=0)
+    assert nothing_compiled(t)
+
+
+def test_python_lists_of_numbers_are_arrays():
+    x, y = data()
+    a, b = model(), model()
+    mx.Trainer(a, strategy(2)).fit(x.tolist(), y.tolist(), batch_size=8, shuffle=False, verbose=0)
+    mx.Trainer(b, strategy(2)).fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert_weights_close(a, b, 1e-6, 1e-7)
+
+
+# -- iterables that change between batches -------------------------------------------------------------
+@pytest.mark.parametrize("change, match", [
+    (lambda xb, yb: (xb[:, :3], yb), r"Batch 2 of the input has x of shape \(rows, 3\), the first batch "
+                                     r"\(rows, 4\)"),
+    (lambda xb, yb: (xb, yb[:, None]), r"Batch 2 of the input has y of shape \(rows, 1\), the first batch "
+                                       r"\(rows,\)"),
+    (lambda xb, yb: (xb.astype(np.float16), yb), r"Batch 2 of the input has x of dtype float16, the first "
+                                                 r"batch float32"),
+    (lambda xb, yb: ({"a": xb}, yb), r"Batch 2 of the input holds the arrays \[\"x\['a'\]\", 'y'\], the first "
+                                     r"batch \['x', 'y'\]"),
+])
+def test_iterable_that_changes_between_batches(change, match):
+    x, y = data()
+    items = batches(x, y)
+    items.items[1] = change(*items.items[1])
+    m = model()
+    t = mx.Trainer(m, strategy(2))
+    with pytest.raises(ValueError, match=match):
+        t.fit(items, epochs=1, verbose=0)
+    assert t.compile_counts()["train"] == 1  # no second program for the odd batch
+    trains_like_fresh(t, m, x, y)
+
+
+# -- targets that do not fit the outputs under the loss ------------------------------------------------
+@pytest.mark.parametrize("loss, units, target, match", [
+    ("categorical_crossentropy", CLASSES, lambda y: y,
+     r"y has shape \(n,\) but the model's output has shape \(n, 5\): those look like integer class labels.*"
+     r"sparse_categorical_crossentropy.*to_categorical\(y, 5\)"),
+    ("sparse_categorical_crossentropy", CLASSES, lambda y: np.eye(CLASSES, dtype=np.float32)[y],
+     r"y has shape \(n, 5\).*look like one-hot targets.*loss='categorical_crossentropy', or pass y.argmax"),
+    ("categorical_crossentropy", CLASSES, lambda y: np.eye(6, dtype=np.float32)[y % 6],
+     r"y has shape \(n, 6\) but the model's output has shape \(n, 5\)"),
+    ("mse", CLASSES, lambda y: np.zeros((len(y), CLASSES, 2), np.float32),
+     r"y has shape \(n, 5, 2\) but the model's output has shape \(n, 5\), and the loss mse cannot compare them"),
+])
+def test_targets_that_do_not_fit_the_output(loss, units, target, match):
+    x, y = data()
+    m = model(loss=loss, units=units)
+    t = mx.Trainer(m, strategy(2))
+    with pytest.raises(ValueError, match=match):
+        t.fit(x, target(y), batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match=match):  # from an iterable too, at its first batch
+        t.fit(batches(x, target(y)), verbose=0)
+    assert nothing_compiled(t)
+    good = np.eye(CLASSES, dtype=np.float32)[y] if loss != "sparse_categorical_crossentropy" else y
+    hist = t.fit(x, good, batch_size=8, verbose=0)
+    assert np.isfinite(hist.history["loss"]).all()
+
+
+def test_inputs_that_do_not_fit_the_model():
+    x, y = data()
+    m = model()
+    t = mx.Trainer(m, strategy(2))
+    match = r"x has shape \(n, 3\) but the model takes inputs of shape \(n, 4\).*keras.Input\(\(3,\)\)"
+    with pytest.raises(ValueError, match=match):
+        t.fit(x[:, :3], y, batch_size=8, verbose=0)
+    assert nothing_compiled(t)
+    t.fit(x, y, batch_size=8, verbose=0)
+    for call in (lambda: t.fit(x[:, :3], y, batch_size=8, verbose=0), lambda: t.evaluate(x[:, :3], y, batch_size=8),
+                 lambda: t.predict(x[:, :3], batch_size=8), lambda: t.fit(batches(x[:, :3], y), verbose=0)):
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert t.compile_counts() == {"train": 1, "train_many": 0, "evaluate": 0, "predict": 0}
+
+
+def test_forgiving_forms_keras_also_takes():
+    x, y = data()
+    t = mx.Trainer(model(), strategy(2))
+    stops = keras.callbacks.EarlyStopping(monitor="loss", patience=0)
+    hist = t.fit(x, y, validation_data=[x, y], callbacks=stops, batch_size=8, epochs=1, verbose=0)
+    assert "val_loss" in hist.history  # a list [x_val, y_val] and a single callback, as Keras takes them
+
+
+def test_more_hurried_mistakes():
+    x, y = data()
+    t = mx.Trainer(model(), strategy(2))
+    with pytest.raises(ValueError, match=r"sample_weight must be one array.*received a dict"):
+        t.fit(x, y, sample_weight={"out": np.ones(24)}, batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match=r"y holds 4294967296, beyond int32"):
+        t.fit(x, np.where(np.arange(24) == 3, 2 ** 32, y.astype(np.int64)), batch_size=8, verbose=0)
+    binary = mx.Trainer(model(units=1), strategy(2))
+    with pytest.raises(ValueError, match=r"label 1 .*output has 1 units.*binary_crossentropy"):
+        binary.fit(x, y % 2, batch_size=8, verbose=0)
+    assert nothing_compiled(t) and nothing_compiled(binary)
+
+
+def test_dict_inputs_with_the_wrong_names():
+    x, y = data()
+    t = mx.Trainer(model(), strategy(2))
+    with pytest.raises(ValueError, match=r"x is a dict with keys \['foo'\], but the model has one input.*"
+                                         r"Pass the array itself"):
+        t.fit({"foo": x}, y, batch_size=8, verbose=0)
+    keras.utils.set_random_seed(0)
+    ia, ib = keras.Input((4,), name="a"), keras.Input((4,), name="b")
+    two = keras.Model({"a": ia, "b": ib}, keras.layers.Dense(CLASSES, activation="softmax")(
+        keras.layers.Concatenate()([ia, ib])))
+    two.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    t2 = mx.Trainer(two, strategy(2))
+    with pytest.raises(ValueError, match=r"keys \['a', 'c'\], but the model's inputs are \['a', 'b'\]"):
+        t2.fit({"a": x, "c": x}, y, batch_size=8, verbose=0)
+    assert nothing_compiled(t) and nothing_compiled(t2)
+    t2.fit({"a": x, "b": x}, y, batch_size=8, verbose=0)
