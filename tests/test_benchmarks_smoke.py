@@ -18,6 +18,9 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+pytestmark = pytest.mark.slow  # starts processes
+
+
 @pytest.mark.multi_device
 def test_harness_smallest_config(tmp_path):
     out = tmp_path / "bench"

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.multi_device
+pytestmark = [pytest.mark.multi_device, pytest.mark.slow]
 
 
 def _run(args, tmp_path, timeout=300):

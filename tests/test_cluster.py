@@ -21,6 +21,9 @@ JOB_PREFIXES = ("MIRRORAX_", "TF_CONFIG", "SLURM_", "OMPI_", "JAX_COORDINATOR", 
                 "KUBERNETES_SERVICE_HOST")
 
 
+pytestmark = pytest.mark.slow  # starts processes
+
+
 @pytest.fixture
 def env(monkeypatch):
     """os.environ without any job description; returns a setter."""

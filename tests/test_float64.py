@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.multi_device
+pytestmark = [pytest.mark.multi_device, pytest.mark.slow]
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "float64_fit.py")
 

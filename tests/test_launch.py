@@ -16,7 +16,7 @@ import pytest
 from mirrorax import launch as launch_lib
 from mp_scripts.procs import ROOT, clean_env, launcher, python, run_all
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]
 
 
 def _child(code: str) -> list[str]:

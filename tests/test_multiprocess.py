@@ -22,7 +22,7 @@ import mirrorax as mx
 from mp_scripts import train_dense, train_unseeded
 from mp_scripts.procs import clean_env, free_port, launcher, python, run_all
 
-pytestmark = [pytest.mark.multi_process]
+pytestmark = [pytest.mark.multi_process, pytest.mark.slow]
 
 RTOL, ATOL = 1e-5, 1e-6
 SCRIPT = "tests/mp_scripts/train_dense.py"

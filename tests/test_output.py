@@ -20,6 +20,9 @@ MANGLED = ["[Gloo] Rank 2 is connected to [Gloo] Rank 33 is connected to  peer r
            "connected peer ranks is :  peer ranks. 3Expected number of connected peer ranks is : 3", ""]
 
 
+pytestmark = pytest.mark.slow  # starts processes
+
+
 def test_the_filter_drops_gloo_lines_whole_or_mangled_and_keeps_the_rest():
     keep = ChatterFilter().keep
     lines = ["Epoch 1/3", GLOO.format(0), *MANGLED, "", "[Gloo] other news", "1", "loss 0.5"]

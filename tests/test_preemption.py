@@ -39,7 +39,7 @@ MP_SCRIPT = "tests/mp_scripts/train_preempt.py"
 RTOL, ATOL = 1e-5, 1e-6
 ROWS, BATCH, EPOCHS = 200, 32, 3  # the script's data: 7 batches per epoch
 
-pytestmark = pytest.mark.multi_device
+pytestmark = [pytest.mark.multi_device, pytest.mark.slow]
 
 
 def _run(args, timeout=240):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "train_ckpt.py")
-pytestmark = pytest.mark.multi_device
+pytestmark = [pytest.mark.multi_device, pytest.mark.slow]
 
 
 def _env():
