@@ -165,3 +165,25 @@ def test_run_eagerly_falls_back_to_keras_with_a_warning():
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", run_eagerly=True)
     with pytest.warns(UserWarning, match="run_eagerly=True"):
         model.fit(x, y, batch_size=16, verbose=0)
+
+
+def test_callbacks_can_stop_evaluate_and_predict_early():
+    x, y, _, _ = flat_digits(96)
+    with strategy(2).scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    seen = {"test": 0, "predict": 0}
+
+    class Stop(keras.callbacks.Callback):
+        def on_test_batch_end(self, batch, logs=None):
+            seen["test"] += 1
+            self.model.stop_evaluating = True
+
+        def on_predict_batch_end(self, batch, logs=None):
+            seen["predict"] += 1
+            self.model.stop_predicting = True
+
+    model.evaluate(x, y, batch_size=16, verbose=0, callbacks=[Stop()])
+    model.predict(x, batch_size=16, verbose=0, callbacks=[Stop()])
+    assert seen["test"] == 1  # 6 batches, stopped after the first
+    assert seen["predict"] <= 2  # predict's batch hooks run as outputs arrive (at most one step behind)

@@ -632,6 +632,7 @@ class Trainer:
         begin = hooks is not None and hooks.listens["test_begin"]
         end = hooks is not None and hooks.listens["test_end"]
         if hooks is not None:
+            self.model.stop_evaluating = False  # as Keras: a test-batch callback may set it to stop early
             hooks.call("on_test_begin")
         try:
             spe, i, aux = self.steps_per_execution, -1, None  # batch hooks once per execution, as Keras
@@ -642,6 +643,8 @@ class Trainer:
                 window.push(aux["token"])
                 if end and (i + 1) % spe == 0:
                     hooks.call("on_test_batch_end", i, aux["logs"])
+                    if getattr(self.model, "stop_evaluating", False):
+                        break
             if end and aux is not None and (i + 1) % spe:
                 hooks.call("on_test_batch_end", i - i % spe + spe - 1, aux["logs"])
             window.drain()
@@ -693,6 +696,7 @@ class Trainer:
         window = InFlight(self.max_in_flight, collect)
         batches = self._device_batches(stream.batches(0, steps), 1, stream.per_process)
         if hooks is not None:
+            self.model.stop_predicting = False  # as Keras: a predict-batch callback may set it to stop early
             hooks.call("on_predict_begin")
         try:
             for i, (_, batch) in enumerate(batches):
@@ -700,6 +704,8 @@ class Trainer:
                     hooks.call("on_predict_batch_begin", i)
                 y = self.steps.predict(self._state, batch.x)
                 window.push((y, batch.mask))
+                if hooks is not None and getattr(self.model, "stop_predicting", False):
+                    break
             window.drain()
             if end and len(outputs) % spe:
                 n = len(outputs)
