@@ -63,6 +63,10 @@ class System:
 SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("mirrorax", "benchmarks.peers.mirrorax_trainer", "mirrorax Trainer.fit", "mirrorax",
            "pip install -e ."),
+    System("keras_scope", "benchmarks.peers.keras_scope", "mirrorax: model.fit under strategy.scope()", "mirrorax",
+           "pip install -e ."),
+    System("guide_api", "benchmarks.peers.guide_api", "mirrorax: keras.io guide loop on strategy.jit", "mirrorax",
+           "pip install -e ."),
     System("jax", "benchmarks.peers.jax_loop", "hand-written JAX loop", "jax"),
     System("keras_fit", "benchmarks.peers.keras_fit", "Keras 3 model.fit (DataParallel)", "keras"),
     System("tf", "benchmarks.peers.tf_mirrored", "tf.distribute.MirroredStrategy", "tensorflow",

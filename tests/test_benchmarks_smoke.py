@@ -45,3 +45,17 @@ def test_harness_smallest_config(tmp_path):
     assert "| mlp | 2 | mirrorax Trainer.fit |" in table and "## Targets" in table
     assert "| mlp | 2 | hand-written JAX loop |" in table
     assert (out / "results.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
+
+
+@pytest.mark.multi_device
+def test_mirrorax_entry_points_run_as_systems(tmp_path):
+    """model.fit under a scope and the keras.io guide loop on strategy.jit are systems of their own."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--workloads", "mlp", "--devices", "2",
+           "--systems", "keras_scope,guide_api", "--steps", "4", "--warmup", "1", "--repeats", "1", "--rounds", "1",
+           "--idle-wait", "0", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert {(r["system"], r["status"]) for r in rows} == {("keras_scope", "ok"), ("guide_api", "ok")}, rows
+    assert all(r["median"] > 0 for r in rows)
