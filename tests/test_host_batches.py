@@ -1,0 +1,58 @@
+"""Host-side batching of ``experimental_distribute_dataset``: which rows each process builds, the padding
+mask and the real count, checked with stand-in strategies (no device, no compilation, no processes)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from mirrorax.distribute import DistributedDataset
+
+
+def _fake(replicas: int, processes: int = 1, index: int = 0):
+    return SimpleNamespace(num_replicas_in_sync=replicas, process_count=processes, process_index=index)
+
+
+def _host(ds, pass_index=0):
+    return list(ds._array_batches(pass_index)) if ds._arrays is not None else list(ds._iterable_batches())
+
+
+def test_arrays_are_cut_padded_and_masked_per_process():
+    x = np.arange(10, dtype=np.float32)[:, None]
+    for index in (0, 1):  # 2 processes x 2 devices, global batch 3 -> padded to 4: 2 rows per process
+        ds = DistributedDataset(_fake(4, 2, index), (x, np.arange(10)), batch_size=3)
+        batches = _host(ds)
+        assert len(batches) == 4 and len(ds) == 4
+        rows = [b.rows[0][:, 0].tolist() for b in batches]
+        masks = [b.mask.tolist() for b in batches]
+        if index == 0:
+            assert rows == [[0, 1], [3, 4], [6, 7], [9, 9]] and masks == [[1, 1], [1, 1], [1, 1], [1, 0]]
+        else:  # process 1: the third row of each batch, then padding (a copy of a real row, masked)
+            assert rows == [[2, 0], [5, 3], [8, 6], [9, 9]] and masks == [[1, 0], [1, 0], [1, 0], [0, 0]]
+        assert [b.num_real for b in batches] == [3, 3, 3, 1]  # the global count, on every process
+
+
+def test_shuffle_order_depends_on_seed_and_pass_not_on_devices():
+    x = np.arange(40, dtype=np.float32)[:, None]
+    orders = {}
+    for replicas in (1, 8):
+        ds = DistributedDataset(_fake(replicas), x, batch_size=8, shuffle=True, seed=5)
+        orders[replicas] = [np.concatenate([b.rows[m > 0][:, 0] for b, m in ((b, b.mask) for b in _host(ds, p))])
+                            for p in (0, 1)]
+    assert sorted(orders[1][0]) == list(range(40))
+    np.testing.assert_array_equal(orders[1][0], orders[8][0])
+    assert not np.array_equal(orders[1][0], orders[1][1])  # each pass its own order
+
+
+def test_iterable_batches_padded_to_the_first_batch_size():
+    items = [(np.ones((4, 2)), np.zeros(4)), (np.ones((3, 2)), np.zeros(3)), ({"a": 1},)]
+    ds = DistributedDataset(_fake(4), items[:2])
+    batches = _host(ds)
+    assert ds.batch_size == 4 and [b.mask.tolist() for b in batches] == [[1, 1, 1, 1], [1, 1, 1, 0]]
+    assert [b.num_real for b in batches] == [4, 3]
+    with pytest.raises(ValueError, match="more than batch_size=4"):
+        _host(DistributedDataset(_fake(4), [(np.ones((4, 2)),), (np.ones((6, 2)),)]))
+    with pytest.raises(ValueError, match="batch_size is required"):
+        DistributedDataset(_fake(4), np.ones((4, 2)))
+    with pytest.raises(ValueError, match="shuffle=True applies to arrays"):
+        DistributedDataset(_fake(4), items[:2], shuffle=True)
