@@ -275,9 +275,9 @@ class IterableSource:
             if multi and self.per_process:
                 # Processes agree each step whether anyone still has data, so no process waits in a
                 # collective for a batch that another never sends.
-                from jax.experimental import multihost_utils
-                have = multihost_utils.process_allgather(np.array([item is not None], np.int32))
-                if not np.any(have):
+                from mirrorax.consistency import any_process  # host-side: no wait on the steps
+
+                if not any_process(item is not None):
                     return
             elif item is None:
                 return

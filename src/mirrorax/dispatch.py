@@ -36,28 +36,45 @@ from mirrorax.replica import ReplicaContext, replica_scope, varies_over
 if TYPE_CHECKING:
     from mirrorax.strategy import MirroredStrategy
 
-__all__ = ["StrategyFunction", "Window"]
+__all__ = ["StrategyFunction", "InFlight"]
 
 PyTree = Any
 
 
-class Window:
-    """A bounded window of dispatched calls: after pushing call ``i``, wait for call ``i - depth + 1``."""
+class InFlight:
+    """A bounded window of dispatched steps: after dispatching step ``i``, wait for step ``i - depth + 1``.
 
-    def __init__(self, depth: int) -> None:
+    JAX dispatches asynchronously; without a bound, the host can queue many steps, which both hides
+    errors and (on multi-device CPU) overruns XLA's collective rendezvous. ``depth=2`` keeps one step
+    running while the next is queued: the host never waits for the step it just dispatched.
+
+    Args:
+      depth: steps allowed in flight (>= 1).
+      on_done: called with each step's ``aux`` (already computed) when it leaves the window.
+    """
+
+    def __init__(self, depth: int = 2, on_done: Callable[[Any], None] | None = None) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"max_in_flight must be an integer >= 1; received {depth!r}.")
         self.depth = depth
+        self.on_done = on_done
         self._queue: collections.deque[Any] = collections.deque()
+        self.last_done: Any = None
 
-    def push(self, token: Any) -> None:
-        self._queue.append(token)
+    def push(self, aux: Any) -> None:
+        self._queue.append(aux)
         while len(self._queue) >= self.depth:
-            jax.block_until_ready(self._queue.popleft())
+            self._retire(self._queue.popleft())
 
     def drain(self) -> None:
         while self._queue:
-            jax.block_until_ready(self._queue.popleft())
+            self._retire(self._queue.popleft())
+
+    def _retire(self, aux: Any) -> None:
+        jax.block_until_ready(aux)
+        self.last_done = aux
+        if self.on_done is not None:
+            self.on_done(aux)
 
 
 def _batch_axis_of(a: Any, axis_name: str) -> bool:

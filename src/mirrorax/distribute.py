@@ -169,10 +169,9 @@ class DistributedDataset:
             if multi and self._per_process:
                 # The processes agree each step whether any still has data: none waits in a collective
                 # for a batch that another never sends.
-                from jax.experimental import multihost_utils
+                from mirrorax.consistency import any_process  # host-side: no wait on the steps
 
-                have = multihost_utils.process_allgather(np.array([item is not None], np.int32))
-                if not np.any(have):
+                if not any_process(item is not None):
                     return
             elif item is None:
                 return

@@ -19,7 +19,6 @@ anything runs; this catches them in iterables, where reading every batch on the 
 
 from __future__ import annotations
 
-import collections
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from mirrorax.dispatch import InFlight
 from mirrorax.models.base import ModelAdapter, real_count
 from mirrorax.strategy import BATCH_AXIS, MirroredStrategy
 
@@ -299,42 +299,6 @@ class StepFunctions:
         """How many programs each step kind has compiled (one each, with fixed shapes)."""
         return {name: getattr(self, name)._cache_size()
                 for name in ("train", "train_many", "evaluate", "predict")}
-
-
-class InFlight:
-    """A bounded window of dispatched steps: after dispatching step ``i``, wait for step ``i - depth + 1``.
-
-    JAX dispatches asynchronously; without a bound, the host can queue many steps, which both hides
-    errors and (on multi-device CPU) overruns XLA's collective rendezvous. ``depth=2`` keeps one step
-    running while the next is queued: the host never waits for the step it just dispatched.
-
-    Args:
-      depth: steps allowed in flight (>= 1).
-      on_done: called with each step's ``aux`` (already computed) when it leaves the window.
-    """
-
-    def __init__(self, depth: int = 2, on_done: Callable[[Any], None] | None = None) -> None:
-        if depth < 1:
-            raise ValueError(f"max_in_flight must be >= 1; received {depth}.")
-        self.depth = depth
-        self.on_done = on_done
-        self._queue: collections.deque[Any] = collections.deque()
-        self.last_done: Any = None
-
-    def push(self, aux: Any) -> None:
-        self._queue.append(aux)
-        while len(self._queue) >= self.depth:
-            self._retire(self._queue.popleft())
-
-    def drain(self) -> None:
-        while self._queue:
-            self._retire(self._queue.popleft())
-
-    def _retire(self, aux: Any) -> None:
-        jax.block_until_ready(aux)
-        self.last_done = aux
-        if self.on_done is not None:
-            self.on_done(aux)
 
 
 def _one_copy(a: Any) -> Any:

@@ -116,14 +116,14 @@ class MirroredStrategy:
 
     def __init__(self, devices: Sequence[jax.Device | int] | None = None, *, shard: ShardMode = None,
                  max_in_flight: int = 2) -> None:
-        from mirrorax.dispatch import Window
+        from mirrorax.dispatch import InFlight
 
         if shard not in SHARD_MODES:
             raise ValueError(f"shard must be one of {SHARD_MODES}: None (replicated), 'optimizer' (ZeRO-1: optimizer "
                              f"state split over the devices) or 'all' (ZeRO-3 / FSDP: parameters too); received "
                              f"{shard!r}.")
         self._shard = shard
-        self._window = Window(max_in_flight)  # validates max_in_flight before anything starts
+        self._window = InFlight(max_in_flight)  # validates max_in_flight before anything starts
         self._pending_placements: list[Any] = []
         self._run_functions: dict[Any, StrategyFunction] = {}
         cluster.maybe_initialize_from_env()
