@@ -98,7 +98,12 @@ def _attach(model: Any, strategy: MirroredStrategy) -> None:
 
 def trainer_of(model: Any) -> Trainer:
     """The :class:`mirrorax.Trainer` behind a strategy model's ``fit`` (made on first use; a new one after
-    ``compile`` is called again, as Keras rebuilds its train function then)."""
+    ``compile`` is called again, as Keras rebuilds its train function then).
+
+    Its ``on_nonfinite`` is ``"ignore"``: Keras's own ``fit`` trains on through a non-finite loss and
+    shows it in the batch logs, where ``keras.callbacks.TerminateOnNaN`` stops training (the seed
+    program's own guard). The Trainer's ``"raise"`` default would turn that program's stop into an
+    exception; ``mx.Trainer(model, on_nonfinite="raise")`` remains the explicit way to get one."""
     from mirrorax.trainer import Trainer
 
     strategy = strategy_of(model)
@@ -107,7 +112,8 @@ def trainer_of(model: Any) -> Trainer:
     cached = model.__dict__.get("_mirrorax_trainer")
     if cached is not None and cached[0] == key:
         return cached[1]
-    trainer = Trainer(model, strategy, steps_per_execution=int(model.steps_per_execution or 1))
+    trainer = Trainer(model, strategy, steps_per_execution=int(model.steps_per_execution or 1),
+                      on_nonfinite="ignore")
     object.__setattr__(model, "_mirrorax_trainer", (key, trainer))
     return trainer
 
