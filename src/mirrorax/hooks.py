@@ -11,10 +11,11 @@ Keras's ``CallbackList`` turns them into floats on a worker thread when every ba
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["Callbacks"]
+__all__ = ["Callbacks", "check_available"]
 
 _BATCH_HOOKS = {
     "train_begin": ("on_train_batch_begin", "on_batch_begin"),
@@ -38,6 +39,31 @@ def _overrides(cb: Any, names: Sequence[str]) -> bool:
     return any(callable(getattr(cb, n, None)) and not is_default(getattr(cb, n)) for n in names)
 
 
+def check_available(callbacks: Any) -> None:
+    """Raises at once, with what to install, when a callback needs a package that is missing.
+
+    ``keras.callbacks.TensorBoard`` writes its event files with ``tf.summary``: without TensorFlow it
+    would fail with a bare ``No module named 'tensorflow'`` at ``set_model`` or at the first epoch.
+
+    Raises:
+      ImportError: a ``TensorBoard`` callback and no TensorFlow installed.
+    """
+    try:
+        import keras
+    except ImportError:  # pragma: no cover - Keras is a dependency
+        return
+    members = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else callbacks
+    if not isinstance(members, (list, tuple)):
+        return
+    for cb in members:
+        if isinstance(cb, keras.callbacks.TensorBoard) and importlib.util.find_spec("tensorflow") is None:
+            raise ImportError(
+                f"keras.callbacks.TensorBoard(log_dir={getattr(cb, 'log_dir', None)!r}) writes its logs with "
+                "TensorFlow's tf.summary, and TensorFlow is not installed. Install it with `pip install "
+                "tensorflow-cpu` (the CPU build is enough: it only writes the logs, training stays on JAX; it "
+                "also brings the `tensorboard` viewer), or remove the TensorBoard callback.")
+
+
 class Callbacks:
     """The callbacks of one ``fit`` / ``evaluate`` / ``predict`` call.
 
@@ -51,6 +77,7 @@ class Callbacks:
     def __init__(self, callbacks: Any, model: Any, *, add_history: bool = False, add_progbar: bool = False,
                  **params: Any) -> None:
         self.keras = _is_keras_model(model)
+        check_available(callbacks)
         if self.keras:
             import keras
 

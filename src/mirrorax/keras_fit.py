@@ -146,6 +146,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
     import keras
 
     from mirrorax import data as data_lib
+    from mirrorax import hooks as hooks_lib
 
     trainer = trainer_of(self)
     arrays = data_lib.is_array_tree(x)
@@ -170,6 +171,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
                          f"iterable of such batches; received {type(validation_data).__name__}.")
     if not arrays:
         x = _batches(x)
+    hooks_lib.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         steps = steps_per_epoch or _num_batches(x, batch_size or (None if not arrays else 32))
         callbacks = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
@@ -196,9 +198,11 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: int | None = 
     import keras
 
     from mirrorax import data as data_lib
+    from mirrorax import hooks as hooks_lib
 
     if not data_lib.is_array_tree(x):
         x = _batches(x)
+    hooks_lib.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
                                                  steps=steps or _num_batches(x, batch_size or 32), model=self)
@@ -216,9 +220,11 @@ def _predict(self: Any, x: Any, batch_size: int | None = None, verbose: Any = "a
     import keras
 
     from mirrorax import data as data_lib
+    from mirrorax import hooks as hooks_lib
 
     if not data_lib.is_array_tree(x):
         x = _batches(x)
+    hooks_lib.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
                                                  steps=steps or _num_batches(x, batch_size or 32), model=self)
