@@ -348,6 +348,7 @@ class Trainer:
         stopped: preemption.Preempted | None = None
         try:
             watch.__enter__()
+            resumed = None
             if ckpt is not None:
                 resumed = resume_lib.resume(ckpt, self._abstract_state(), run, history)
                 if resumed is not None:
@@ -357,7 +358,13 @@ class Trainer:
                                           f"(epoch {start_epoch + 1}, batch {start_batch}).\n")
             saver = None if ckpt is None else resume_lib.Saver(ckpt, every, run, history, resume_lib.sample_spec(sample),
                                                                inputs=inputs)
+            if hasattr(self.model, "stop_training"):
+                self.model.stop_training = False  # as Keras's fit: a flag left by an interrupted run
             hooks.call("on_train_begin")
+            # keras.callbacks.BackupAndRestore says where to resume in on_train_begin (Keras's fit reads
+            # model._initial_epoch only then); its restored weights are adopted at on_epoch_begin.
+            if resumed is None and getattr(self.model, "_initial_epoch", None):
+                start_epoch = int(self.model._initial_epoch)
             for epoch in range(start_epoch, epochs):
                 hooks.call("on_epoch_begin", epoch)
                 self._state = self._adopt_model_changes(self._state)  # e.g. a learning rate a callback set
