@@ -257,8 +257,13 @@ def test_swap_ema_weights_validates_with_the_averages():
     for m in (ref, model):
         hists.append(m.fit(x, y, epochs=3, validation_data=(xv, yv), callbacks=[keras.callbacks.SwapEMAWeights()],
                            **FIT).history)
-    for k in hists[0]:
+    for k in hists[0]:  # val_* computed with the averages swapped in at on_test_begin
         np.testing.assert_allclose(hists[1][k], hists[0][k], rtol=1e-5, err_msg=k)
+    assert_weights_close(model, ref, RTOL, ATOL)
+    # predict too swaps at on_predict_begin (and Keras leaves what its on_predict_end leaves).
+    want = ref.predict(xv, batch_size=BATCH, verbose=0, callbacks=[keras.callbacks.SwapEMAWeights()])
+    got = model.predict(xv, batch_size=BATCH, verbose=0, callbacks=[keras.callbacks.SwapEMAWeights()])
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
     assert_weights_close(model, ref, RTOL, ATOL)
 
 

@@ -375,6 +375,7 @@ class Trainer:
                     stream, position, steps_per_epoch, epoch, epochs, mode, start_batch=start_batch,
                     saver=saver, hooks=hooks, watch=watch, positioned=inputs is not None)
                 start_batch = 0
+                self._write_back()  # Keras syncs the model before validation: on_test_begin may read it
                 if val is not None and should_validate(epoch):
                     vlogs = self._evaluate_source(val, validation_batch_size or batch_size, steps=validation_steps,
                                                   hooks=hooks)
@@ -385,7 +386,6 @@ class Trainer:
                     consistency.check_replicas(self._state)
                 if saver is not None:
                     saver.save(self._state, epoch + 1, 0)
-                self._write_back()
                 hooks.call("on_epoch_end", epoch, logs)
                 training_logs = logs
                 self._state = self._adopt_model_changes(self._state)
@@ -400,6 +400,7 @@ class Trainer:
         finally:
             watch.close()
             self._write_back()
+            self._finalize_optimizer(epochs)
             if ckpt is not None:
                 ckpt.close()
         if stopped is not None:
@@ -410,6 +411,23 @@ class Trainer:
         if hasattr(self.model, "stop_training"):
             self.model.stop_training = False
         return history
+
+    def _finalize_optimizer(self, epochs: int) -> None:
+        """Keras's end of ``fit``: ``optimizer.finalize_variable_values`` (``use_ema=True`` puts the moving
+        averages into the model's weights), on the values just lent back; adopted as a model change."""
+        optimizer = getattr(self.model, "optimizer", None)
+        if epochs <= 0 or getattr(self.adapter, "optax", None) is not None or \
+                not callable(getattr(optimizer, "finalize_variable_values", None)):
+            return
+        optimizer.finalize_variable_values(self.model.trainable_weights)
+
+    def _adopt_callback_changes(self) -> None:
+        """After a hook that may change the lent model (``SwapEMAWeights`` at ``on_test_begin``): the state
+        takes the model's values, and lends them back so that a later change is seen too."""
+        state = self._adopt_model_changes(self._state)
+        if state is not self._state:
+            self._state = state
+            self._write_back()
 
     def _preempted(self, ckpt: Any, epoch: int, batch: int) -> preemption.Preempted:
         """The stop of every process on SIGTERM, once the checkpoint (if any) is started."""
@@ -580,6 +598,7 @@ class Trainer:
         end = hooks is not None and hooks.listens["test_end"]
         if hooks is not None:
             hooks.call("on_test_begin")
+            self._adopt_callback_changes()
         try:
             for i, (_, batch) in enumerate(batches):
                 if begin:
@@ -595,6 +614,7 @@ class Trainer:
         logs = self.adapter.metric_results(host_tree(metrics))
         if hooks is not None:
             hooks.call("on_test_end", logs)
+            self._adopt_callback_changes()
         return logs
 
     def predict(self, x: Any, *, batch_size: int | None = None, verbose: int | str = 0, steps: int | None = None,
@@ -635,6 +655,7 @@ class Trainer:
         batches = self._device_batches(stream.batches(0, steps), 1, stream.per_process)
         if hooks is not None:
             hooks.call("on_predict_begin")
+            self._adopt_callback_changes()
         try:
             for i, (_, batch) in enumerate(batches):
                 if hooks is not None and hooks.listens["predict_begin"]:
@@ -647,6 +668,7 @@ class Trainer:
                 batches.close()
         if hooks is not None:
             hooks.call("on_predict_end")
+            self._adopt_callback_changes()
         return jax.tree.map(lambda *a: np.concatenate(a), *outputs)
 
     # -- one batch (Keras's *_on_batch) ------------------------------------------------------------
