@@ -14,7 +14,6 @@ import keras
 import numpy as np
 import pytest
 
-import mirrorax as mx
 from helpers import assert_weights_close, flat_digits, strategy
 
 pytestmark = pytest.mark.multi_device
@@ -268,7 +267,6 @@ def test_swap_ema_weights_validates_with_the_averages():
 
 
 def test_tensorboard_without_tensorflow_says_what_to_install(tmp_path):
-    pytest.importorskip("keras")
     try:
         import tensorflow  # noqa: F401
     except ImportError:
@@ -280,3 +278,24 @@ def test_tensorboard_without_tensorflow_says_what_to_install(tmp_path):
         model = _build()
     with pytest.raises(ImportError, match="pip install tensorflow-cpu"):
         model.fit(x, y, epochs=1, callbacks=[keras.callbacks.TensorBoard(str(tmp_path))], **FIT)
+
+
+def test_plain_object_callbacks_of_a_keras_model_in_the_trainer():
+    """``mx.Trainer.fit`` takes plain objects with ``on_*`` methods for any model; for a Keras model
+    they are wrapped into Keras callbacks (Keras's ``CallbackList`` calls every hook of every member)."""
+    import mirrorax as mx
+
+    class Plain:
+        def __init__(self):
+            self.seen = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen.append(batch)
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.seen.append(("epoch", epoch, sorted(logs)))
+
+    x, y, _, _ = _data()
+    plain = Plain()
+    mx.Trainer(_build(), strategy(2)).fit(x, y, epochs=1, callbacks=[plain], **FIT)
+    assert plain.seen == [0, 1, 2, 3, ("epoch", 0, ["accuracy", "loss"])]

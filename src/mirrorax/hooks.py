@@ -86,6 +86,7 @@ class Callbacks:
                 if params:
                     callbacks.set_params({**(callbacks.params or {}), **params})
             else:
+                callbacks = [_as_keras_callback(cb, keras) for cb in callbacks or []]
                 self._list = keras.callbacks.CallbackList(callbacks, add_history=add_history,
                                                           add_progbar=add_progbar, model=model, **params)
             members = list(self._list.callbacks)
@@ -111,6 +112,45 @@ class Callbacks:
             fn = getattr(cb, method, None)
             if fn is not None:
                 fn(*args)
+
+
+_HOOK_NAMES = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_test_begin", "on_test_end",
+               "on_predict_begin", "on_predict_end", "on_batch_begin", "on_batch_end", "on_train_batch_begin",
+               "on_train_batch_end", "on_test_batch_begin", "on_test_batch_end", "on_predict_batch_begin",
+               "on_predict_batch_end")
+
+
+def _as_keras_callback(cb: Any, keras: Any) -> Any:
+    """``cb`` as a ``keras.callbacks.Callback``: a plain object with some ``on_*`` methods (what
+    ``Trainer.fit`` accepts for any model) is wrapped, since Keras's ``CallbackList`` calls every hook of
+    every member. Only the hooks ``cb`` has are overridden, so the others stay Keras's no-ops (and batch
+    hooks that no member has are never called)."""
+    if isinstance(cb, keras.callbacks.Callback):
+        return cb
+
+    def forward(name: str) -> Callable[..., Any]:
+        def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self.wrapped, name)(*args, **kwargs)
+
+        hook.__name__ = name
+        return hook
+
+    methods: dict[str, Any] = {n: forward(n) for n in _HOOK_NAMES if callable(getattr(cb, n, None))}
+
+    def set_model(self: Any, model: Any) -> None:
+        keras.callbacks.Callback.set_model(self, model)
+        if callable(getattr(self.wrapped, "set_model", None)):
+            self.wrapped.set_model(model)
+
+    def set_params(self: Any, params: Any) -> None:
+        keras.callbacks.Callback.set_params(self, params)
+        if callable(getattr(self.wrapped, "set_params", None)):
+            self.wrapped.set_params(params)
+
+    wrapper = type(type(cb).__name__, (keras.callbacks.Callback,),
+                   dict(methods, set_model=set_model, set_params=set_params))()
+    wrapper.wrapped = cb
+    return wrapper
 
 
 def _is_keras_model(model: Any) -> bool:
