@@ -11,10 +11,11 @@ Keras's ``CallbackList`` turns them into floats on a worker thread when every ba
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["Callbacks"]
+__all__ = ["Callbacks", "check_available"]
 
 _BATCH_HOOKS = {
     "train_begin": ("on_train_batch_begin", "on_batch_begin"),
@@ -38,6 +39,31 @@ def _overrides(cb: Any, names: Sequence[str]) -> bool:
     return any(callable(getattr(cb, n, None)) and not is_default(getattr(cb, n)) for n in names)
 
 
+def check_available(callbacks: Any) -> None:
+    """Raises at once, with what to install, when a callback needs a package that is missing.
+
+    ``keras.callbacks.TensorBoard`` writes its event files with ``tf.summary``: without TensorFlow it
+    would fail with a bare ``No module named 'tensorflow'`` at ``set_model`` or at the first epoch.
+
+    Raises:
+      ImportError: a ``TensorBoard`` callback and no TensorFlow installed.
+    """
+    try:
+        import keras
+    except ImportError:  # pragma: no cover - Keras is a dependency
+        return
+    members = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else callbacks
+    if not isinstance(members, (list, tuple)):
+        return
+    for cb in members:
+        if isinstance(cb, keras.callbacks.TensorBoard) and importlib.util.find_spec("tensorflow") is None:
+            raise ImportError(
+                f"keras.callbacks.TensorBoard(log_dir={getattr(cb, 'log_dir', None)!r}) writes its logs with "
+                "TensorFlow's tf.summary, and TensorFlow is not installed. Install it with `pip install "
+                "tensorflow-cpu` (the CPU build is enough: it only writes the logs, training stays on JAX; it "
+                "also brings the `tensorboard` viewer), or remove the TensorBoard callback.")
+
+
 class Callbacks:
     """The callbacks of one ``fit`` / ``evaluate`` / ``predict`` call.
 
@@ -51,6 +77,7 @@ class Callbacks:
     def __init__(self, callbacks: Any, model: Any, *, add_history: bool = False, add_progbar: bool = False,
                  **params: Any) -> None:
         self.keras = _is_keras_model(model)
+        check_available(callbacks)
         if self.keras:
             import keras
 
@@ -59,8 +86,8 @@ class Callbacks:
                 if params:  # the caller's (Keras's fit) params win: ours only fill what is missing
                     callbacks.set_params({**params, **(callbacks.params or {})})
             else:
-                members = [cb if isinstance(cb, keras.callbacks.Callback) else _Plain(cb) for cb in callbacks or []]
-                self._list = keras.callbacks.CallbackList(members, add_history=add_history,
+                callbacks = [_as_keras_callback(cb, keras) for cb in callbacks or []]
+                self._list = keras.callbacks.CallbackList(callbacks, add_history=add_history,
                                                           add_progbar=add_progbar, model=model, **params)
             members = list(self._list.callbacks)
         else:
@@ -87,40 +114,43 @@ class Callbacks:
                 fn(*args)
 
 
-def _plain_base() -> type:
-    import keras
-
-    return keras.callbacks.Callback
-
-
-class _Plain:
-    """A plain object with some ``on_*`` methods, as a Keras callback (a ``CallbackList`` takes only those)."""
-
-    def __new__(cls, target: Any) -> Any:
-        base = _plain_base()
-
-        class Forward(base):  # type: ignore[misc, valid-type]
-            def __init__(self) -> None:
-                super().__init__()
-                self.target = target
-
-            def set_model(self, model: Any) -> None:
-                super().set_model(model)
-                if hasattr(target, "set_model"):
-                    target.set_model(model)
-
-        for name in dir(base):
-            if name.startswith("on_") and callable(getattr(target, name, None)):
-                setattr(Forward, name, _forward(name))
-        return Forward()
+_HOOK_NAMES = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_test_begin", "on_test_end",
+               "on_predict_begin", "on_predict_end", "on_batch_begin", "on_batch_end", "on_train_batch_begin",
+               "on_train_batch_end", "on_test_batch_begin", "on_test_batch_end", "on_predict_batch_begin",
+               "on_predict_batch_end")
 
 
-def _forward(name: str) -> Callable[..., Any]:
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.target, name)(*args, **kwargs)
+def _as_keras_callback(cb: Any, keras: Any) -> Any:
+    """``cb`` as a ``keras.callbacks.Callback``: a plain object with some ``on_*`` methods (what
+    ``Trainer.fit`` accepts for any model) is wrapped, since Keras's ``CallbackList`` calls every hook of
+    every member. Only the hooks ``cb`` has are overridden, so the others stay Keras's no-ops (and batch
+    hooks that no member has are never called)."""
+    if isinstance(cb, keras.callbacks.Callback):
+        return cb
 
-    method.__name__ = name
-    return method
+    def forward(name: str) -> Callable[..., Any]:
+        def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self.wrapped, name)(*args, **kwargs)
+
+        hook.__name__ = name
+        return hook
+
+    methods: dict[str, Any] = {n: forward(n) for n in _HOOK_NAMES if callable(getattr(cb, n, None))}
+
+    def set_model(self: Any, model: Any) -> None:
+        keras.callbacks.Callback.set_model(self, model)
+        if callable(getattr(self.wrapped, "set_model", None)):
+            self.wrapped.set_model(model)
+
+    def set_params(self: Any, params: Any) -> None:
+        keras.callbacks.Callback.set_params(self, params)
+        if callable(getattr(self.wrapped, "set_params", None)):
+            self.wrapped.set_params(params)
+
+    wrapper = type(type(cb).__name__, (keras.callbacks.Callback,),
+                   dict(methods, set_model=set_model, set_params=set_params))()
+    wrapper.wrapped = cb
+    return wrapper
 
 
 def _is_keras_model(model: Any) -> bool:

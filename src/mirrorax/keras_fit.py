@@ -101,7 +101,12 @@ def _attach(model: Any, strategy: MirroredStrategy) -> None:
 
 def trainer_of(model: Any) -> Trainer:
     """The :class:`mirrorax.Trainer` behind a strategy model's ``fit`` (made on first use; a new one after
-    ``compile`` is called again, as Keras rebuilds its train function then)."""
+    ``compile`` is called again, as Keras rebuilds its train function then).
+
+    Its ``on_nonfinite`` is ``"ignore"``: Keras's own ``fit`` trains on through a non-finite loss and
+    shows it in the batch logs, where ``keras.callbacks.TerminateOnNaN`` stops training (the seed
+    program's own guard). The Trainer's ``"raise"`` default would turn that program's stop into an
+    exception; ``mx.Trainer(model, on_nonfinite="raise")`` remains the explicit way to get one."""
     from mirrorax.trainer import Trainer
 
     strategy = strategy_of(model)
@@ -114,7 +119,8 @@ def trainer_of(model: Any) -> Trainer:
 
     # Keras's predict needs no compile: an uncompiled model gets an adapter for predict alone.
     adapter = KerasAdapter(model, predict_only=True)
-    trainer = Trainer(adapter, strategy, steps_per_execution=int(model.steps_per_execution or 1))
+    trainer = Trainer(adapter, strategy, steps_per_execution=int(model.steps_per_execution or 1),
+                      on_nonfinite="ignore")
     trainer.model = model  # callbacks, stop_training and the progress bar act on the Keras model
     object.__setattr__(model, "_mirrorax_trainer", (key, trainer))
     return trainer
@@ -148,6 +154,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
     import keras
 
     from mirrorax import data as data_lib
+    from mirrorax import hooks as hooks_lib
 
     trainer = trainer_of(self)
     arrays = data_lib.is_array_tree(x)
@@ -177,6 +184,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
                          f"iterable of such batches; received {type(validation_data).__name__}.")
     if not arrays:
         x = _as_batches(x)
+    hooks_lib.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         steps = steps_per_epoch or _num_batches(x, batch_size or (None if not arrays else 32))
         callbacks = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
@@ -203,9 +211,11 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: int | None = 
     import keras
 
     from mirrorax import data as data_lib
+    from mirrorax import hooks as hooks_lib
 
     if not data_lib.is_array_tree(x):
         x = _as_batches(x)
+    hooks_lib.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
                                                  steps=steps or _num_batches(x, batch_size or 32), model=self)
@@ -223,9 +233,11 @@ def _predict(self: Any, x: Any, batch_size: int | None = None, verbose: Any = "a
     import keras
 
     from mirrorax import data as data_lib
+    from mirrorax import hooks as hooks_lib
 
     if not data_lib.is_array_tree(x):
         x = _as_batches(x)
+    hooks_lib.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
                                                  steps=steps or _num_batches(x, batch_size or 32), model=self)

@@ -383,6 +383,7 @@ class Trainer:
         stopped: preemption.Preempted | None = None
         try:
             watch.start()
+            resumed = None
             if ckpt is not None:
                 resumed = resume_lib.resume(ckpt, self._abstract_state(), run, history)
                 if resumed is not None:
@@ -392,7 +393,13 @@ class Trainer:
                                           f"(epoch {start_epoch + 1}, batch {start_batch}).\n")
             saver = None if ckpt is None else resume_lib.Saver(
                 ckpt, every, run, history, resume_lib.sample_spec(sample), inputs=inputs)
+            if hasattr(self.model, "stop_training"):
+                self.model.stop_training = False  # as Keras's fit: a flag left by an interrupted run
             hooks.call("on_train_begin")
+            # keras.callbacks.BackupAndRestore says where to resume in on_train_begin (Keras's fit reads
+            # model._initial_epoch only then); its restored weights are adopted at on_epoch_begin.
+            if resumed is None and getattr(self.model, "_initial_epoch", None):
+                start_epoch = int(self.model._initial_epoch)
             for epoch in range(start_epoch, epochs):
                 hooks.call("on_epoch_begin", epoch)
                 self._state = self._adopt_model_changes(self._state)  # e.g. a learning rate a callback set
@@ -403,6 +410,7 @@ class Trainer:
                     stream, position, steps_per_epoch, epoch, epochs, mode, start_batch=start_batch,
                     saver=saver, hooks=hooks, watch=watch, positioned=inputs is not None)
                 start_batch = 0
+                self._write_back()  # Keras syncs the model before validation: on_test_begin may read it
                 if val is not None and should_validate(epoch):
                     vlogs = self._evaluate_source(val, validation_batch_size or batch_size, steps=validation_steps,
                                                   hooks=hooks)
@@ -413,7 +421,6 @@ class Trainer:
                     consistency.check_replicas(self._state)
                 if saver is not None:
                     saver.save(self._state, epoch + 1, 0)
-                self._write_back()
                 hooks.call("on_epoch_end", epoch, logs)
                 training_logs = logs
                 self._state = self._adopt_model_changes(self._state)
@@ -428,6 +435,7 @@ class Trainer:
         finally:
             watch.close()
             self._write_back()
+            self._finalize_optimizer(epochs)
             if ckpt is not None:
                 ckpt.close()
         if stopped is not None:
@@ -438,6 +446,23 @@ class Trainer:
         if hasattr(self.model, "stop_training"):
             self.model.stop_training = False
         return history
+
+    def _finalize_optimizer(self, epochs: int) -> None:
+        """Keras's end of ``fit``: ``optimizer.finalize_variable_values`` (``use_ema=True`` puts the moving
+        averages into the model's weights), on the values just lent back; adopted as a model change."""
+        optimizer = getattr(self.model, "optimizer", None)
+        if epochs <= 0 or getattr(self.adapter, "optax", None) is not None or \
+                not callable(getattr(optimizer, "finalize_variable_values", None)):
+            return
+        optimizer.finalize_variable_values(self.model.trainable_weights)
+
+    def _adopt_callback_changes(self) -> None:
+        """After a hook that may change the lent model (``SwapEMAWeights`` at ``on_test_begin``): the state
+        takes the model's values, and lends them back so that a later change is seen too."""
+        state = self._adopt_model_changes(self._state)
+        if state is not self._state:
+            self._state = state
+            self._write_back()
 
     def _preempted(self, ckpt: Any, epoch: int, batch: int) -> preemption.Preempted:
         """The stop of every process on SIGTERM, once the checkpoint (if any) is started."""
@@ -634,6 +659,7 @@ class Trainer:
         if hooks is not None:
             self.model.stop_evaluating = False  # as Keras: a test-batch callback may set it to stop early
             hooks.call("on_test_begin")
+            self._adopt_callback_changes()
         try:
             spe, i, aux = self.steps_per_execution, -1, None  # batch hooks once per execution, as Keras
             for i, (_, batch) in enumerate(batches):
@@ -654,6 +680,7 @@ class Trainer:
         logs = self.adapter.metric_results(host_tree(metrics))
         if hooks is not None:
             hooks.call("on_test_end", logs)
+            self._adopt_callback_changes()
         return logs
 
     def predict(self, x: Any, *, batch_size: int | None = None, verbose: int | str = 0, steps: int | None = None,
@@ -698,6 +725,7 @@ class Trainer:
         if hooks is not None:
             self.model.stop_predicting = False  # as Keras: a predict-batch callback may set it to stop early
             hooks.call("on_predict_begin")
+            self._adopt_callback_changes()
         try:
             for i, (_, batch) in enumerate(batches):
                 if hooks is not None and hooks.listens["predict_begin"] and i % spe == 0:
@@ -715,6 +743,7 @@ class Trainer:
                 batches.close()
         if hooks is not None:
             hooks.call("on_predict_end")
+            self._adopt_callback_changes()
         return jax.tree.map(lambda *a: np.concatenate(a), *outputs)
 
     # -- one batch (Keras's *_on_batch) ------------------------------------------------------------
