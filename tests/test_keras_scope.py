@@ -187,3 +187,16 @@ def test_callbacks_can_stop_evaluate_and_predict_early():
     model.predict(x, batch_size=16, verbose=0, callbacks=[Stop()])
     assert seen["test"] == 1  # 6 batches, stopped after the first
     assert seen["predict"] <= 2  # predict's batch hooks run as outputs arrive (at most one step behind)
+
+
+def test_progress_is_keras_own(capsys):
+    x, y, _, _ = flat_digits(64)
+    with strategy(2).scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(x, y, batch_size=16, epochs=2, verbose=2, validation_data=(x, y))
+    out = capsys.readouterr().out
+    import re
+
+    assert re.findall(r"^Epoch \d/2$", out, re.M) == ["Epoch 1/2", "Epoch 2/2"], out
+    assert len(re.findall(r"^4/4 - .* - accuracy: [0-9.]+ - loss: [0-9.]+ - val_accuracy: ", out, re.M)) == 2, out

@@ -356,7 +356,8 @@ class Trainer:
             from mirrorax.checkpoint import Checkpointer
 
             ckpt = Checkpointer(checkpoint_dir, keep=keep_checkpoints)
-        if callbacks is not None and not isinstance(callbacks, (list, tuple)):
+        if callbacks is not None and not isinstance(callbacks, (list, tuple)) and \
+                type(callbacks).__name__ != "CallbackList":  # (Keras's fit under a scope passes its own list)
             callbacks = [callbacks]  # one callback, not in a list: as Keras's own fit takes it
         sample = self._sample(source, batch_size)
         self._ensure_state(sample)
