@@ -231,7 +231,6 @@ def _plan_one(trainer: Any, x: Any, y: Any, batch_size: int, memory: int | None)
     sample = trainer._sample(source, 1)
     trainer.adapter.build(sample.tree())
     host = trainer._initial_host_state()
-    groups = {"params", "optimizer"}
     layouts = trainer.state_layout(host)
     abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=sh),
                             host, layouts)
@@ -244,8 +243,7 @@ def _plan_one(trainer: Any, x: Any, y: Any, batch_size: int, memory: int | None)
 
     batch = {k: jax.tree.map(batch_spec, v) for k, v in one.items() if k != "num_real" and v is not None}
     batch["num_real"] = jax.ShapeDtypeStruct((), np.float32, sharding=s.replicated)
-    if s.shard is not None:
-        trainer.steps.set_state_layout({k: layouts[k] if k in groups else s.replicated for k in host})
+    trainer._set_step_layout(layouts)
     compiled = trainer.steps.train.lower(abstract, batch).compile()
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
