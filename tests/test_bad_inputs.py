@@ -5,6 +5,7 @@ Labels outside the model's classes are found on the host for arrays and inside t
 (read when the host looks for non-finite steps): the step that holds one is not applied.
 """
 
+import jax
 import keras
 import numpy as np
 import pytest
@@ -127,6 +128,29 @@ def test_iterable_label_outside_classes_stops_training_without_applying_that_ste
     t.fit(batches(x, y), epochs=2, verbose=0)
     ref_trainer.fit(batches(x, y), epochs=2, verbose=0)
     assert_weights_close(m, ref, 1e-6, 1e-7)
+
+
+def test_array_labels_checked_on_the_host_leave_the_step_unguarded():
+    """In-memory labels are all checked before compiling, so (with on_nonfinite="ignore") the step has no
+    guard around the update: no conditional in its program. An iterable's labels keep the guard."""
+    x, y = data(48)
+    t = mx.Trainer(model(optimizer="adam"), strategy(2), on_nonfinite="ignore")
+
+    def conditionals():
+        state, batch = t.state, None
+        spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+        rows = {"x": jax.ShapeDtypeStruct((8, 4), np.float32), "y": jax.ShapeDtypeStruct((8,), np.int32),
+                "sample_weight": jax.ShapeDtypeStruct((8,), np.float32),
+                "mask": jax.ShapeDtypeStruct((8,), np.float32), "num_real": jax.ShapeDtypeStruct((), np.float32)}
+        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=t.strategy.batch_sharding if v.shape
+                                         else t.strategy.replicated) for k, v in rows.items()}
+        text = t.steps.train.lower(spec, batch).as_text()
+        return text.count("stablehlo.case") + text.count("stablehlo.if")
+
+    t.fit(x, y, batch_size=8, verbose=0)
+    assert conditionals() == 0
+    t.fit(batches(x, y), epochs=1, verbose=0)
+    assert conditionals() > 0
 
 
 def test_iterable_label_outside_classes_in_evaluate():

@@ -125,6 +125,11 @@ class ArraySource:
                 check_finite_values(a, name)
         self._targets_checked = False
 
+    @property
+    def labels_checked(self) -> bool:
+        """Whether every label was checked against its classes here (then the step need not look)."""
+        return self._targets_checked
+
     def check_targets(self, adapter: Any) -> None:
         """Refuses inputs and targets that do not fit the model (input shapes; target shapes under the
         loss; labels outside the classes), once per source, before anything is compiled."""
