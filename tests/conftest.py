@@ -10,7 +10,6 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ["JAX_NUM_CPU_DEVICES"] = "8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Keras prints a progress bar per fit call otherwise; the tests check outputs, not bars.
-os.environ.setdefault("MIRRORAX_TEST", "1")
 
 import jax  # noqa: E402
 

@@ -24,7 +24,7 @@ from mirrorax import preemption
 from mirrorax import resume as resume_lib
 from mirrorax.models.base import ModelAdapter, adapt
 from mirrorax.progress import Progress, resolve_verbose
-from mirrorax.step import InFlight, StepFunctions, host_tree, host_value
+from mirrorax.step import InFlight, NonFiniteMode, StepFunctions, host_tree, host_value
 from mirrorax.streams import Stream, make_stream
 from mirrorax.strategy import MirroredStrategy, get_strategy
 
@@ -770,6 +770,7 @@ class Trainer:
         batch_size = source.num_examples
         sample = self._sample(source, batch_size)
         self._ensure_state(sample)
+        self.steps.check_labels_in_step(True)  # (the labels of a single batch are looked at in the step)
         host = next(source.batches(batch_size, self.strategy, shuffle=False, seed=0, pass_index=0))
         batch = data_lib.to_global(host, self.strategy)
         state = dict(self._state, metrics=self._place(self.adapter.initial_metrics(), from_host=False))
