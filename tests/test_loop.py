@@ -93,6 +93,13 @@ def test_nonfinite_loss_raises_and_keeps_last_good_weights():
     assert_weights_close(model, after_one, 1e-6, 1e-7)
     assert all(np.isfinite(w).all() for w in model.get_weights())
     assert any(not np.allclose(a, b) for a, b in zip(good, model.get_weights()))
+    # The same trainer trains on from there (the frozen record does not outlive the error), and its step
+    # counter counts applied steps only.
+    assert int(np.asarray(t.host_state()["step"])) == 2
+    t.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
+    ref.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
+    assert_weights_close(model, after_one, 1e-6, 1e-7)
+    assert int(np.asarray(t.host_state()["step"])) == 3
 
 
 def test_nonfinite_skip_counts_skipped_steps():

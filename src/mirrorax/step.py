@@ -295,6 +295,13 @@ class StepFunctions:
         return state, ValueError(self._label_message(record, where) + " The update of that step was not "
                                  "applied: the trainer and the model hold the values from before it.")
 
+    @staticmethod
+    def clear_nonfinite(state: dict[str, PyTree], bad_step: int) -> dict[str, PyTree]:
+        """``state`` after a non-finite step froze it (``on_nonfinite="raise"``), ready to train on: the
+        record cleared and the step counter back at the last applied step (``bad_step - 1``)."""
+        return dict(state, skipped=state["skipped"] * 0, nonfinite_step=state["nonfinite_step"] * 0,
+                    step=state["step"] * 0 + (bad_step - 1))
+
     def eval_watch(self) -> Callable[[Any], None]:
         """An ``InFlight`` ``on_done`` for evaluation: raises on a batch holding a bad label."""
         count = itertools.count(1)

@@ -590,6 +590,7 @@ class Trainer:
             raise label_error
         if raise_mode and (halted or int(host_value(state["skipped"]))):
             bad = int(host_value(state["nonfinite_step"]))
+            self._state = self.steps.clear_nonfinite(state, bad)
             self._write_back()
             raise NonFiniteLossError(
                 f"The loss became non-finite at step {bad} (epoch {epoch + 1}, batch "
@@ -782,6 +783,7 @@ class Trainer:
             self._state = state if state is not None else self._state
         self._write_back()
         if self.steps.on_nonfinite == "raise" and int(host_value(state["skipped"])):
+            self._state = self.steps.clear_nonfinite(state, int(host_value(state["nonfinite_step"])))
             raise NonFiniteLossError("The loss of this batch is not finite; the update was not applied (the model "
                                      "keeps its values). Check the batch for NaN/inf or lower the learning rate.")
         return self.adapter.metric_results(host_tree(state["metrics"]))
