@@ -105,6 +105,11 @@ def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(out)
 
 
+def _dtype(a: Any) -> Any:
+    # (``jax.ShapeDtypeStruct``s, the abstract arguments of ``lower``, are no input to ``result_type``)
+    return a.dtype if isinstance(a, jax.ShapeDtypeStruct) else jnp.result_type(a)
+
+
 class StrategyFunction:
     """What ``strategy.jit(fn)`` and ``strategy.run``'s compiled form return: call it like ``fn``.
 
@@ -113,16 +118,19 @@ class StrategyFunction:
       fn: the function (global view), or the per-replica function with ``per_replica=True``.
       donate_argnums: positional arguments whose buffers the call may reuse (e.g. the state).
       per_replica: run ``fn`` once per replica on its rows (``jax.shard_map``), as ``strategy.run``.
+      bounded: keep the strategy's dispatch bound. ``False`` for a caller that keeps its own window of
+        calls in flight (the ``Trainer``'s epoch loop, which reads each step's flags as it leaves).
     """
 
     def __init__(self, strategy: MirroredStrategy, fn: Callable[..., Any], *, donate_argnums: int | Sequence[int] = (),
-                 per_replica: bool = False) -> None:
+                 per_replica: bool = False, bounded: bool = True) -> None:
         if not callable(fn):
             raise TypeError(f"Expected a callable for fn. Received: {fn!r} (of type {type(fn).__name__}).")
         self._strategy = strategy
         self._fn = fn
         self._donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         self._per_replica = per_replica
+        self._bounded = bounded
         self._compiled: dict[Any, Callable[..., Any]] = {}
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
@@ -139,7 +147,7 @@ class StrategyFunction:
         if compiled is None:
             compiled = self._compiled[key] = self._compile(args)
         out, token = compiled(*args)
-        self._strategy._dispatched(token)
+        self._strategy._dispatched(token if self._bounded else None)
         return out
 
     def lower(self, *args: Any) -> Any:
@@ -175,7 +183,8 @@ class StrategyFunction:
         batch_rows = {a.shape[0] for a in jax.tree.leaves(args) if _batch_axis_of(a, axis) and a.ndim}
 
         def layout_of(arg: Any) -> PyTree:
-            return jax.tree.map(lambda a: a.sharding if isinstance(a, jax.Array) else s.replicated, arg)
+            # (``getattr``: abstract arguments, ``jax.ShapeDtypeStruct``s for ``lower``, carry one too)
+            return jax.tree.map(lambda a: getattr(a, "sharding", None) or s.replicated, arg)
 
         def by_shape(tree: PyTree) -> PyTree:
             return jax.tree.map(lambda o: s.batch_sharding if o.ndim and o.shape[0] in batch_rows else s.replicated,
@@ -185,7 +194,7 @@ class StrategyFunction:
             o_leaves, o_def = jax.tree.flatten(out)
             for arg in args:
                 a_leaves, a_def = jax.tree.flatten(arg)
-                if a_def == o_def and all(np.shape(a) == o.shape and jnp.result_type(a) == o.dtype
+                if a_def == o_def and all(np.shape(a) == o.shape and _dtype(a) == o.dtype
                                           for a, o in zip(a_leaves, o_leaves)):
                     return layout_of(arg)
             return None

@@ -243,7 +243,6 @@ def _plan_one(trainer: Any, x: Any, y: Any, batch_size: int, memory: int | None)
 
     batch = {k: jax.tree.map(batch_spec, v) for k, v in one.items() if k != "num_real" and v is not None}
     batch["num_real"] = jax.ShapeDtypeStruct((), np.float32, sharding=s.replicated)
-    trainer._set_step_layout(layouts)
     compiled = trainer.steps.train.lower(abstract, batch).compile()
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mirrorax.dispatch import InFlight
+from mirrorax.dispatch import InFlight, StrategyFunction
 from mirrorax.models.base import ModelAdapter, real_count
 from mirrorax.strategy import BATCH_AXIS, MirroredStrategy
 
@@ -77,18 +77,8 @@ class StepFunctions:
         self.evaluate = jax.jit(self._eval_with_logs, donate_argnums=(1,), out_shardings=rep)
         self.predict = jax.jit(self._predict_step, out_shardings=strategy.batch_sharding)
         self._donate_args = (0,) if donate else ()
-        self._state_layout: Any = None
         self._check_labels = True
         self._variants: dict[bool, tuple[Any, Any]] = {}
-        self._select()
-
-    def set_state_layout(self, layout: PyTree) -> None:
-        """The train steps return the state laid out as ``layout`` (a pytree prefix of the state of
-        ``NamedSharding``s: sharded parameters / optimizer state stay sharded). Replicated by default."""
-        if layout == self._state_layout:
-            return
-        self._state_layout = layout
-        self._variants = {}
         self._select()
 
     def check_labels_in_step(self, on: bool) -> None:
@@ -105,13 +95,13 @@ class StepFunctions:
     def _select(self) -> None:
         flag = self._check_labels
         if flag not in self._variants:
-            layout = self._state_layout
-            out = self.strategy.replicated if layout is None else (layout, self.strategy.replicated)
+            # strategy.jit's functions: the state comes back in the layout it went in with (replicated or
+            # sharded), the step's flags and logs replicated; the epoch loop keeps the dispatch bound.
             self._variants[flag] = (
-                jax.jit(functools.partial(self._train_with_logs, check_labels=flag),
-                        donate_argnums=self._donate_args, out_shardings=out),
-                jax.jit(functools.partial(self._train_many_with_logs, check_labels=flag),
-                        donate_argnums=self._donate_args, out_shardings=out))
+                StrategyFunction(self.strategy, functools.partial(self._train_with_logs, check_labels=flag),
+                                 donate_argnums=self._donate_args, bounded=False),
+                StrategyFunction(self.strategy, functools.partial(self._train_many_with_logs, check_labels=flag),
+                                 donate_argnums=self._donate_args, bounded=False))
         self.train, self.train_many = self._variants[flag]
 
     # -- pure functions --------------------------------------------------------------------------
@@ -327,8 +317,8 @@ class StepFunctions:
 
     def compile_counts(self) -> dict[str, int]:
         """How many programs each step kind has compiled (one each, with fixed shapes)."""
-        return {name: getattr(self, name)._cache_size()
-                for name in ("train", "train_many", "evaluate", "predict")}
+        counts = {"train": self.train.compile_count, "train_many": self.train_many.compile_count}
+        return dict(counts, evaluate=self.evaluate._cache_size(), predict=self.predict._cache_size())
 
 
 def _one_copy(a: Any) -> Any:

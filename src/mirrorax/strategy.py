@@ -417,7 +417,8 @@ class MirroredStrategy:
         pending, self._pending_placements = self._pending_placements, []
         for it in pending:
             it.prepare()
-        self._window.push(token)
+        if token is not None:  # (None: the caller keeps its own bound)
+            self._window.push(token)
 
     def _place_after_dispatch(self, iterator: Any) -> None:
         self._pending_placements.append(iterator)

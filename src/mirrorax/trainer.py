@@ -159,14 +159,9 @@ class Trainer:
         if self._state is not None:
             self._state = self._adopt_model_changes(self._state)
             return
-        self._state = self._place_state(self._initial_host_state())  # process 0's values on every process
-        self._set_step_layout(self.state_layout(self._state))
-
-    def _set_step_layout(self, layout: dict[str, PyTree]) -> None:
-        """The train steps return the state as ``layout`` places it (only the sharded modes need saying)."""
-        if self.strategy.shard is not None:
-            rep = self.strategy.replicated
-            self.steps.set_state_layout({k: v if k in _SHARDED_GROUPS else rep for k, v in layout.items()})
+        # Process 0's values on every process, laid out as the strategy says; the train steps return the
+        # state in the layout it went in with.
+        self._state = self._place_state(self._initial_host_state())
 
     def _initial_host_state(self) -> dict[str, PyTree]:
         """The model's values plus the engine's counters, on the host (built model required)."""
