@@ -8,10 +8,10 @@ Labels outside the model's classes are found on the host for arrays and inside t
 import keras
 import numpy as np
 import pytest
+from helpers import assert_weights_close, strategy
 
 import mirrorax as mx
 from mirrorax import data as data_lib
-from helpers import assert_weights_close, strategy
 
 pytestmark = pytest.mark.multi_device
 

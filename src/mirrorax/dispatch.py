@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from mirrorax.replica import ReplicaContext, replica_scope, varies_over
 
@@ -80,11 +80,11 @@ class InFlight:
 def _batch_axis_of(a: Any, axis_name: str) -> bool:
     sharding = getattr(a, "sharding", None)
     spec = getattr(sharding, "spec", None)
-    return bool(spec) and spec[0] == axis_name
+    return spec is not None and len(spec) > 0 and spec[0] == axis_name
 
 
 def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
-    out = []
+    out: list[tuple[Any, ...]] = []
     for a in leaves:
         if isinstance(a, jax.Array):
             out.append((a.shape, a.dtype, a.sharding))
@@ -175,7 +175,8 @@ class StrategyFunction:
             o_leaves, o_def = jax.tree.flatten(out)
             for arg in args:
                 a_leaves, a_def = jax.tree.flatten(arg)
-                if a_def == o_def and all(np.shape(a) == o.shape and jnp.result_type(a) == o.dtype
+                # jaxlib ships no stub for PyTreeDef (it lives in the compiled jaxlib._jax), so mypy cannot type ==.
+                if a_def == o_def and all(np.shape(a) == o.shape and jnp.result_type(a) == o.dtype  # type: ignore[operator]
                                           for a, o in zip(a_leaves, o_leaves)):
                     return layout_of(arg)
             return None

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mirrorax.dispatch import InFlight
 from mirrorax.models.base import ModelAdapter, real_count
@@ -119,7 +120,8 @@ class StepFunctions:
         labels = self._label_record(batch)
         if getattr(self.adapter, "custom", {}).get("train_step"):
             # The model's own train_step computes and applies the update; the checks below still hold.
-            params_new, opt_new, model_state, metrics, loss = self.adapter.train_step(state, batch)
+            # Only the Keras adapter has train_step, and only it sets custom["train_step"].
+            params_new, opt_new, model_state, metrics, loss = cast(Any, self.adapter).train_step(state, batch)
 
             def apply(params_opt):
                 return params_new, opt_new
@@ -218,7 +220,7 @@ class StepFunctions:
                                   jax.lax.bitcast_convert_type(value, jnp.int32)])
 
             found = jnp.sum(row_bad.astype(jnp.float32)) > 0  # a sum: it joins the gradients' all-reduce
-            record = jax.lax.cond(found, locate, lambda *_: record, row_bad, first)
+            record = jax.lax.cond(found, locate, lambda *_, record=record: record, row_bad, first)
         return record
 
     def _predict_step(self, state: dict[str, PyTree], x: PyTree):
