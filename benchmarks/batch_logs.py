@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
 
     variants = {"none": lambda: [], "ignores": lambda: [Ignores()], "reads": lambda: [Reads()]}
     timings: dict[str, list[float]] = {k: [] for k in variants}
-    for name, make in variants.items():  # warm-up: compile once, and the callback's path once
+    for make in variants.values():  # warm-up: compile once, and the callback's path once
         model.fit(x[:4 * args.batch], y[:4 * args.batch], batch_size=args.batch, epochs=1, shuffle=False,
                   verbose=0, callbacks=make())
     for _ in range(args.repeats):  # round-robin: machine drift hits every variant alike

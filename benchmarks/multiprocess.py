@@ -57,7 +57,8 @@ def _worker(system: str, steps: int, warmup: int, repeats: int, batch: int, out:
     else:
         from functools import partial
 
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
         mesh = jax.make_mesh((jax.device_count(),), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
         replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("batch"))

@@ -67,7 +67,7 @@ def summarize(runs: list[dict[str, Any]], args: Any, skipped: dict[str, str],
     for r in runs:
         versions.update(r.get("versions", {}))
     return {
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor()},
         "versions": versions,
         "config": {k: getattr(args, k) for k in ("workloads", "devices", "systems", "rounds", "repeats",
@@ -133,7 +133,8 @@ def markdown(summary: dict[str, Any]) -> str:
         "",
         f"Devices: simulated CPU devices (JAX `jax_num_cpu_devices`, TF logical CPUs, PyTorch processes) "
         f"sharing the host's cores. Each cell: {cfg['rounds'] or 'per-workload'} process(es) per system "
-        f"(`rounds` below), interleaved round-robin, x {cfg['repeats']} timed run(s) after warm-up; samples/s is the median over all "
+        f"(`rounds` below), interleaved round-robin, x {cfg['repeats']} timed run(s) after warm-up; "
+        "samples/s is the median over all "
         f"timed runs, min-max beside it. `mirrorax ÷ system` = mirrorax's median / the system's "
         f"(> 1: mirrorax faster). Peak RSS: the process's VmHWM (PyTorch: summed over its ranks)."
         + (" Mixed bfloat16." if cfg.get("bf16") else ""),

@@ -117,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--devices must be positive; received {args.devices}")
     args.repeats = args.repeats or (2 if args.quick else 3)
     if args.out is None:
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
         args.out = os.path.join(REPO, "benchmarks", "results", stamp)
     return args
 

@@ -125,7 +125,10 @@ def main(num_devices: int | None = None, epochs: int = 4, batch_size: int = 100,
         if verbose:
             print(f"Epoch {epoch}: d_loss {d_losses[-1]:.4f}  g_loss {g_losses[-1]:.4f}  "
                   f"fake mean {np.round(fake_means[-1], 3)} (real {REAL_MEAN})")
-    host = lambda tree: jax.tree.map(np.asarray, tree)
+
+    def host(tree):
+        return jax.tree.map(np.asarray, tree)
+
     return {"generator": host(g_state["params"]), "discriminator": host(d_state["params"]),
             "d_losses": d_losses, "g_losses": g_losses, "fake_means": fake_means}
 

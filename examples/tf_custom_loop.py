@@ -137,7 +137,8 @@ def main(num_devices: int | None = None, mode: str = "run", epochs: int = 2, glo
             return sum(float(v) for v in values)
 
     trainable = [v.value for v in model.trainable_variables]
-    state = strategy.replicate({"trainable": trainable, "non_trainable": [v.value for v in model.non_trainable_variables],
+    state = strategy.replicate({"trainable": trainable,
+                                "non_trainable": [v.value for v in model.non_trainable_variables],
                                 "opt": optimizer.init(trainable)})
     history: dict[str, list[float]] = {"train_loss": [], "train_accuracy": [], "test_loss": [], "test_accuracy": []}
     for epoch in range(epochs):

@@ -9,10 +9,10 @@ import jax
 import keras
 import numpy as np
 import pytest
+from helpers import assert_weights_close, strategy
 
 import mirrorax as mx
 from mirrorax import data as data_lib
-from helpers import assert_weights_close, strategy
 
 pytestmark = pytest.mark.multi_device
 

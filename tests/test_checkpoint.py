@@ -10,11 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mirrorax.checkpoint import (
-    CheckpointError,
     Checkpointer,
+    CheckpointError,
     CheckpointMismatchError,
     CheckpointWarning,
     all_finite,

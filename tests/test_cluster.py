@@ -13,9 +13,9 @@ import sys
 import textwrap
 
 import pytest
+from mp_scripts.procs import clean_env, free_port, launcher, python, run_all
 
 from mirrorax import _discovery, cluster
-from mp_scripts.procs import clean_env, free_port, launcher, python, run_all
 
 JOB_PREFIXES = ("MIRRORAX_", "TF_CONFIG", "SLURM_", "OMPI_", "JAX_COORDINATOR", "JAX_LOCAL_DEVICE_IDS",
                 "KUBERNETES_SERVICE_HOST")

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import strategy
 
 import mirrorax as mx
-from helpers import strategy
 
 pytestmark = pytest.mark.multi_device
 

@@ -8,9 +8,9 @@ predictions rtol=1e-5/atol=1e-6; accuracies and row counts exactly (up to float3
 
 import numpy as np
 import pytest
+from helpers import assert_weights_close, cnn, dense, digits, flat_digits, strategy
 
 import mirrorax as mx
-from helpers import assert_weights_close, cnn, dense, digits, flat_digits, strategy
 
 pytestmark = pytest.mark.multi_device
 

@@ -8,9 +8,9 @@ import jax
 import keras
 import numpy as np
 import pytest
+from helpers import dense, flat_digits, strategy
 
 import mirrorax as mx
-from helpers import dense, flat_digits, strategy
 
 
 @pytest.fixture

@@ -3,9 +3,9 @@
 import keras
 import numpy as np
 import pytest
+from helpers import assert_weights_close, dense, flat_digits, strategy
 
 import mirrorax as mx
-from helpers import assert_weights_close, dense, flat_digits, strategy
 
 pytestmark = pytest.mark.multi_device
 

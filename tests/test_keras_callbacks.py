@@ -13,7 +13,6 @@ import h5py
 import keras
 import numpy as np
 import pytest
-
 from helpers import assert_weights_close, flat_digits, strategy
 
 pytestmark = pytest.mark.multi_device

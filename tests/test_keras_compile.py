@@ -4,9 +4,9 @@ import keras
 import numpy as np
 import optax
 import pytest
+from helpers import assert_weights_close, dense, flat_digits, strategy
 
 import mirrorax as mx
-from helpers import assert_weights_close, dense, flat_digits, strategy
 
 pytestmark = pytest.mark.multi_device
 

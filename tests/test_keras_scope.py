@@ -6,9 +6,9 @@ Keras's single-device ``fit`` ends (atol 1e-4 / rtol 1e-5 on weights after 2 Ada
 import keras
 import numpy as np
 import pytest
+from helpers import assert_weights_close, digits, flat_digits, strategy
 
 import mirrorax as mx
-from helpers import assert_weights_close, digits, flat_digits, strategy
 from mirrorax import zoo
 
 pytestmark = pytest.mark.multi_device

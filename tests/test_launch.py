@@ -12,9 +12,9 @@ import textwrap
 import time
 
 import pytest
+from mp_scripts.procs import ROOT, clean_env, launcher, python, run_all
 
 from mirrorax import launch as launch_lib
-from mp_scripts.procs import ROOT, clean_env, launcher, python, run_all
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]
 
@@ -277,7 +277,8 @@ def test_registers_on_the_cli_subparsers():
 
 def test_mirrorax_command_line_has_launch():
     codes, outs, _ = run_all([python("-m", "mirrorax.cli", "launch", "--nprocs", "2", "--",
-                                     sys.executable, "-c", "import os; print('hello', os.environ['MIRRORAX_PROCESS_ID'])")],
+                                     sys.executable, "-c",
+                                     "import os; print('hello', os.environ['MIRRORAX_PROCESS_ID'])")],
                              [clean_env()], timeout=50)
     assert codes == [0], outs
     assert "[rank 0] hello 0" in outs[0] and "[rank 1] hello 1" in outs[0], outs

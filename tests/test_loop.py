@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_weights_close, cnn, dense, digits, flat_digits, strategy
 
 import mirrorax as mx
-from helpers import assert_weights_close, cnn, dense, digits, flat_digits, strategy
 from mirrorax.step import InFlight
 
 pytestmark = pytest.mark.multi_device
@@ -131,7 +131,7 @@ def test_functional_model_matches_plain_jax():
     p, s = params, opt.init(params)  # the same loop by hand, on one device
     for _ in range(2):
         for i in range(0, 120, 50):
-            g = jax.grad(lambda q: per_example(y[i:i + 50], apply(q, x[i:i + 50])).mean())(p)
+            g = jax.grad(lambda q, i=i: per_example(y[i:i + 50], apply(q, x[i:i + 50])).mean())(p)
             u, s = opt.update(g, s, p)
             p = optax.apply_updates(p, u)
     for k in p:

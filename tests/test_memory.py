@@ -4,9 +4,9 @@ import jax
 import keras
 import numpy as np
 import pytest
+from helpers import strategy
 
 import mirrorax as mx
-from helpers import strategy
 
 pytestmark = pytest.mark.multi_device
 

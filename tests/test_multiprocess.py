@@ -17,10 +17,10 @@ import time
 import jax
 import numpy as np
 import pytest
-
-import mirrorax as mx
 from mp_scripts import train_dense, train_unseeded
 from mp_scripts.procs import clean_env, free_port, launcher, python, run_all
+
+import mirrorax as mx
 
 pytestmark = [pytest.mark.multi_process, pytest.mark.slow]
 

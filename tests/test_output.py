@@ -9,9 +9,9 @@ import textwrap
 import time
 
 import pytest
+from mp_scripts.procs import ROOT, clean_env, free_port, python, run_all
 
 from mirrorax._output import ChatterFilter
-from mp_scripts.procs import ROOT, clean_env, free_port, python, run_all
 
 GLOO = "[Gloo] Rank {} is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
 # Two devices' threads printing at once (seen under mirrorax launch): one line holds both messages,

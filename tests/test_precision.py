@@ -3,9 +3,9 @@
 import keras
 import numpy as np
 import pytest
+from helpers import cnn, digits, strategy
 
 import mirrorax as mx
-from helpers import cnn, digits, strategy
 
 pytestmark = pytest.mark.multi_device
 

@@ -23,16 +23,15 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import numpy as np
 import pytest
+from mp_scripts.procs import clean_env, free_port, python, run_all
 
 import mirrorax as mx
 from mirrorax import preemption
-from mp_scripts.procs import clean_env, free_port, python, run_all
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "train_preempt.py")
 MP_SCRIPT = "tests/mp_scripts/train_preempt.py"
@@ -59,7 +58,7 @@ def _run_and_signal(args, after_steps, sig=signal.SIGTERM, timeout=240, ready=la
     try:
         for line in proc.stdout:
             seen.append(line)
-            if sent is None and sum(l.startswith("STEP") for l in seen) >= after_steps and ready():
+            if sent is None and sum(s.startswith("STEP") for s in seen) >= after_steps and ready():
                 proc.send_signal(sig)
                 sent = time.monotonic()
         proc.wait(timeout=60)

@@ -39,7 +39,7 @@ def _run_and_kill(args, kill_at_step, timeout=240):
         for line in proc.stdout:
             seen.append(line)
             if line.startswith("STEP") and int(line.split()[1]) >= 0 and \
-                    sum(l.startswith("STEP") for l in seen) >= kill_at_step:
+                    sum(s.startswith("STEP") for s in seen) >= kill_at_step:
                 proc.send_signal(signal.SIGKILL)
                 break
             assert time.time() < deadline, "".join(seen)
@@ -85,8 +85,9 @@ def test_launcher_restart_resumes_after_a_worker_is_killed(tmp_path):
 
 
 def test_trainer_load_restores_for_evaluate_and_predict(tmp_path):
-    import mirrorax as mx
     from helpers import dense, flat_digits, strategy
+
+    import mirrorax as mx
 
     x, y, xt, yt = flat_digits(100)
     model = dense()

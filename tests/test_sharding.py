@@ -5,9 +5,9 @@ import jax
 import keras
 import numpy as np
 import pytest
+from helpers import assert_weights_close, cnn, digits, flat_digits
 
 import mirrorax as mx
-from helpers import assert_weights_close, cnn, digits, flat_digits
 
 pytestmark = pytest.mark.multi_device
 
@@ -39,7 +39,8 @@ def test_sharded_modes_give_the_replicated_result(replicated_run, shard):
     s4 = _strategy(4, shard)
     t4 = mx.Trainer(cnn(), s4)
     t4.fit(x[:96], y[:96], batch_size=48, epochs=1, shuffle=False, verbose=0)
-    kernel = next(k for k in t4.state["params"] if k.endswith("dense/kernel") and t4.state["params"][k].shape == (256, 64))
+    kernel = next(k for k in t4.state["params"]
+                  if k.endswith("dense/kernel") and t4.state["params"][k].shape == (256, 64))
     moments = [v for k, v in t4.state["optimizer"].items() if "dense_kernel" in k and v.shape == (256, 64)]
     assert len(moments) == 2 and all(m.sharding.spec == jax.sharding.PartitionSpec("batch", None) for m in moments)
     want_param = jax.sharding.PartitionSpec("batch", None) if shard == "all" else jax.sharding.PartitionSpec()
@@ -57,7 +58,8 @@ def test_small_or_indivisible_variables_stay_replicated():
     assert s.state_sharding((1000, 64), "params").spec == jax.sharding.PartitionSpec("batch", None)
     assert s.state_sharding((12, 4096), "params").spec == jax.sharding.PartitionSpec(None, "batch")
     assert _strategy(8, "optimizer").state_sharding((1000, 64), "params").is_fully_replicated
-    assert _strategy(8, "optimizer").state_sharding((1000, 64), "optimizer").spec == jax.sharding.PartitionSpec("batch", None)
+    assert (_strategy(8, "optimizer").state_sharding((1000, 64), "optimizer").spec
+            == jax.sharding.PartitionSpec("batch", None))
     with pytest.raises(ValueError, match="shard must be one of"):
         mx.MirroredStrategy(shard="zero3")
 
@@ -73,7 +75,8 @@ def test_state_bytes_per_device_shrink_by_the_device_count():
     def build():
         keras.utils.set_random_seed(0)
         m = keras.Sequential([keras.Input((256,)), keras.layers.Dense(1024, activation="tanh"),
-                              keras.layers.Dense(1024, activation="tanh"), keras.layers.Dense(10, activation="softmax")])
+                              keras.layers.Dense(1024, activation="tanh"),
+                              keras.layers.Dense(10, activation="softmax")])
         m.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
         return m
 

@@ -19,7 +19,8 @@ import platform
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["parse_args", "use_cpu_devices", "peak_rss_mb", "time_runs", "write_result", "main_guard",
            "make_batches"]

@@ -26,7 +26,8 @@ def run(args: Any) -> None:
     import jax
     import jax.numpy as jnp
     import keras
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from benchmarks import workloads
 

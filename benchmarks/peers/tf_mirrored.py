@@ -54,7 +54,8 @@ def run(args: Any) -> None:
     warmup_s = time.perf_counter() - t0
     rates = _common.time_runs(lambda: fit(args.steps), args.repeats, args.steps * args.batch)
     _common.write_result(args, samples_per_s=rates, warmup_s=warmup_s, device_kind="cpu (logical)",
-                         num_params=int(model.count_params()), note=f"tf {tf.__version__}, jit_compile={model.jit_compile}")
+                         num_params=int(model.count_params()),
+                         note=f"tf {tf.__version__}, jit_compile={model.jit_compile}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,9 +20,9 @@ from mirrorax.cluster import initialize as initialize
 from mirrorax.distribute import DistributedBatch as DistributedBatch
 from mirrorax.distribute import DistributedDataset as DistributedDataset
 from mirrorax.models.base import ModelAdapter as ModelAdapter
+from mirrorax.models.functional import FunctionalModel as FunctionalModel
 from mirrorax.plan import Plan as Plan
 from mirrorax.plan import plan as plan
-from mirrorax.models.functional import FunctionalModel as FunctionalModel
 from mirrorax.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
 from mirrorax.preemption import Preempted as Preempted
 from mirrorax.replica import ReduceOp as ReduceOp

@@ -176,12 +176,14 @@ def _from_jax_detectors() -> ClusterInfo | None:
     """Asks JAX's cluster detectors, in JAX's order, but only whether their environment is present."""
     kinds = getattr(getattr(private_jax("clusters"), "ClusterEnv", None), "_cluster_types", None)
     if kinds is None:
-        return _without_jax_detectors("JAX's cluster detectors (the private jax._src.clusters) are absent")
+        _without_jax_detectors("JAX's cluster detectors (the private jax._src.clusters) are absent")
+        return None
     try:
         return _detect(kinds)
     except (AttributeError, TypeError) as e:  # the private interface changed under us
-        return _without_jax_detectors(f"JAX's cluster detectors (the private jax._src.clusters) changed "
-                                      f"({type(e).__name__}: {e})")
+        _without_jax_detectors(f"JAX's cluster detectors (the private jax._src.clusters) changed "
+                               f"({type(e).__name__}: {e})")
+        return None
 
 
 def _detect(kinds: Sequence[Any]) -> ClusterInfo | None:
@@ -221,7 +223,7 @@ def _without_jax_detectors(why: str) -> None:
     return None
 
 
-def _local_ids(env: type) -> list[int] | None:
+def _local_ids(env: Any) -> list[int] | None:
     """JAX gives each process one accelerator (its local rank) under SLURM and Open MPI; with one task
     per node that would leave all but one GPU idle, so then every local device is used."""
     if ids := os.environ.get("JAX_LOCAL_DEVICE_IDS"):

@@ -490,7 +490,7 @@ class Checkpointer:
         """Moves damaged step directories to ``<directory>/damaged/`` and warns about each."""
         # Every process has finished reading before the primary process renames anything.
         ocp.multihost.sync_global_processes("mirrorax_checkpoint_quarantine_start")
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
         for step, why in damaged:
             where = "left in place"
             if self._is_local:
@@ -539,7 +539,8 @@ def _use_distributed_barriers() -> None:
 
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
-    flags.FLAGS.experimental_orbax_use_distributed_barrier = True
+    # absl's stub types a flag attribute as the flag's declared value type, which it cannot know here.
+    flags.FLAGS.experimental_orbax_use_distributed_barrier = True  # type: ignore[assignment]
 
 
 def _check_writable(directory: str) -> None:

@@ -35,7 +35,8 @@ def _configure_devices(cpu_devices: int | None) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mirrorax", description="Synchronous data-parallel training for JAX and Keras 3.")
+    parser = argparse.ArgumentParser(prog="mirrorax",
+                                     description="Synchronous data-parallel training for JAX and Keras 3.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train the digits CNN on every local device (the main job)",
@@ -52,7 +53,8 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps-per-execution", type=_positive, default=1)
     train.add_argument("--mixed-precision", choices=["bfloat16", "float16"], default=None)
     train.add_argument("--compilation-cache", default=None,
-                       help="JAX persistent compilation cache directory (default ~/.cache/mirrorax/xla; 'off' disables)")
+                       help="JAX persistent compilation cache directory "
+                            "(default ~/.cache/mirrorax/xla; 'off' disables)")
     train.add_argument("--checkpoint-dir", default=None, help="save checkpoints here and resume from the newest")
     train.add_argument("--checkpoint-every", default="epoch", help="steps between checkpoints, or 'epoch'")
     train.add_argument("--verbose", default="auto", choices=["auto", "0", "1", "2"])
@@ -77,8 +79,8 @@ def _build_parser() -> argparse.ArgumentParser:
     try:
         from mirrorax import launch as _launch
     except ImportError:  # pragma: no cover - the launcher ships with the package
-        _launch = None
-    if _launch is not None:
+        pass
+    else:
         _launch.add_parser(sub)
     return parser
 

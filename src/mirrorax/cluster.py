@@ -186,7 +186,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                         cluster_detection_method, initialization_timeout)
         info = dataclasses.replace(info, heartbeat_timeout_seconds=heartbeat_timeout_seconds)
         _apply_cpu_devices()
-        if jax.config.jax_cpu_collectives_implementation is None:
+        # jax.config's options are attributes made at run time; its stub lists none of them.
+        if jax.config.jax_cpu_collectives_implementation is None:  # type: ignore[attr-defined]
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         bind = resolve_bind_address(info.coordinator_address, coordinator_bind_address)
         _connect(info, initialization_timeout, shutdown_timeout_seconds, bind)
@@ -360,7 +361,8 @@ def _connect(info: ClusterInfo, timeout: int, shutdown_timeout: int, bind: str |
             info.coordinator_address, info.num_processes, info.process_id,
             local_device_ids=list(info.local_device_ids) if info.local_device_ids is not None else None,
             cluster_detection_method="deactivate", initialization_timeout=timeout + 30,
-            heartbeat_timeout_seconds=info.heartbeat_timeout_seconds,
+            heartbeat_timeout_seconds=(info.heartbeat_timeout_seconds if info.heartbeat_timeout_seconds is not None
+                                       else DEFAULT_HEARTBEAT_TIMEOUT),
             shutdown_timeout_seconds=shutdown_timeout, coordinator_bind_address=bind)
     finally:
         joined.set()
@@ -442,7 +444,9 @@ def _quiet_collectives(info: ClusterInfo) -> None:
     from mirrorax.launch import accelerators_present
 
     if (info.num_processes > 1 and not os.environ.get("MIRRORAX_LAUNCHED") and not _output.verbose()
-            and ((jax.config.jax_platforms or "").strip() == "cpu" or not accelerators_present())):
+            # jax.config's options are attributes made at run time; its stub lists none of them.
+            and ((jax.config.jax_platforms or "").strip() == "cpu"  # type: ignore[attr-defined]
+                 or not accelerators_present())):
         _output.install()
 
 

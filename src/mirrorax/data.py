@@ -23,8 +23,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from mirrorax.input_checks import (batch_weights, check_batch_size, check_finite_values, check_labels,
-                                   check_weights, is_nested_numbers, leaves, rows_shape, tree_numeric)
+from mirrorax.input_checks import (
+    batch_weights,
+    check_batch_size,
+    check_finite_values,
+    check_labels,
+    check_weights,
+    is_nested_numbers,
+    leaves,
+    rows_shape,
+    tree_numeric,
+)
 from mirrorax.strategy import MirroredStrategy, _PerProcessDataset
 
 __all__ = ["Batch", "ArraySource", "IterableSource", "make_source", "padded_batch_size", "Prefetcher",
@@ -109,12 +118,12 @@ class ArraySource:
         self.x = tree_numeric(x, "x", float_dtype)
         self.y = tree_numeric(y, "y", float_dtype)
         self.w = None if sample_weight is None else check_weights(sample_weight, float_dtype)
-        lengths = [("x" + n, l) for n, l in _leading(self.x)] + [("y" + n, l) for n, l in _leading(self.y)]
+        lengths = [("x" + n, rows) for n, rows in _leading(self.x)] + [("y" + n, rows) for n, rows in _leading(self.y)]
         if self.w is not None:
             lengths.append(("sample_weight", self.w.shape[0]))
-        sizes = {l for _, l in lengths}
+        sizes = {rows for _, rows in lengths}
         if len(sizes) > 1:
-            desc = ", ".join(f"{n}: {l}" for n, l in lengths)
+            desc = ", ".join(f"{n}: {rows}" for n, rows in lengths)
             raise ValueError(f"x, y and sample_weight must have the same number of examples; received {desc}. "
                              "Pass arrays with one row per example.")
         self.num_examples = sizes.pop()
@@ -293,11 +302,11 @@ class IterableSource:
             x = tree_numeric(x, "x", self.float_dtype)
             y = tree_numeric(y, "y", self.float_dtype) if with_targets else None
             self._check_like_first(x, y, index)
-            n = {l for _, l in _leading(x) + _leading(y)}
-            if len(n) != 1:
-                raise ValueError(f"A batch's arrays have different lengths {sorted(n)}; each item must hold "
+            lengths = {rows for _, rows in _leading(x) + _leading(y)}
+            if len(lengths) != 1:
+                raise ValueError(f"A batch's arrays have different lengths {sorted(lengths)}; each item must hold "
                                  "one row per example in x, y and sample_weight.")
-            n = n.pop()
+            n = lengths.pop()
             if n > rows:
                 raise ValueError(f"The input yielded a batch of {n} rows, more than batch_size={batch_size}"
                                  f" ({rows} rows per {'process' if self.per_process else 'step'}). Pass "
@@ -389,10 +398,11 @@ def _looks_iterable_dataset(x: Any) -> bool:
 def stack(batches: list[Batch]) -> Batch:
     """Stacks host batches on a new leading axis (for several steps per dispatch)."""
     fields = ("x", "y", "sample_weight", "mask")
-    stacked = [None if getattr(batches[0], f) is None
+    stacked: list[Any] = [None if getattr(batches[0], f) is None
                else jax.tree.map(lambda *a: np.stack(a), *[getattr(b, f) for b in batches]) for f in fields]
     known = all(b.num_real is not None for b in batches)
-    return Batch(*stacked, np.stack([b.num_real for b in batches]) if known else None)
+    x, y, w, mask = stacked
+    return Batch(x, y, w, mask, np.stack([b.num_real for b in batches]) if known else None)
 
 
 # Full, unweighted batches all carry the same ones (weights, mask) and the same count: one read-only
@@ -437,7 +447,8 @@ def to_global(batch: Batch, strategy: MirroredStrategy, *, stacked: bool = False
     Args:
       batch: this process's rows; stacked: the batch has a leading steps axis (rows are axis 1).
     """
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from mirrorax.strategy import BATCH_AXIS
 
@@ -492,7 +503,7 @@ class Prefetcher:
                                         name="mirrorax-prefetch")
         self._thread.start()
 
-    def _run(self, batches: Iterator[Batch], strategy: MirroredStrategy) -> None:
+    def _run(self, batches: Iterator[tuple[Any, Batch]], strategy: MirroredStrategy) -> None:
         try:
             for tag, b in batches:
                 if not self._put((tag, to_global(b, strategy, stacked=tag > 0))):

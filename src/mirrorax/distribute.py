@@ -130,6 +130,7 @@ class DistributedDataset:
 
     def __len__(self) -> int:
         if self._arrays is not None:
+            assert self._batch_size is not None  # arrays come with a batch size (checked at construction)
             return math.ceil(self._n / self._batch_size)
         return len(self._iterable)  # type: ignore[arg-type]  # TypeError for iterables without a length
 
@@ -155,7 +156,8 @@ class DistributedDataset:
                 idx: Any = slice(first + lo, first + lo + local)  # contiguous rows: views, no copy
             else:
                 idx = np.where(valid, real[np.minimum(slot, len(real) - 1)], real[0])
-            take = (lambda a: a[idx]) if isinstance(idx, slice) else (lambda a: np.take(a, idx, axis=0))
+            take = ((lambda a, idx=idx: a[idx]) if isinstance(idx, slice)
+                    else (lambda a, idx=idx: np.take(a, idx, axis=0)))
             yield _HostBatch(jax.tree.map(take, self._arrays), valid.astype(np.float32), len(real))
 
     def _iterable_batches(self) -> Iterator[_HostBatch]:
@@ -198,7 +200,8 @@ class DistributedDataset:
                 slot = np.arange(s.process_index * local, (s.process_index + 1) * local)
             valid = slot < n
             idx = np.where(valid, np.minimum(slot, n - 1), 0)
-            template = _HostBatch(jax.tree.map(lambda a: np.take(a, idx, axis=0), rows), valid.astype(np.float32),
+            template = _HostBatch(jax.tree.map(lambda a, idx=idx: np.take(a, idx, axis=0), rows),
+                                  valid.astype(np.float32),
                                   -1 if self._per_process and multi else n)
             index += 1
             yield template

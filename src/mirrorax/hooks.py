@@ -155,9 +155,8 @@ def _as_keras_callback(cb: Any, keras: Any) -> Any:
 
 def _is_keras_model(model: Any) -> bool:
     try:
-        import keras
+        from keras.src.trainers.trainer import Trainer as KerasTrainer
     except ImportError:  # pragma: no cover
         return False
-    from keras.src.trainers.trainer import Trainer as KerasTrainer
 
     return isinstance(model, KerasTrainer)  # keras.Model, or a layer mixed with a Trainer

@@ -86,7 +86,6 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _attach(model: Any, strategy: MirroredStrategy) -> None:
     import keras
-
     from keras.src.trainers.trainer import Trainer as KerasTrainer
 
     # A model is a layer mixed with a Trainer (keras.Model is one; Keras's own tests build others).
@@ -179,7 +178,8 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
             x = _class_weighted(batches, class_weight)
             if isinstance(batches, Iterator):  # a generator stays one-shot (see _as_batches)
                 x = iter(x)
-    if validation_data is not None and not isinstance(validation_data, tuple) and data_lib.is_array_tree(validation_data):
+    if (validation_data is not None and not isinstance(validation_data, tuple)
+            and data_lib.is_array_tree(validation_data)):
         raise ValueError("validation_data must be a tuple (x_val, y_val) or (x_val, y_val, sample_weight), or an "
                          f"iterable of such batches; received {type(validation_data).__name__}.")
     if not arrays:

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import IO, Any
 
 from mirrorax._output import ChatterFilter, verbose
@@ -208,7 +208,7 @@ class _Group:
         return env
 
     def run(self, port: int, attempt: int) -> int:
-        tails = [collections.deque(maxlen=TAIL_LINES) for _ in range(self.nprocs)]
+        tails: list[collections.deque[str]] = [collections.deque(maxlen=TAIL_LINES) for _ in range(self.nprocs)]
         self.children, readers = [], []
         for rank in range(self.nprocs):
             try:
@@ -234,8 +234,8 @@ class _Group:
         # A process stopped (SIGSTOP, Ctrl-Z, a debugger) answers nothing; seen now, before it is killed.
         frozen = {r for r, c in enumerate(self.children) if c.poll() is None and _state(c.pid) in ("T", "t")}
         if failed is not None and failed[1] > 0:
-            # A process that raised exits 1; the others usually leave by themselves within a second, naming the process that failed
-            # first (mirrorax._failure); let them, so that the report can name the right rank.
+            # A process that raised exits 1; the others usually leave by themselves within a second, naming the
+            # process that failed first (mirrorax._failure); let them, so that the report can name the right rank.
             self.wait_for(self.children, SETTLE_SECONDS)
         own = [c.poll() for c in self.children]
         self.stop_all()
@@ -247,9 +247,10 @@ class _Group:
         if failed is None:
             return 0
         rank = _root_cause(tails, _first_failed(own, tails, failed[0]), frozen)
-        code = own[rank] if own[rank] not in (None, 0) else failed[1]
-        if own[rank] not in (None, 0):
-            what = f"failed ({_describe(own[rank])})"
+        own_code = own[rank]  # None while it runs, 0 once it ended cleanly
+        code = own_code if own_code else failed[1]
+        if own_code:
+            what = f"failed ({_describe(own_code)})"
         elif rank in frozen:
             what = ("stopped answering (its process was stopped: SIGSTOP, Ctrl-Z or a debugger; the others "
                     "gave up on it when its heartbeats stopped)")
@@ -334,7 +335,7 @@ class _Group:
             child.wait()
 
 
-def _root_cause(tails: Sequence[Sequence[str]], first: int, frozen: set[int] = frozenset()) -> int:
+def _root_cause(tails: Sequence[Sequence[str]], first: int, frozen: Set[int] = frozenset()) -> int:
     """The rank that failed first, from what the processes said: a process that raised says
     "mirrorax: process K of N failed with ...", the others "mirrorax: process K of N failed (...)" and JAX's
     heartbeat "The following tasks are unhealthy ...:" with K on the next line. A stopped (frozen)
@@ -407,7 +408,8 @@ class _forward_signals:
     from the main thread, elsewhere this does nothing."""
 
     def __init__(self, group: _Group) -> None:
-        self.group, self.saved = group, {}
+        self.group = group
+        self.saved: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.group.interrupted is None:

@@ -28,7 +28,7 @@ __all__ = ["ReduceOp", "ReplicaContext", "get_replica_context", "compute_average
 PyTree = Any
 
 
-class ReduceOp(str, enum.Enum):
+class ReduceOp(enum.StrEnum):
     """How values of the replicas combine (``tf.distribute.ReduceOp``); the strings work too."""
 
     SUM = "sum"

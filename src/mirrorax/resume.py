@@ -77,7 +77,9 @@ class Saver:
 
     def due(self, before: int, after: int) -> bool:
         """True when a step-count checkpoint falls in steps ``(before, after]``."""
-        return bool(self.every) and after // self.every > before // self.every
+        if not self.every:
+            return False
+        return after // self.every > before // self.every
 
     def save(self, state: dict[str, PyTree], epoch: int, batch_in_epoch: int) -> None:
         step = int(host_value(state["step"]))
@@ -165,7 +167,7 @@ class InputState:
             yield item
             index += 1
 
-    def _capture(self, it: Iterator[Any], kind: str) -> dict[str, Any]:
+    def _capture(self, it: Any, kind: str) -> dict[str, Any]:  # a grain iterator has get_state()
         raw = it.get_state() if kind == "grain" else self.iterable.state_dict()
         return _encode(kind, raw)
 

@@ -22,16 +22,15 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mirrorax.dispatch import InFlight, StrategyFunction
 from mirrorax.models.base import ModelAdapter, real_count
-from mirrorax.strategy import BATCH_AXIS, MirroredStrategy
+from mirrorax.strategy import MirroredStrategy
 
 __all__ = ["StepFunctions", "InFlight", "NONFINITE_MODES", "NonFiniteMode", "host_value", "host_tree"]
 
@@ -131,7 +130,8 @@ class StepFunctions:
         labels = self._label_record(batch) if check_labels else None
         if getattr(self.adapter, "custom", {}).get("train_step"):
             # The model's own train_step computes and applies the update; the checks below still hold.
-            params_new, opt_new, model_state, metrics, loss = self.adapter.train_step(state, batch)
+            # Only the Keras adapter has train_step, and only it sets custom["train_step"].
+            params_new, opt_new, model_state, metrics, loss = cast(Any, self.adapter).train_step(state, batch)
 
             def apply(params_opt):
                 return params_new, opt_new
@@ -230,7 +230,7 @@ class StepFunctions:
                                   jax.lax.bitcast_convert_type(value, jnp.int32)])
 
             found = jnp.sum(row_bad.astype(jnp.float32)) > 0  # a sum: it joins the gradients' all-reduce
-            record = jax.lax.cond(found, locate, lambda *_: record, row_bad, first)
+            record = jax.lax.cond(found, locate, lambda *_, record=record: record, row_bad, first)
         return record
 
     def _predict_step(self, state: dict[str, PyTree], x: PyTree):
@@ -318,7 +318,9 @@ class StepFunctions:
     def compile_counts(self) -> dict[str, int]:
         """How many programs each step kind has compiled (one each, with fixed shapes)."""
         counts = {"train": self.train.compile_count, "train_many": self.train_many.compile_count}
-        return dict(counts, evaluate=self.evaluate._cache_size(), predict=self.predict._cache_size())
+        # (``_cache_size``: jax.jit's count of compiled signatures, which its public type does not declare)
+        return dict(counts, evaluate=getattr(self.evaluate, "_cache_size")(),  # noqa: B009
+                    predict=getattr(self.predict, "_cache_size")())  # noqa: B009
 
 
 def _one_copy(a: Any) -> Any:

@@ -9,16 +9,16 @@ with these shardings, so XLA inserts the cross-device reduction of gradients and
 from __future__ import annotations
 
 import contextlib
-import math
 import dataclasses
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mirrorax import cluster, consistency
 from mirrorax.replica import ReduceOp, resolve_op
@@ -134,7 +134,7 @@ class MirroredStrategy:
         self._batch_sharding = NamedSharding(self._mesh, P(BATCH_AXIS))
         local = [d for d in self._devices if d.process_index == jax.process_index()]
         self._local_devices = tuple(local)
-        counts = {}
+        counts: dict[int, int] = {}
         for d in self._devices:
             counts[d.process_index] = counts.get(d.process_index, 0) + 1
         if len(set(counts.values())) > 1:
@@ -210,7 +210,7 @@ class MirroredStrategy:
         if n == 1 or not axes:
             return self._replicated
         axis = max(axes, key=lambda i: (shape[i], -i))
-        spec = [None] * len(shape)
+        spec: list[str | None] = [None] * len(shape)
         spec[axis] = BATCH_AXIS
         return NamedSharding(self._mesh, P(*spec))
 
@@ -226,7 +226,7 @@ class MirroredStrategy:
         if broadcast and self.process_count > 1:
             tree = consistency.broadcast_from_primary(tree)
         leaves, treedef = jax.tree.flatten(tree)
-        targets = treedef.flatten_up_to(shardings)
+        targets = treedef.flatten_up_to(shardings)  # type: ignore[attr-defined]  # jaxlib has no PyTreeDef stub
         on_device = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
         if self.process_count == 1 and on_device:
             # Device to devices, no host copy. device_put(..., may_alias=False) still reuses the source's
@@ -373,7 +373,8 @@ class MirroredStrategy:
           >>> total = strategy.reduce("sum", per_replica_loss)
         """
         kind = resolve_op(op)
-        combine = {"sum": np.sum, "mean": np.mean, "max": np.max}[kind]
+        ops: dict[str, Callable[..., Any]] = {"sum": np.sum, "mean": np.mean, "max": np.max}
+        combine = ops[kind]
 
         def one(v: Any) -> Any:
             per = self._per_replica_values(v)
@@ -403,8 +404,8 @@ class MirroredStrategy:
     def _per_replica_values(self, v: Any) -> np.ndarray:
         """``(num_replicas, ...)``: each replica's value of ``v``."""
         n = self.num_replicas_in_sync
-        split = isinstance(v, jax.Array) and v.ndim and getattr(v.sharding, "spec", None) and \
-            v.sharding.spec[0] == BATCH_AXIS
+        spec = getattr(v.sharding, "spec", None) if isinstance(v, jax.Array) and v.ndim else None
+        split = spec is not None and len(spec) > 0 and spec[0] == BATCH_AXIS
         host = _host_array(v)
         if split:
             if host.shape[0] == n and host.ndim == 1:

@@ -41,6 +41,8 @@ class Stream:
 class ArrayStream(Stream):
     """Global batches from an :class:`ArraySource` as one endless stream of passes."""
 
+    batches_per_pass: int
+
     def __init__(self, source: ArraySource, batch_size: int, strategy: MirroredStrategy,
                  shuffle: bool, seed: int, with_targets: bool = True) -> None:
         self.source, self.batch_size, self.strategy = source, batch_size, strategy
@@ -90,7 +92,7 @@ class IterStream(Stream):
         if start:
             it = itertools.islice(it, start, None)
         for i, b in enumerate(it, start=start):
-            self._reals.append(int(b.mask.sum()) * (self.strategy.process_count if self.strategy.process_count > 1 else 1))
+            self._reals.append(int(b.mask.sum()) * max(self.strategy.process_count, 1))
             yield b
             if count and i + 1 >= count:
                 return

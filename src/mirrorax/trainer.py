@@ -11,22 +11,21 @@ import itertools
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any, Literal
 
 import jax
 import numpy as np
 
-from mirrorax import consistency
-from mirrorax.hooks import Callbacks
+from mirrorax import consistency, preemption
 from mirrorax import data as data_lib
-from mirrorax import preemption
 from mirrorax import resume as resume_lib
+from mirrorax.hooks import Callbacks
 from mirrorax.models.base import ModelAdapter, adapt
 from mirrorax.progress import Progress, resolve_verbose
 from mirrorax.step import InFlight, NonFiniteMode, StepFunctions, host_tree, host_value
-from mirrorax.streams import Stream, make_stream
 from mirrorax.strategy import MirroredStrategy, get_strategy
+from mirrorax.streams import Stream, make_stream
 
 __all__ = ["Trainer", "History", "NonFiniteLossError"]
 
@@ -127,7 +126,7 @@ class Trainer:
         self.steps_per_execution = steps_per_execution
         self.accumulation_steps = accumulation_steps
         self.max_in_flight = max_in_flight
-        self.prefetch = prefetch
+        self.prefetch = int(prefetch)  # "auto" is resolved above
         self.steps = StepFunctions(self.adapter, self.strategy, donate=donate, on_nonfinite=on_nonfinite,
                                    accumulation_steps=accumulation_steps)
         self._state: dict[str, PyTree] | None = None
@@ -141,6 +140,13 @@ class Trainer:
     def state(self) -> dict[str, PyTree] | None:
         """The training state on the devices (``params``, ``model_state``, ``optimizer``, ``metrics``,
         ``step``, ``skipped``), or ``None`` before the first use."""
+        return self._state
+
+    @property
+    def _live_state(self) -> dict[str, PyTree]:
+        """The state, which fit, evaluate and predict build (:meth:`_ensure_state`) before any step."""
+        if self._state is None:
+            raise RuntimeError("The trainer has no state yet: it is built by the first fit/evaluate/predict.")
         return self._state
 
     def _place(self, tree: PyTree, *, from_host: bool = True) -> PyTree:
@@ -200,7 +206,7 @@ class Trainer:
           >>> trainer = mx.Trainer.load("runs/mnist", model)
           >>> trainer.evaluate(x_test, y_test)
         """
-        from mirrorax.checkpoint import CheckpointError, Checkpointer
+        from mirrorax.checkpoint import Checkpointer, CheckpointError
 
         if "://" not in os.fspath(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
             raise CheckpointError(f"No checkpoint directory {os.fspath(checkpoint_dir)!r}. Pass the checkpoint_dir "
@@ -404,7 +410,7 @@ class Trainer:
                 start_epoch = int(self.model._initial_epoch)
             for epoch in range(start_epoch, epochs):
                 hooks.call("on_epoch_begin", epoch)
-                self._state = self._adopt_model_changes(self._state)  # e.g. a learning rate a callback set
+                self._state = self._adopt_model_changes(self._live_state)  # e.g. a learning rate a callback set
                 position = epoch * per_epoch if per_epoch else 0
                 if inputs is not None and start_batch:
                     inputs.position(start_batch, input_state)
@@ -452,7 +458,7 @@ class Trainer:
     def _finalize_optimizer(self, epochs: int) -> None:
         """Keras's end of ``fit``: ``optimizer.finalize_variable_values`` (``use_ema=True`` puts the moving
         averages into the model's weights), on the values just lent back; adopted as a model change."""
-        optimizer = getattr(self.model, "optimizer", None)
+        optimizer: Any = getattr(self.model, "optimizer", None)
         if epochs <= 0 or getattr(self.adapter, "optax", None) is not None or \
                 not callable(getattr(optimizer, "finalize_variable_values", None)):
             return
@@ -461,7 +467,7 @@ class Trainer:
     def _adopt_callback_changes(self) -> None:
         """After a hook that may change the lent model (``SwapEMAWeights`` at ``on_test_begin``): the state
         takes the model's values, and lends them back so that a later change is seen too."""
-        state = self._adopt_model_changes(self._state)
+        state = self._adopt_model_changes(self._live_state)
         if state is not self._state:
             self._state = state
             self._write_back()
@@ -485,10 +491,10 @@ class Trainer:
 
     def _run_epoch(self, stream: Stream, position: int, steps_per_epoch: int | None, epoch: int, epochs: int,
                    mode: int, *, start_batch: int = 0, saver: resume_lib.Saver | None = None,
-                   hooks: Callbacks | None = None, watch: preemption.Watch | None = None,
+                   hooks: Callbacks, watch: preemption.Watch | None = None,
                    positioned: bool = False) -> tuple[dict[str, float], Progress, int, int]:
         # Resuming mid-epoch keeps the checkpoint's metric accumulators: the epoch's logs stay exact.
-        state = self._state
+        state = self._live_state
         self.adapter.release()  # the model's variables let go of the buffers the first step donates
         if not start_batch:
             state = dict(state, metrics=self._place(self.adapter.initial_metrics(), from_host=False))
@@ -601,6 +607,7 @@ class Trainer:
         if validation_data is None:
             return None
         dtype = self.adapter.float_dtype
+        source: data_lib.ArraySource | data_lib.IterableSource
         if isinstance(validation_data, list) and len(validation_data) in (2, 3) and \
                 not isinstance(validation_data[0], (tuple, list)):
             validation_data = tuple(validation_data)  # as Keras reads [x_val, y_val]
@@ -666,15 +673,15 @@ class Trainer:
         try:
             spe, i, aux = self.steps_per_execution, -1, None  # batch hooks once per execution, as Keras
             for i, (_, batch) in enumerate(batches):
-                if begin and i % spe == 0:
+                if begin and hooks is not None and i % spe == 0:
                     hooks.call("on_test_batch_begin", i)
                 metrics, aux = self.steps.evaluate(self._state, metrics, batch.tree())
                 window.push(aux["token"])
-                if end and (i + 1) % spe == 0:
+                if end and hooks is not None and (i + 1) % spe == 0:
                     hooks.call("on_test_batch_end", i, aux["logs"])
                     if getattr(self.model, "stop_evaluating", False):
                         break
-            if end and aux is not None and (i + 1) % spe:
+            if end and hooks is not None and aux is not None and (i + 1) % spe:
                 hooks.call("on_test_batch_end", i - i % spe + spe - 1, aux["logs"])
             window.drain()
         finally:
@@ -720,7 +727,7 @@ class Trainer:
             y, mask = item
             mask_h = host_value(mask) > 0
             outputs.append(jax.tree.map(lambda a: host_value(a)[mask_h], y))
-            if end and len(outputs) % spe == 0:
+            if end and hooks is not None and len(outputs) % spe == 0:
                 hooks.call("on_predict_batch_end", len(outputs) - 1, {"outputs": _joined(outputs[-spe:])})
 
         window = InFlight(self.max_in_flight, collect)
@@ -738,7 +745,7 @@ class Trainer:
                 if hooks is not None and getattr(self.model, "stop_predicting", False):
                     break
             window.drain()
-            if end and len(outputs) % spe:
+            if end and hooks is not None and len(outputs) % spe:
                 n = len(outputs)
                 hooks.call("on_predict_batch_end", n - n % spe + spe - 1, {"outputs": _joined(outputs[-(n % spe):])})
         finally:
@@ -769,7 +776,7 @@ class Trainer:
         self.steps.check_labels_in_step(True)  # (the labels of a single batch are looked at in the step)
         host = next(source.batches(batch_size, self.strategy, shuffle=False, seed=0, pass_index=0))
         batch = data_lib.to_global(host, self.strategy)
-        state = dict(self._state, metrics=self._place(self.adapter.initial_metrics(), from_host=False))
+        state = dict(self._live_state, metrics=self._place(self.adapter.initial_metrics(), from_host=False))
         self.adapter.release()
         self._state = None
         try:

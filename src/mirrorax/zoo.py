@@ -49,7 +49,10 @@ def load_digits(path: str | os.PathLike[str] | None = None, *, test_fraction: fl
             arrays = [f[k] for k in ("x_train", "y_train", "x_test", "y_test")]
         x, y, xt, yt = arrays
         scale = 255.0 if x.dtype == np.uint8 or x.max() > 1.5 else 1.0
-        prep = lambda a: (a.astype(np.float32) / scale).reshape(a.shape[0], a.shape[1], a.shape[2], 1)
+
+        def prep(a: np.ndarray) -> np.ndarray:
+            return (a.astype(np.float32) / scale).reshape(a.shape[0], a.shape[1], a.shape[2], 1)
+
         return (prep(x), y.astype(np.int32)), (prep(xt), yt.astype(np.int32))
 
     from sklearn.datasets import load_digits as _sk_digits

@@ -53,7 +53,8 @@ def run_pass(scoped: bool, files: list[Path], out: Path, extra: list[str], timeo
     env = dict(os.environ, MIRRORAX_CONFORMANCE_SCOPE="1" if scoped else "0", KERAS_BACKEND="jax",
                PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "pytest", "-c", str(HERE / "pytest.ini"), "--rootdir", str(HERE),
-           "-p", "scope_plugin", "-q", "-o", "junit_family=xunit1", f"--timeout={timeout}", f"--junitxml={xml}", *extra, *map(str, files)]
+           "-p", "scope_plugin", "-q", "-o", "junit_family=xunit1", f"--timeout={timeout}", f"--junitxml={xml}",
+           *extra, *map(str, files)]
     print(("scoped" if scoped else "baseline") + ": " + " ".join(cmd), flush=True)
     subprocess.run(cmd, env=env, check=False)
     return outcomes(xml)

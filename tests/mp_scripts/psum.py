@@ -1,8 +1,8 @@
 """A plain-JAX job for the launcher and cluster tests: join from the environment, then all-reduce.
 
 Prints one line per process: ``RESULT <process> <count> <global devices> <sum>``. ``MP_FAIL=raise:R`` /
-``MP_FAIL=kill:R`` / ``MP_FAIL=stop:R`` makes process R raise / SIGKILL / SIGSTOP itself after ``MP_FAIL_STEP`` steps (default 5) while
-the others keep all-reducing (they block in the collective, the case that must not hang).
+``MP_FAIL=kill:R`` / ``MP_FAIL=stop:R`` makes process R raise / SIGKILL / SIGSTOP itself after ``MP_FAIL_STEP``
+steps (default 5) while the others keep all-reducing (they block in the collective, the case that must not hang).
 ``MP_LISTENERS=1`` makes process 0 print ``LISTENERS <addresses>``: where the coordinator's port listens.
 """
 
@@ -19,7 +19,8 @@ joined = cluster.maybe_initialize_from_env()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 me, count = jax.process_index(), jax.process_count()
 mesh = jax.make_mesh((jax.device_count(),), ("batch",), devices=jax.devices())

@@ -115,8 +115,10 @@ class ModelAdapter(abc.ABC):
         :meth:`release`, before the trainer donates the state to the next train step.
         """
 
-    #: The state groups that :meth:`write_back` stores into the model.
-    written_groups: tuple[str, ...] = ("params", "model_state", "optimizer")
+    @property
+    def written_groups(self) -> tuple[str, ...]:
+        """The state groups that :meth:`write_back` stores into the model."""
+        return ("params", "model_state", "optimizer")
 
     def model_changed(self) -> bool:
         """Whether the model's values were replaced since they were lent (``set_weights``,

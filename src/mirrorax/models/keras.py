@@ -20,7 +20,7 @@ import math
 import os
 import re
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -103,19 +103,20 @@ class KerasAdapter(ModelAdapter):
         if (not compiled and not self.predict_only) or loss is not None or optimizer is not None or \
                 metrics is not None:
             model.compile(
-                optimizer=optimizer if optimizer is not None else (model.optimizer if compiled and model.optimizer else "adam"),
+                optimizer=(optimizer if optimizer is not None
+                           else (model.optimizer if compiled and model.optimizer else "adam")),
                 loss=loss if loss is not None else model.loss,
                 metrics=metrics if metrics is not None else _compiled_metric_args(model),
             )
         if mixed_precision is not None:
             _set_mixed_precision(model, mixed_precision, keras, optax=self.optax is not None)
-        self.batch_dependent = any(isinstance(l, keras.layers.BatchNormalization) for l in _layers(model))
+        self.batch_dependent = any(isinstance(layer, keras.layers.BatchNormalization) for layer in _layers(model))
         # The variables' type (float32 under mixed precision, float64 with floatx float64 and x64 on);
         # JAX stores float64 as float32 without x64, so the canonical type is what the devices hold.
         self.float_dtype = np.dtype(jax.dtypes.canonicalize_dtype(
             np.result_type(np.float32, np.dtype(model.dtype_policy.variable_dtype))))
         self._output_spec: Any = None
-        self._built = False
+        self._built = ""  # "", "layers" (built from x alone) or "full" (with y: losses and metrics too)
         self._lent_values: list[tuple[Any, Any]] = []  # (variable, the array write_back lent it)
         self._exposed: list[tuple[Any, Any]] = []
         self._exposed_state: dict[str, Any] | None = None
@@ -462,7 +463,8 @@ def _local_replica(a: Any) -> Any:
     if not isinstance(a, jax.Array):
         return a
     if not a.is_fully_replicated:  # a sharded state (shard="optimizer" / "all"): the model gets it whole
-        a = jax.device_put(a, a.sharding.update(spec=jax.sharding.PartitionSpec()))
+        # The trainer lays out every state leaf with a NamedSharding; only that kind has update().
+        a = jax.device_put(a, cast(jax.sharding.NamedSharding, a.sharding).update(spec=jax.sharding.PartitionSpec()))
     if a.is_fully_addressable:
         return a
     shards = a.addressable_shards
@@ -479,7 +481,7 @@ def _set_mixed_precision(model: Any, kind: str, keras: Any, *, optax: bool) -> N
         raise ValueError(f"mixed_precision must be one of {MIXED_PRECISION} or None; received {kind!r}.")
     outputs = {id(t._keras_history.operation) for t in getattr(model, "outputs", None) or []
                if hasattr(t, "_keras_history")}
-    layers = [l for l in _layers(model) if not hasattr(l, "layers")]
+    layers = [layer for layer in _layers(model) if not hasattr(layer, "layers")]
     if not outputs and layers:
         outputs = {id(layers[-1])}
     for layer in layers:

@@ -78,9 +78,9 @@ def _weights(batch: dict[str, Any]) -> Any:
     # As the adapter's loss: Keras divides by the rows, so this is the mean over the real rows.
     mask = batch["mask"]
     w = batch["sample_weight"] * mask * (mask.shape[0] / jnp.maximum(real_count(batch), 1.0))
-    y = batch.get("y")
-    if hasattr(y, "ndim") and y.ndim > 1:
-        w = w.reshape((-1,) + (1,) * (y.ndim - 1))
+    ndim = getattr(batch.get("y"), "ndim", 0)
+    if ndim > 1:
+        w = w.reshape((-1,) + (1,) * (ndim - 1))
     return w
 
 
