@@ -200,3 +200,67 @@ def test_progress_is_keras_own(capsys):
 
     assert re.findall(r"^Epoch \d/2$", out, re.M) == ["Epoch 1/2", "Epoch 2/2"], out
     assert len(re.findall(r"^4/4 - .* - accuracy: [0-9.]+ - loss: [0-9.]+ - val_accuracy: ", out, re.M)) == 2, out
+
+
+def _tanh_dense(seed: int = 4, **compile_kwargs) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    m = keras.Sequential([keras.Input((64,)), keras.layers.Dense(8, activation="tanh"),
+                          keras.layers.Dense(10, activation="softmax")])
+    m.compile(**dict(dict(optimizer="sgd", loss="sparse_categorical_crossentropy"), **compile_kwargs))
+    return m
+
+
+class _Batches(keras.callbacks.Callback):
+    """Which batch indices each epoch's on_train_batch_begin saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epochs: list[list[int]] = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epochs.append([])
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.epochs[-1].append(batch)
+
+
+class _Rows(keras.utils.PyDataset):
+    def __init__(self, x, y, batch_size):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
+
+    def __getitem__(self, i):
+        s = slice(i * self.batch_size, (i + 1) * self.batch_size)
+        return self.x[s], self.y[s]
+
+
+@pytest.mark.parametrize("steps_per_epoch", [3, 6])
+@pytest.mark.parametrize("kind", ["arrays", "py_dataset"])
+def test_steps_per_epoch_ends_where_the_data_ends_as_in_keras(kind, steps_per_epoch):
+    # 80 rows, batch 16: 5 batches a pass. Keras: steps_per_epoch=3 gives epochs of 3, 2, 3, 2 batches
+    # (an epoch continues the pass but ends with it); 6 gives 5 an epoch. A short epoch warns.
+    x, y, _, _ = flat_digits(80)
+    data = (x, y) if kind == "arrays" else (_Rows(x, y, 16), None)
+    kwargs = dict(batch_size=16 if kind == "arrays" else None, epochs=4, steps_per_epoch=steps_per_epoch,
+                  shuffle=False, verbose=0)
+    ref, want = _tanh_dense(), _Batches()
+    with pytest.warns(UserWarning, match="ran out of data"):
+        ref_hist = ref.fit(*data, callbacks=[want], **kwargs).history
+    with strategy(4).scope():
+        model = _tanh_dense()
+    got = _Batches()
+    with pytest.warns(UserWarning, match="ran out of data"):
+        hist = model.fit(*data, callbacks=[got], **kwargs).history
+    assert got.epochs == want.epochs
+    np.testing.assert_allclose(hist["loss"], ref_hist["loss"], rtol=1e-5)
+    assert_weights_close(model, ref, 1e-5, 1e-6)
+    # evaluate's steps beyond the data: one pass, as Keras (never a second count of the same rows)
+    with pytest.warns(UserWarning, match="ran out of data"):
+        want_eval = ref.evaluate(x, y, batch_size=16, steps=9, verbose=0)
+    with pytest.warns(UserWarning, match="ran out of data"):
+        got_eval = model.evaluate(x, y, batch_size=16, steps=9, verbose=0)
+    np.testing.assert_allclose(got_eval, want_eval, rtol=1e-5)
+

@@ -13,6 +13,7 @@ own; leaving the last open scope restores Keras's functions. Nothing global outl
 
 from __future__ import annotations
 
+import functools
 import threading
 import types
 import warnings
@@ -107,8 +108,6 @@ def trainer_of(model: Any) -> Trainer:
     shows it in the batch logs, where ``keras.callbacks.TerminateOnNaN`` stops training (the seed
     program's own guard). The Trainer's ``"raise"`` default would turn that program's stop into an
     exception; ``mx.Trainer(model, on_nonfinite="raise")`` remains the explicit way to get one."""
-    from mirrorax.trainer import Trainer
-
     strategy = strategy_of(model)
     key = (id(strategy), id(getattr(model, "optimizer", None)), id(getattr(model, "_compile_loss", None)),
            id(getattr(model, "_compile_metrics", None)), model.steps_per_execution)
@@ -119,11 +118,23 @@ def trainer_of(model: Any) -> Trainer:
 
     # Keras's predict needs no compile: an uncompiled model gets an adapter for predict alone.
     adapter = KerasAdapter(model, predict_only=True)
-    trainer = Trainer(adapter, strategy, steps_per_execution=int(model.steps_per_execution or 1),
-                      on_nonfinite="ignore")
+    trainer = _keras_fit_trainer()(adapter, strategy, steps_per_execution=int(model.steps_per_execution or 1),
+                                   on_nonfinite="ignore")
     trainer.model = model  # callbacks, stop_training and the progress bar act on the Keras model
     object.__setattr__(model, "_mirrorax_trainer", (key, trainer))
     return trainer
+
+
+@functools.cache
+def _keras_fit_trainer() -> type[Trainer]:
+    """The Trainer behind ``model.fit``, with Keras's reading of ``steps_per_epoch``: at most that many
+    batches, an epoch ending where the data does (with Keras's "ran out of data" warning)."""
+    from mirrorax.trainer import Trainer
+
+    class KerasFitTrainer(Trainer):
+        _epochs_end_with_data = True
+
+    return KerasFitTrainer
 
 
 def _eager_fallback(model: Any, name: str) -> Callable[..., Any] | None:

@@ -11,6 +11,7 @@ import itertools
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, Any
 
@@ -103,6 +104,10 @@ class Trainer:
       >>> trainer = mx.Trainer(model)
       >>> history = trainer.fit(x, y, batch_size=64, epochs=2, verbose=0)
     """
+
+    # fit's steps_per_epoch: exactly that many batches, array inputs continuing into a new pass (False),
+    # or at most that many, an epoch ending where the data does (True: Keras's fit, see streams.py).
+    _epochs_end_with_data = False
 
     def __init__(self, model: Any, strategy: MirroredStrategy | None = None, *, loss: Any = None,
                  optimizer: Any = None, metrics: Any = None, steps_per_execution: int = 1,
@@ -372,7 +377,8 @@ class Trainer:
         if isinstance(source, data_lib.ArraySource):  # will it fit? (only where a device's memory is known)
             _plan_module().check_fits(self, source.x, source.y, batch_size)
         history = History()
-        stream = make_stream(source, batch_size, self.strategy, shuffle=shuffle, seed=seed)
+        stream = make_stream(source, batch_size, self.strategy, shuffle=shuffle, seed=seed,
+                             ends_with_data=self._epochs_end_with_data)
         per_epoch = steps_per_epoch or stream.batches_per_pass
         hooks = Callbacks(callbacks, self.model, epochs=epochs, steps=per_epoch, verbose=0 if not mode else mode)
         should_validate = _validation_schedule(validation_freq)
@@ -407,12 +413,15 @@ class Trainer:
             for epoch in range(start_epoch, epochs):
                 hooks.call("on_epoch_begin", epoch)
                 self._state = self._adopt_model_changes(self._state)  # e.g. a learning rate a callback set
-                position = epoch * per_epoch if per_epoch else 0
+                position, count = stream.epoch_span(epoch, steps_per_epoch)
                 if inputs is not None and start_batch:
                     inputs.position(start_batch, input_state)
                 logs, progress, steps, samples = self._run_epoch(
-                    stream, position, steps_per_epoch, epoch, epochs, mode, start_batch=start_batch,
+                    stream, position, count, epoch, epochs, mode, start_batch=start_batch,
                     saver=saver, hooks=hooks, watch=watch, positioned=inputs is not None)
+                if self._epochs_end_with_data and steps_per_epoch and start_batch + steps < steps_per_epoch \
+                        and not getattr(self.model, "stop_training", False):
+                    _ran_out_of_data()
                 start_batch = 0
                 self._write_back()  # Keras syncs the model before validation: on_test_begin may read it
                 if val is not None and should_validate(epoch):
@@ -657,7 +666,7 @@ class Trainer:
         metrics = self._place(self.adapter.initial_metrics(), from_host=False)
         stream = make_stream(source, batch_size, self.strategy)
         window = InFlight(self.max_in_flight, self.steps.eval_watch())
-        batches = self._device_batches(stream.batches(0, steps), 1, stream.per_process)
+        batches = self._device_batches(stream.batches(0, _within_pass(stream, steps, warn=self._epochs_end_with_data)), 1, stream.per_process)
         begin = hooks is not None and hooks.listens["test_begin"]
         end = hooks is not None and hooks.listens["test_end"]
         if hooks is not None:
@@ -725,7 +734,7 @@ class Trainer:
                 hooks.call("on_predict_batch_end", len(outputs) - 1, {"outputs": _joined(outputs[-spe:])})
 
         window = InFlight(self.max_in_flight, collect)
-        batches = self._device_batches(stream.batches(0, steps), 1, stream.per_process)
+        batches = self._device_batches(stream.batches(0, _within_pass(stream, steps, warn=self._epochs_end_with_data)), 1, stream.per_process)
         if hooks is not None:
             self.model.stop_predicting = False  # as Keras: a predict-batch callback may set it to stop early
             hooks.call("on_predict_begin")
@@ -795,6 +804,24 @@ class Trainer:
 def _joined(outputs: list[Any]) -> Any:
     """Per-batch outputs of one execution as one batch (what Keras's ``on_predict_batch_end`` gets)."""
     return outputs[0] if len(outputs) == 1 else jax.tree.map(lambda *a: np.concatenate(a), *outputs)
+
+
+def _within_pass(stream: Stream, steps: int | None, warn: bool) -> int | None:
+    """evaluate's and predict's ``steps``: a limit within one pass over the data (never a second pass,
+    which would count examples twice), as Keras reads it; ``warn``: with Keras's warning when it cuts."""
+    n = stream.batches_per_pass
+    if not steps or not n:
+        return steps
+    if warn and steps > n:
+        _ran_out_of_data()
+    return min(steps, n)
+
+
+def _ran_out_of_data() -> None:
+    """Keras's warning when an epoch ends before its ``steps_per_epoch`` (the same words)."""
+    warnings.warn("Your input ran out of data; interrupting training. Make sure that your dataset or generator "
+                  "can generate at least `steps_per_epoch * epochs` batches. You may need to use the "
+                  "`.repeat()` function when building your dataset.", stacklevel=3)
 
 
 def _check_positive_int(name: str, value: Any, low: int = 1) -> None:
