@@ -3,6 +3,8 @@
 Keras's single-device ``fit`` ends (atol 1e-4 / rtol 1e-5 on weights after 2 Adam epochs, as in
 ``test_equivalence.py``)."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -264,3 +266,29 @@ def test_steps_per_epoch_ends_where_the_data_ends_as_in_keras(kind, steps_per_ep
         got_eval = model.evaluate(x, y, batch_size=16, steps=9, verbose=0)
     np.testing.assert_allclose(got_eval, want_eval, rtol=1e-5)
 
+
+
+def test_keras_debugging_caps_on_epochs_and_steps_apply():
+    x, y, _, _ = flat_digits(96)  # 6 batches of 16: two capped epochs of 3
+    runs = []
+    for scoped in (False, True):
+        with strategy(2).scope() if scoped else contextlib.nullcontext():
+            model = _tanh_dense()
+        seen = _Batches()
+        try:
+            keras.config.set_max_epochs(2)
+            keras.config.set_max_steps_per_epoch(3)
+            with pytest.warns(UserWarning, match="Limiting"):
+                hist = model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=[seen]).history
+            with pytest.warns(UserWarning, match="Limiting steps_per_epoch to 3"):
+                ev = model.evaluate(x, y, batch_size=16, verbose=0)
+        finally:
+            keras.config.set_max_epochs(None)
+            keras.config.set_max_steps_per_epoch(None)
+        runs.append((seen.epochs, hist["loss"], ev, model.get_weights()))
+    (want_batches, want_loss, want_ev, want_w), (got_batches, got_loss, got_ev, got_w) = runs
+    assert got_batches == want_batches == [[0, 1, 2], [0, 1, 2]]
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(got_ev, want_ev, rtol=1e-5)
+    for a, b in zip(got_w, want_w):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -169,6 +169,12 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
 
     trainer = trainer_of(self)
     arrays = data_lib.is_array_tree(x)
+    max_epochs = keras.config.max_epochs()
+    if max_epochs and max_epochs < epochs:
+        warnings.warn(f"Limiting epochs to {max_epochs}", stacklevel=2)  # Keras's debugging cap, its words
+        epochs = max_epochs
+    steps_per_epoch = _capped_steps(steps_per_epoch)
+    validation_steps = _capped_steps(validation_steps)
     if validation_split and validation_data is None:
         if not arrays:
             raise ValueError(f"validation_split={validation_split} needs x as arrays (it holds out the last share of "
@@ -226,6 +232,7 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: int | None = 
 
     if not data_lib.is_array_tree(x):
         x = _as_batches(x)
+    steps = _capped_steps(steps)
     hooks_lib.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
@@ -248,6 +255,7 @@ def _predict(self: Any, x: Any, batch_size: int | None = None, verbose: Any = "a
 
     if not data_lib.is_array_tree(x):
         x = _as_batches(x)
+    steps = _capped_steps(steps)
     hooks_lib.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
@@ -283,6 +291,18 @@ def _predict_on_batch(self: Any, x: Any) -> Any:
     if fallback is not None:
         return fallback(x)
     return trainer_of(self).predict(x, batch_size=_rows(x))
+
+
+def _capped_steps(steps: int | None) -> int | None:
+    """``steps`` under ``keras.config.set_max_steps_per_epoch`` (Keras's debugging cap on fit, evaluate
+    and predict), with Keras's warning."""
+    import keras
+
+    cap = keras.config.max_steps_per_epoch()
+    if cap and (not steps or cap < steps):
+        warnings.warn(f"Limiting steps_per_epoch to {cap}", stacklevel=3)
+        return cap
+    return steps
 
 
 class _class_weighted:
