@@ -292,3 +292,26 @@ def test_keras_debugging_caps_on_epochs_and_steps_apply():
     np.testing.assert_allclose(got_ev, want_ev, rtol=1e-5)
     for a, b in zip(got_w, want_w):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _Ends(_Batches):
+    def on_train_batch_end(self, batch, logs=None):
+        self.epochs[-1].append(("end", batch))
+
+
+@pytest.mark.parametrize("steps_per_execution", [3, 101])
+def test_batch_hooks_once_per_execution_a_short_last_one_too(steps_per_execution):
+    # 100 rows, batch 16: 7 batches an epoch. 3: executions of 3, 3 and 1; 101: one execution of 7.
+    x, y, _, _ = flat_digits(100)
+    runs = []
+    for scoped in (False, True):
+        with strategy(4).scope() if scoped else contextlib.nullcontext():
+            model = _tanh_dense(steps_per_execution=steps_per_execution)
+        seen = _Ends()
+        hist = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[seen]).history
+        runs.append((seen.epochs, hist["loss"], model.get_weights()))
+    (want, want_loss, want_w), (got, got_loss, got_w) = runs
+    assert got == want
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for a, b in zip(got_w, want_w):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

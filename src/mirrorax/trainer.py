@@ -526,7 +526,9 @@ class Trainer:
             upcoming = next(batches, None)
             while upcoming is not None:
                 k, batch = upcoming
-                if listens_begin:
+                # Batch hooks once per execution, as Keras: a short last one (run as single steps) too.
+                spe = self.steps_per_execution
+                if listens_begin and steps % spe == 0:
                     hooks.call("on_train_batch_begin", start_batch + steps)
                 if k:
                     state, aux = self.steps.train_many(state, batch.tree())
@@ -539,12 +541,11 @@ class Trainer:
                 before = steps
                 steps += max(k, 1)
                 samples += stream.last_real(k)
-                if listens_end:
+                if listens_end and (steps % spe == 0 or upcoming is None):
                     self.adapter.expose(state)  # Keras callbacks read it through Callback.model
                     self._state = state  # and this trainer's evaluate / predict / state through it
                     # As Keras: an execution ends at begin + steps_per_execution - 1, a short last one too.
-                    hooks.call("on_train_batch_end", start_batch + before + max(k, self.steps_per_execution) - 1,
-                               aux["logs"])
+                    hooks.call("on_train_batch_end", start_batch + before - before % spe + spe - 1, aux["logs"])
                     state, self._state = self._state, None
                     read = self.adapter.exposure_read()
                     if read or self.strategy.process_count > 1:  # the processes decide together
