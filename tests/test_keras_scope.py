@@ -315,3 +315,25 @@ def test_batch_hooks_once_per_execution_a_short_last_one_too(steps_per_execution
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     for a, b in zip(got_w, want_w):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_metric_function_of_one_number_per_batch_counts_once_per_batch():
+    def batch_constant(y_true, y_pred):  # no value per example: padding and weights cannot apply
+        return 0.5
+
+    def batch_mean(y_true, y_pred):
+        return keras.ops.mean(y_pred)
+
+    # (Full batches: a padded one would show its padding rows to batch_mean, which no mask can reach.)
+    x, y, _, _ = flat_digits(32)
+    runs = []
+    for scoped in (False, True):
+        with strategy(4).scope() if scoped else contextlib.nullcontext():
+            model = _tanh_dense(metrics=[batch_constant, batch_mean, "accuracy"])
+        hist = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history
+        runs.append((hist, model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)))
+    (want_hist, want_eval), (got_hist, got_eval) = runs
+    assert sorted(got_eval) == sorted(want_eval)
+    for k in want_eval:
+        np.testing.assert_allclose(got_eval[k], want_eval[k], rtol=1e-5, err_msg=k)
+        np.testing.assert_allclose(got_hist[k], want_hist[k], rtol=1e-5, err_msg=k)

@@ -506,12 +506,30 @@ def _update_compile_metrics(cm: Any, y: Any, y_pred: Any, mask: Any, weights: An
     if not cm.built:
         cm.build(y, y_pred)
     ys, ps = cm._flatten_y(y), cm._flatten_y(y_pred)
-    for m, y_t, y_p in zip(cm._flat_metrics, ys, ps):
-        if m:
-            m.update_state(y_t, y_p, sample_weight=mask)
-    for m, y_t, y_p in zip(cm._flat_weighted_metrics, ys, ps):
-        if m:
-            m.update_state(y_t, y_p, sample_weight=weights)
+    for flat, w in ((cm._flat_metrics, mask), (cm._flat_weighted_metrics, weights)):
+        for m, y_t, y_p in zip(flat, ys, ps):
+            if not m:
+                continue
+            # An output's metrics come as one MetricsList: each metric is fed on its own (see below).
+            for metric in m.metrics if type(m).__name__ == "MetricsList" else [m]:
+                metric.update_state(y_t, y_p, sample_weight=w if _per_example(metric, y_t, y_p) else None)
+
+
+def _per_example(metric: Any, y_t: Any, y_p: Any) -> bool:
+    """Whether ``metric``'s function gives a value per example, which weights (and the padding mask) can
+    weigh. A function that returns one number per batch (``lambda y, p: 0.0``) takes none: Keras counts
+    it once per batch, and so does the global batch here (whose padding rows, in a short last batch, such
+    a function sees: no mask reaches inside it)."""
+    fn = getattr(metric, "_fn", None)
+    if fn is None:
+        return True
+    kwargs = getattr(metric, "_fn_kwargs", None) or {}
+    try:
+        out = jax.eval_shape(lambda a, b: fn(a, b, **kwargs), *(jax.ShapeDtypeStruct(v.shape, v.dtype)
+                                                               for v in (y_t, y_p)))
+    except Exception:  # the call below meets the same error and reports it
+        return True
+    return all(len(o.shape) > 0 for o in jax.tree.leaves(out))
 
 
 def _compiled_metric_args(model: Any) -> Any:
