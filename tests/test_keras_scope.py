@@ -337,3 +337,26 @@ def test_metric_function_of_one_number_per_batch_counts_once_per_batch():
     for k in want_eval:
         np.testing.assert_allclose(got_eval[k], want_eval[k], rtol=1e-5, err_msg=k)
         np.testing.assert_allclose(got_hist[k], want_hist[k], rtol=1e-5, err_msg=k)
+
+
+def test_predict_moves_a_layers_random_stream_on_as_keras():
+    class TestTimeDropout(keras.layers.Layer):  # random in inference too: its seed state must advance
+        def __init__(self):
+            super().__init__()
+            self.seed = keras.random.SeedGenerator(7)
+
+        def call(self, x):
+            return keras.random.dropout(x, rate=0.5, seed=self.seed)
+
+    x = np.ones((30, 8), np.float32)
+    outs = []
+    for scoped in (False, True):
+        with strategy(4).scope() if scoped else contextlib.nullcontext():
+            inputs = keras.Input((8,))
+            model = keras.Model(inputs, TestTimeDropout()(inputs))
+        first = model.predict(x, batch_size=16, verbose=0)
+        outs.append((first, model.predict(x, batch_size=16, verbose=0)))
+    (want_1, want_2), (got_1, got_2) = outs
+    assert np.mean(np.abs(got_1 - got_2)) > 0.01  # the second call draws new masks
+    # (the masks themselves depend on the batch's shape: a padded global batch draws other ones)
+    assert want_1.shape == got_1.shape and np.mean(np.abs(want_1 - want_2)) > 0.01

@@ -744,7 +744,8 @@ class Trainer:
             for i, (_, batch) in enumerate(batches):
                 if hooks is not None and hooks.listens["predict_begin"] and i % spe == 0:
                     hooks.call("on_predict_batch_begin", i)
-                y = self.steps.predict(self._state, batch.x)
+                y, model_state = self.steps.predict(self._state, batch.x)
+                self._state = dict(self._state, model_state=model_state)
                 window.push((y, batch.mask))
                 if hooks is not None and getattr(self.model, "stop_predicting", False):
                     break
@@ -755,6 +756,8 @@ class Trainer:
         finally:
             if isinstance(batches, data_lib.Prefetcher):
                 batches.close()
+        if jax.tree.leaves(self._state["model_state"]):
+            self._write_back()  # the model's random streams moved on (Keras's predict syncs them back too)
         if hooks is not None:
             hooks.call("on_predict_end")
             self._adopt_callback_changes()

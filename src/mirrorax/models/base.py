@@ -97,6 +97,11 @@ class ModelAdapter(abc.ABC):
     def predict(self, state: dict[str, PyTree], x: PyTree) -> PyTree:
         """The model's outputs in inference mode (traced, pure)."""
 
+    def predict_with_state(self, state: dict[str, PyTree], x: PyTree) -> tuple[PyTree, PyTree]:
+        """The outputs and the ``model_state`` after the call: a layer's random stream advances in
+        inference mode too (Keras's ``predict`` keeps it). Default: the state unchanged."""
+        return self.predict(state, x), state["model_state"]
+
     @abc.abstractmethod
     def metric_results(self, metrics: PyTree) -> dict[str, float]:
         """Final metric values from host copies of the accumulators (``{"loss": ..., "accuracy": ...}``)."""

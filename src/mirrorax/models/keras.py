@@ -276,13 +276,18 @@ class KerasAdapter(ModelAdapter):
         return self._update_metrics(new_metrics, loss, batch, y_pred)
 
     def predict(self, state, x):
+        return self.predict_with_state(state, x)[0]
+
+    def predict_with_state(self, state, x):
         if self.custom["predict_step"]:
             return keras_custom.call_predict_step(self.model, self._unpack("params", state["params"]),
-                                                  self._unpack("model_state", state["model_state"]), x)
+                                                  self._unpack("model_state", state["model_state"]), x), \
+                state["model_state"]
         kwargs = {"training": False} if self.model._call_has_training_arg else {}
-        y_pred, _ = self.model.stateless_call(self._unpack("params", state["params"]),
-                                              self._unpack("model_state", state["model_state"]), x, **kwargs)
-        return y_pred
+        y_pred, model_state = self.model.stateless_call(self._unpack("params", state["params"]),
+                                                        self._unpack("model_state", state["model_state"]), x,
+                                                        **kwargs)
+        return y_pred, self._pack("model_state", model_state)
 
     def check_inputs(self, x):
         try:
