@@ -728,6 +728,10 @@ class Trainer:
         spe = self.steps_per_execution  # batch hooks once per execution, as Keras
 
         def collect(item: tuple[Any, Any]) -> None:
+            if hooks is not None and getattr(self.model, "stop_predicting", False):
+                # Dispatched before a callback's stop was seen (the window runs ahead): Keras would not
+                # have run it, so neither its outputs nor its hooks count.
+                return
             y, mask = item
             mask_h = host_value(mask) > 0
             outputs.append(jax.tree.map(lambda a: host_value(a)[mask_h], y))
