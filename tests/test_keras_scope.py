@@ -362,3 +362,39 @@ def test_predict_moves_a_layers_random_stream_on_as_keras():
     assert np.mean(np.abs(got_1 - got_2)) > 0.01  # the second call draws new masks
     # (the masks themselves depend on the batch's shape: a padded global batch draws other ones)
     assert want_1.shape == got_1.shape and np.mean(np.abs(want_1 - want_2)) > 0.01
+
+
+class _KeepsCounting(keras.metrics.MeanSquaredError):
+    """A metric whose reset_state does nothing: its mean runs on across epochs."""
+
+    def __init__(self):
+        super().__init__(name="mse_all_epochs")
+
+    def reset_state(self):
+        pass
+
+
+class _BatchLogs(keras.callbacks.Callback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.values.append(float(logs["mse_all_epochs"]))
+
+
+def test_a_metrics_own_reset_state_is_kept_across_epochs_as_keras():
+    x, y, _, _ = flat_digits(48)
+    y = np.eye(10, dtype=np.float32)[y]
+    runs = []
+    for scoped in (False, True):
+        with strategy(4).scope() if scoped else contextlib.nullcontext():
+            model = _tanh_dense(loss="mse", metrics=[_KeepsCounting(), "mae"])
+        logs = _BatchLogs()
+        hist = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[logs]).history
+        runs.append((logs.values, hist))
+    (want_batches, want), (got_batches, got) = runs
+    np.testing.assert_allclose(got_batches, want_batches, rtol=1e-5)
+    for k in want:  # mae resets each epoch; mse_all_epochs does not
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, err_msg=k)
+

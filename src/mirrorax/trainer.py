@@ -502,7 +502,7 @@ class Trainer:
         state = self._state
         self.adapter.release()  # the model's variables let go of the buffers the first step donates
         if not start_batch:
-            state = dict(state, metrics=self._place(self.adapter.initial_metrics(), from_host=False))
+            state = dict(state, metrics=self._place(self.adapter.initial_metrics(state["metrics"]), from_host=False))
         self._state = None  # donated below; restored when the epoch ends or fails
         total = steps_per_epoch or stream.batches_per_pass
         if positioned and start_batch:

@@ -72,8 +72,9 @@ class ModelAdapter(abc.ABC):
         """The model's current values (host or device arrays): params, model_state, optimizer, metrics."""
 
     @abc.abstractmethod
-    def initial_metrics(self) -> PyTree:
-        """Metric accumulators at their reset values."""
+    def initial_metrics(self, previous: PyTree | None = None) -> PyTree:
+        """Metric accumulators at their reset values; ``previous``: the accumulators being reset (a
+        metric's own ``reset_state`` may keep some of what they hold)."""
 
     @abc.abstractmethod
     def grads(self, state: dict[str, PyTree], batch: dict[str, PyTree], loss_scale: Any = 1.0

@@ -200,9 +200,19 @@ class KerasAdapter(ModelAdapter):
             state["optimizer"] = self.optax.init(state["params"])
         return state
 
-    def initial_metrics(self) -> PyTree:
-        return dict(self._pack("metrics", [a.copy() for a in self._metrics_init]),
-                    **{k: np.asarray(v) for k, v in self._extras.items()})
+    def initial_metrics(self, previous: PyTree | None = None) -> PyTree:
+        values = [a.copy() for a in self._metrics_init]
+        if previous is not None and any(_resets_itself(m) for m in _all_metrics(self.model.metrics)):
+            # A metric with its own reset_state (one that keeps counting across epochs): Keras resets
+            # the variables in place, so the reset starts from the values they hold.
+            from mirrorax.step import host_value
+
+            refs = self.model.metrics_variables
+            for v, a in zip(refs, self._unpack("metrics", previous)):
+                v.assign(np.asarray(host_value(a)))
+            self.model.reset_metrics()
+            values = [np.asarray(v.value) for v in refs]
+        return dict(self._pack("metrics", values), **{k: np.asarray(v) for k, v in self._extras.items()})
 
     # -- the pure functions ----------------------------------------------------------------------
     def _loss_and_updates(self, params, model_state, metrics, opt_vars, batch, training):
@@ -497,6 +507,25 @@ def _set_mixed_precision(model: Any, kind: str, keras: Any, *, optax: bool) -> N
                              "scaling needed) or a Keras optimizer.")
         if not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
             model.optimizer = keras.optimizers.LossScaleOptimizer(model.optimizer)
+
+
+def _all_metrics(metrics: Sequence[Any]) -> Iterator[Any]:
+    """``model.metrics`` and the metrics inside them (a CompileMetrics' lists)."""
+    for m in metrics:
+        if m is None:
+            continue
+        yield m
+        inner = [*getattr(m, "_flat_metrics", []), *getattr(m, "_flat_weighted_metrics", [])]
+        if type(m).__name__ == "MetricsList":
+            inner += list(m.metrics)
+        yield from _all_metrics(inner)
+
+
+def _resets_itself(metric: Any) -> bool:
+    """Whether ``metric``'s ``reset_state`` is its own (not Keras's, which zeroes the variables)."""
+    owner = next((c for c in type(metric).__mro__ if "reset_state" in c.__dict__), None)
+    return owner is not None and not owner.__module__.startswith(("keras.src.metrics.",
+                                                                   "keras.src.trainers.compile_utils"))
 
 
 def _update_compile_metrics(cm: Any, y: Any, y_pred: Any, mask: Any, weights: Any) -> None:
