@@ -398,3 +398,23 @@ def test_a_metrics_own_reset_state_is_kept_across_epochs_as_keras():
     for k in want:  # mae resets each epoch; mse_all_epochs does not
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, err_msg=k)
 
+
+
+def test_steps_per_epoch_rounds_up_to_whole_executions_as_keras():
+    # 6 batches a pass; steps_per_execution=2, steps_per_epoch=3: Keras runs 2 executions (4 batches),
+    # then the 2 left in the pass (a short epoch: "ran out of data").
+    x, y, _, _ = flat_digits(96)
+    runs = []
+    for scoped in (False, True):
+        with strategy(2).scope() if scoped else contextlib.nullcontext():
+            model = _tanh_dense(steps_per_execution=2)
+        seen = _Ends()
+        with pytest.warns(UserWarning, match="ran out of data"):
+            hist = model.fit(x, y, batch_size=16, epochs=3, steps_per_epoch=3, shuffle=False, verbose=0,
+                             callbacks=[seen]).history
+        runs.append((seen.epochs, hist["loss"], model.get_weights()))
+    (want, want_loss, want_w), (got, got_loss, got_w) = runs
+    assert got == want
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for a, b in zip(got_w, want_w):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

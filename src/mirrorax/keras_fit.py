@@ -206,6 +206,10 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
         steps = steps_per_epoch or _num_batches(x, batch_size or (None if not arrays else 32))
         callbacks = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                                  verbose=verbose, epochs=epochs, steps=steps, model=self)
+    if steps_per_epoch:
+        # Keras runs whole executions: an epoch's steps_per_epoch rounds up to a multiple of them.
+        per_execution = trainer.steps_per_execution
+        steps_per_epoch = -(-steps_per_epoch // per_execution) * per_execution
     trainer.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=callbacks,
                 validation_data=validation_data, shuffle=shuffle, sample_weight=sample_weight,
                 initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
