@@ -323,7 +323,8 @@ class Trainer:
           seed: the shuffle seed.
           sample_weight: per-example weights, when ``x`` holds arrays.
           steps_per_epoch: batches per epoch (default: one pass over the data). Array inputs continue
-            where the previous epoch stopped, starting a new shuffled pass when one ends.
+            where the previous epoch stopped, starting a new shuffled pass when one ends. (A Keras
+            model's own ``fit`` under a scope reads it as Keras does: an epoch also ends with a pass.)
           initial_epoch: the epoch to start at (as Keras).
           callbacks: Keras callbacks (or a ``keras.callbacks.CallbackList``), driven as Keras's own
             ``fit`` drives them (every ``on_*`` hook, batch logs, ``model.stop_training``); for a
