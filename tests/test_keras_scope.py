@@ -3,6 +3,8 @@
 Keras's single-device ``fit`` ends (atol 1e-4 / rtol 1e-5 on weights after 2 Adam epochs, as in
 ``test_equivalence.py``)."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -184,9 +186,11 @@ def test_callbacks_can_stop_evaluate_and_predict_early():
             self.model.stop_predicting = True
 
     model.evaluate(x, y, batch_size=16, verbose=0, callbacks=[Stop()])
-    model.predict(x, batch_size=16, verbose=0, callbacks=[Stop()])
+    out = model.predict(x, batch_size=16, verbose=0, callbacks=[Stop()])
     assert seen["test"] == 1  # 6 batches, stopped after the first
-    assert seen["predict"] <= 2  # predict's batch hooks run as outputs arrive (at most one step behind)
+    # predict's batch hooks run as outputs arrive, a step behind: a step dispatched before the stop was
+    # seen counts neither in the hooks nor in the outputs, as in Keras.
+    assert seen["predict"] == 1 and len(out) == 16
 
 
 def test_progress_is_keras_own(capsys):
@@ -200,3 +204,217 @@ def test_progress_is_keras_own(capsys):
 
     assert re.findall(r"^Epoch \d/2$", out, re.M) == ["Epoch 1/2", "Epoch 2/2"], out
     assert len(re.findall(r"^4/4 - .* - accuracy: [0-9.]+ - loss: [0-9.]+ - val_accuracy: ", out, re.M)) == 2, out
+
+
+def _tanh_dense(seed: int = 4, **compile_kwargs) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    m = keras.Sequential([keras.Input((64,)), keras.layers.Dense(8, activation="tanh"),
+                          keras.layers.Dense(10, activation="softmax")])
+    m.compile(**dict(dict(optimizer="sgd", loss="sparse_categorical_crossentropy"), **compile_kwargs))
+    return m
+
+
+class _Batches(keras.callbacks.Callback):
+    """Which batch indices each epoch's on_train_batch_begin saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epochs: list[list[int]] = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epochs.append([])
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.epochs[-1].append(batch)
+
+
+class _Rows(keras.utils.PyDataset):
+    def __init__(self, x, y, batch_size):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
+
+    def __getitem__(self, i):
+        s = slice(i * self.batch_size, (i + 1) * self.batch_size)
+        return self.x[s], self.y[s]
+
+
+@pytest.mark.parametrize("steps_per_epoch", [3, 6])
+@pytest.mark.parametrize("kind", ["arrays", "py_dataset"])
+def test_steps_per_epoch_ends_where_the_data_ends_as_in_keras(kind, steps_per_epoch):
+    # 80 rows, batch 16: 5 batches a pass. Keras: steps_per_epoch=3 gives epochs of 3, 2, 3, 2 batches
+    # (an epoch continues the pass but ends with it); 6 gives 5 an epoch. A short epoch warns.
+    x, y, _, _ = flat_digits(80)
+    data = (x, y) if kind == "arrays" else (_Rows(x, y, 16), None)
+    kwargs = dict(batch_size=16 if kind == "arrays" else None, epochs=4, steps_per_epoch=steps_per_epoch,
+                  shuffle=False, verbose=0)
+    ref, want = _tanh_dense(), _Batches()
+    with pytest.warns(UserWarning, match="ran out of data"):
+        ref_hist = ref.fit(*data, callbacks=[want], **kwargs).history
+    with strategy(4).scope():
+        model = _tanh_dense()
+    got = _Batches()
+    with pytest.warns(UserWarning, match="ran out of data"):
+        hist = model.fit(*data, callbacks=[got], **kwargs).history
+    assert got.epochs == want.epochs
+    np.testing.assert_allclose(hist["loss"], ref_hist["loss"], rtol=1e-5)
+    assert_weights_close(model, ref, 1e-5, 1e-6)
+    # evaluate's steps beyond the data: one pass, as Keras (never a second count of the same rows)
+    with pytest.warns(UserWarning, match="ran out of data"):
+        want_eval = ref.evaluate(x, y, batch_size=16, steps=9, verbose=0)
+    with pytest.warns(UserWarning, match="ran out of data"):
+        got_eval = model.evaluate(x, y, batch_size=16, steps=9, verbose=0)
+    np.testing.assert_allclose(got_eval, want_eval, rtol=1e-5)
+
+
+
+def test_keras_debugging_caps_on_epochs_and_steps_apply():
+    x, y, _, _ = flat_digits(96)  # 6 batches of 16: two capped epochs of 3
+    runs = []
+    for scoped in (False, True):
+        with strategy(2).scope() if scoped else contextlib.nullcontext():
+            model = _tanh_dense()
+        seen = _Batches()
+        try:
+            keras.config.set_max_epochs(2)
+            keras.config.set_max_steps_per_epoch(3)
+            with pytest.warns(UserWarning, match="Limiting"):
+                hist = model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=[seen]).history
+            with pytest.warns(UserWarning, match="Limiting steps_per_epoch to 3"):
+                ev = model.evaluate(x, y, batch_size=16, verbose=0)
+        finally:
+            keras.config.set_max_epochs(None)
+            keras.config.set_max_steps_per_epoch(None)
+        runs.append((seen.epochs, hist["loss"], ev, model.get_weights()))
+    (want_batches, want_loss, want_ev, want_w), (got_batches, got_loss, got_ev, got_w) = runs
+    assert got_batches == want_batches == [[0, 1, 2], [0, 1, 2]]
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(got_ev, want_ev, rtol=1e-5)
+    for a, b in zip(got_w, want_w):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _Ends(_Batches):
+    def on_train_batch_end(self, batch, logs=None):
+        self.epochs[-1].append(("end", batch))
+
+
+@pytest.mark.parametrize("steps_per_execution", [3, 101])
+def test_batch_hooks_once_per_execution_a_short_last_one_too(steps_per_execution):
+    # 100 rows, batch 16: 7 batches an epoch. 3: executions of 3, 3 and 1; 101: one execution of 7.
+    x, y, _, _ = flat_digits(100)
+    runs = []
+    for scoped in (False, True):
+        with strategy(4).scope() if scoped else contextlib.nullcontext():
+            model = _tanh_dense(steps_per_execution=steps_per_execution)
+        seen = _Ends()
+        hist = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[seen]).history
+        runs.append((seen.epochs, hist["loss"], model.get_weights()))
+    (want, want_loss, want_w), (got, got_loss, got_w) = runs
+    assert got == want
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for a, b in zip(got_w, want_w):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_metric_function_of_one_number_per_batch_counts_once_per_batch():
+    def batch_constant(y_true, y_pred):  # no value per example: padding and weights cannot apply
+        return 0.5
+
+    def batch_mean(y_true, y_pred):
+        return keras.ops.mean(y_pred)
+
+    # (Full batches: a padded one would show its padding rows to batch_mean, which no mask can reach.)
+    x, y, _, _ = flat_digits(32)
+    runs = []
+    for scoped in (False, True):
+        with strategy(4).scope() if scoped else contextlib.nullcontext():
+            model = _tanh_dense(metrics=[batch_constant, batch_mean, "accuracy"])
+        hist = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history
+        runs.append((hist, model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)))
+    (want_hist, want_eval), (got_hist, got_eval) = runs
+    assert sorted(got_eval) == sorted(want_eval)
+    for k in want_eval:
+        np.testing.assert_allclose(got_eval[k], want_eval[k], rtol=1e-5, err_msg=k)
+        np.testing.assert_allclose(got_hist[k], want_hist[k], rtol=1e-5, err_msg=k)
+
+
+def test_predict_moves_a_layers_random_stream_on_as_keras():
+    class TestTimeDropout(keras.layers.Layer):  # random in inference too: its seed state must advance
+        def __init__(self):
+            super().__init__()
+            self.seed = keras.random.SeedGenerator(7)
+
+        def call(self, x):
+            return keras.random.dropout(x, rate=0.5, seed=self.seed)
+
+    x = np.ones((30, 8), np.float32)
+    outs = []
+    for scoped in (False, True):
+        with strategy(4).scope() if scoped else contextlib.nullcontext():
+            inputs = keras.Input((8,))
+            model = keras.Model(inputs, TestTimeDropout()(inputs))
+        first = model.predict(x, batch_size=16, verbose=0)
+        outs.append((first, model.predict(x, batch_size=16, verbose=0)))
+    (want_1, want_2), (got_1, got_2) = outs
+    assert np.mean(np.abs(got_1 - got_2)) > 0.01  # the second call draws new masks
+    # (the masks themselves depend on the batch's shape: a padded global batch draws other ones)
+    assert want_1.shape == got_1.shape and np.mean(np.abs(want_1 - want_2)) > 0.01
+
+
+class _KeepsCounting(keras.metrics.MeanSquaredError):
+    """A metric whose reset_state does nothing: its mean runs on across epochs."""
+
+    def __init__(self):
+        super().__init__(name="mse_all_epochs")
+
+    def reset_state(self):
+        pass
+
+
+class _BatchLogs(keras.callbacks.Callback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.values.append(float(logs["mse_all_epochs"]))
+
+
+def test_a_metrics_own_reset_state_is_kept_across_epochs_as_keras():
+    x, y, _, _ = flat_digits(48)
+    y = np.eye(10, dtype=np.float32)[y]
+    runs = []
+    for scoped in (False, True):
+        with strategy(4).scope() if scoped else contextlib.nullcontext():
+            model = _tanh_dense(loss="mse", metrics=[_KeepsCounting(), "mae"])
+        logs = _BatchLogs()
+        hist = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[logs]).history
+        runs.append((logs.values, hist))
+    (want_batches, want), (got_batches, got) = runs
+    np.testing.assert_allclose(got_batches, want_batches, rtol=1e-5)
+    for k in want:  # mae resets each epoch; mse_all_epochs does not
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, err_msg=k)
+
+
+
+def test_steps_per_epoch_rounds_up_to_whole_executions_as_keras():
+    # 6 batches a pass; steps_per_execution=2, steps_per_epoch=3: Keras runs 2 executions (4 batches),
+    # then the 2 left in the pass (a short epoch: "ran out of data").
+    x, y, _, _ = flat_digits(96)
+    runs = []
+    for scoped in (False, True):
+        with strategy(2).scope() if scoped else contextlib.nullcontext():
+            model = _tanh_dense(steps_per_execution=2)
+        seen = _Ends()
+        with pytest.warns(UserWarning, match="ran out of data"):
+            hist = model.fit(x, y, batch_size=16, epochs=3, steps_per_epoch=3, shuffle=False, verbose=0,
+                             callbacks=[seen]).history
+        runs.append((seen.epochs, hist["loss"], model.get_weights()))
+    (want, want_loss, want_w), (got, got_loss, got_w) = runs
+    assert got == want
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for a, b in zip(got_w, want_w):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

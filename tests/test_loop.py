@@ -157,3 +157,21 @@ def test_background_prefetch_gives_the_same_result_and_survives_errors():
 
     with pytest.raises(OSError, match="disk went away"):  # raised on the training thread, not lost
         tb.fit(broken(), batch_size=32, verbose=0)
+
+
+def test_auto_progress_is_a_bar_in_jupyter_and_a_line_per_epoch_elsewhere(monkeypatch):
+    import sys
+    import types
+
+    from mirrorax.progress import resolve_verbose
+
+    x, y, _, _ = flat_digits(64)
+    t = mx.Trainer(dense(), strategy(2))
+    t.stream = io.StringIO()  # no tty, as a log file and as a notebook's stdout
+    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
+    assert resolve_verbose("auto", t.stream) == 2
+    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))  # running in a notebook
+    assert resolve_verbose("auto", t.stream) == 1
+    t.fit(x, y, batch_size=32, epochs=1, verbose="auto")
+    out = t.stream.getvalue()
+    assert out.startswith("Epoch 1/1\n") and "\r2/2 [" in out, repr(out)  # the bar, redrawn in place

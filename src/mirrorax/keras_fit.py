@@ -13,6 +13,7 @@ own; leaving the last open scope restores Keras's functions. Nothing global outl
 
 from __future__ import annotations
 
+import functools
 import threading
 import types
 import warnings
@@ -106,8 +107,6 @@ def trainer_of(model: Any) -> Trainer:
     shows it in the batch logs, where ``keras.callbacks.TerminateOnNaN`` stops training (the seed
     program's own guard). The Trainer's ``"raise"`` default would turn that program's stop into an
     exception; ``mx.Trainer(model, on_nonfinite="raise")`` remains the explicit way to get one."""
-    from mirrorax.trainer import Trainer
-
     strategy = strategy_of(model)
     key = (id(strategy), id(getattr(model, "optimizer", None)), id(getattr(model, "_compile_loss", None)),
            id(getattr(model, "_compile_metrics", None)), model.steps_per_execution)
@@ -118,11 +117,23 @@ def trainer_of(model: Any) -> Trainer:
 
     # Keras's predict needs no compile: an uncompiled model gets an adapter for predict alone.
     adapter = KerasAdapter(model, predict_only=True)
-    trainer = Trainer(adapter, strategy, steps_per_execution=int(model.steps_per_execution or 1),
-                      on_nonfinite="ignore")
+    trainer = _keras_fit_trainer()(adapter, strategy, steps_per_execution=int(model.steps_per_execution or 1),
+                                   on_nonfinite="ignore")
     trainer.model = model  # callbacks, stop_training and the progress bar act on the Keras model
     object.__setattr__(model, "_mirrorax_trainer", (key, trainer))
     return trainer
+
+
+@functools.cache
+def _keras_fit_trainer() -> type[Trainer]:
+    """The Trainer behind ``model.fit``, with Keras's reading of ``steps_per_epoch``: at most that many
+    batches, an epoch ending where the data does (with Keras's "ran out of data" warning)."""
+    from mirrorax.trainer import Trainer
+
+    class KerasFitTrainer(Trainer):
+        _epochs_end_with_data = True
+
+    return KerasFitTrainer
 
 
 def _eager_fallback(model: Any, name: str) -> Callable[..., Any] | None:
@@ -157,6 +168,12 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
 
     trainer = trainer_of(self)
     arrays = data_lib.is_array_tree(x)
+    max_epochs = keras.config.max_epochs()
+    if max_epochs and max_epochs < epochs:
+        warnings.warn(f"Limiting epochs to {max_epochs}", stacklevel=2)  # Keras's debugging cap, its words
+        epochs = max_epochs
+    steps_per_epoch = _capped_steps(steps_per_epoch)
+    validation_steps = _capped_steps(validation_steps)
     if validation_split and validation_data is None:
         if not arrays:
             raise ValueError(f"validation_split={validation_split} needs x as arrays (it holds out the last share of "
@@ -189,6 +206,10 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
         steps = steps_per_epoch or _num_batches(x, batch_size or (None if not arrays else 32))
         callbacks = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                                  verbose=verbose, epochs=epochs, steps=steps, model=self)
+    if steps_per_epoch:
+        # Keras runs whole executions: an epoch's steps_per_epoch rounds up to a multiple of them.
+        per_execution = trainer.steps_per_execution
+        steps_per_epoch = -(-steps_per_epoch // per_execution) * per_execution
     trainer.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=callbacks,
                 validation_data=validation_data, shuffle=shuffle, sample_weight=sample_weight,
                 initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
@@ -215,6 +236,7 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: int | None = 
 
     if not data_lib.is_array_tree(x):
         x = _as_batches(x)
+    steps = _capped_steps(steps)
     hooks_lib.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
@@ -237,6 +259,7 @@ def _predict(self: Any, x: Any, batch_size: int | None = None, verbose: Any = "a
 
     if not data_lib.is_array_tree(x):
         x = _as_batches(x)
+    steps = _capped_steps(steps)
     hooks_lib.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
@@ -272,6 +295,18 @@ def _predict_on_batch(self: Any, x: Any) -> Any:
     if fallback is not None:
         return fallback(x)
     return trainer_of(self).predict(x, batch_size=_rows(x))
+
+
+def _capped_steps(steps: int | None) -> int | None:
+    """``steps`` under ``keras.config.set_max_steps_per_epoch`` (Keras's debugging cap on fit, evaluate
+    and predict), with Keras's warning."""
+    import keras
+
+    cap = keras.config.max_steps_per_epoch()
+    if cap and (not steps or cap < steps):
+        warnings.warn(f"Limiting steps_per_epoch to {cap}", stacklevel=3)
+        return cap
+    return steps
 
 
 class _class_weighted:

@@ -74,7 +74,7 @@ class StepFunctions:
                              "accumulation_steps=1, or drop the train_step override.")
         rep = strategy.replicated
         self.evaluate = jax.jit(self._eval_with_logs, donate_argnums=(1,), out_shardings=rep)
-        self.predict = jax.jit(self._predict_step, out_shardings=strategy.batch_sharding)
+        self.predict = jax.jit(self._predict_step, out_shardings=(strategy.batch_sharding, rep))
         self._donate_args = (0,) if donate else ()
         self._check_labels = True
         self._variants: dict[bool, tuple[Any, Any]] = {}
@@ -234,7 +234,8 @@ class StepFunctions:
         return record
 
     def _predict_step(self, state: dict[str, PyTree], x: PyTree):
-        return self.adapter.predict(state, x)
+        """The outputs, and the model state after them (a random stream moves on, as in Keras)."""
+        return self.adapter.predict_with_state(state, x)
 
     # The step's metric results ride along as device scalars (a few divisions in the same program):
     # batch callbacks get them as logs without another dispatch, and nobody waits for them unless a

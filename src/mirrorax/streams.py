@@ -4,6 +4,10 @@ Array inputs form one endless stream of passes (pass ``k`` shuffled by ``(seed, 
 pass, or ``steps_per_epoch`` batches that continue where the last epoch stopped. Iterable inputs give
 one iteration per epoch (a one-shot iterator continues across epochs, as in Keras). A stream also
 counts the real examples of the batches it handed out, for samples/s.
+
+Keras's ``fit`` (``ends_with_data=True``) reads ``steps_per_epoch`` as an upper bound instead: an epoch
+continues where the last one stopped but ends where the data does (the end of a pass over arrays, the
+end of an iteration), and the next epoch starts a new pass.
 """
 
 from __future__ import annotations
@@ -24,11 +28,25 @@ class Stream:
     per_process = False
     batches_per_pass: int | None = None
 
-    def __init__(self) -> None:
+    def __init__(self, ends_with_data: bool = False) -> None:
         self._reals: list[int] = []
+        self.ends_with_data = ends_with_data
 
     def batches(self, position: int, count: int | None, start: int = 0) -> Iterator[Batch]:
         raise NotImplementedError
+
+    def epoch_span(self, epoch: int, steps_per_epoch: int | None) -> tuple[int, int | None]:
+        """Where epoch ``epoch`` starts in the stream, and how many batches it takes (``None``: a pass).
+
+        A function of the epoch alone, so that a resumed run takes the same batches."""
+        n = self.batches_per_pass
+        if not steps_per_epoch:
+            return (epoch * n if n else 0), None
+        if not self.ends_with_data or not n:
+            return epoch * steps_per_epoch, steps_per_epoch
+        per_pass = -(-n // steps_per_epoch)  # epochs a pass lasts; the last one takes what is left
+        pass_index, j = divmod(epoch, per_pass)
+        return pass_index * n + j * steps_per_epoch, min(steps_per_epoch, n - j * steps_per_epoch)
 
     def last_real(self, k: int) -> int:
         """Real examples in the next ``max(k, 1)`` batches handed out (those a step just consumed)."""
@@ -44,10 +62,10 @@ class ArrayStream(Stream):
     batches_per_pass: int
 
     def __init__(self, source: ArraySource, batch_size: int, strategy: MirroredStrategy,
-                 shuffle: bool, seed: int, with_targets: bool = True) -> None:
+                 shuffle: bool, seed: int, with_targets: bool = True, ends_with_data: bool = False) -> None:
         self.source, self.batch_size, self.strategy = source, batch_size, strategy
         self.shuffle, self.seed, self.with_targets = shuffle, seed, with_targets
-        super().__init__()
+        super().__init__(ends_with_data)
         self.batches_per_pass = source.batches_per_pass(batch_size)
 
     def batches(self, position: int, count: int | None, start: int = 0) -> Iterator[Batch]:
@@ -70,19 +88,23 @@ class IterStream(Stream):
     """Global batches from an :class:`IterableSource`; an epoch is one iteration (or ``count`` batches)."""
 
     def __init__(self, source: IterableSource, batch_size: int, strategy: MirroredStrategy,
-                 with_targets: bool = True) -> None:
+                 with_targets: bool = True, ends_with_data: bool = False) -> None:
         self.source, self.batch_size, self.strategy = source, batch_size, strategy
         self.with_targets = with_targets
         self.per_process = source.per_process
-        super().__init__()
+        super().__init__(ends_with_data)
         self.batches_per_pass = len_or_none(source.iterable)
         self._continuing: Iterator[Batch] | None = None
+        self._seen = 0  # batches taken from _continuing (a sized iterable under Keras's steps_per_epoch)
 
     def batches(self, position: int, count: int | None, start: int = 0) -> Iterator[Batch]:
         """The epoch's batches from batch ``start`` on (a resumed epoch skips what it already trained)."""
         it: Iterator[Batch]
-        if isinstance(self.source.iterable, Iterator):
-            # A one-shot iterator (a generator) continues across epochs, as in Keras.
+        one_shot = isinstance(self.source.iterable, Iterator)
+        # A one-shot iterator (a generator) continues across epochs, as in Keras; so does any iterable
+        # under Keras's steps_per_epoch, until an iteration ends.
+        continuing = one_shot or bool(self.ends_with_data and count)
+        if continuing:
             if self._continuing is None:
                 self._continuing = self.source.batches(self.batch_size, self.strategy,
                                                        with_targets=self.with_targets)
@@ -91,19 +113,35 @@ class IterStream(Stream):
             it = self.source.batches(self.batch_size, self.strategy, with_targets=self.with_targets)
         if start:
             it = itertools.islice(it, start, None)
+        taken = 0
         for i, b in enumerate(it, start=start):
             self._reals.append(int(b.mask.sum()) * max(self.strategy.process_count, 1))
             yield b
+            taken += 1
             if count and i + 1 >= count:
-                return
+                break
+        else:
+            if not one_shot:
+                self._continuing, self._seen = None, 0  # the iteration ended: the next epoch starts anew
+            return
+        if continuing and not one_shot and self.batches_per_pass:
+            self._seen += taken
+            if self._seen >= self.batches_per_pass:  # a sized iterable's pass is done (Keras's rule)
+                self._continuing, self._seen = None, 0
 
 
 def make_stream(source: ArraySource | IterableSource, batch_size: int, strategy: MirroredStrategy, *,
-                shuffle: bool = False, seed: int = 0, with_targets: bool = True) -> Stream:
-    """The stream of ``source``'s global batches of ``batch_size``."""
+                shuffle: bool = False, seed: int = 0, with_targets: bool = True,
+                ends_with_data: bool = False) -> Stream:
+    """The stream of ``source``'s global batches of ``batch_size``.
+
+    ``ends_with_data``: ``steps_per_epoch`` bounds an epoch, which also ends where the data does
+    (Keras's ``fit``); otherwise an epoch of array inputs takes exactly ``steps_per_epoch`` batches,
+    continuing into a new pass."""
     if isinstance(source, ArraySource):
-        return ArrayStream(source, batch_size, strategy, shuffle, seed, with_targets=with_targets)
-    return IterStream(source, batch_size, strategy, with_targets=with_targets)
+        return ArrayStream(source, batch_size, strategy, shuffle, seed, with_targets=with_targets,
+                           ends_with_data=ends_with_data)
+    return IterStream(source, batch_size, strategy, with_targets=with_targets, ends_with_data=ends_with_data)
 
 
 def len_or_none(x: Any) -> int | None:

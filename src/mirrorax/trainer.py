@@ -11,6 +11,7 @@ import itertools
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any, Literal
 
@@ -102,6 +103,10 @@ class Trainer:
       >>> trainer = mx.Trainer(model)
       >>> history = trainer.fit(x, y, batch_size=64, epochs=2, verbose=0)
     """
+
+    # fit's steps_per_epoch: exactly that many batches, array inputs continuing into a new pass (False),
+    # or at most that many, an epoch ending where the data does (True: Keras's fit, see streams.py).
+    _epochs_end_with_data = False
 
     def __init__(self, model: Any, strategy: MirroredStrategy | None = None, *, loss: Any = None,
                  optimizer: Any = None, metrics: Any = None, steps_per_execution: int = 1,
@@ -320,7 +325,8 @@ class Trainer:
           seed: the shuffle seed.
           sample_weight: per-example weights, when ``x`` holds arrays.
           steps_per_epoch: batches per epoch (default: one pass over the data). Array inputs continue
-            where the previous epoch stopped, starting a new shuffled pass when one ends.
+            where the previous epoch stopped, starting a new shuffled pass when one ends. (A Keras
+            model's own ``fit`` under a scope reads it as Keras does: an epoch also ends with a pass.)
           initial_epoch: the epoch to start at (as Keras).
           callbacks: Keras callbacks (or a ``keras.callbacks.CallbackList``), driven as Keras's own
             ``fit`` drives them (every ``on_*`` hook, batch logs, ``model.stop_training``); for a
@@ -376,7 +382,8 @@ class Trainer:
         if isinstance(source, data_lib.ArraySource):  # will it fit? (only where a device's memory is known)
             _plan_module().check_fits(self, source.x, source.y, batch_size)
         history = History()
-        stream = make_stream(source, batch_size, self.strategy, shuffle=shuffle, seed=seed)
+        stream = make_stream(source, batch_size, self.strategy, shuffle=shuffle, seed=seed,
+                             ends_with_data=self._epochs_end_with_data)
         per_epoch = steps_per_epoch or stream.batches_per_pass
         hooks = Callbacks(callbacks, self.model, epochs=epochs, steps=per_epoch, verbose=0 if not mode else mode)
         should_validate = _validation_schedule(validation_freq)
@@ -411,12 +418,15 @@ class Trainer:
             for epoch in range(start_epoch, epochs):
                 hooks.call("on_epoch_begin", epoch)
                 self._state = self._adopt_model_changes(self._live_state)  # e.g. a learning rate a callback set
-                position = epoch * per_epoch if per_epoch else 0
+                position, count = stream.epoch_span(epoch, steps_per_epoch)
                 if inputs is not None and start_batch:
                     inputs.position(start_batch, input_state)
                 logs, progress, steps, samples = self._run_epoch(
-                    stream, position, steps_per_epoch, epoch, epochs, mode, start_batch=start_batch,
+                    stream, position, count, epoch, epochs, mode, start_batch=start_batch,
                     saver=saver, hooks=hooks, watch=watch, positioned=inputs is not None)
+                if self._epochs_end_with_data and steps_per_epoch and start_batch + steps < steps_per_epoch \
+                        and not getattr(self.model, "stop_training", False):
+                    _ran_out_of_data()
                 start_batch = 0
                 self._write_back()  # Keras syncs the model before validation: on_test_begin may read it
                 if val is not None and should_validate(epoch):
@@ -497,7 +507,7 @@ class Trainer:
         state = self._live_state
         self.adapter.release()  # the model's variables let go of the buffers the first step donates
         if not start_batch:
-            state = dict(state, metrics=self._place(self.adapter.initial_metrics(), from_host=False))
+            state = dict(state, metrics=self._place(self.adapter.initial_metrics(state["metrics"]), from_host=False))
         self._state = None  # donated below; restored when the epoch ends or fails
         total = steps_per_epoch or stream.batches_per_pass
         if positioned and start_batch:
@@ -521,7 +531,9 @@ class Trainer:
             upcoming = next(batches, None)
             while upcoming is not None:
                 k, batch = upcoming
-                if listens_begin:
+                # Batch hooks once per execution, as Keras: a short last one (run as single steps) too.
+                spe = self.steps_per_execution
+                if listens_begin and steps % spe == 0:
                     hooks.call("on_train_batch_begin", start_batch + steps)
                 if k:
                     state, aux = self.steps.train_many(state, batch.tree())
@@ -534,12 +546,11 @@ class Trainer:
                 before = steps
                 steps += max(k, 1)
                 samples += stream.last_real(k)
-                if listens_end:
+                if listens_end and (steps % spe == 0 or upcoming is None):
                     self.adapter.expose(state)  # Keras callbacks read it through Callback.model
                     self._state = state  # and this trainer's evaluate / predict / state through it
                     # As Keras: an execution ends at begin + steps_per_execution - 1, a short last one too.
-                    hooks.call("on_train_batch_end", start_batch + before + max(k, self.steps_per_execution) - 1,
-                               aux["logs"])
+                    hooks.call("on_train_batch_end", start_batch + before - before % spe + spe - 1, aux["logs"])
                     state, self._state = self._state, None
                     read = self.adapter.exposure_read()
                     if read or self.strategy.process_count > 1:  # the processes decide together
@@ -663,7 +674,8 @@ class Trainer:
         metrics = self._place(self.adapter.initial_metrics(), from_host=False)
         stream = make_stream(source, batch_size, self.strategy)
         window = InFlight(self.max_in_flight, self.steps.eval_watch())
-        batches = self._device_batches(stream.batches(0, steps), 1, stream.per_process)
+        within = _within_pass(stream, steps, warn=self._epochs_end_with_data)
+        batches = self._device_batches(stream.batches(0, within), 1, stream.per_process)
         begin = hooks is not None and hooks.listens["test_begin"]
         end = hooks is not None and hooks.listens["test_end"]
         if hooks is not None:
@@ -724,6 +736,10 @@ class Trainer:
         spe = self.steps_per_execution  # batch hooks once per execution, as Keras
 
         def collect(item: tuple[Any, Any]) -> None:
+            if hooks is not None and getattr(self.model, "stop_predicting", False):
+                # Dispatched before a callback's stop was seen (the window runs ahead): Keras would not
+                # have run it, so neither its outputs nor its hooks count.
+                return
             y, mask = item
             mask_h = host_value(mask) > 0
             outputs.append(jax.tree.map(lambda a: host_value(a)[mask_h], y))
@@ -731,7 +747,8 @@ class Trainer:
                 hooks.call("on_predict_batch_end", len(outputs) - 1, {"outputs": _joined(outputs[-spe:])})
 
         window = InFlight(self.max_in_flight, collect)
-        batches = self._device_batches(stream.batches(0, steps), 1, stream.per_process)
+        within = _within_pass(stream, steps, warn=self._epochs_end_with_data)
+        batches = self._device_batches(stream.batches(0, within), 1, stream.per_process)
         if hooks is not None:
             self.model.stop_predicting = False  # as Keras: a predict-batch callback may set it to stop early
             hooks.call("on_predict_begin")
@@ -740,7 +757,8 @@ class Trainer:
             for i, (_, batch) in enumerate(batches):
                 if hooks is not None and hooks.listens["predict_begin"] and i % spe == 0:
                     hooks.call("on_predict_batch_begin", i)
-                y = self.steps.predict(self._state, batch.x)
+                y, model_state = self.steps.predict(self._live_state, batch.x)
+                self._state = dict(self._live_state, model_state=model_state)
                 window.push((y, batch.mask))
                 if hooks is not None and getattr(self.model, "stop_predicting", False):
                     break
@@ -751,6 +769,8 @@ class Trainer:
         finally:
             if isinstance(batches, data_lib.Prefetcher):
                 batches.close()
+        if jax.tree.leaves(self._live_state["model_state"]):
+            self._write_back()  # the model's random streams moved on (Keras's predict syncs them back too)
         if hooks is not None:
             hooks.call("on_predict_end")
             self._adopt_callback_changes()
@@ -803,6 +823,24 @@ class Trainer:
 def _joined(outputs: list[Any]) -> Any:
     """Per-batch outputs of one execution as one batch (what Keras's ``on_predict_batch_end`` gets)."""
     return outputs[0] if len(outputs) == 1 else jax.tree.map(lambda *a: np.concatenate(a), *outputs)
+
+
+def _within_pass(stream: Stream, steps: int | None, warn: bool) -> int | None:
+    """evaluate's and predict's ``steps``: a limit within one pass over the data (never a second pass,
+    which would count examples twice), as Keras reads it; ``warn``: with Keras's warning when it cuts."""
+    n = stream.batches_per_pass
+    if not steps or not n:
+        return steps
+    if warn and steps > n:
+        _ran_out_of_data()
+    return min(steps, n)
+
+
+def _ran_out_of_data() -> None:
+    """Keras's warning when an epoch ends before its ``steps_per_epoch`` (the same words)."""
+    warnings.warn("Your input ran out of data; interrupting training. Make sure that your dataset or generator "
+                  "can generate at least `steps_per_epoch * epochs` batches. You may need to use the "
+                  "`.repeat()` function when building your dataset.", stacklevel=3)
 
 
 def _check_positive_int(name: str, value: Any, low: int = 1) -> None:

@@ -72,8 +72,9 @@ class ModelAdapter(abc.ABC):
         """The model's current values (host or device arrays): params, model_state, optimizer, metrics."""
 
     @abc.abstractmethod
-    def initial_metrics(self) -> PyTree:
-        """Metric accumulators at their reset values."""
+    def initial_metrics(self, previous: PyTree | None = None) -> PyTree:
+        """Metric accumulators at their reset values; ``previous``: the accumulators being reset (a
+        metric's own ``reset_state`` may keep some of what they hold)."""
 
     @abc.abstractmethod
     def grads(self, state: dict[str, PyTree], batch: dict[str, PyTree], loss_scale: Any = 1.0
@@ -96,6 +97,11 @@ class ModelAdapter(abc.ABC):
     @abc.abstractmethod
     def predict(self, state: dict[str, PyTree], x: PyTree) -> PyTree:
         """The model's outputs in inference mode (traced, pure)."""
+
+    def predict_with_state(self, state: dict[str, PyTree], x: PyTree) -> tuple[PyTree, PyTree]:
+        """The outputs and the ``model_state`` after the call: a layer's random stream advances in
+        inference mode too (Keras's ``predict`` keeps it). Default: the state unchanged."""
+        return self.predict(state, x), state["model_state"]
 
     @abc.abstractmethod
     def metric_results(self, metrics: PyTree) -> dict[str, float]:

@@ -132,7 +132,7 @@ class _FunctionalAdapter(ModelAdapter):
         return {"params": params, "model_state": jax.tree.map(np.array, self.model.model_state) or {},
                 "optimizer": jax.tree.map(np.asarray, self.opt.init(params)), "metrics": self.initial_metrics()}
 
-    def initial_metrics(self):
+    def initial_metrics(self, previous=None):
         names = ["loss", *self.metric_fns]
         dt = self.float_dtype
         return {n: {"total": np.zeros((), dt), "count": np.zeros((), dt)} for n in names}

@@ -201,9 +201,19 @@ class KerasAdapter(ModelAdapter):
             state["optimizer"] = self.optax.init(state["params"])
         return state
 
-    def initial_metrics(self) -> PyTree:
-        return dict(self._pack("metrics", [a.copy() for a in self._metrics_init]),
-                    **{k: np.asarray(v) for k, v in self._extras.items()})
+    def initial_metrics(self, previous: PyTree | None = None) -> PyTree:
+        values = [a.copy() for a in self._metrics_init]
+        if previous is not None and any(_resets_itself(m) for m in _all_metrics(self.model.metrics)):
+            # A metric with its own reset_state (one that keeps counting across epochs): Keras resets
+            # the variables in place, so the reset starts from the values they hold.
+            from mirrorax.step import host_value
+
+            refs = self.model.metrics_variables
+            for v, a in zip(refs, self._unpack("metrics", previous)):
+                v.assign(np.asarray(host_value(a)))
+            self.model.reset_metrics()
+            values = [np.asarray(v.value) for v in refs]
+        return dict(self._pack("metrics", values), **{k: np.asarray(v) for k, v in self._extras.items()})
 
     # -- the pure functions ----------------------------------------------------------------------
     def _loss_and_updates(self, params, model_state, metrics, opt_vars, batch, training):
@@ -277,13 +287,18 @@ class KerasAdapter(ModelAdapter):
         return self._update_metrics(new_metrics, loss, batch, y_pred)
 
     def predict(self, state, x):
+        return self.predict_with_state(state, x)[0]
+
+    def predict_with_state(self, state, x):
         if self.custom["predict_step"]:
             return keras_custom.call_predict_step(self.model, self._unpack("params", state["params"]),
-                                                  self._unpack("model_state", state["model_state"]), x)
+                                                  self._unpack("model_state", state["model_state"]), x), \
+                state["model_state"]
         kwargs = {"training": False} if self.model._call_has_training_arg else {}
-        y_pred, _ = self.model.stateless_call(self._unpack("params", state["params"]),
-                                              self._unpack("model_state", state["model_state"]), x, **kwargs)
-        return y_pred
+        y_pred, model_state = self.model.stateless_call(self._unpack("params", state["params"]),
+                                                        self._unpack("model_state", state["model_state"]), x,
+                                                        **kwargs)
+        return y_pred, self._pack("model_state", model_state)
 
     def check_inputs(self, x):
         try:
@@ -496,6 +511,25 @@ def _set_mixed_precision(model: Any, kind: str, keras: Any, *, optax: bool) -> N
             model.optimizer = keras.optimizers.LossScaleOptimizer(model.optimizer)
 
 
+def _all_metrics(metrics: Sequence[Any]) -> Iterator[Any]:
+    """``model.metrics`` and the metrics inside them (a CompileMetrics' lists)."""
+    for m in metrics:
+        if m is None:
+            continue
+        yield m
+        inner = [*getattr(m, "_flat_metrics", []), *getattr(m, "_flat_weighted_metrics", [])]
+        if type(m).__name__ == "MetricsList":
+            inner += list(m.metrics)
+        yield from _all_metrics(inner)
+
+
+def _resets_itself(metric: Any) -> bool:
+    """Whether ``metric``'s ``reset_state`` is its own (not Keras's, which zeroes the variables)."""
+    owner = next((c for c in type(metric).__mro__ if "reset_state" in c.__dict__), None)
+    return owner is not None and not owner.__module__.startswith(("keras.src.metrics.",
+                                                                   "keras.src.trainers.compile_utils"))
+
+
 def _update_compile_metrics(cm: Any, y: Any, y_pred: Any, mask: Any, weights: Any) -> None:
     """``CompileMetrics.update_state``, with padding masked out of the *unweighted* metrics too.
 
@@ -508,12 +542,30 @@ def _update_compile_metrics(cm: Any, y: Any, y_pred: Any, mask: Any, weights: An
     if not cm.built:
         cm.build(y, y_pred)
     ys, ps = cm._flatten_y(y), cm._flatten_y(y_pred)
-    for m, y_t, y_p in zip(cm._flat_metrics, ys, ps):
-        if m:
-            m.update_state(y_t, y_p, sample_weight=mask)
-    for m, y_t, y_p in zip(cm._flat_weighted_metrics, ys, ps):
-        if m:
-            m.update_state(y_t, y_p, sample_weight=weights)
+    for flat, w in ((cm._flat_metrics, mask), (cm._flat_weighted_metrics, weights)):
+        for m, y_t, y_p in zip(flat, ys, ps):
+            if not m:
+                continue
+            # An output's metrics come as one MetricsList: each metric is fed on its own (see below).
+            for metric in m.metrics if type(m).__name__ == "MetricsList" else [m]:
+                metric.update_state(y_t, y_p, sample_weight=w if _per_example(metric, y_t, y_p) else None)
+
+
+def _per_example(metric: Any, y_t: Any, y_p: Any) -> bool:
+    """Whether ``metric``'s function gives a value per example, which weights (and the padding mask) can
+    weigh. A function that returns one number per batch (``lambda y, p: 0.0``) takes none: Keras counts
+    it once per batch, and so does the global batch here (whose padding rows, in a short last batch, such
+    a function sees: no mask reaches inside it)."""
+    fn = getattr(metric, "_fn", None)
+    if fn is None:
+        return True
+    kwargs = getattr(metric, "_fn_kwargs", None) or {}
+    try:
+        out = jax.eval_shape(lambda a, b: fn(a, b, **kwargs), *(jax.ShapeDtypeStruct(v.shape, v.dtype)
+                                                               for v in (y_t, y_p)))
+    except Exception:  # the call below meets the same error and reports it
+        return True
+    return all(len(o.shape) > 0 for o in jax.tree.leaves(out))
 
 
 def _compiled_metric_args(model: Any) -> Any:
