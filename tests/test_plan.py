@@ -1,6 +1,7 @@
 """``mx.plan``: the step's per-device cost, known before step 1 from compile-only programs."""
 
 import importlib
+import io
 
 import jax
 import keras
@@ -72,3 +73,57 @@ def test_parse_bytes():
     assert plan_module.parse_bytes("512MiB") == 512 * 2**20
     with pytest.raises(ValueError, match="24GB"):
         plan_module.parse_bytes("lots")
+
+
+class _Compiles:
+    """Counts XLA compilations (JAX's backend-compile events) while active."""
+
+    def __init__(self):
+        self.count = 0
+
+    def _listen(self, event, duration, **kwargs):
+        if event.endswith("backend_compile_duration"):
+            self.count += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+@pytest.mark.parametrize("shard", [None, "all"])
+def test_fit_prints_the_plans_line_with_verbose_and_compiles_the_step_once(shard):
+    x, y = _data(128)
+    s = mx.MirroredStrategy(devices=jax.devices()[:4], shard=shard)
+    expected = mx.plan(_model(), x, y, batch_size=32, strategy=s, search=False).summary()
+    mx.Trainer(_model(), s).fit(x, y, batch_size=32, epochs=1, verbose=0)  # JAX's own one-time programs
+    outputs, compiles = {}, {}
+    for verbose in (0, 1, 2):
+        trainer = mx.Trainer(_model(), s)
+        trainer.stream = io.StringIO()
+        with _Compiles() as counted:
+            trainer.fit(x, y, batch_size=32, epochs=2, verbose=verbose)
+        outputs[verbose], compiles[verbose] = trainer.stream.getvalue(), counted.count
+        assert trainer.compile_counts()["train"] == 1
+    assert "plan:" not in outputs[0]
+    for verbose in (1, 2):
+        assert outputs[verbose].splitlines()[0] == expected  # the numbers are mx.plan's
+        assert outputs[verbose].count("plan:") == 1
+    # The plan's compile is the program step 1 runs: no compilation more than without the line.
+    assert compiles[1] == compiles[2] == compiles[0], compiles
+
+
+def test_model_fit_under_a_scope_prints_the_plans_line_unless_silent(capsys):
+    x, y = _data(64)
+    s = mx.MirroredStrategy(devices=jax.devices()[:2], shard="optimizer")
+    expected = mx.plan(_model(), x, y, batch_size=16, strategy=s, search=False).summary()
+    for verbose in (0, 1, 2):
+        with s.scope():
+            model = _model()
+        capsys.readouterr()
+        model.fit(x, y, batch_size=16, epochs=1, verbose=verbose)
+        out = capsys.readouterr().out
+        assert (expected in out.splitlines()) == (verbose != 0), out
+        assert out.count("plan:") == (verbose != 0)

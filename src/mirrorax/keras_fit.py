@@ -189,10 +189,14 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
         steps = steps_per_epoch or _num_batches(x, batch_size or (None if not arrays else 32))
         callbacks = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                                  verbose=verbose, epochs=epochs, steps=steps, model=self)
-    trainer.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=callbacks,
-                validation_data=validation_data, shuffle=shuffle, sample_weight=sample_weight,
-                initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-                validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+    trainer._plan_line = verbose != 0
+    try:
+        trainer.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=callbacks,
+                    validation_data=validation_data, shuffle=shuffle, sample_weight=sample_weight,
+                    initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+                    validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+    finally:
+        trainer._plan_line = None
     return self.history
 
 
