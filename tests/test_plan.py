@@ -2,6 +2,10 @@
 
 import importlib
 import io
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import keras
@@ -27,7 +31,7 @@ def _data(n=64):
     return x, np.arange(n) % 10
 
 
-@pytest.mark.parametrize("shard", [None, "all"])
+@pytest.mark.parametrize("shard", [None, "optimizer", "all"])
 def test_planned_state_bytes_equal_what_fit_holds(shard):
     x, y = _data()
     s = mx.MirroredStrategy(devices=jax.devices()[:4], shard=shard)
@@ -127,3 +131,32 @@ def test_model_fit_under_a_scope_prints_the_plans_line_unless_silent(capsys):
         out = capsys.readouterr().out
         assert (expected in out.splitlines()) == (verbose != 0), out
         assert out.count("plan:") == (verbose != 0)
+
+
+_MEMORY_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "plan_memory.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shard", [
+    "none",
+    pytest.param("optimizer", marks=pytest.mark.xfail(reason=(
+        "the model's variables are lent the state gathered onto every device (models/keras.py "
+        "_local_replica): a whole copy of the parameters and optimizer state per device, which the plan "
+        "does not count"), strict=False)),
+    pytest.param("all", marks=pytest.mark.xfail(reason="as for 'optimizer'", strict=False)),
+])
+def test_planned_peak_is_within_20_percent_of_the_process_growth(shard):
+    """On CPU the 4 simulated devices share one process: fit grows it by 4 x the plan's per-device peak,
+    less the model's own copy of the weights that fit takes over (tests/scripts/plan_memory.py)."""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    proc = subprocess.run([sys.executable, _MEMORY_SCRIPT, shard, "4"], capture_output=True, text=True,
+                          timeout=280, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["planned"] == r["held"]  # state bytes on device 0: predicted == measured
+    assert r["compiles"] == 1
+    predicted = r["devices"] * r["peak_bytes"] - r["model_copy"]
+    assert predicted > 200 * 2**20  # the state dominates the process's own noise
+    assert abs(r["growth"] - predicted) <= 0.2 * predicted, (r["growth"] / 2**20, predicted / 2**20, r)
