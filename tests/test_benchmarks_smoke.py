@@ -59,3 +59,24 @@ def test_mirrorax_entry_points_run_as_systems(tmp_path):
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert {(r["system"], r["status"]) for r in rows} == {("keras_scope", "ok"), ("guide_api", "ok")}, rows
     assert all(r["median"] > 0 for r in rows)
+
+
+@pytest.mark.multi_device
+def test_sharding_modes_run_as_systems_with_their_memory(tmp_path):
+    """shard='optimizer' and 'all' are systems beside replication; each run records device 0's memory."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--workloads", "mlp", "--devices", "2",
+           "--systems", "mirrorax,mirrorax_optimizer,mirrorax_all", "--steps", "4", "--warmup", "1", "--repeats",
+           "1", "--rounds", "1", "--idle-wait", "0", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["system"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert set(rows) == {"mirrorax", "mirrorax_optimizer", "mirrorax_all"}
+    for name, r in rows.items():
+        assert r["status"] == "ok", (name, r.get("note"))
+        assert r["state_bytes_per_device"] == r["planned_state_bytes"] > 0  # measured == planned
+        assert r["temp_bytes_per_device"] > 0 and r["flops_per_step"] > 0
+    state = {k: rows[k]["state_bytes_per_device"] for k in rows}
+    assert state["mirrorax_all"] < state["mirrorax_optimizer"] < state["mirrorax"]
+    table = (out / "results.md").read_text()
+    assert "## Sharding modes: one device's memory" in table and "| mlp | 2 | all |" in table
