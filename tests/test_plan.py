@@ -119,6 +119,15 @@ def test_fit_prints_the_plans_line_with_verbose_and_compiles_the_step_once(shard
     assert compiles[1] == compiles[2] == compiles[0], compiles
 
 
+def test_a_model_made_under_a_scope_is_planned_on_its_strategy():
+    x, y = _data(16)
+    s = mx.MirroredStrategy(devices=jax.devices()[:2], shard="all")
+    with s.scope():
+        model = _model()
+    p = mx.plan(model, x, y, batch_size=16, search=False)  # outside the scope
+    assert (p.shard, p.num_devices) == ("all", 2)
+
+
 def test_model_fit_under_a_scope_prints_the_plans_line_unless_silent(capsys):
     x, y = _data(64)
     s = mx.MirroredStrategy(devices=jax.devices()[:2], shard="optimizer")

@@ -163,7 +163,8 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
       batch_size: the global batch to plan for.
       device_memory: memory per device (bytes or ``"24GB"``); default: the device's own limit where JAX
         knows it (GPUs, TPUs), else unknown (no search).
-      strategy: the strategy (default: the trainer's, or the enclosing scope's).
+      strategy: the strategy (default: the trainer's; else the one whose scope the model was made under;
+        else the enclosing scope's, else every device).
       search: with a known ``device_memory``, find the largest global batch that fits in each mode.
 
     Returns:
@@ -176,8 +177,11 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
     from mirrorax.strategy import get_strategy
     from mirrorax.trainer import Trainer
 
+    from mirrorax.keras_fit import strategy_of
+
     trainer = model_or_trainer if isinstance(model_or_trainer, Trainer) else None
-    base = strategy or (trainer.strategy if trainer is not None else get_strategy())
+    # A Keras model made under a strategy's scope is planned on that strategy, as its fit runs.
+    base = strategy or (trainer.strategy if trainer is not None else strategy_of(model_or_trainer) or get_strategy())
     if trainer is None or trainer.strategy is not base:
         trainer = Trainer(trainer.model if trainer is not None else model_or_trainer, base)
     memory = parse_bytes(device_memory) if device_memory is not None else _device_memory(base.devices)
