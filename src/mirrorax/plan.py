@@ -174,10 +174,9 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
       >>> print(mx.plan(model, x_train[:1], y_train[:1], batch_size=256, device_memory="24GB"))
     """
     from mirrorax import data as data_lib
+    from mirrorax.keras_fit import strategy_of
     from mirrorax.strategy import get_strategy
     from mirrorax.trainer import Trainer
-
-    from mirrorax.keras_fit import strategy_of
 
     trainer = model_or_trainer if isinstance(model_or_trainer, Trainer) else None
     # A Keras model made under a strategy's scope is planned on that strategy, as its fit runs.
@@ -189,9 +188,10 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
     sample = trainer._sample(source, 1)
     result = _plan_one(trainer, sample, batch_size, memory)
     if memory is not None and search:
-        result.largest_batch = {mode: _largest(lambda b, t=_in_mode(trainer, mode): _plan_one(t, sample, b).peak_bytes,
-                                               memory, base.num_replicas_in_sync, batch_size)
-                                for mode in MODES}
+        for mode in MODES:
+            planner = _in_mode(trainer, mode)
+            result.largest_batch[mode] = _largest(lambda b, t=planner: _plan_one(t, sample, b).peak_bytes, memory,
+                                                  base.num_replicas_in_sync, batch_size)
     return result
 
 
