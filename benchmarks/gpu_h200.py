@@ -1,16 +1,22 @@
-"""Workload (c) in bfloat16 on one GPU (an H200): samples/s and MFU for mirrorax and the hand-written JAX loop.
+"""Workload (c) in bfloat16 on the GPU (an H200): samples/s, MFU and one device's memory for mirrorax's three
+sharding modes (``shard=None``, ``"optimizer"``, ``"all"``) and the hand-written JAX loop.
 
 Run on a machine with the GPU and a CUDA build of JAX (``pip install -U "jax[cuda12]"``), from the
 repository root::
 
     python benchmarks/gpu_h200.py                 # about 2-4 minutes
-    python benchmarks/gpu_h200.py --cpu-smoke     # the same path on CPU, tiny sizes (checks the script)
+    python benchmarks/gpu_h200.py --cpu-smoke     # the same path on CPU, tiny sizes, 2 simulated devices
+                                                  # (checks the script; --dry is the same)
 
 Each system runs in a process of its own (``benchmarks.peers.<system> --workload transformer --devices 1
 --bf16``), one after the other, each doing a warm-up and ``--repeats`` timed runs. MFU is model FLOPs
 utilisation: achieved training FLOP/s over the GPU's dense bf16 peak, with the FLOPs per sequence from
 :func:`benchmarks.workloads.flops_per_sample` (``6 * params * tokens`` plus the attention products) and
-the H200's dense (no sparsity) bf16 peak, 989 TFLOP/s (``--peak-tflops`` for another GPU).
+the H200's dense (no sparsity) bf16 peak, 989 TFLOP/s (``--peak-tflops`` for another GPU). Beside it,
+``XLA MFU``: the compiled step's own FLOPs per device (``cost_analysis``, as ``mx.plan`` reports them) over
+the step time and the peak. One device's memory for each mirrorax mode: the state held (measured), the
+step's peak as planned (``memory_analysis``) and, on a GPU, the allocator's peak (``memory_stats``). With
+one GPU the three modes hold the same (nothing to split over); ``--devices`` uses more where there are.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from benchmarks import workloads  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H200_BF16_DENSE_TFLOPS = 989.0
-SYSTEMS = {"mirrorax": "benchmarks.peers.mirrorax_trainer", "jax": "benchmarks.peers.jax_loop"}
+SYSTEMS = {"mirrorax": "benchmarks.peers.mirrorax_trainer", "mirrorax_optimizer": "benchmarks.peers.mirrorax_optimizer",
+           "mirrorax_all": "benchmarks.peers.mirrorax_all", "jax": "benchmarks.peers.jax_loop"}
 
 
 def measure(system: str, args: argparse.Namespace, timeout: float) -> dict:
@@ -39,10 +46,11 @@ def measure(system: str, args: argparse.Namespace, timeout: float) -> dict:
         env["JAX_PLATFORMS"] = "cpu"
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", SYSTEMS[system], "--workload", "transformer", "--devices", "1", "--bf16",
+        cmd = [sys.executable, "-m", SYSTEMS[system], "--workload", "transformer", "--devices", str(args.devices),
+               "--bf16",
                "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--repeats", str(args.repeats), "--json-out", out]
-        if system == "mirrorax" and args.steps_per_execution > 1:
+        if system.startswith("mirrorax") and args.steps_per_execution > 1:
             cmd += ["--steps-per-execution", str(args.steps_per_execution)]
         try:
             proc = subprocess.run(cmd, cwd=REPO, env=env, timeout=timeout, capture_output=True, text=True)
@@ -56,7 +64,8 @@ def measure(system: str, args: argparse.Namespace, timeout: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Measures both systems and prints samples/s, tokens/s, TFLOP/s and MFU; returns 0 if both ran."""
+    """Measures every system and prints samples/s, tokens/s, TFLOP/s, MFU and one device's memory; returns 0
+    if all ran."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=256, help="sequences per step (default 256)")
     p.add_argument("--steps", type=int, default=100, help="timed steps per timed run (default 100)")
@@ -66,43 +75,64 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS,
                    help="the GPU's dense bf16 peak in TFLOP/s (H200 SXM: 989)")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per system (default 420)")
-    p.add_argument("--cpu-smoke", action="store_true", help="run on CPU with tiny sizes (checks the script)")
+    p.add_argument("--devices", type=int, default=1, help="devices to train on (default 1; 2 with --cpu-smoke)")
+    p.add_argument("--cpu-smoke", "--dry", action="store_true",
+                   help="run on CPU with tiny sizes and 2 simulated devices (checks the script)")
     p.add_argument("--json-out", default=None, help="also write the results here")
     args = p.parse_args(argv)
     if args.cpu_smoke:
-        args.batch, args.steps, args.warmup, args.repeats = 2, 2, 1, 1
+        args.batch, args.steps, args.warmup, args.repeats = 4, 2, 1, 1
+        args.devices = max(args.devices, 2)
 
     wl = workloads.get("transformer")
     rows = []
     for system in SYSTEMS:
-        r = measure(system, args, args.timeout)
+        r = dict(measure(system, args, args.timeout), name=system)
         if r.get("status") == "ok":
             sps = sorted(r["samples_per_s"])[len(r["samples_per_s"]) // 2]
+            # Model FLOPs: the whole batch's, over all devices' peak.
             flops = workloads.flops_per_sample(wl, r["num_params"]) * sps
             r.update(median_samples_per_s=sps, tokens_per_s=sps * wl.seq_len, tflops=flops / 1e12,
-                     mfu=flops / (args.peak_tflops * 1e12))
+                     mfu=flops / (args.peak_tflops * 1e12 * args.devices))
+            if r.get("flops_per_step"):  # the compiled step's own count, one device's share
+                r["xla_mfu"] = r["flops_per_step"] * sps / args.batch / (args.peak_tflops * 1e12)
         rows.append(r)
 
     kind = next((r.get("device_kind") for r in rows if r.get("device_kind")), "?")
-    print(f"{wl.title}, bf16, global batch {args.batch}, on one device: {kind}"
+    print(f"{wl.title}, bf16, global batch {args.batch}, on {args.devices} device(s): {kind}"
           f"{' (CPU smoke run: MFU against the GPU peak is meaningless here)' if args.cpu_smoke else ''}")
     if not args.cpu_smoke and "H200" not in str(kind):
         print(f"note: the device is not an H200; MFU uses --peak-tflops {args.peak_tflops}")
-    print(f"{'system':10s} {'samples/s':>12s} {'tokens/s':>12s} {'TFLOP/s':>9s} {'MFU':>7s}  peak RSS MiB  status")
+    mib = 2.0 ** 20
+
+    def mem(r: dict, key: str) -> str:
+        return f"{r[key] / mib:,.1f}" if r.get(key) is not None else "-"
+
+    print(f"{'system':19s} {'samples/s':>10s} {'tokens/s':>11s} {'TFLOP/s':>8s} {'MFU':>7s} {'XLA MFU':>7s}  "
+          f"{'state MiB/dev':>13s} {'step peak MiB':>13s} {'alloc peak MiB':>14s}  status")
     for r in rows:
         if r.get("status") == "ok":
-            print(f"{r['system']:10s} {r['median_samples_per_s']:12,.1f} {r['tokens_per_s']:12,.0f} "
-                  f"{r['tflops']:9.2f} {r['mfu']:7.2%}  {r['peak_rss_mb']:12,.0f}  ok")
+            xla = f"{r['xla_mfu']:7.2%}" if r.get("xla_mfu") is not None else f"{'-':>7s}"
+            print(f"{r['name']:19s} {r['median_samples_per_s']:10,.1f} {r['tokens_per_s']:11,.0f} "
+                  f"{r['tflops']:8.2f} {r['mfu']:7.2%} {xla}  {mem(r, 'state_bytes_per_device'):>13s} "
+                  f"{mem(r, 'peak_bytes_per_device'):>13s} {mem(r, 'device_peak_bytes'):>14s}  ok")
         else:
-            print(f"{r['system']:10s} {'-':>12s} {'-':>12s} {'-':>9s} {'-':>7s}  {'-':>12s}  "
-                  f"{r.get('status')}: {r.get('note', '')}")
-    ok = [r for r in rows if r.get("status") == "ok"]
-    if len(ok) == 2:
-        print(f"mirrorax / hand-written JAX: {ok[0]['median_samples_per_s'] / ok[1]['median_samples_per_s']:.3f}")
+            print(f"{r['name']:19s} {'-':>10s} {'-':>11s} {'-':>8s} {'-':>7s} {'-':>7s}  {'-':>13s} {'-':>13s} "
+                  f"{'-':>14s}  {r.get('status')}: {r.get('note', '')}")
+    ok = {r["name"]: r for r in rows if r.get("status") == "ok"}
+    if "mirrorax" in ok and "jax" in ok:
+        ratio = ok["mirrorax"]["median_samples_per_s"] / ok["jax"]["median_samples_per_s"]
+        print(f"mirrorax / hand-written JAX: {ratio:.3f}")
+    for mode in ("mirrorax_optimizer", "mirrorax_all"):
+        if mode in ok and "mirrorax" in ok:
+            speed = ok[mode]["median_samples_per_s"] / ok["mirrorax"]["median_samples_per_s"]
+            state = ok[mode]["state_bytes_per_device"] / ok["mirrorax"]["state_bytes_per_device"]
+            print(f"{mode} / replicated: speed {speed:.3f}, state per device {state:.3f}")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"peak_tflops": args.peak_tflops, "batch": args.batch, "rows": rows}, f, indent=1)
-    return 0 if len(ok) == 2 else 1
+            json.dump({"peak_tflops": args.peak_tflops, "batch": args.batch, "devices": args.devices, "rows": rows},
+                      f, indent=1)
+    return 0 if len(ok) == len(SYSTEMS) else 1
 
 
 if __name__ == "__main__":

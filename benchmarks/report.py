@@ -12,7 +12,7 @@ import numpy as np
 
 from benchmarks import workloads
 
-__all__ = ["summarize", "markdown", "write", "plot"]
+__all__ = ["summarize", "markdown", "memory_table", "write", "plot"]
 
 TARGETS_TEXT = "speed ratios are mirrorax's median samples/s divided by the system's, from the same run"
 
@@ -38,7 +38,15 @@ def _agg(runs: list[dict[str, Any]]) -> dict[str, Any]:
                                                       r.get("note", "")]
     row["note"] = notes[0] if notes else ""
     row["num_params"] = next((r["num_params"] for r in ok if r.get("num_params")), None)
+    for key in _MEMORY_KEYS:  # the same in every run of a cell: the first one's
+        row[key] = next((r[key] for r in ok if r.get(key) is not None), None)
     return row
+
+
+# What mirrorax's runs record of one device (benchmarks/peers/mirrorax_trainer.py).
+_MEMORY_KEYS = ("state_bytes_per_device", "planned_state_bytes", "temp_bytes_per_device", "peak_bytes_per_device",
+                "flops_per_step", "collective_bytes_per_step")
+_MODES = ("mirrorax", "mirrorax_optimizer", "mirrorax_all")
 
 
 def summarize(runs: list[dict[str, Any]], args: Any, skipped: dict[str, str],
@@ -107,6 +115,23 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         result="pass" if ok else "FAIL", why=""))
 
     for r in rows:
+        if r["system"] not in _MODES[1:]:
+            continue
+        w, n, base = r["workload"], r["devices"], _find(rows, r["workload"], r["devices"], "mirrorax")
+        if base is None:
+            continue
+        if r["system"] == "mirrorax_optimizer" and r.get("median") and base.get("median"):
+            value = r["median"] / base["median"]
+            out.append(dict(target="shard='optimizer' >= 0.97x replicated speed", workload=w, devices=n,
+                            value=value, bound=0.97, result="pass" if value >= 0.97 else "FAIL", why=""))
+        if n == 8 and w == "transformer" and r.get("state_bytes_per_device") and base.get("state_bytes_per_device"):
+            # "all": the whole state; "optimizer": the optimizer's share (its parameters stay whole).
+            value = r["state_bytes_per_device"] / base["state_bytes_per_device"]
+            bound = 1.1 / 8 if r["system"] == "mirrorax_all" else None
+            if bound is not None:
+                out.append(dict(target="shard='all' state per device <= replicated/8 x 1.1", workload=w, devices=n,
+                                value=value, bound=bound, result="pass" if value <= bound else "FAIL", why=""))
+    for r in rows:
         if r["system"] != "mirrorax":
             continue
         w, n = r["workload"], r["devices"]
@@ -120,6 +145,31 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _fmt(v: float | None, spec: str = ",.0f") -> str:
     return "-" if v is None else format(v, spec)
+
+
+def memory_table(rows: list[dict[str, Any]]) -> list[str]:
+    """mirrorax's three sharding modes side by side: one device's memory, and the speed against replication."""
+    mine = [r for r in rows if r["system"] in _MODES and r.get("state_bytes_per_device") is not None]
+    if not mine:
+        return []
+    lines = ["", "## Sharding modes: one device's memory", "",
+             "State: parameters + optimizer state + non-trainable state held on device 0 (measured; equal to "
+             "`mx.plan`'s). Temporaries and peak: the compiled train step's `memory_analysis()` per device "
+             "(peak = arguments + outputs - donated + temporaries). Speed: samples/s over the replicated run's.", "",
+             "| workload | devices | shard | state MiB | ÷ replicated | step temporaries MiB | step peak MiB | "
+             "GFLOP/step/device | speed ÷ replicated |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    mib = 2.0 ** 20
+    for r in mine:
+        base = _find(rows, r["workload"], r["devices"], "mirrorax")
+        state_ratio = (r["state_bytes_per_device"] / base["state_bytes_per_device"]
+                       if base and base.get("state_bytes_per_device") else None)
+        speed = r["median"] / base["median"] if base and base.get("median") and r.get("median") else None
+        shard = {"mirrorax": "none", "mirrorax_optimizer": "optimizer", "mirrorax_all": "all"}[r["system"]]
+        lines.append(f"| {r['workload']} | {r['devices']} | {shard} | {r['state_bytes_per_device'] / mib:,.2f} | "
+                     f"{_fmt(state_ratio, '.3f')} | {_fmt((r.get('temp_bytes_per_device') or 0) / mib, ',.2f')} | "
+                     f"{_fmt((r.get('peak_bytes_per_device') or 0) / mib, ',.2f')} | "
+                     f"{_fmt((r.get('flops_per_step') or 0) / 1e9, ',.3f')} | {_fmt(speed, '.3f')} |")
+    return lines
 
 
 def markdown(summary: dict[str, Any]) -> str:
@@ -154,6 +204,7 @@ def markdown(summary: dict[str, Any]) -> str:
         lines.append(f"| {r['workload']} | {r['devices']} | {r['label']} | {_fmt(r.get('median'))} | {spread} | "
                      f"{iqr} | {_fmt(r.get('speedup'), '.2f')} | {_fmt(r.get('peak_rss_mb'))} | "
                      f"{status.replace('|', '/')} |")
+    lines += memory_table(summary["rows"])
     lines += ["", "## Targets", "", f"From the issue; {TARGETS_TEXT}.", "",
               "| target | workload | devices | measured | result |", "|---|---|---:|---:|---|"]
     for t in summary["targets"]:

@@ -63,6 +63,10 @@ class System:
 SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("mirrorax", "benchmarks.peers.mirrorax_trainer", "mirrorax Trainer.fit", "mirrorax",
            "pip install -e ."),
+    System("mirrorax_optimizer", "benchmarks.peers.mirrorax_optimizer", "mirrorax Trainer.fit, shard='optimizer'",
+           "mirrorax", "pip install -e ."),
+    System("mirrorax_all", "benchmarks.peers.mirrorax_all", "mirrorax Trainer.fit, shard='all'", "mirrorax",
+           "pip install -e ."),
     System("keras_scope", "benchmarks.peers.keras_scope", "mirrorax: model.fit under strategy.scope()", "mirrorax",
            "pip install -e ."),
     System("guide_api", "benchmarks.peers.guide_api", "mirrorax: keras.io guide loop on strategy.jit", "mirrorax",
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                "--batch", str(batch), "--json-out", json_path]
         if args.bf16:
             cmd.append("--bf16")
-        if s == "mirrorax" and args.steps_per_execution > 1:
+        if s.startswith("mirrorax") and args.steps_per_execution > 1:
             cmd += ["--steps-per-execution", str(args.steps_per_execution)]
         # A host that stayed busy through a whole wait is likely to stay busy: stop waiting long until
         # it has been seen idle again (the `other_load` of each run still records the contention).

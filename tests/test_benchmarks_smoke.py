@@ -59,3 +59,40 @@ def test_mirrorax_entry_points_run_as_systems(tmp_path):
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert {(r["system"], r["status"]) for r in rows} == {("keras_scope", "ok"), ("guide_api", "ok")}, rows
     assert all(r["median"] > 0 for r in rows)
+
+
+@pytest.mark.multi_device
+def test_sharding_modes_run_as_systems_with_their_memory(tmp_path):
+    """shard='optimizer' and 'all' are systems beside replication; each run records device 0's memory."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--workloads", "mlp", "--devices", "2",
+           "--systems", "mirrorax,mirrorax_optimizer,mirrorax_all", "--steps", "4", "--warmup", "1", "--repeats",
+           "1", "--rounds", "1", "--idle-wait", "0", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["system"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert set(rows) == {"mirrorax", "mirrorax_optimizer", "mirrorax_all"}
+    for name, r in rows.items():
+        assert r["status"] == "ok", (name, r.get("note"))
+        assert r["state_bytes_per_device"] == r["planned_state_bytes"] > 0  # measured == planned
+        assert r["temp_bytes_per_device"] > 0 and r["flops_per_step"] > 0
+    state = {k: rows[k]["state_bytes_per_device"] for k in rows}
+    assert state["mirrorax_all"] < state["mirrorax_optimizer"] < state["mirrorax"]
+    table = (out / "results.md").read_text()
+    assert "## Sharding modes: one device's memory" in table and "| mlp | 2 | all |" in table
+
+
+@pytest.mark.multi_device
+def test_gpu_script_dry_run_on_cpu(tmp_path):
+    """benchmarks/gpu_h200.py --dry: the GPU script's whole path on 2 CPU devices, tiny sizes."""
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_h200.py", "--dry", "--json-out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"mirrorax", "mirrorax_optimizer", "mirrorax_all", "jax"}
+    assert all(r["status"] == "ok" and r["mfu"] > 0 for r in rows.values()), rows
+    for mode in ("mirrorax", "mirrorax_optimizer", "mirrorax_all"):
+        assert rows[mode]["xla_mfu"] > 0 and rows[mode]["peak_bytes_per_device"] > 0
+    assert rows["mirrorax_all"]["state_bytes_per_device"] < rows["mirrorax"]["state_bytes_per_device"]
+    assert "XLA MFU" in proc.stdout and "mirrorax_all / replicated" in proc.stdout

@@ -39,7 +39,11 @@ def test_progress_modes():
     ]:
         t.stream = io.StringIO()
         t.fit(x, y, batch_size=32, epochs=2, verbose=verbose)
-        assert check(t.stream.getvalue()), repr(t.stream.getvalue())
+        out = t.stream.getvalue()
+        if verbose:  # the plan's line comes first (tests/test_plan.py checks it)
+            plan_line, _, out = out.partition("\n")
+            assert plan_line.startswith("plan: 4 devices"), plan_line
+        assert check(out), repr(out)
 
 
 def test_steps_per_execution_gives_the_same_weights():

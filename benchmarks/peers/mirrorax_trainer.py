@@ -6,6 +6,11 @@ metrics; ``Trainer(model).fit(x, y, ...)`` runs once with ``--warmup`` steps (co
 not compile again (checked with ``Trainer.compile_counts`` where the engine has it). Each call's time
 ends when it returns and the state is ready.
 
+With ``shard`` (the ``mirrorax_optimizer`` and ``mirrorax_all`` systems) the strategy shards the
+optimizer state, or the parameters too. Every run also records what one device holds: the state's
+bytes (measured on device 0) and the compiled step's temporaries, peak and FLOPs (``mx.plan`` of the
+trainer's own step, taken from JAX's compilation cache: no compile more).
+
 Run: ``python -m benchmarks.peers.mirrorax_trainer --workload mlp --devices 2``.
 """
 
@@ -18,8 +23,8 @@ from typing import Any
 from benchmarks.peers import _common
 
 
-def run(args: Any) -> None:
-    """Builds, warms up and times ``Trainer.fit``; writes the result."""
+def run(args: Any, shard: str | None = None) -> None:
+    """Builds, warms up and times ``Trainer.fit`` (``shard``: the strategy's mode); writes the result."""
     import time
 
     import jax
@@ -30,7 +35,7 @@ def run(args: Any) -> None:
 
     wl = workloads.get(args.workload)
     devices = _common.jax_devices(args.devices)
-    strategy = mx.MirroredStrategy(devices=devices)
+    strategy = mx.MirroredStrategy(devices=devices, shard=shard) if shard else mx.MirroredStrategy(devices=devices)
     if args.bf16:
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
     with strategy.scope():
@@ -55,12 +60,37 @@ def run(args: Any) -> None:
     counts = _compile_counts(trainer)
     rates = _common.time_runs(lambda: fit(args.steps), args.repeats, args.steps * args.batch)
     note = f"mirrorax {mx.__version__}" + (f", steps_per_execution={args.steps_per_execution}"
-                                             if args.steps_per_execution > 1 else "")
+                                             if args.steps_per_execution > 1 else "") + (f", shard={shard}"
+                                                                                        if shard else "")
+    memory = _per_device_memory(trainer, x, y, args.batch) if args.steps_per_execution == 1 else {}
     after = _compile_counts(trainer)
     if counts is not None and after != counts:
         note += f"; RECOMPILED during timed runs: {counts} -> {after}"
     _common.write_result(args, samples_per_s=rates, warmup_s=warmup_s, device_kind=devices[0].device_kind,
-                         num_params=int(model.count_params()), note=note, compile_counts=after)
+                         num_params=int(model.count_params()), note=note, compile_counts=after, **memory)
+
+
+def _per_device_memory(trainer: Any, x: Any, y: Any, batch: int) -> dict[str, Any]:
+    """Device 0's share: the state's bytes as held, and the compiled step's as its plan reads them."""
+    import jax
+
+    import mirrorax as mx
+
+    plan_of = getattr(mx, "plan", None)
+    if plan_of is None:  # an older mirrorax
+        return {}
+    d0 = trainer.strategy.devices[0]
+    held = sum(sh.data.nbytes for g in ("params", "optimizer", "model_state")
+               for a in jax.tree.leaves(trainer.state[g]) for sh in a.addressable_shards if sh.device == d0)
+    p = plan_of(trainer, x[:1], y[:1], batch_size=batch, search=False)
+    try:  # what the allocator saw (GPUs, TPUs; CPU devices keep no such count)
+        device_peak = (d0.memory_stats() or {}).get("peak_bytes_in_use")
+    except Exception:  # noqa: BLE001 - platforms without memory stats
+        device_peak = None
+    return {"device_peak_bytes": device_peak, "state_bytes_per_device": int(held),
+            "planned_state_bytes": int(p.state_bytes),
+            "temp_bytes_per_device": int(p.temp_bytes), "peak_bytes_per_device": int(p.peak_bytes),
+            "flops_per_step": float(p.flops), "collective_bytes_per_step": int(p.collective_bytes)}
 
 
 def _compile_counts(trainer: Any) -> dict[str, int] | None:
@@ -68,11 +98,11 @@ def _compile_counts(trainer: Any) -> dict[str, int] | None:
     return dict(fn()) if fn is not None else None
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, *, shard: str | None = None) -> None:
     """Entry point: ``python -m benchmarks.peers.mirrorax_trainer --workload W --devices N ...``."""
-    args = _common.parse_args("mirrorax", argv)
+    args = _common.parse_args("mirrorax" + (f"_{shard}" if shard else ""), argv)
     _common.use_cpu_devices(args.devices)
-    _common.main_guard(args, lambda: run(args))
+    _common.main_guard(args, lambda: run(args, shard))
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ class Plan:
         """One line, as ``fit`` prints it with ``verbose``."""
         return (f"plan: {self.num_devices} devices, shard={self.shard!r}, global batch {self.batch_size}: per device "
                 f"state {_mib(self.state_bytes)} (params {_mib(self.param_bytes)}, optimizer "
-                f"{_mib(self.optimizer_bytes)}), step peak {_mib(self.peak_bytes)}, {self.flops / 1e9:,.2f} GFLOP, "
+                f"{_mib(self.optimizer_bytes)}), step peak {_mib(self.peak_bytes)}, {self.flops / 1e9:.3g} GFLOP, "
                 f"collectives {_mib(self.collective_bytes)}")
 
     def __str__(self) -> str:
@@ -124,7 +124,7 @@ class Plan:
 def _per_device_bytes(tree: Any, shardings: Any) -> int:
     total = 0
     for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
-        shape = np.shape(a)
+        shape = tuple(a.shape)
         local = s.shard_shape(shape) if hasattr(s, "shard_shape") else shape
         total += int(math.prod(local)) * np.dtype(getattr(a, "dtype", np.float32)).itemsize
     return total
@@ -163,7 +163,8 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
       batch_size: the global batch to plan for.
       device_memory: memory per device (bytes or ``"24GB"``); default: the device's own limit where JAX
         knows it (GPUs, TPUs), else unknown (no search).
-      strategy: the strategy (default: the trainer's, or the enclosing scope's).
+      strategy: the strategy (default: the trainer's; else the one whose scope the model was made under;
+        else the enclosing scope's, else every device).
       search: with a known ``device_memory``, find the largest global batch that fits in each mode.
 
     Returns:
@@ -172,25 +173,38 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
     Example:
       >>> print(mx.plan(model, x_train[:1], y_train[:1], batch_size=256, device_memory="24GB"))
     """
-    from mirrorax.strategy import MirroredStrategy, get_strategy
+    from mirrorax import data as data_lib
+    from mirrorax.keras_fit import strategy_of
+    from mirrorax.strategy import get_strategy
     from mirrorax.trainer import Trainer
 
     trainer = model_or_trainer if isinstance(model_or_trainer, Trainer) else None
-    model = trainer.model if trainer is not None else model_or_trainer
-    base = strategy or (trainer.strategy if trainer is not None else get_strategy())
+    # A Keras model made under a strategy's scope is planned on that strategy, as its fit runs.
+    base = strategy or (trainer.strategy if trainer is not None else strategy_of(model_or_trainer) or get_strategy())
+    if trainer is None or trainer.strategy is not base:
+        trainer = Trainer(trainer.model if trainer is not None else model_or_trainer, base)
     memory = parse_bytes(device_memory) if device_memory is not None else _device_memory(base.devices)
-
-    def for_mode(mode: Any, batch: int) -> Plan:
-        s = base if mode == base.shard else MirroredStrategy(devices=list(base.devices), shard=mode)
-        t = trainer if trainer is not None and s is base else Trainer(model, s)
-        return _plan_one(t, x, y, batch, memory)
-
-    result = for_mode(base.shard, batch_size)
+    source = data_lib.make_source(x, y, float_dtype=trainer.adapter.float_dtype)
+    sample = trainer._sample(source, 1)
+    result = _plan_one(trainer, sample, batch_size, memory)
     if memory is not None and search:
-        result.largest_batch = {
-            mode: _largest(lambda b, m=mode: for_mode(m, b).peak_bytes, memory, base.num_replicas_in_sync, batch_size)
-            for mode in MODES}
+        for mode in MODES:
+            planner = _in_mode(trainer, mode)
+            result.largest_batch[mode] = _largest(lambda b, t=planner: _plan_one(t, sample, b).peak_bytes, memory,
+                                                  base.num_replicas_in_sync, batch_size)
     return result
+
+
+def _in_mode(trainer: Any, mode: Any) -> Any:
+    """``trainer`` itself when its strategy shards as ``mode``, else a trainer of the same model and devices
+    that does."""
+    from mirrorax.strategy import MirroredStrategy
+    from mirrorax.trainer import Trainer
+
+    s = trainer.strategy
+    if mode == s.shard:
+        return trainer
+    return Trainer(trainer.model, MirroredStrategy(devices=list(s.devices), shard=mode))
 
 
 def _largest(peak: Any, memory: int, step: int, start: int) -> int | None:
@@ -223,66 +237,82 @@ def _largest(peak: Any, memory: int, step: int, start: int) -> int | None:
     return lo
 
 
-def _plan_one(trainer: Any, x: Any, y: Any, batch_size: int, memory: int | None) -> Plan:
+def _plan_one(trainer: Any, sample: Any, batch_size: int, memory: int | None = None) -> Plan:
+    """The plan of ``trainer``'s train step at ``batch_size`` (``sample``: a :class:`mirrorax.data.Batch`
+    of the inputs, for their row shapes and dtypes).
+
+    When the trainer already holds its state (``fit`` about to run), the step is lowered for that very
+    state, so the program compiled here is the one the first step runs: JAX's compilation cache hands
+    it over, and planning at ``fit`` start costs no second compile.
+    """
     from mirrorax import data as data_lib
 
     s = trainer.strategy
-    source = data_lib.make_source(x, y)
-    sample = trainer._sample(source, 1)
-    trainer.adapter.build(sample.tree())
-    host = trainer._initial_host_state()
-    layouts = trainer.state_layout(host)
-    abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=sh),
-                            host, layouts)
+    if trainer.state is not None:
+        abstract = trainer._abstract_state()
+        layouts = jax.tree.map(lambda a: a.sharding, abstract)
+    else:
+        trainer.adapter.build(sample.tree())
+        host = trainer._initial_host_state()
+        layouts = trainer.state_layout(host)
+        abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=sh),
+                                host, layouts)
     padded = data_lib.padded_batch_size(batch_size, s)
-    one = sample.tree()
 
     def batch_spec(a: Any) -> Any:
         a = np.asarray(a)
         return jax.ShapeDtypeStruct((padded,) + a.shape[1:], a.dtype, sharding=s.batch_sharding)
 
+    one = sample.tree()
     batch = {k: jax.tree.map(batch_spec, v) for k, v in one.items() if k != "num_real" and v is not None}
-    batch["num_real"] = jax.ShapeDtypeStruct((), np.float32, sharding=s.replicated)
+    if sample.num_real is not None:  # as the fit's batches carry it (array inputs)
+        batch["num_real"] = jax.ShapeDtypeStruct((), np.float32, sharding=s.replicated)
     compiled = trainer.steps.train.lower(abstract, batch).compile()
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    param_bytes = _per_device_bytes(host["params"], layouts["params"])
-    full_params = sum(np.asarray(a).nbytes for a in jax.tree.leaves(host["params"]))
+    param_bytes = _per_device_bytes(abstract["params"], layouts["params"])
+    full_params = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(abstract["params"]))
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     return Plan(shard=s.shard, num_devices=s.num_replicas_in_sync, batch_size=batch_size, param_bytes=param_bytes,
-                optimizer_bytes=_per_device_bytes(host["optimizer"], layouts["optimizer"]),
-                model_state_bytes=_per_device_bytes(host["model_state"], layouts["model_state"]),
+                optimizer_bytes=_per_device_bytes(abstract["optimizer"], layouts["optimizer"]),
+                model_state_bytes=_per_device_bytes(abstract["model_state"], layouts["model_state"]),
                 gradient_bytes=param_bytes if s.shard == "all" else full_params,
                 argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
                 temp_bytes=int(mem.temp_size_in_bytes), peak_bytes=int(peak), flops=float(cost.get("flops", 0.0)),
                 collective_bytes=_collective_bytes(compiled.as_text()), device_memory=memory)
 
 
-def check_fits(trainer: Any, x: Any, y: Any, batch_size: int) -> None:
-    """Raises before step 1 when the train step will not fit the device's memory (known: accelerators,
-    or ``MIRRORAX_DEVICE_MEMORY``), saying which mode or batch would; does nothing when it is unknown."""
-    memory = _device_memory(trainer.strategy.devices)
-    if memory is None:
-        return
-    here = _plan_one(trainer, x, y, batch_size, memory)
-    if here.fits:
-        return
-    s = trainer.strategy
-    options = []
-    for mode in MODES:
-        from mirrorax.strategy import MirroredStrategy
-        from mirrorax.trainer import Trainer
+def at_fit_start(trainer: Any, sample: Any, batch_size: int, *, announce: bool) -> Plan | None:
+    """What ``fit`` does with the plan before step 1: prints its summary line (``announce``, on process 0)
+    and raises when the step will not fit the device's memory (known on accelerators, or from
+    ``MIRRORAX_DEVICE_MEMORY``). Returns the plan, or ``None`` when neither was asked for.
 
-        other = trainer if mode == s.shard else Trainer(trainer.model, MirroredStrategy(devices=list(s.devices),
-                                                                                       shard=mode))
-        if mode != s.shard and _plan_one(other, x, y, batch_size, memory).fits:
-            options.append(f"MirroredStrategy(shard={mode!r}) fits batch {batch_size}")
-    largest = _largest(lambda b: _plan_one(trainer, x, y, b, memory).peak_bytes, memory, s.num_replicas_in_sync,
+    The trainer's state must be in place: the program compiled here is then the one step 1 runs (no
+    second compile). With ``steps_per_execution > 1`` fit runs another program; the line is then left
+    out unless the memory check needs the plan anyway.
+    """
+    memory = _device_memory(trainer.strategy.devices)
+    announce = announce and trainer.steps_per_execution == 1
+    if memory is None and not announce:
+        return None
+    here = _plan_one(trainer, sample, batch_size, memory)
+    if announce:
+        trainer.stream.write(here.summary() + "\n")
+    if memory is not None and not here.fits:
+        raise _does_not_fit(trainer, sample, batch_size, here, memory)
+    return here
+
+
+def _does_not_fit(trainer: Any, sample: Any, batch_size: int, here: Plan, memory: int) -> MemoryError:
+    s = trainer.strategy
+    options = [f"MirroredStrategy(shard={mode!r}) fits batch {batch_size}" for mode in MODES
+               if mode != s.shard and _plan_one(_in_mode(trainer, mode), sample, batch_size, memory).fits]
+    largest = _largest(lambda b: _plan_one(trainer, sample, b, memory).peak_bytes, memory, s.num_replicas_in_sync,
                        batch_size)
     if largest:
         options.append(f"with shard={s.shard!r}, a global batch of at most {largest} fits")
-    raise MemoryError(
+    return MemoryError(
         f"The train step needs {_mib(here.peak_bytes)} per device (state {_mib(here.state_bytes)}, activations and "
         f"temporaries {_mib(here.temp_bytes)}) at global batch {batch_size} with shard={s.shard!r}, but a device has "
         f"{_mib(memory)}. " + ("; ".join(options) + "." if options else "No mode fits even a batch of one per device: "

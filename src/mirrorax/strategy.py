@@ -34,8 +34,10 @@ BATCH_AXIS = "batch"
 ShardMode = Literal["optimizer", "all"] | None
 SHARD_MODES: tuple[ShardMode, ...] = (None, "optimizer", "all")
 _SHARDED_ROLES = {"optimizer": ("optimizer",), "all": ("params", "optimizer")}
-#: Variables with fewer elements stay replicated in the sharded modes: their all-gather's fixed cost is
-#: larger than the memory they would save (a 128x128 kernel is 64 KiB in float32).
+#: Variables with fewer elements stay replicated in the sharded modes: their collectives' fixed cost is
+#: more than splitting saves (a 128x128 kernel is 64 KiB in float32). Measured at 8 devices with
+#: ``benchmarks/shard_threshold.py``: splitting is 1.1-1.6x slower below this size, at parity
+#: ("optimizer") or faster ("all") from it (docs/plan.md has the numbers).
 SHARD_MIN_SIZE = 16384
 
 _scope = threading.local()

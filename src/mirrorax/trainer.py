@@ -139,6 +139,9 @@ class Trainer:
         # NaN/inf in array inputs are refused up front unless non-finite steps are to be skipped or
         # ignored: then the user has chosen to train on past them.
         self._refuse_nonfinite = on_nonfinite == "raise"
+        # Whether fit prints the plan's summary line; None: when verbose. (model.fit under a scope runs
+        # this trainer with verbose=0 under Keras's own progress bar, and says here what its verbose was.)
+        self._plan_line: bool | None = None
 
     # -- state -------------------------------------------------------------------------------------
     @property
@@ -379,8 +382,10 @@ class Trainer:
         self.steps.check_labels_in_step(not getattr(source, "labels_checked", False))
         consistency.check_replicas(self._state)  # multi-process: every process holds process 0's values
         self._write_back()  # lent to the model: what callbacks change on it from here on is adopted
-        if isinstance(source, data_lib.ArraySource):  # will it fit? (only where a device's memory is known)
-            _plan_module().check_fits(self, source.x, source.y, batch_size)
+        # The plan's line (verbose), and will it fit? (only where a device's memory is known): the step is
+        # compiled here, once, for the state just placed; step 1 runs that very program.
+        announce = mode if self._plan_line is None else self._plan_line
+        _plan_module().at_fit_start(self, sample, batch_size, announce=bool(announce) and self.strategy.is_primary)
         history = History()
         stream = make_stream(source, batch_size, self.strategy, shuffle=shuffle, seed=seed,
                              ends_with_data=self._epochs_end_with_data)
