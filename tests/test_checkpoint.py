@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -448,3 +449,48 @@ def test_checkpoint_moves_between_process_counts(tmp_path):
         np.testing.assert_array_equal(np.asarray(state["trainable"]["dense/kernel"]),
                                       np.asarray(start["trainable"]["dense/kernel"]) + 1)
         assert int(state["step"]) == 7
+
+
+def _sharded_state(n: int, shard: bool, rows: int = 2048) -> dict:
+    """A few MiB of float32 and int32 state on ``n`` devices, split by rows when ``shard``."""
+    mesh = jax.make_mesh((n,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
+    spec = P("batch") if shard else P()
+    rng = np.random.default_rng(3)
+    return {
+        "w": jax.device_put(rng.normal(size=(rows, 512)).astype(np.float32), NamedSharding(mesh, spec)),
+        "m": jax.device_put(rng.normal(size=(rows, 512)).astype(np.float32), NamedSharding(mesh, spec)),
+        "b": jax.device_put(rng.normal(size=(512,)).astype(np.float32), NamedSharding(mesh, P())),
+        "step": jax.device_put(np.int32(0), NamedSharding(mesh, P())),
+    }
+
+
+@pytest.mark.multi_device
+@pytest.mark.parametrize("n,shard", [(1, False), (8, False), (8, True)])
+def test_async_save_holds_the_step_values_while_later_steps_donate_the_buffers(tmp_path, n, shard):
+    """Steps that donate (and overwrite in place) the saved buffers right after ``save`` returns must
+    not reach the checkpoint: it restores bit for bit the values of the step it names."""
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state):
+        return {"w": state["w"] * 1.5 + 1.0, "m": state["m"] - 2.0, "b": state["b"] + 1.0,
+                "step": state["step"] + 1}
+
+    state = _sharded_state(n, shard)
+    saved = {}
+    with Checkpointer(tmp_path, keep=None) as ckpt:
+        for step in range(1, 13):
+            before, state = state, train_step(state)
+            # Donated: the step wrote its result into those buffers. (On CPU, JAX declines to donate a buffer
+            # that a checkpoint's host copy still aliases, which is also consistent; a GPU copies.)
+            assert before["w"].is_deleted() or step % 4 == 1, step
+            if step % 4 == 0:
+                saved[step] = jax.tree.map(lambda x: np.array(x, copy=True), state)
+                assert ckpt.save(step, state, {"step": step})
+        abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                      state)
+        ckpt.wait()
+        assert ckpt.all_steps() == [4, 8, 12]
+        for step, expected in saved.items():
+            restored, meta = ckpt.restore(step, abstract_state)
+            assert meta == {"step": step}
+            for path, value in expected.items():
+                np.testing.assert_array_equal(np.asarray(restored[path]), value, err_msg=f"step {step} {path}")
