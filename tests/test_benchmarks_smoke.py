@@ -96,3 +96,19 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
         assert rows[mode]["xla_mfu"] > 0 and rows[mode]["peak_bytes_per_device"] > 0
     assert rows["mirrorax_all"]["state_bytes_per_device"] < rows["mirrorax"]["state_bytes_per_device"]
     assert "XLA MFU" in proc.stdout and "mirrorax_all / replicated" in proc.stdout
+
+
+def test_checkpoint_cost_prints_a_row_per_device_count_and_mode(tmp_path):
+    """``python -m benchmarks.checkpoint_cost`` at a tiny width: a process per device count, a table row
+    per (devices, mode) with both systems' times. The plumbing, not the speed."""
+    cmd = [sys.executable, "-m", "benchmarks.checkpoint_cost", "--devices", "1,2", "--modes", "None,all",
+           "--rounds", "1", "--hidden", "64", "--dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| 1 |") or ln.startswith("| 2 |")]
+    assert [r.split("|")[1:3] for r in rows] == [[" 1 ", " None "], [" 1 ", " all "], [" 2 ", " None "],
+                                                 [" 2 ", " all "]], proc.stdout
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert all(float(c) > 0 for c in cells[2:]), row
+    assert list(tmp_path.iterdir()) == []  # the checkpoints went into a temporary directory, now removed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -352,16 +353,25 @@ def test_invalid_arguments_say_what_was_received(tmp_path):
 
 def test_non_finite_state_is_not_saved(tmp_path):
     state = make_state(2)
-    with Checkpointer(tmp_path) as ckpt:
+    with Checkpointer(tmp_path, keep=1) as ckpt:
         ckpt.save(1, state, {})
         bad = dict(state, trainable=dict(state["trainable"]))
         bad["trainable"]["sequential/dense/bias"] = state["trainable"]["sequential/dense/bias"].at[3].set(jnp.nan)
+        # One process checks the values in the background: the save is abandoned there, and the next
+        # call that waits for it says so.
+        ckpt.save(2, bad, {})
         with pytest.warns(CheckpointWarning, match=r"step 2 was not saved: variable "
-                                                   r"'trainable/sequential/dense/bias' holds NaN") as rec:
-            assert ckpt.save(2, bad, {}) is False
+                                                   r"'trainable/sequential/dense/bias' holds NaN or Inf\. The "
+                                                   r"newest checkpoint in .* stays 1\.") as rec:
+            ckpt.wait()
         assert rec[0].filename == __file__
+        assert ckpt.all_steps() == [1]  # keep=1 did not delete step 1 to make room for step 2
+        ckpt.wait()  # said once
+        assert ckpt.save(3, state, {}) is True
         ckpt.wait()
-        assert ckpt.all_steps() == [1]
+        assert ckpt.all_steps() == [3]  # and the abandoned save did not upset `keep`
+    with Checkpointer(tmp_path) as again:
+        assert again.all_steps() == [3]
 
 
 @pytest.mark.multi_device
@@ -449,3 +459,84 @@ def test_checkpoint_moves_between_process_counts(tmp_path):
         np.testing.assert_array_equal(np.asarray(state["trainable"]["dense/kernel"]),
                                       np.asarray(start["trainable"]["dense/kernel"]) + 1)
         assert int(state["step"]) == 7
+
+
+def _sharded_state(n: int, shard: bool, rows: int = 2048) -> dict:
+    """A few MiB of float32 and int32 state on ``n`` devices, split by rows when ``shard``."""
+    mesh = jax.make_mesh((n,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
+    spec = P("batch") if shard else P()
+    rng = np.random.default_rng(3)
+    return {
+        "w": jax.device_put(rng.normal(size=(rows, 512)).astype(np.float32), NamedSharding(mesh, spec)),
+        "m": jax.device_put(rng.normal(size=(rows, 512)).astype(np.float32), NamedSharding(mesh, spec)),
+        "b": jax.device_put(rng.normal(size=(512,)).astype(np.float32), NamedSharding(mesh, P())),
+        "step": jax.device_put(np.int32(0), NamedSharding(mesh, P())),
+    }
+
+
+@pytest.mark.multi_device
+@pytest.mark.parametrize("n,shard", [(1, False), (8, False), (8, True)])
+def test_async_save_holds_the_step_values_while_later_steps_donate_the_buffers(tmp_path, n, shard):
+    """Steps that donate (and overwrite in place) the saved buffers right after ``save`` returns must
+    not reach the checkpoint: it restores bit for bit the values of the step it names."""
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state):
+        return {"w": state["w"] * 1.5 + 1.0, "m": state["m"] - 2.0, "b": state["b"] + 1.0,
+                "step": state["step"] + 1}
+
+    state = _sharded_state(n, shard)
+    saved = {}
+    with Checkpointer(tmp_path, keep=None) as ckpt:
+        for step in range(1, 13):
+            before, state = state, train_step(state)
+            # Donated: the step wrote its result into those buffers. (On CPU, JAX declines to donate a buffer
+            # that a checkpoint's host copy still aliases, which is also consistent; a GPU copies.)
+            assert before["w"].is_deleted() or step % 4 == 1, step
+            if step % 4 == 0:
+                saved[step] = jax.tree.map(lambda x: np.array(x, copy=True), state)
+                assert ckpt.save(step, state, {"step": step})
+        abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                      state)
+        ckpt.wait()
+        assert ckpt.all_steps() == [4, 8, 12]
+        for step, expected in saved.items():
+            restored, meta = ckpt.restore(step, abstract_state)
+            assert meta == {"step": step}
+            for path, value in expected.items():
+                np.testing.assert_array_equal(np.asarray(restored[path]), value, err_msg=f"step {step} {path}")
+
+
+@pytest.mark.multi_device
+def test_host_digest_of_shards_equals_the_device_digest():
+    """A save sums this process's shards on the host; restore verifies with the devices' sums."""
+    import ml_dtypes
+
+    from mirrorax._integrity import HostDigest, digest
+
+    mesh = jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(0)
+
+    def put(x, *spec):
+        return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+    tree = {
+        "rows": put(rng.normal(size=(64, 40)).astype(np.float32), "batch"),
+        "cols": put(rng.normal(size=(16, 24)).astype(np.float32), None, "batch"),
+        "replicated": put(rng.normal(size=(5, 3, 7)).astype(np.float32)),
+        "bf16": put(rng.normal(size=(16, 8)).astype(ml_dtypes.bfloat16), "batch"),
+        "f16": put(rng.normal(size=(9,)).astype(np.float16)),
+        "i32_last_axis": put(rng.integers(-99, 99, size=(2, 3, 16)).astype(np.int32), None, None, "batch"),
+        "u8": put(rng.integers(0, 255, size=(24,)).astype(np.uint8), "batch"),
+        "bool": put(rng.random(16) > 0.5, "batch"),
+        "c64": put((rng.normal(size=(8, 4)) + 1j * rng.normal(size=(8, 4))).astype(np.complex64), "batch"),
+        "scalar": put(np.float32(3.5)),
+        "key": put(jax.random.key(3)),
+        "keys": put(jax.random.split(jax.random.key(3), 8), "batch"),
+        "numpy": np.arange(6, dtype=np.int32).reshape(2, 3),
+        "python": 2.0,
+        "nan": put(np.array([1.0, np.nan, 2, 3, 4, 5, 6, 7], np.float32), "batch"),
+        "single_device": jnp.arange(10.0),
+    }
+    checksums, non_finite = digest(tree)
+    assert HostDigest(tree).result() == (checksums, non_finite)
+    assert non_finite == ["nan"] and len(checksums) == len(tree)

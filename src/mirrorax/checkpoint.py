@@ -5,9 +5,12 @@ A checkpoint is one Orbax step directory ``<directory>/<step>/`` with three item
 * ``state``: the state pytree (parameters, optimizer state, non-trainable state, metric
   accumulators, step, RNG), saved with ``StandardSave``;
 * ``meta``: a JSON dict chosen by the caller (data position, history, config);
-* ``integrity``: a JSON record written by this module: a checksum per variable, computed on device
-  before the write. Orbax and TensorStore notice a truncated or missing file, but a flipped byte
-  inside an array's data restores silently as a wrong number; the checksum catches that.
+* ``integrity``: a JSON record written by this module: a checksum per variable of the values being
+  saved, summed in Orbax's background commit from host arrays taken when the save started (one
+  process), or on the devices before the save starts (several processes, whose shards no single
+  process holds). Orbax and TensorStore notice a truncated or missing file, but a flipped byte inside
+  an array's data restores silently as a wrong number; the checksum, verified on every restore,
+  catches that.
 
 Orbax writes each step into ``<step>.orbax-checkpoint-tmp-*`` and renames it when complete, so a crash
 during a save leaves the previous checkpoints intact and only a temporary directory behind (removed
@@ -32,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from mirrorax._integrity import all_finite, digest, path_str
+from mirrorax._integrity import HostDigest, all_finite, digest, path_str
+from mirrorax._integrity_item import IntegrityHandler, IntegrityRestore, IntegritySave, NonFiniteState
 from mirrorax._orbax_quirks import drain_abandoned_reads, dropping_orbax_read_errors_of_abandoned_reads
 
 __all__ = [
@@ -49,7 +53,6 @@ PyTree = Any
 # left in place, a damaged step 300 would be "latest", would count towards `keep` and would block
 # the resumed run from saving step 300 again.
 DAMAGED_SUBDIR = "damaged"
-_FORMAT_VERSION = 1
 
 
 class CheckpointError(RuntimeError):
@@ -203,7 +206,7 @@ class Checkpointer:
             item_handlers={
                 "state": ocp.StandardCheckpointHandler(),
                 "meta": ocp.JsonCheckpointHandler(),
-                "integrity": ocp.JsonCheckpointHandler(),
+                "integrity": IntegrityHandler(),
             },
         )
         self._closed = False
@@ -238,16 +241,18 @@ class Checkpointer:
         """Starts writing ``state`` and ``meta`` as checkpoint ``step``; returns before the write ends.
 
         Blocks only while the arrays are copied to host memory (and while a previous save is still
-        being written); the files are written in the background, so the arrays may be donated to
-        the next step (or deleted) as soon as ``save`` returns. Call :meth:`wait` (or
-        :meth:`close`) before relying on the files. Must be called by every process with the same
-        ``step``.
+        being written); the files, and the checksums of the integrity record, are written in the
+        background, so the arrays may be donated to the next step (or deleted) as soon as ``save``
+        returns. Call :meth:`wait` (or :meth:`close`) before relying on the files. Must be called
+        by every process with the same ``step``.
 
-        Nothing is written, and ``False`` returned, when:
-
-        * a floating-point variable holds NaN or Inf (a :class:`CheckpointWarning` names it; the
-          previous checkpoint stays the newest), or
-        * checkpoint ``step`` already exists (e.g. a run that resumed at ``step`` and ends there).
+        Nothing is written when a floating-point variable holds NaN or Inf: a
+        :class:`CheckpointWarning` names it, and the previous checkpoint stays the newest (none is
+        deleted to make room). With one process the values are checked in the background, so the
+        save is abandoned there and the warning comes from the next :meth:`save`, :meth:`wait`,
+        :meth:`close` or restore; with several, the check is done before the save starts and
+        ``save`` returns ``False``. It also returns ``False``, writing nothing, when checkpoint
+        ``step`` already exists (e.g. a run that resumed at ``step`` and ends there).
 
         Args:
             step: The number of optimizer steps taken so far (>= 0); names the checkpoint.
@@ -280,7 +285,7 @@ class Checkpointer:
         clean_meta = _json_clean(meta, "")
         # Orbax writes the newest steps after waiting for the previous save, so the listing is
         # current only after that save is done.
-        self._manager.wait_until_finished()
+        self._finish()
         latest = self.latest_step()
         if latest is not None and step == latest:
             return False
@@ -290,24 +295,26 @@ class Checkpointer:
                 f"checkpoint {latest}. Resume from it (Checkpointer.restore_latest) or write this run "
                 "into a fresh directory."
             )
-        checksums, non_finite = digest(state)
-        if non_finite:
-            self._warn(
-                stacklevel=2,
-                message=f"Checkpoint step {step} was not saved: variable {non_finite[0]!r}"
-                + (f" (and {len(non_finite) - 1} more)" if len(non_finite) > 1 else "")
-                + f" holds NaN or Inf. The newest checkpoint in {self._directory} stays "
-                f"{latest if latest is not None else '(none)'}.",
-            )
-            return False
-        integrity = {"format": _FORMAT_VERSION, "step": step, "checksums": checksums}
+        if jax.process_count() == 1:
+            # Host arrays of the values (aliases of the device buffers on CPU), summed with the
+            # writes: a reduction over the whole state on the devices, waited for here, would cost
+            # the loop more than Orbax's own copy does.
+            integrity = IntegritySave(step, pending=HostDigest(state))
+        else:
+            # Each process holds only its shards, so the sums need the devices' collectives, which
+            # must be dispatched from here, in the same order on every process as the train steps.
+            checksums, non_finite = digest(state)
+            if non_finite:
+                self._warn_non_finite(step, non_finite, stacklevel=2)
+                return False
+            integrity = IntegritySave(step, checksums=checksums)
         return bool(
             self._manager.save(
                 step,
                 args=ocp.args.Composite(
                     state=ocp.args.StandardSave(state),
                     meta=ocp.args.JsonSave(clean_meta),
-                    integrity=ocp.args.JsonSave(integrity),
+                    integrity=integrity,
                 ),
                 force=True,
             )
@@ -315,7 +322,7 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Blocks until every started save is on disk (raises the error of a failed background write)."""
-        self._manager.wait_until_finished()
+        self._finish()
 
     def close(self) -> None:
         """Waits for pending saves, then releases Orbax's threads. Safe to call twice."""
@@ -323,7 +330,7 @@ class Checkpointer:
             return
         self._closed = True
         try:
-            self._manager.wait_until_finished()
+            self._finish()
         finally:
             self._manager.close()
 
@@ -348,7 +355,7 @@ class Checkpointer:
             3
         """
         self._check_open()
-        self._manager.wait_until_finished()
+        self._finish()
         for step in reversed(self.all_steps()):
             try:
                 restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
@@ -375,7 +382,7 @@ class Checkpointer:
             CheckpointError: The checkpoint does not exist or is damaged (the message says how).
         """
         self._check_open()
-        self._manager.wait_until_finished()
+        self._finish()
         if step not in self.all_steps():
             raise CheckpointError(
                 f"No checkpoint for step {step} in {self._directory}. "
@@ -416,7 +423,7 @@ class Checkpointer:
             ...     step, state, meta = restored
         """
         self._check_open()
-        self._manager.wait_until_finished()
+        self._finish()
         damaged: list[tuple[int, str]] = []
         for step in reversed(self.all_steps()):
             result = self._try_restore(step, abstract_state)
@@ -465,7 +472,7 @@ class Checkpointer:
                     args=ocp.args.Composite(
                         state=ocp.args.StandardRestore(abstract_state),
                         meta=ocp.args.JsonRestore(),
-                        integrity=ocp.args.JsonRestore(),
+                        integrity=IntegrityRestore(),
                     ),
                 )
             except Exception as exc:  # noqa: BLE001 - any failure to read means a damaged checkpoint
@@ -508,6 +515,29 @@ class Checkpointer:
         self._manager.reload()
 
     # ---- small helpers ---------------------------------------------------------------------------
+
+    def _finish(self) -> None:
+        """Waits for the pending save; one abandoned for NaN or Inf leaves no trace but a warning."""
+        try:
+            self._manager.wait_until_finished()
+        except NonFiniteState as refused:
+            # The step was never finalised. Orbax forgets its list of steps after a failed save:
+            # re-read it, or the next saves would not count the older checkpoints towards `keep`.
+            # Its temporary directory stays (the array writes may still be going on) until the next
+            # Checkpointer opens the directory, as after a crash.
+            self._manager.reload()
+            self._warn_non_finite(refused.step, refused.paths, stacklevel=3)
+
+    def _warn_non_finite(self, step: int, paths: list[str], stacklevel: int) -> None:
+        """The warning for a state refused for NaN or Inf; ``stacklevel`` as :meth:`_warn`'s."""
+        latest = self.latest_step()
+        self._warn(
+            stacklevel=stacklevel + 1,
+            message=f"Checkpoint step {step} was not saved: variable {paths[0]!r}"
+            + (f" (and {len(paths) - 1} more)" if len(paths) > 1 else "")
+            + f" holds NaN or Inf. The newest checkpoint in {self._directory} stays "
+            f"{latest if latest is not None else '(none)'}.",
+        )
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,0 +1,77 @@
+"""The ``integrity`` item of a checkpoint: its checksum record, summed while the state is written.
+
+The record is what :func:`mirrorax._integrity.digest` gives: ``{"format": 1, "step": s, "checksums":
+{path: [sum, weighted_sum]}}``. A save hands this item a :class:`~mirrorax._integrity.HostDigest`
+(host arrays of the state, taken when the save started) and the sums are done in Orbax's background
+commit, beside the array writes: the loop never waits for a reduction over the whole state. A state
+holding NaN or Inf fails its commit with :class:`NonFiniteState`, so Orbax never finalises that step
+(no checkpoint appears, none is deleted to make room for it); the checkpointer reports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from mirrorax._integrity import HostDigest
+
+__all__ = ["FORMAT_VERSION", "IntegrityHandler", "IntegrityRestore", "IntegritySave", "NonFiniteState"]
+
+FORMAT_VERSION = 1
+
+
+class NonFiniteState(Exception):
+    """The state of checkpoint ``step`` holds NaN or Inf in ``paths``; the save was abandoned."""
+
+    def __init__(self, step: int, paths: list[str]) -> None:
+        super().__init__(f"checkpoint step {step}: variables {paths} hold NaN or Inf")
+        self.step, self.paths = step, paths
+
+
+class IntegrityHandler(ocp.JsonCheckpointHandler):
+    """Writes the record once its checksums are known; restores it as ``JsonCheckpointHandler`` does."""
+
+    async def async_save(self, directory: epath.Path, item: Any = None,
+                         args: IntegritySave | None = None) -> list[ocp.future.Future]:
+        if args is None:
+            raise ValueError(f"Expected args=IntegritySave(...). Received item={item!r}, args=None.")
+        return [ocp.future.CommitFutureAwaitingContractedSignals(self._commit(directory, args),
+                                                                   name="mirrorax_integrity")]
+
+    async def _commit(self, directory: epath.Path, args: IntegritySave) -> None:
+        checksums = args.checksums
+        if args.pending is not None:
+            checksums, non_finite = args.pending.result()
+            if non_finite:
+                raise NonFiniteState(args.step, non_finite)
+        if jax.process_index() == 0:  # the primary host writes the shared files, as Orbax's own items
+            record = {"format": FORMAT_VERSION, "step": args.step, "checksums": checksums}
+            (directory / "metadata").write_text(json.dumps(record))
+
+
+@ocp.args.register_with_handler(IntegrityHandler, for_save=True)
+@dataclasses.dataclass
+class IntegritySave(ocp.args.CheckpointArgs):
+    """The record of checkpoint ``step``: ``checksums`` already computed, or ``pending`` ones.
+
+    Attributes:
+      step: the checkpoint's step.
+      checksums: ``{path: [sum, weighted_sum]}`` (a multi-process save computes them on the devices).
+      pending: a :class:`HostDigest` of the state, summed in the background; its NaN/Inf finding
+        abandons the save.
+    """
+
+    step: int
+    checksums: dict[str, list[int]] | None = None
+    pending: HostDigest | None = None
+
+
+@ocp.args.register_with_handler(IntegrityHandler, for_restore=True)
+@dataclasses.dataclass
+class IntegrityRestore(ocp.args.CheckpointArgs):
+    """Reads the record back (a JSON dict)."""
