@@ -474,10 +474,18 @@ class KerasAdapter(ModelAdapter):
 
 def _local_replica(a: Any) -> Any:
     """``a`` where this process can read it whole: a replicated array spanning other processes' devices
-    becomes the same buffers viewed as an array over this process's devices only (no copy)."""
+    becomes the same buffers viewed as an array over this process's devices only (no copy).
+
+    A sharded leaf (``shard="optimizer"`` / ``"all"``) on one process stays sharded: the variable reads
+    it whole anyway (``numpy()``, Keras ops), and a whole copy per device would undo the sharding's
+    memory saving before step 1 and at every epoch's end. Across processes, where no process holds every
+    shard, the model gets it whole.
+    """
     if not isinstance(a, jax.Array):
         return a
-    if not a.is_fully_replicated:  # a sharded state (shard="optimizer" / "all"): the model gets it whole
+    if not a.is_fully_replicated and a.is_fully_addressable:
+        return a
+    if not a.is_fully_replicated:
         # The trainer lays out every state leaf with a NamedSharding; only that kind has update().
         a = jax.device_put(a, cast(jax.sharding.NamedSharding, a.sharding).update(spec=jax.sharding.PartitionSpec()))
     if a.is_fully_addressable:
