@@ -148,11 +148,10 @@ _MEMORY_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "plan_memory
 @pytest.mark.slow
 @pytest.mark.parametrize("shard", [
     "none",
-    pytest.param("optimizer", marks=pytest.mark.xfail(reason=(
-        "the model's variables are lent the state gathered onto every device (models/keras.py "
-        "_local_replica): a whole copy of the parameters and optimizer state per device, which the plan "
-        "does not count"), strict=False)),
-    pytest.param("all", marks=pytest.mark.xfail(reason="as for 'optimizer'", strict=False)),
+    "optimizer",
+    pytest.param("all", marks=pytest.mark.xfail(reason=(
+        "measured 1.17-1.31x the plan's peak (5 runs): 60-85 MiB beyond it, about the parameters' whole "
+        "size, which the plan does not count; not found yet"), strict=False)),
 ])
 def test_planned_peak_is_within_20_percent_of_the_process_growth(shard):
     """On CPU the 4 simulated devices share one process: fit grows it by 4 x the plan's per-device peak,
