@@ -127,6 +127,42 @@ def test_train_on_batch_loop_equals_keras():
     np.testing.assert_allclose(model.predict_on_batch(x[:30]), ref.predict_on_batch(x[:30]), rtol=1e-5, atol=1e-6)
 
 
+def test_model_metrics_hold_the_last_totals_after_fit_and_evaluate_as_keras():
+    """After fit (with validation: its totals are the last ones), evaluate and train_on_batch, the model's
+    own metric objects hold what Keras's leave there (get_metrics_result, a metric's result())."""
+    x, y, _, _ = flat_digits(90)
+
+    def build():
+        keras.utils.set_random_seed(4)
+        m = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(10, activation="softmax")])
+        m.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        return m
+
+    ref = build()
+    with strategy(4).scope():
+        model = build()
+
+    def same():
+        want, got = ref.get_metrics_result(), model.get_metrics_result()
+        assert sorted(got) == sorted(want)
+        np.testing.assert_allclose([float(got[k]) for k in want], [float(want[k]) for k in want], rtol=1e-5)
+        assert float(want["loss"]) > 0  # (not the zeros the metrics were compiled with)
+
+    for m in (ref, model):
+        m.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, validation_data=(x[:30], y[:30]))
+    same()
+    for m in (ref, model):
+        m.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    same()
+    for m in (ref, model):
+        m.evaluate(x[:50], y[:50], batch_size=16, verbose=0)
+    same()
+    for m in (ref, model):
+        m.train_on_batch(x[:30], y[:30])
+    same()
+
+
 def test_fit_signature_validation_split_class_weight_and_validation_freq_match_keras():
     x, y, _, _ = flat_digits(120)
     weights = {c: 1.0 + 0.1 * c for c in range(10)}

@@ -614,7 +614,9 @@ class Trainer:
                 f"{start_batch + bad - first_step} of the epoch). The update of that step was not applied: the "
                 "trainer, the model and any checkpoint hold the values from before it. Lower the learning rate, "
                 "check the inputs for NaN/inf, or pass Trainer(..., on_nonfinite='skip') to drop such steps.")
-        logs = self.adapter.metric_results(host_tree(state["metrics"]))
+        totals = host_tree(state["metrics"])
+        logs = self.adapter.metric_results(totals)
+        self.adapter.keep_metrics(totals)
         if self.steps.on_nonfinite == "skip":
             logs["skipped_steps"] = float(host_value(state["skipped"]))
         return logs, progress, steps, samples
@@ -704,7 +706,9 @@ class Trainer:
         finally:
             if isinstance(batches, data_lib.Prefetcher):
                 batches.close()
-        logs = self.adapter.metric_results(host_tree(metrics))
+        totals = host_tree(metrics)
+        logs = self.adapter.metric_results(totals)
+        self.adapter.keep_metrics(totals)
         if hooks is not None:
             hooks.call("on_test_end", logs)
             self._adopt_callback_changes()
@@ -813,7 +817,9 @@ class Trainer:
             self._state = self.steps.clear_nonfinite(state, int(host_value(state["nonfinite_step"])))
             raise NonFiniteLossError("The loss of this batch is not finite; the update was not applied (the model "
                                      "keeps its values). Check the batch for NaN/inf or lower the learning rate.")
-        return self.adapter.metric_results(host_tree(state["metrics"]))
+        totals = host_tree(state["metrics"])
+        self.adapter.keep_metrics(totals)
+        return self.adapter.metric_results(totals)
 
     def test_on_batch(self, x: Any, y: Any = None, *, sample_weight: Any = None) -> dict[str, float]:
         """Loss and metrics of one batch in inference mode (Keras's ``test_on_batch``)."""

@@ -107,6 +107,10 @@ class ModelAdapter(abc.ABC):
     def metric_results(self, metrics: PyTree) -> dict[str, float]:
         """Final metric values from host copies of the accumulators (``{"loss": ..., "accuracy": ...}``)."""
 
+    def keep_metrics(self, metrics: PyTree) -> None:
+        """Hands the host copies of finished accumulators to the model's own metric objects, where the
+        model has any (Keras's fit and evaluate leave their totals there). Default: nothing."""
+
     def metric_logs(self, metrics: PyTree) -> dict[str, Any]:
         """Metric results as traced scalars, inside a step (batch logs for callbacks); ``{}`` if the
         adapter cannot compute them in a traced program."""

@@ -368,6 +368,12 @@ class KerasAdapter(ModelAdapter):
             if isinstance(metrics, dict) else {}
         return dict(self._pack("metrics", out), **extras)
 
+    def keep_metrics(self, metrics) -> None:
+        # As Keras's fit/evaluate leave them: model.get_metrics_result() and each metric's result() after
+        # fit give the last epoch's (or evaluation's) values, not the zeros they were compiled with.
+        for v, a in zip(self.model.metrics_variables, self._unpack("metrics", metrics)):
+            v.assign(np.asarray(a))
+
     def metric_results(self, metrics) -> dict[str, float]:
         return dict(self._keras_metric_results(metrics), **keras_custom.extra_logs(metrics, host=True))
 
