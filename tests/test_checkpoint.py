@@ -342,10 +342,11 @@ def test_unusable_directory_fails_at_construction(tmp_path):
 
 
 def test_invalid_arguments_say_what_was_received(tmp_path):
-    with pytest.raises(ValueError, match=r"keep to be an int >= 1 .* Received: 0"):
+    with pytest.raises(ValueError, match=r"keep must be an integer >= 1 \(the number of newest checkpoints to keep; "
+                                         r"None keeps all\); received 0"):
         Checkpointer(tmp_path, keep=0)
     with Checkpointer(tmp_path) as ckpt:
-        with pytest.raises(ValueError, match=r"step to be an int >= 0. Received: -1"):
+        with pytest.raises(ValueError, match=r"step must be an integer >= 0; received -1"):
             ckpt.save(-1, make_state(2), {})
         with pytest.raises(TypeError, match=r"Received .*object.* at 'config/callback'"):
             ckpt.save(1, make_state(2), {"config": {"callback": object()}})

@@ -14,6 +14,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from mirrorax._checks import check_int
+
 __all__ = ["ClusterError", "ClusterInfo", "job_from_env", "make_info", "split_address", "private_jax"]
 
 _OURS = ("MIRRORAX_COORDINATOR", "MIRRORAX_NUM_PROCESSES", "MIRRORAX_PROCESS_ID")
@@ -85,8 +87,7 @@ def make_info(address: object, num_processes: object, process_id: object,
                         f"(of type {type(address).__name__}).")
     split_address(address)
     for name, value in (("num_processes", num_processes), ("process_id", process_id)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int; received {value!r} (of type {type(value).__name__}).")
+        check_int(name, value, None, error=TypeError)
     assert isinstance(num_processes, int) and isinstance(process_id, int)
     if num_processes < 1 or not 0 <= process_id < num_processes:
         raise ValueError(f"Expected num_processes >= 1 and 0 <= process_id < num_processes (from {source}). "

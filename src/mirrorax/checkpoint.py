@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from mirrorax._checks import check_int
 from mirrorax._integrity import HostDigest, all_finite, digest, path_str
 from mirrorax._integrity_item import IntegrityHandler, IntegrityRestore, IntegritySave, NonFiniteState
 from mirrorax._orbax_quirks import drain_abandoned_reads, dropping_orbax_read_errors_of_abandoned_reads
@@ -182,11 +183,8 @@ class Checkpointer:
     def __init__(
         self, directory: str | os.PathLike[str], *, keep: int | None = 3, async_save: bool = True
     ) -> None:
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-            raise ValueError(
-                f"Expected keep to be an int >= 1 (the number of newest checkpoints to keep) or None "
-                f"(keep all). Received: {keep!r} (of type {type(keep).__name__})."
-            )
+        if keep is not None:
+            check_int("keep", keep, 1, meaning="the number of newest checkpoints to keep; None keeps all")
         self._directory = os.fspath(directory)
         self._keep = keep
         self._is_local = "://" not in self._directory
@@ -273,10 +271,7 @@ class Checkpointer:
             True
         """
         self._check_open()
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(
-                f"Expected step to be an int >= 0. Received: {step!r} (of type {type(step).__name__})."
-            )
+        check_int("step", step, 0)
         step = int(step)
         if not isinstance(meta, Mapping):
             raise TypeError(

@@ -42,6 +42,7 @@ from typing import Any
 import jax
 
 from mirrorax import _discovery, _failure, _output
+from mirrorax._checks import check_int
 from mirrorax._discovery import ClusterError, ClusterInfo, job_from_env, private_jax
 
 __all__ = ["ClusterInfo", "ClusterError", "initialize", "maybe_initialize_from_env", "is_initialized",
@@ -180,8 +181,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         for name, value in (("initialization_timeout", initialization_timeout),
                             ("heartbeat_timeout_seconds", heartbeat_timeout_seconds),
                             ("shutdown_timeout_seconds", shutdown_timeout_seconds)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int (seconds); received {value!r}.")
+            check_int(name, value, 1, meaning="seconds")
         info = _resolve(coordinator_address, num_processes, process_id, local_device_ids,
                         cluster_detection_method, initialization_timeout)
         info = dataclasses.replace(info, heartbeat_timeout_seconds=heartbeat_timeout_seconds)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from mirrorax._checks import check_int
 from mirrorax.replica import ReplicaContext, replica_scope, varies_over
 
 if TYPE_CHECKING:
@@ -54,8 +55,7 @@ class InFlight:
     """
 
     def __init__(self, depth: int = 2, on_done: Callable[[Any], None] | None = None) -> None:
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"max_in_flight must be an integer >= 1; received {depth!r}.")
+        check_int("max_in_flight", depth)
         self.depth = depth
         self.on_done = on_done
         self._queue: collections.deque[Any] = collections.deque()

@@ -30,6 +30,7 @@ import time
 from collections.abc import Mapping, Sequence, Set
 from typing import IO, Any
 
+from mirrorax._checks import check_int
 from mirrorax._output import ChatterFilter, verbose
 from mirrorax.cluster import PREEMPTED_EXIT_CODE
 
@@ -135,11 +136,9 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
         raise ValueError("No command to launch. Put it after --, e.g. "
                          "mirrorax launch --nprocs 2 -- python train.py")
     for name, value, low in (("nprocs", nprocs, 1), ("max_restarts", max_restarts, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}; received {value!r}.")
+        check_int(name, value, low)
     if cpu_devices_per_proc is not None:
-        if not isinstance(cpu_devices_per_proc, int) or cpu_devices_per_proc < 1:
-            raise ValueError(f"cpu_devices_per_proc must be a positive int; received {cpu_devices_per_proc!r}.")
+        check_int("cpu_devices_per_proc", cpu_devices_per_proc)
         found = accelerators_present()
         if found:
             raise ValueError(

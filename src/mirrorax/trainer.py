@@ -21,6 +21,7 @@ import numpy as np
 from mirrorax import consistency, preemption
 from mirrorax import data as data_lib
 from mirrorax import resume as resume_lib
+from mirrorax._checks import check_int
 from mirrorax.hooks import Callbacks
 from mirrorax.models.base import ModelAdapter, adapt
 from mirrorax.progress import Progress, resolve_verbose
@@ -122,8 +123,7 @@ class Trainer:
         for name, value, low in (("steps_per_execution", steps_per_execution, 1),
                                  ("accumulation_steps", accumulation_steps, 1),
                                  ("max_in_flight", max_in_flight, 1), ("prefetch", prefetch, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}; received {value!r}.")
+            check_int(name, value, low)
         self.strategy = strategy or get_strategy()
         self.model = model
         self.adapter: ModelAdapter = adapt(model, loss=loss, optimizer=optimizer, metrics=metrics,
@@ -352,11 +352,11 @@ class Trainer:
             of a different model or of a run with another global batch.
         """
         mode = resolve_verbose(verbose, self.stream) if self.strategy.is_primary else 0
-        _check_positive_int("epochs", epochs, low=0)
-        _check_positive_int("initial_epoch", initial_epoch, low=0)
-        _check_positive_int("seed", seed, low=0)
+        check_int("epochs", epochs, low=0)
+        check_int("initial_epoch", initial_epoch, low=0)
+        check_int("seed", seed, low=0)
         if steps_per_epoch is not None:
-            _check_positive_int("steps_per_epoch", steps_per_epoch)
+            check_int("steps_per_epoch", steps_per_epoch)
         if validation_batch_size is not None:
             data_lib.check_batch_size(validation_batch_size)
         every = resume_lib.check_every(checkpoint_every)
@@ -665,7 +665,7 @@ class Trainer:
         data_lib.require_targets(source, "evaluate")
         batch_size = self._batch_size(source, batch_size)
         if steps is not None:
-            _check_positive_int("steps", steps)
+            check_int("steps", steps)
         hooks = Callbacks(callbacks, self.model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
         logs = self._evaluate_source(source, batch_size, steps=steps, hooks=hooks)
         if self.strategy.is_primary and resolve_verbose(verbose, self.stream):
@@ -737,7 +737,7 @@ class Trainer:
         self._ensure_state(self._sample(source, batch_size, with_targets=False))
         source.check_targets(self.adapter)  # the inputs' shapes (no targets here)
         if steps is not None:
-            _check_positive_int("steps", steps)
+            check_int("steps", steps)
         stream = make_stream(source, batch_size, self.strategy, with_targets=False)
         outputs: list[Any] = []
         hooks = Callbacks(callbacks, self.model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
@@ -854,10 +854,6 @@ def _ran_out_of_data() -> None:
                   "`.repeat()` function when building your dataset.", stacklevel=3)
 
 
-def _check_positive_int(name: str, value: Any, low: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}; received {value!r}.")
-
 
 def _plan_module() -> Any:
     import importlib
@@ -874,7 +870,7 @@ def _validation_schedule(freq: Any) -> Callable[[int], bool]:
     if isinstance(freq, (list, tuple, set)):
         wanted = {int(e) for e in freq}
         return lambda epoch: epoch + 1 in wanted
-    _check_positive_int("validation_freq", freq)
+    check_int("validation_freq", freq)
     return lambda epoch: (epoch + 1) % int(freq) == 0
 
 
