@@ -689,23 +689,40 @@ class Trainer:
             self.model.stop_evaluating = False  # as Keras: a test-batch callback may set it to stop early
             hooks.call("on_test_begin")
             self._adopt_callback_changes()
+
+        def batch_end(index: int, logs: Any) -> None:
+            assert hooks is not None
+            # As in fit: callbacks read the model through Callback.model, which syncs what is exposed.
+            self.adapter.expose(dict(self._live_state, metrics=metrics))
+            hooks.call("on_test_batch_end", index, logs)
+            read = self.adapter.exposure_read()
+            if read or self.strategy.process_count > 1:  # the processes decide together
+                self._state = self._adopt_model_changes(self._live_state, model_has_values=read)
+            if read:
+                self.adapter.release()
+
+        # As Keras's evaluate: the model's variables hold nothing while the loop runs (the metrics'
+        # totals are the loop's own); they are lent the values again at the end.
+        self.adapter.release()
         try:
             spe, i, aux = self.steps_per_execution, -1, None  # batch hooks once per execution, as Keras
             for i, (_, batch) in enumerate(batches):
                 if begin and hooks is not None and i % spe == 0:
                     hooks.call("on_test_batch_begin", i)
-                metrics, aux = self.steps.evaluate(self._state, metrics, batch.tree())
+                metrics, aux = self.steps.evaluate(self._live_state, metrics, batch.tree())
                 window.push(aux["token"])
                 if end and hooks is not None and (i + 1) % spe == 0:
-                    hooks.call("on_test_batch_end", i, aux["logs"])
+                    batch_end(i, aux["logs"])
                     if getattr(self.model, "stop_evaluating", False):
                         break
             if end and hooks is not None and aux is not None and (i + 1) % spe:
-                hooks.call("on_test_batch_end", i - i % spe + spe - 1, aux["logs"])
+                batch_end(i - i % spe + spe - 1, aux["logs"])
             window.drain()
         finally:
             if isinstance(batches, data_lib.Prefetcher):
                 batches.close()
+            self.adapter.conceal()
+            self._write_back()
         totals = host_tree(metrics)
         logs = self.adapter.metric_results(totals)
         self.adapter.keep_metrics(totals)

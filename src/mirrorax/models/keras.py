@@ -120,6 +120,7 @@ class KerasAdapter(ModelAdapter):
         self._lent_values: list[tuple[Any, Any]] = []  # (variable, the array write_back lent it)
         self._exposed: list[tuple[Any, Any]] = []
         self._exposed_state: dict[str, Any] | None = None
+        self._metric_stash: list[tuple[Any, Any]] = []  # (metric variable, its value before release)
         # Metric results in one dispatch: eagerly, Keras's result() ops cost ~1.4 ms per call on an MLP,
         # paid at the end of every fit, evaluate and epoch.
         self._results_fn: Any = jax.jit(self._metric_values)
@@ -373,6 +374,7 @@ class KerasAdapter(ModelAdapter):
         # fit give the last epoch's (or evaluation's) values, not the zeros they were compiled with.
         for v, a in zip(self.model.metrics_variables, self._unpack("metrics", metrics)):
             v.assign(np.asarray(a))
+        self._metric_stash = []
 
     def metric_results(self, metrics) -> dict[str, float]:
         return dict(self._keras_metric_results(metrics), **keras_custom.extra_logs(metrics, host=True))
@@ -433,6 +435,12 @@ class KerasAdapter(ModelAdapter):
         # expose); a variable read any other way mid-fit raises instead of returning stale numbers.
         for v in self._written_variables():
             v._value = None
+        # The metrics' totals live in the trainer's state meanwhile (keep_metrics hands them back); their
+        # values from before are put back by conceal if the loop ends without new totals.
+        if not self._metric_stash:
+            self._metric_stash = [(v, v._value) for v in self.model.metrics_variables]
+        for v in self.model.metrics_variables:
+            v._value = None
         self._lent_values = []
 
     def expose(self, state) -> None:
@@ -441,6 +449,8 @@ class KerasAdapter(ModelAdapter):
         names = {"params": "trainable_variables", "model_state": "non_trainable_variables",
                  "optimizer": "optimizer_variables"}
         m._jax_state = {names[g]: v for g, v in values.items()}
+        if "metrics" in state:  # a callback reading the metrics mid-epoch gets the running totals
+            m._jax_state["metrics_variables"] = self._unpack("metrics", state["metrics"])
         m._jax_state_synced = False
         self._exposed_state = m._jax_state  # Keras wraps it (a TrackedDict): keep what it holds
         self._exposed = list(zip(self._written_variables(), [a for v in values.values() for a in v]))
@@ -458,6 +468,10 @@ class KerasAdapter(ModelAdapter):
             m._jax_state = None
             m._jax_state_synced = True
         self._exposed, self._exposed_state = [], None
+        for v, before in self._metric_stash:
+            if v._value is None:
+                v._value = before
+        self._metric_stash = []
 
     @property
     def written_groups(self) -> tuple[str, ...]:
