@@ -124,10 +124,14 @@ class StrategyFunction:
       per_replica: run ``fn`` once per replica on its rows (``jax.shard_map``), as ``strategy.run``.
       bounded: keep the strategy's dispatch bound. ``False`` for a caller that keeps its own window of
         calls in flight (the ``Trainer``'s epoch loop, which reads each step's flags as it leaves).
+      out_shardings: a function of the arguments giving the outputs' layouts, for a caller that knows
+        them (the ``Trainer``: the state as it came in, the rest replicated). It spares the shape probe
+        that the rules above need, a second trace of ``fn`` per signature.
     """
 
     def __init__(self, strategy: MirroredStrategy, fn: Callable[..., Any], *, donate_argnums: int | Sequence[int] = (),
-                 per_replica: bool = False, bounded: bool = True) -> None:
+                 per_replica: bool = False, bounded: bool = True,
+                 out_shardings: Callable[[tuple[Any, ...]], PyTree] | None = None) -> None:
         if not callable(fn):
             raise TypeError(f"Expected a callable for fn. Received: {fn!r} (of type {type(fn).__name__}).")
         self._strategy = strategy
@@ -135,6 +139,7 @@ class StrategyFunction:
         self._donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         self._per_replica = per_replica
         self._bounded = bounded
+        self._out_for = out_shardings
         # signature -> (jitted program, whether a call ran it: ``lower`` alone compiles for no call)
         self._compiled: dict[Any, tuple[Callable[..., Any], bool]] = {}
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
@@ -178,8 +183,10 @@ class StrategyFunction:
     def _build(self, args: tuple[Any, ...]) -> Any:
         s = self._strategy
         body = self._per_replica_body(args) if self._per_replica else self._fn
-        out_shape = jax.eval_shape(body, *args)
-        out_shardings = self._out_shardings(args, out_shape)
+        if self._out_for is not None and not self._per_replica:
+            out_shardings = self._out_for(args)
+        else:
+            out_shardings = self._out_shardings(args, jax.eval_shape(body, *args))
 
         def with_token(*a: Any) -> tuple[Any, jax.Array]:
             # A fresh output of this program: ready exactly when the call is done, and never donated by

@@ -91,16 +91,23 @@ class StepFunctions:
             self._check_labels = bool(on)
             self._select()
 
+    def _out(self, args: tuple[Any, ...]) -> Any:
+        """The train steps' output layouts: the state as it came in, the step's flags and logs replicated."""
+        rep = self.strategy.replicated
+        state = jax.tree.map(lambda a: getattr(a, "sharding", None) or rep, args[0])
+        return state, rep
+
     def _select(self) -> None:
         flag = self._check_labels
         if flag not in self._variants:
             # strategy.jit's functions: the state comes back in the layout it went in with (replicated or
             # sharded), the step's flags and logs replicated; the epoch loop keeps the dispatch bound.
+            # (Their layouts are known, so fn is traced once per signature, as Keras's own fit does.)
             self._variants[flag] = (
                 StrategyFunction(self.strategy, functools.partial(self._train_with_logs, check_labels=flag),
-                                 donate_argnums=self._donate_args, bounded=False),
+                                 donate_argnums=self._donate_args, bounded=False, out_shardings=self._out),
                 StrategyFunction(self.strategy, functools.partial(self._train_many_with_logs, check_labels=flag),
-                                 donate_argnums=self._donate_args, bounded=False))
+                                 donate_argnums=self._donate_args, bounded=False, out_shardings=self._out))
         self.train, self.train_many = self._variants[flag]
 
     # -- pure functions --------------------------------------------------------------------------
