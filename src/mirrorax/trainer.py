@@ -242,6 +242,22 @@ class Trainer:
         if self._state is not None:
             self.adapter.write_back(self._state)
 
+    def _batch_hook(self, hooks: Callbacks, name: str, index: int, logs: Any, state: dict[str, PyTree], *,
+                    exposed: dict[str, PyTree] | None = None) -> dict[str, PyTree]:
+        """Calls batch hook ``name`` while ``state`` is this trainer's (its evaluate / predict / state read
+        it) and ``exposed`` (default ``state``) is what Keras callbacks read through ``Callback.model``.
+        Returns ``state`` with what the callbacks changed on the model adopted."""
+        self.adapter.expose(state if exposed is None else exposed)
+        self._state = state
+        hooks.call(name, index, logs)
+        state = self._live_state
+        read = self.adapter.exposure_read()
+        if read or self.strategy.process_count > 1:  # the processes decide together
+            state = self._adopt_model_changes(state, model_has_values=read)
+        if read:
+            self.adapter.release()
+        return state
+
     def _adopt_model_changes(self, state: dict[str, PyTree], *, model_has_values: bool = True
                              ) -> dict[str, PyTree]:
         """``state``, continuing from the model's values where they were replaced since they were lent
@@ -552,16 +568,10 @@ class Trainer:
                 steps += max(k, 1)
                 samples += stream.last_real(k)
                 if listens_end and (steps % spe == 0 or upcoming is None):
-                    self.adapter.expose(state)  # Keras callbacks read it through Callback.model
-                    self._state = state  # and this trainer's evaluate / predict / state through it
                     # As Keras: an execution ends at begin + steps_per_execution - 1, a short last one too.
-                    hooks.call("on_train_batch_end", start_batch + before - before % spe + spe - 1, aux["logs"])
-                    state, self._state = self._state, None
-                    read = self.adapter.exposure_read()
-                    if read or self.strategy.process_count > 1:  # the processes decide together
-                        state = self._adopt_model_changes(state, model_has_values=read)
-                    if read:
-                        self.adapter.release()
+                    state = self._batch_hook(hooks, "on_train_batch_end",
+                                             start_batch + before - before % spe + spe - 1, aux["logs"], state)
+                    self._state = None  # donated by the next step
                     if getattr(self.model, "stop_training", False):
                         break
                 in_epoch = start_batch + steps
@@ -692,14 +702,8 @@ class Trainer:
 
         def batch_end(index: int, logs: Any) -> None:
             assert hooks is not None
-            # As in fit: callbacks read the model through Callback.model, which syncs what is exposed.
-            self.adapter.expose(dict(self._live_state, metrics=metrics))
-            hooks.call("on_test_batch_end", index, logs)
-            read = self.adapter.exposure_read()
-            if read or self.strategy.process_count > 1:  # the processes decide together
-                self._state = self._adopt_model_changes(self._live_state, model_has_values=read)
-            if read:
-                self.adapter.release()
+            self._state = self._batch_hook(hooks, "on_test_batch_end", index, logs, self._live_state,
+                                           exposed=dict(self._live_state, metrics=metrics))
 
         # As Keras's evaluate: the model's variables hold nothing while the loop runs (the metrics'
         # totals are the loop's own); they are lent the values again at the end.
