@@ -109,6 +109,12 @@ def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(out)
 
 
+def layout(tree: PyTree, default: Any) -> PyTree:
+    """Each leaf's sharding (``jax.ShapeDtypeStruct``s, the abstract arguments of ``lower``, carry one
+    too), ``default`` for leaves without one (host arrays)."""
+    return jax.tree.map(lambda a: getattr(a, "sharding", None) or default, tree)
+
+
 def _dtype(a: Any) -> Any:
     # (``jax.ShapeDtypeStruct``s, the abstract arguments of ``lower``, are no input to ``result_type``)
     return a.dtype if isinstance(a, jax.ShapeDtypeStruct) else jnp.result_type(a)
@@ -201,8 +207,7 @@ class StrategyFunction:
         batch_rows = {a.shape[0] for a in jax.tree.leaves(args) if _batch_axis_of(a, axis) and a.ndim}
 
         def layout_of(arg: Any) -> PyTree:
-            # (``getattr``: abstract arguments, ``jax.ShapeDtypeStruct``s for ``lower``, carry one too)
-            return jax.tree.map(lambda a: getattr(a, "sharding", None) or s.replicated, arg)
+            return layout(arg, s.replicated)
 
         def by_shape(tree: PyTree) -> PyTree:
             return jax.tree.map(lambda o: s.batch_sharding if o.ndim and o.shape[0] in batch_rows else s.replicated,

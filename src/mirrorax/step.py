@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mirrorax.dispatch import InFlight, StrategyFunction
+from mirrorax.dispatch import InFlight, StrategyFunction, layout
 from mirrorax.models.base import ModelAdapter, real_count
 from mirrorax.strategy import MirroredStrategy
 
@@ -94,8 +94,7 @@ class StepFunctions:
     def _out(self, args: tuple[Any, ...]) -> Any:
         """The train steps' output layouts: the state as it came in, the step's flags and logs replicated."""
         rep = self.strategy.replicated
-        state = jax.tree.map(lambda a: getattr(a, "sharding", None) or rep, args[0])
-        return state, rep
+        return layout(args[0], rep), rep
 
     def _select(self) -> None:
         flag = self._check_labels
