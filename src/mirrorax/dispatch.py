@@ -61,17 +61,19 @@ class InFlight:
         self._queue: collections.deque[Any] = collections.deque()
         self.last_done: Any = None
 
-    def push(self, aux: Any) -> None:
-        self._queue.append(aux)
+    def push(self, aux: Any, ready: Any = None) -> None:
+        """Adds a dispatched step; ``ready`` (default: ``aux`` itself) is what to wait on, e.g. one
+        output of the step that is done exactly when the step is, cheaper to wait on than a tree."""
+        self._queue.append((aux, aux if ready is None else ready))
         while len(self._queue) >= self.depth:
-            self._retire(self._queue.popleft())
+            self._retire(*self._queue.popleft())
 
     def drain(self) -> None:
         while self._queue:
-            self._retire(self._queue.popleft())
+            self._retire(*self._queue.popleft())
 
-    def _retire(self, aux: Any) -> None:
-        jax.block_until_ready(aux)
+    def _retire(self, aux: Any, ready: Any) -> None:
+        jax.block_until_ready(ready)
         self.last_done = aux
         if self.on_done is not None:
             self.on_done(aux)
@@ -160,6 +162,13 @@ class StrategyFunction:
         out, token = self._for(args, called=True)(*args)
         self._strategy._dispatched(token if self._bounded else None)
         return out
+
+    def program(self, *args: Any) -> Callable[..., tuple[Any, jax.Array]]:
+        """The compiled program for ``args``' signature, counted as called, for a loop that calls it many
+        times with arguments of that one signature (the ``Trainer``'s epoch: fixed batch shapes, the
+        state in its own layout) and keeps its own dispatch window. Calling it skips the per-call
+        signature lookup; it returns ``(outputs, token)``, the token ready exactly when the call is done."""
+        return self._for(args, called=True)
 
     def lower(self, *args: Any) -> Any:
         """``jax.jit(...).lower`` of the program this call would run (for ``compile()``,

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import numpy as np
 
+from mirrorax.data import put_local
+
 if TYPE_CHECKING:
     from mirrorax.strategy import MirroredStrategy
 
@@ -212,7 +214,7 @@ class DistributedDataset:
         sharding = s.batch_sharding
         leaves, treedef = jax.tree.flatten(host.rows)
         if s.process_count == 1:
-            placed = jax.device_put(leaves, [sharding] * len(leaves))  # one transfer for every leaf
+            placed = put_local(leaves, sharding)
         else:
             placed = [jax.make_array_from_process_local_data(sharding, a, (a.shape[0] * s.process_count,) + a.shape[1:])
                       for a in leaves]
@@ -233,7 +235,7 @@ class DistributedDataset:
     def _put_rows(self, a: np.ndarray) -> jax.Array:
         s = self._strategy
         if s.process_count == 1:
-            return jax.device_put(a, s.batch_sharding)
+            return put_local([a], s.batch_sharding)[0]
         return jax.make_array_from_process_local_data(s.batch_sharding, a, (a.shape[0] * s.process_count,))
 
     def __repr__(self) -> str:

@@ -548,6 +548,7 @@ class Trainer:
         halted = preempted = False
         last_look = time.perf_counter()
         batches = iter(self._device_batches(host, self.steps_per_execution, stream.per_process))
+        programs: dict[int, Any] = {}  # steps per call (0: one) -> the compiled step for this epoch's batches
         try:
             upcoming = next(batches, None)
             while upcoming is not None:
@@ -556,14 +557,15 @@ class Trainer:
                 spe = self.steps_per_execution
                 if listens_begin and steps % spe == 0:
                     hooks.call("on_train_batch_begin", start_batch + steps)
-                if k:
-                    state, aux = self.steps.train_many(state, batch.tree())
-                else:
-                    state, aux = self.steps.train(state, batch.tree())
+                tree = batch.tree()
+                program = programs.get(k)
+                if program is None:  # the epoch's batches have one padded shape: one lookup per kind
+                    program = programs[k] = (self.steps.train_many if k else self.steps.train).program(state, tree)
+                (state, aux), done = program(state, tree)
                 # Place the next batch while this step and the previous one run, then wait for the
                 # previous one: the host's copy overlaps the devices' work instead of following it.
                 upcoming = next(batches, None)
-                window.push(aux)
+                window.push(aux, done)
                 before = steps
                 steps += max(k, 1)
                 samples += stream.last_real(k)
@@ -572,6 +574,7 @@ class Trainer:
                     state = self._batch_hook(hooks, "on_train_batch_end",
                                              start_batch + before - before % spe + spe - 1, aux["logs"], state)
                     self._state = None  # donated by the next step
+                    programs.clear()  # a callback may have placed new values: look the signature up again
                     if getattr(self.model, "stop_training", False):
                         break
                 in_epoch = start_batch + steps

@@ -372,8 +372,15 @@ class KerasAdapter(ModelAdapter):
     def keep_metrics(self, metrics) -> None:
         # As Keras's fit/evaluate leave them: model.get_metrics_result() and each metric's result() after
         # fit give the last epoch's (or evaluation's) values, not the zeros they were compiled with.
-        for v, a in zip(self.model.metrics_variables, self._unpack("metrics", metrics)):
-            v.assign(np.asarray(a))
+        variables = self.model.metrics_variables
+        values = [np.asarray(a) for a in self._unpack("metrics", metrics)]
+        for v, a in zip(variables, values):
+            if tuple(v.shape) != a.shape:
+                raise ValueError(f"The metric variable {v.path} has shape {tuple(v.shape)}; the trainer's total "
+                                 f"has shape {a.shape}. This is a bug in mirrorax: please report it.")
+        # One transfer for all of them (Variable.assign converts and places each value on its own).
+        for v, a in zip(variables, jax.device_put([a.astype(v.dtype) for a in values])):
+            v._value = a
         self._metric_stash = []
 
     def metric_results(self, metrics) -> dict[str, float]:
