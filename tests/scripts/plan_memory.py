@@ -5,6 +5,9 @@ process by about ``N`` times the plan's per-device peak. The model's own copy of
 before fit, is resident at the baseline and is let go of when fit takes the values over, so it is
 subtracted from the prediction. Prints one JSON line.
 
+Run it with ``MALLOC_MMAP_THRESHOLD_=65536`` (the test does): glibc then returns every freed buffer to
+the OS at once, and the RSS counts live memory rather than blocks its heap kept after they were freed.
+
 Usage: python plan_memory.py SHARD DEVICES
 """
 
