@@ -44,6 +44,7 @@ def measure(system: str, args: argparse.Namespace, timeout: float) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.cpu_smoke:
         env["JAX_PLATFORMS"] = "cpu"
+        env["MIRRORAX_BENCH_TINY_LM"] = "1"  # a one-block LM: the path, not the real model's compile
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", SYSTEMS[system], "--workload", "transformer", "--devices", str(args.devices),

@@ -16,6 +16,7 @@ the device count first.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import numpy as np
@@ -67,8 +68,13 @@ WORKLOADS: dict[str, Workload] = {
 ALIASES: dict[str, str] = {"a": "mlp", "b": "cnn", "c": "transformer", "lm": "transformer"}
 """The issue's letters (and ``lm``) for the workload names."""
 
-# Transformer sizes (the issue's: 4 layers, width 256, sequence 128).
-LM_LAYERS, LM_WIDTH, LM_HEADS, LM_FFN = 4, 256, 4, 1024
+# Transformer sizes (the issue's: 4 layers, width 256, sequence 128). ``MIRRORAX_BENCH_TINY_LM=1`` (set by
+# ``benchmarks/gpu_h200.py --cpu-smoke`` for its processes) shrinks it to one small block, so that a smoke
+# run checks the whole path without compiling the real model: a plumbing check, never a measurement.
+TINY_LM = os.environ.get("MIRRORAX_BENCH_TINY_LM") == "1"
+LM_LAYERS, LM_WIDTH, LM_HEADS, LM_FFN = (1, 64, 2, 256) if TINY_LM else (4, 256, 4, 1024)
+if TINY_LM:
+    WORKLOADS["transformer"] = dataclasses.replace(WORKLOADS["transformer"], seq_len=16, vocab=256)
 
 
 def get(name: str) -> Workload:

@@ -257,7 +257,7 @@ def test_cpu_devices_refused_on_a_machine_with_accelerators(tmp_path, monkeypatc
     (["--nprocs", "2"], "No command to launch"),
     (["--nprocs", "0", "--", "python"], "nprocs must be an integer >= 1; received 0"),
     (["--nprocs", "2", "--max-restarts", "-1", "--", "python"], "max_restarts must be an integer >= 0"),
-    (["--nprocs", "2", "--cpu-devices-per-proc", "0", "--", "python"], "cpu_devices_per_proc must be an integer >= 1; received 0"),
+    (["--nprocs", "2", "--cpu-devices-per-proc", "0", "--", "python"], "cpu_devices_per_proc must be an integer >= 1"),
     (["--nprocs", "2", "--", "no-such-command-xyz"], "Cannot run 'no-such-command-xyz': No such file"),
     (["--nprocs", "2", "--grace", "-1", "--", "python"], "grace must be >= 0 seconds; received -1.0"),
 ])
