@@ -232,6 +232,24 @@ def test_lambda_callback_hooks_are_called_in_keras_order_and_count():
     assert names.count("on_train_batch_end") == 2 * 4 and names.count("on_test_batch_end") == 2 * 2
 
 
+def test_batch_logs_come_to_the_host_only_when_a_callback_reads_them():
+    """A batch callback that keeps its logs without reading them waits for no step (Keras's CallbackList
+    would convert them first); read later, they hold Keras's own batch logs."""
+    x, y, _, _ = _data()
+    ref, model = _pair(optimizer="sgd", lr=0.1)
+    kept = {}
+    for name, m in (("ref", ref), ("scope", model)):
+        logs_seen = kept.setdefault(name, [])
+        keep = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: logs_seen.append(logs))
+        m.fit(x, y, epochs=1, callbacks=[keep], **FIT)
+    assert len(kept["scope"]) == len(kept["ref"]) == 4
+    assert all(type(logs).__name__ == "LazyLogs" and logs._pending for logs in kept["scope"])  # never read
+    assert [sorted(logs) for logs in kept["scope"]] == [sorted(logs) for logs in kept["ref"]]
+    for got, want in zip(kept["scope"], kept["ref"]):
+        assert all(isinstance(v, float) for v in got.values())  # read now: Python floats, as Keras gives
+        np.testing.assert_allclose([got[k] for k in sorted(want)], [want[k] for k in sorted(want)], rtol=1e-5)
+
+
 def test_optimizer_ema_weights_are_swapped_in_at_the_end_of_fit():
     x, y, _, _ = _data()
 

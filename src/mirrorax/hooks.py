@@ -12,7 +12,7 @@ Keras's ``CallbackList`` turns them into floats on a worker thread when every ba
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["Callbacks", "check_available"]
@@ -104,14 +104,110 @@ class Callbacks:
         return self._list
 
     def call(self, method: str, *args: Any) -> None:
-        """Calls ``method`` (e.g. ``"on_epoch_end"``) on every callback that has it."""
+        """Calls ``method`` (e.g. ``"on_epoch_end"``) on every callback that has it.
+
+        A train or test batch's logs (device scalars) reach Keras callbacks as :class:`LazyLogs`: a
+        callback that ignores them costs no wait for the step. (Keras's ``CallbackList`` turns them into
+        floats first whenever a callback is not ``async_safe``, which waits for every step.)
+        """
         if self.keras:
+            if method in _LAZY_BATCH_ENDS and len(args) == 2 and isinstance(args[1], Mapping) and \
+                    not getattr(self._list, _LAZY_BATCH_ENDS[method], False) and \
+                    not any(isinstance(v, Mapping) for v in args[1].values()):
+                logs = LazyLogs(args[1])
+                for cb in self._list.callbacks:
+                    getattr(cb, method)(args[0], logs=logs)
+                return
             getattr(self._list, method)(*args)
             return
         for cb in self._list:
             fn = getattr(cb, method, None)
             if fn is not None:
                 fn(*args)
+
+
+# Batch-end hooks whose logs are flat device scalars, and the CallbackList flag that makes Keras run them
+# on a thread (every callback async-safe): then Keras's own path waits for nothing either.
+_LAZY_BATCH_ENDS = {"on_train_batch_end": "_async_train", "on_batch_end": "_async_train",
+                    "on_test_batch_end": "_async_test"}
+
+
+class LazyLogs(dict):
+    """A batch's logs that come to the host when a callback first reads a value.
+
+    Holds the step's device scalars; the first read of any value (``logs["loss"]``, ``items()``,
+    ``dict(logs)``, ...) converts all of them at once, as Keras's ``pythonify_logs`` does (sorted keys,
+    Python floats), and from then on it is a plain dict. The keys, ``len`` and ``in`` need no values.
+    """
+
+    def __init__(self, logs: Mapping[str, Any] | None = None) -> None:
+        logs = logs or {}
+        super().__init__((k, logs[k]) for k in sorted(logs))
+        self._pending = bool(logs)
+
+    def _fill(self) -> None:
+        if self._pending:
+            self._pending = False
+            from keras.src.utils import python_utils
+
+            super().update(python_utils.pythonify_logs(dict(super().items())))
+
+    def __getitem__(self, key: Any) -> Any:
+        self._fill()
+        return super().__getitem__(key)
+
+    def __iter__(self) -> Any:  # (defined, so that dict(logs) and {**logs} read values through __getitem__)
+        return super().__iter__()
+
+    def __repr__(self) -> str:
+        self._fill()
+        return super().__repr__()
+
+    def __eq__(self, other: object) -> bool:
+        self._fill()
+        return super().__eq__(other)
+
+    def __ne__(self, other: object) -> bool:
+        self._fill()
+        return super().__ne__(other)
+
+    __hash__ = None  # type: ignore[assignment]  # as dict's
+
+    def __reduce__(self) -> Any:
+        self._fill()
+        return (dict, (dict(super().items()),))
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._fill()
+        return super().get(key, default)
+
+    def items(self) -> Any:
+        self._fill()
+        return super().items()
+
+    def values(self) -> Any:
+        self._fill()
+        return super().values()
+
+    def copy(self) -> dict[str, Any]:
+        self._fill()
+        return dict(super().items())
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        self._fill()
+        return super().pop(key, *default)
+
+    def popitem(self) -> Any:
+        self._fill()
+        return super().popitem()
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        self._fill()
+        return super().setdefault(key, default)
+
+    def __or__(self, other: Any) -> Any:
+        self._fill()
+        return dict(super().items()) | other
 
 
 _HOOK_NAMES = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_test_begin", "on_test_end",
