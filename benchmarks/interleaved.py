@@ -1,0 +1,116 @@
+"""``model.fit`` under a scope against the hand-written loop, alternated in one process.
+
+The harness (``benchmarks.run``) runs each system in its own process, which is the fair default; but on a
+shared host whose speed drifts by 10-20% over minutes (measured here: the hand-written loop alone took
+9.7-11.3 s per 100 CNN steps in one process), process-against-process ratios of a few percent are
+within that drift. This script removes it: both loops live in one process (same data, same model
+definition, each its own weights and optimizer) and alternate in short chunks (ABBA order), so drift
+hits both alike; the ratio is taken per pair.
+
+Run: ``python -m benchmarks.interleaved --workload cnn --devices 1`` (about 2 minutes for the CNN).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from functools import partial
+from typing import Any
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default="cnn", help="mlp or cnn (default cnn)")
+    p.add_argument("--devices", type=int, default=1, help="simulated CPU devices (default 1)")
+    p.add_argument("--steps", type=int, default=30, help="steps per chunk (default 30)")
+    p.add_argument("--pairs", type=int, default=14, help="chunks of each loop (default 14)")
+    args = p.parse_args(argv)
+    os.environ["JAX_NUM_CPU_DEVICES"] = str(args.devices)
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import mirrorax as mx
+    from benchmarks import workloads
+
+    wl = workloads.get(args.workload)
+    strategy = mx.MirroredStrategy(devices=jax.devices()[:args.devices])
+    with strategy.scope():
+        model = workloads.build_keras_model(wl)
+        model.compile(**workloads.compile_args(wl))
+    x, y = workloads.make_data(wl, wl.batch * args.steps, seed=0)
+
+    def fit(n: int) -> None:
+        model.fit(x, y, batch_size=wl.batch, epochs=1, steps_per_epoch=n, shuffle=False, verbose=0)
+        jax.block_until_ready([v.value for v in model.trainable_variables])
+
+    # The hand-written loop of benchmarks/peers/jax_loop.py: donated replicated state, the next batch
+    # placed while the step runs, at most 2 steps in flight.
+    replicated, split = NamedSharding(strategy.mesh, P()), NamedSharding(strategy.mesh, P(strategy.batch_axis))
+    ref = workloads.build_keras_model(wl)
+    spec = workloads.compile_args(wl)
+    optimizer, loss_obj = spec["optimizer"], spec["loss"]
+    optimizer.build(ref.trainable_variables)
+    sums = (jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
+    state: Any = jax.device_put(([v.value for v in ref.trainable_variables],
+                                 [v.value for v in ref.non_trainable_variables],
+                                 [v.value for v in optimizer.variables], sums), replicated)
+    layouts = jax.tree.map(lambda _: replicated, state)
+
+    def loss_fn(trainable: Any, non_trainable: Any, xb: Any, yb: Any) -> Any:
+        y_pred, non_trainable = ref.stateless_call(trainable, non_trainable, xb, training=True)
+        return loss_obj(yb, y_pred), (non_trainable, y_pred)
+
+    @partial(jax.jit, donate_argnums=(0,), in_shardings=(layouts, split, split), out_shardings=(layouts, replicated))
+    def step(state: Any, xb: Any, yb: Any) -> Any:
+        trainable, non_trainable, opt_vars, (loss_sum, correct, count) = state
+        (loss, (non_trainable, y_pred)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            trainable, non_trainable, xb, yb)
+        trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads, trainable)
+        hits = jnp.sum(jnp.argmax(y_pred, axis=-1) == yb).astype(jnp.float32)
+        return (trainable, non_trainable, opt_vars, (loss_sum + loss, correct + hits, count + yb.size)), loss
+
+    batches = [(x[i:i + wl.batch], y[i:i + wl.batch]) for i in range(0, len(x), wl.batch)]
+
+    def hand(n: int) -> None:
+        nonlocal state
+        pending, upcoming = None, jax.device_put(batches[0], split)
+        for i in range(n):
+            xb, yb = upcoming
+            state, loss = step(state, xb, yb)
+            if i + 1 < n:
+                upcoming = jax.device_put(batches[(i + 1) % len(batches)], split)
+            if pending is not None:
+                pending.block_until_ready()
+            pending = loss
+        jax.block_until_ready(state)
+
+    def timed(f: Any) -> float:
+        t0 = time.perf_counter()
+        f(args.steps)
+        return time.perf_counter() - t0
+
+    fit(3)
+    hand(3)  # compile both
+    fits, hands = [], []
+    for i in range(args.pairs):
+        order = (fit, hand) if i % 2 == 0 else (hand, fit)
+        times = {f: timed(f) for f in order}
+        fits.append(times[fit])
+        hands.append(times[hand])
+    ratios = [h / f for f, h in zip(fits, hands)]
+    print(f"{args.workload}, {args.devices} device(s), {args.pairs} pairs of {args.steps} steps, "
+          f"global batch {wl.batch}")
+    print("model.fit under scope, s per chunk:", " ".join(f"{t:.2f}" for t in fits))
+    print("hand-written loop,     s per chunk:", " ".join(f"{t:.2f}" for t in hands))
+    print(f"speed, model.fit / hand-written: median of pairs {statistics.median(ratios):.3f}, "
+          f"total {sum(hands) / sum(fits):.3f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
