@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import dense, flat_digits, strategy
 
 import mirrorax as mx
 from mirrorax.train_state import TrainState
@@ -95,3 +96,18 @@ def test_from_dict_round_trip_and_refusal():
 def test_repr_is_short():
     text = repr(make())
     assert text.startswith("TrainState(params=<2 leaves>, model_state=<0 leaves>") and "step=" in text
+
+
+@pytest.mark.multi_device
+def test_trainer_state_is_a_train_state_on_the_strategys_layout():
+    x, y, _, _ = flat_digits(64)
+    t = mx.Trainer(dense(), strategy(4))
+    assert t.state is None
+    t.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    state = t.state
+    assert type(state) is TrainState and state["params"] is state.params
+    assert int(np.asarray(state.step)) == 2 and int(np.asarray(t.host_state()["step"])) == 2
+    assert all(a.sharding.num_devices == 4 for a in jax.tree.leaves(state))
+    host = t.host_state()
+    assert type(host) is TrainState and all(isinstance(a, np.ndarray) for a in jax.tree.leaves(host))
+    assert host.params.keys() == state.params.keys() and host.bad_label.shape == (4,)
