@@ -21,6 +21,7 @@ from mirrorax.checkpoint import (
     CheckpointWarning,
     all_finite,
 )
+from mirrorax.train_state import TrainState
 
 
 def replicated(n: int) -> NamedSharding:
@@ -392,6 +393,64 @@ def test_meta_round_trips_nan_history_and_file_is_json(tmp_path):
     assert np.isnan(meta["history"]["val_loss"][0])
     integrity = json.loads((tmp_path / "1" / "integrity" / "metadata").read_text())
     assert integrity["step"] == 1 and "trainable/sequential/dense/kernel" in integrity["checksums"]
+
+
+def dict_form_state(n_devices: int = 8) -> dict:
+    """A trainer's state as it was before TrainState: a dict of its groups and counters."""
+    rng = np.random.default_rng(3)
+    sharding = replicated(n_devices)
+
+    def put(x):
+        return jax.device_put(jnp.asarray(x), sharding)
+
+    return {
+        "params": {"sequential/dense/kernel": put(rng.normal(size=(8, 4)).astype(np.float32)),
+                   "sequential/dense/bias": put(rng.normal(size=(4,)).astype(np.float32))},
+        "model_state": {"seed_generator/state": put(np.array([3, 0], np.uint32))},
+        "optimizer": {"adam/iterations": put(np.int32(7)),
+                      "adam/m/sequential/dense/kernel": put(rng.normal(size=(8, 4)).astype(np.float32))},
+        "metrics": {"loss/total": put(np.float32(2.5)), "loss/count": put(np.float32(4.0))},
+        "step": put(np.int32(7)), "skipped": put(np.int32(0)), "nonfinite_step": put(np.int32(0)),
+        "bad_label": put(np.zeros(4, np.int32)),
+    }
+
+
+def test_train_state_is_stored_as_the_dict_form_and_both_restore_into_each_other(tmp_path):
+    old = dict_form_state()
+    with Checkpointer(tmp_path / "dict", async_save=False) as ckpt:  # what the trainer wrote before TrainState
+        assert ckpt.save(7, old, {"epoch": 1})
+    with Checkpointer(tmp_path / "typed", async_save=False) as ckpt:
+        assert ckpt.save(7, TrainState.from_dict(old), {"epoch": 1})
+    # The same tree on disk: Orbax's tree metadata, the shardings and the integrity record (its variable
+    # paths and checksums) are byte for byte the same. (The data files' names are random.)
+    for item in ("state/_METADATA", "state/_sharding", "integrity/metadata"):
+        assert (tmp_path / "typed" / "7" / item).read_bytes() == (tmp_path / "dict" / "7" / item).read_bytes(), item
+    checksums = json.loads((tmp_path / "typed" / "7" / "integrity" / "metadata").read_text())["checksums"]
+    assert sorted(checksums) == sorted([
+        "params/sequential/dense/kernel", "params/sequential/dense/bias", "model_state/seed_generator/state",
+        "optimizer/adam/iterations", "optimizer/adam/m/sequential/dense/kernel", "metrics/loss/total",
+        "metrics/loss/count", "step", "skipped", "nonfinite_step", "bad_label"])
+
+    # A dict-form checkpoint restores into a TrainState (here on 4 devices), and the other way round.
+    typed_abstract = TrainState.from_dict(abstract(dict_form_state(4), 4))
+    with Checkpointer(tmp_path / "dict", keep=None) as ckpt:
+        step, state, meta = ckpt.restore_latest(typed_abstract)
+    assert step == 7 and meta["epoch"] == 1 and type(state) is TrainState
+    assert_same_values(state.as_dict(), old)
+    assert state.params["sequential/dense/kernel"].sharding.num_devices == 4 and int(state.step) == 7
+    with Checkpointer(tmp_path / "typed", keep=None) as ckpt:
+        state, _ = ckpt.restore(7, abstract(dict_form_state(2), 2))
+    assert type(state) is dict and sorted(state) == sorted(old)
+    assert_same_values(state, old)
+
+
+def test_train_state_of_another_model_is_refused_with_the_old_paths(tmp_path):
+    old = dict_form_state()
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(7, old, {})
+        other = dict(old, params=dict(old["params"], **{"sequential/dense/bias": jnp.zeros(5, jnp.float32)}))
+        with pytest.raises(CheckpointMismatchError, match="'params/sequential/dense/bias' is shape=\\(4,\\)"):
+            ckpt.restore_latest(TrainState.from_dict(abstract(other, 8)))
 
 
 _WORKER = r'''

@@ -34,6 +34,7 @@ from mirrorax.strategy import InputContext as InputContext
 from mirrorax.strategy import MirroredStrategy as MirroredStrategy
 from mirrorax.strategy import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from mirrorax.strategy import get_strategy as get_strategy
+from mirrorax.train_state import TrainState as TrainState
 from mirrorax.trainer import History as History
 from mirrorax.trainer import NonFiniteLossError as NonFiniteLossError
 from mirrorax.trainer import Trainer as Trainer
@@ -72,6 +73,7 @@ __all__ = [
     "Preempted",
     "ReduceOp",
     "ReplicaContext",
+    "TrainState",
     "Trainer",
     "compute_average_loss",
     "enable_compilation_cache",

@@ -3,7 +3,11 @@
 A checkpoint is one Orbax step directory ``<directory>/<step>/`` with three items:
 
 * ``state``: the state pytree (parameters, optimizer state, non-trainable state, metric
-  accumulators, step, RNG), saved with ``StandardSave``;
+  accumulators, step, RNG), saved with ``StandardSave``. A :class:`mirrorax.TrainState` is stored as
+  its plain dict (:meth:`~mirrorax.TrainState.as_dict`: the field names as keys, each group's own tree
+  below), the very tree checkpoints held before the state was typed: checkpoints written before and
+  after that change restore into each other, and the integrity record's paths (``params/...``) are
+  the same;
 * ``meta``: a JSON dict chosen by the caller (data position, history, config);
 * ``integrity``: a JSON record written by this module: a checksum per variable of the values being
   saved, summed in Orbax's background commit from host arrays taken when the save started (one
@@ -39,6 +43,7 @@ from mirrorax._checks import check_int
 from mirrorax._integrity import HostDigest, all_finite, digest, path_str
 from mirrorax._integrity_item import IntegrityHandler, IntegrityRestore, IntegritySave, NonFiniteState
 from mirrorax._orbax_quirks import drain_abandoned_reads, dropping_orbax_read_errors_of_abandoned_reads
+from mirrorax.train_state import TrainState
 
 __all__ = [
     "CheckpointError",
@@ -109,6 +114,17 @@ def _first_mismatch(stored: Any, abstract: PyTree) -> str | None:
             + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
         )
     return None
+
+
+def _stored(tree: PyTree) -> PyTree:
+    """The tree Orbax writes and reads for ``tree``: a :class:`TrainState` as its plain dict (the form
+    of checkpoints from before the state was typed, so both read each other), any other tree as is."""
+    return tree.as_dict() if isinstance(tree, TrainState) else tree
+
+
+def _typed(restored: PyTree, like: PyTree) -> PyTree:
+    """A restored tree in the type of the abstract tree it was restored for (:func:`_stored` undone)."""
+    return TrainState.from_dict(restored) if isinstance(like, TrainState) else restored
 
 
 def _short(exc: BaseException) -> str:
@@ -254,8 +270,9 @@ class Checkpointer:
 
         Args:
             step: The number of optimizer steps taken so far (>= 0); names the checkpoint.
-            state: The pytree of ``jax.Array``s to save, e.g. ``{"trainable": {...},
-                "non_trainable": {...}, "optimizer": {...}, "metrics": {...}, "step": ...}``.
+            state: The pytree of ``jax.Array``s to save, e.g. a :class:`mirrorax.TrainState` (stored
+                as its dict, ``{"params": {...}, "model_state": {...}, ..., "step": ...}``) or any
+                dict of arrays.
             meta: JSON-able dict (numpy numbers are converted): data position, history, config.
 
         Returns:
@@ -273,6 +290,7 @@ class Checkpointer:
         self._check_open()
         check_int("step", step, 0)
         step = int(step)
+        state = _stored(state)
         if not isinstance(meta, Mapping):
             raise TypeError(
                 f"Expected meta to be a dict of JSON values. Received: {type(meta).__name__}."
@@ -437,7 +455,9 @@ class Checkpointer:
         return None
 
     def _try_restore(self, step: int, abstract_state: PyTree) -> tuple[PyTree, dict[str, Any]] | str:
-        """``(state, meta)``, or a sentence saying why checkpoint ``step`` is damaged."""
+        """``(state, meta)``, or a sentence saying why checkpoint ``step`` is damaged; ``state`` of the
+        type of ``abstract_state`` (a :class:`TrainState` restores a dict-form checkpoint)."""
+        like, abstract_state = abstract_state, _stored(abstract_state)
         step_dir = self._manager.directory / str(step)
         if not any((step_dir / item).exists() for item in ("state", "integrity")):
             # Not damage: someone else's checkpoint (e.g. Keras's OrbaxCheckpoint). Leave it alone.
@@ -486,7 +506,7 @@ class Checkpointer:
         for path, value in checksums.items():
             if expected.get(path) != value:
                 return f"the data of variable {path!r} does not match its checksum (corrupted on disk)"
-        return state, meta
+        return _typed(state, like), meta
 
     def _quarantine(self, damaged: list[tuple[int, str]], restored_step: int) -> None:
         """Moves damaged step directories to ``<directory>/damaged/`` and warns about each."""

@@ -287,12 +287,12 @@ def _plan_one(trainer: Any, sample: Any, batch_size: int, memory: int | None = N
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    param_bytes = _per_device_bytes(abstract["params"], layouts["params"])
-    full_params = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(abstract["params"]))
+    param_bytes = _per_device_bytes(abstract.params, layouts.params)
+    full_params = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(abstract.params))
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     return Plan(shard=s.shard, num_devices=s.num_replicas_in_sync, batch_size=batch_size, param_bytes=param_bytes,
-                optimizer_bytes=_per_device_bytes(abstract["optimizer"], layouts["optimizer"]),
-                model_state_bytes=_per_device_bytes(abstract["model_state"], layouts["model_state"]),
+                optimizer_bytes=_per_device_bytes(abstract.optimizer, layouts.optimizer),
+                model_state_bytes=_per_device_bytes(abstract.model_state, layouts.model_state),
                 gradient_bytes=param_bytes if s.shard == "all" else full_params,
                 argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
                 temp_bytes=int(mem.temp_size_in_bytes), peak_bytes=int(peak), flops=float(cost.get("flops", 0.0)),

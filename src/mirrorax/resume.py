@@ -23,6 +23,7 @@ import numpy as np
 
 from mirrorax.data import Batch, IterableSource
 from mirrorax.step import host_value
+from mirrorax.train_state import TrainState
 
 __all__ = ["Saver", "Resumed", "InputState", "resume", "sample_spec", "sample_from_spec", "check_every"]
 
@@ -32,7 +33,7 @@ PyTree = Any
 class Resumed(NamedTuple):
     """Where a resumed fit starts: the state, the data position, and the input's own saved state."""
 
-    state: Any
+    state: TrainState
     epoch: int
     batch_in_epoch: int
     step: int
@@ -81,8 +82,8 @@ class Saver:
             return False
         return after // self.every > before // self.every
 
-    def save(self, state: dict[str, PyTree], epoch: int, batch_in_epoch: int) -> None:
-        step = int(host_value(state["step"]))
+    def save(self, state: TrainState, epoch: int, batch_in_epoch: int) -> None:
+        step = int(host_value(state.step))
         meta = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "run": self.run,
                 "history": self.history.as_dict(), "sample_spec": self.spec,
                 "mirrorax_version": _version()}

@@ -7,11 +7,11 @@ numbers whatever the device count.
 
 ``aux`` holds the step's loss and whether training has halted. With ``on_nonfinite="raise"`` a
 non-finite step leaves the state untouched and freezes it (every later step is a no-op, and
-``state["nonfinite_step"]`` names the step) so the host can stop at its next look and the trainer still
-holds the last good values; with ``"skip"`` the update is dropped and counted in ``state["skipped"]``.
+``state.nonfinite_step`` names the step) so the host can stop at its next look and the trainer still
+holds the last good values; with ``"skip"`` the update is dropped and counted in ``state.skipped``.
 
 Integer labels outside a sparse cross-entropy's classes freeze the state the same way in every mode
-(``state["bad_label"]`` records the first: step, target, row, value), since JAX's one-hot would score
+(``state.bad_label`` records the first: step, target, row, value), since JAX's one-hot would score
 them as no class at all and train on silently: the host reads the record when it looks for non-finite
 steps and raises (:meth:`StepFunctions.take_bad_labels`). Array inputs are checked on the host before
 anything runs; this catches them in iterables, where reading every batch on the host would cost time.
@@ -31,6 +31,7 @@ import numpy as np
 from mirrorax.dispatch import InFlight, StrategyFunction, layout
 from mirrorax.models.base import ModelAdapter, real_count
 from mirrorax.strategy import MirroredStrategy
+from mirrorax.train_state import TrainState
 
 __all__ = ["StepFunctions", "InFlight", "NONFINITE_MODES", "NonFiniteMode", "host_value", "host_tree"]
 
@@ -110,7 +111,7 @@ class StepFunctions:
         self.train, self.train_many = self._variants[flag]
 
     # -- pure functions --------------------------------------------------------------------------
-    def _grads(self, state: dict[str, PyTree], batch: dict[str, PyTree]):
+    def _grads(self, state: TrainState, batch: dict[str, PyTree]):
         k = self.accumulation_steps
         if k == 1:
             return self.adapter.grads(state, batch)
@@ -122,17 +123,17 @@ class StepFunctions:
         def body(carry, mb):
             gsum, lsum, model_state, metrics = carry
             share = (jnp.sum(mb["mask"]) / total).astype(self.adapter.float_dtype)
-            s = dict(state, model_state=model_state, metrics=metrics)
+            s = state.replace(model_state=model_state, metrics=metrics)
             g, loss, model_state, metrics = self.adapter.grads(s, mb, loss_scale=share)
             gsum = jax.tree.map(jnp.add, gsum, g)
             return (gsum, lsum + loss * share, model_state, metrics), None
 
-        zeros = jax.tree.map(jnp.zeros_like, state["params"])
-        init = (zeros, jnp.zeros((), self.adapter.float_dtype), state["model_state"], state["metrics"])
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        init = (zeros, jnp.zeros((), self.adapter.float_dtype), state.model_state, state.metrics)
         (grads, loss, model_state, metrics), _ = jax.lax.scan(body, init, micro)
         return grads, loss, model_state, metrics
 
-    def _train_step(self, state: dict[str, PyTree], batch: dict[str, PyTree], check_labels: bool = True):
+    def _train_step(self, state: TrainState, batch: dict[str, PyTree], check_labels: bool = True):
         labels = self._label_record(batch) if check_labels else None
         if getattr(self.adapter, "custom", {}).get("train_step"):
             # The model's own train_step computes and applies the update; the checks below still hold.
@@ -145,51 +146,51 @@ class StepFunctions:
             grads, loss, model_state, metrics = self._grads(state, batch)
 
             def apply(params_opt):
-                return self.adapter.apply_gradients(dict(state, params=params_opt[0], optimizer=params_opt[1],
-                                                         model_state=model_state), grads)
+                return self.adapter.apply_gradients(state.replace(params=params_opt[0], optimizer=params_opt[1],
+                                                                  model_state=model_state), grads)
         finite = jnp.isfinite(loss)
 
-        params_opt = (state["params"], state["optimizer"])
+        params_opt = (state.params, state.optimizer)
         if self.on_nonfinite == "ignore" and labels is None:
             params, opt = apply(params_opt)
-            return (dict(state, params=params, optimizer=opt, model_state=model_state, metrics=metrics,
-                         step=state["step"] + 1), {"loss": loss, "halted": jnp.zeros((), bool)})
+            return (state.replace(params=params, optimizer=opt, model_state=model_state, metrics=metrics,
+                                  step=state.step + 1), {"loss": loss, "halted": jnp.zeros((), bool)})
         if labels is None:
-            bad_label, labels_ok = state["bad_label"], jnp.ones((), bool)
+            bad_label, labels_ok = state.bad_label, jnp.ones((), bool)
         else:  # the first record sticks: every later step is a no-op until the host takes it
-            here = labels.at[0].set(jnp.where(labels[0] > 0, state["step"] + 1, 0))
-            kept = state["bad_label"][0] > 0
+            here = labels.at[0].set(jnp.where(labels[0] > 0, state.step + 1, 0))
+            kept = state.bad_label[0] > 0
             if self.on_nonfinite == "raise":  # frozen by a non-finite step first: that is the error to report
-                kept = kept | (state["skipped"] > 0)
-            bad_label = jnp.where(kept, state["bad_label"], here)
+                kept = kept | (state.skipped > 0)
+            bad_label = jnp.where(kept, state.bad_label, here)
             labels_ok = bad_label[0] == 0
         if self.on_nonfinite == "ignore":
             nonfinite_ok = jnp.ones((), bool)
         else:
-            nonfinite_ok = finite & (state["skipped"] == 0) if self.on_nonfinite == "raise" else finite
+            nonfinite_ok = finite & (state.skipped == 0) if self.on_nonfinite == "raise" else finite
         ok = nonfinite_ok & labels_ok
-        first_bad = jnp.where((state["nonfinite_step"] == 0) & ~finite & labels_ok, state["step"] + 1,
-                              state["nonfinite_step"])
+        first_bad = jnp.where((state.nonfinite_step == 0) & ~finite & labels_ok, state.step + 1,
+                              state.nonfinite_step)
         # A branch around the optimizer update alone, not a select over the state: the update runs only
         # when it is applied, and nothing else passes through the branch (operands that only pass
         # through a conditional cost copies). The rest is small and selected.
         params, opt = jax.lax.cond(ok, apply, lambda po: po, params_opt)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-        skipped = state["skipped"] + (~nonfinite_ok & labels_ok).astype(state["skipped"].dtype)
-        new = dict(state, params=params, optimizer=opt, model_state=keep(model_state, state["model_state"]),
-                   metrics=keep(metrics, state["metrics"]), step=state["step"] + 1, skipped=skipped,
-                   nonfinite_step=first_bad, bad_label=bad_label)
+        skipped = state.skipped + (~nonfinite_ok & labels_ok).astype(state.skipped.dtype)
+        new = state.replace(params=params, optimizer=opt, model_state=keep(model_state, state.model_state),
+                            metrics=keep(metrics, state.metrics), step=state.step + 1, skipped=skipped,
+                            nonfinite_step=first_bad, bad_label=bad_label)
         # ``halted`` is sticky: any later step's aux tells the host that training froze, so the host
         # looks only now and then, never once per step.
         halted = bad_label[0] > 0
         if self.on_nonfinite == "raise":
-            halted = halted | (new["skipped"] > 0)
+            halted = halted | (new.skipped > 0)
         return new, {"loss": loss, "halted": halted}
 
-    def _train_many(self, state: dict[str, PyTree], batches: dict[str, PyTree], check_labels: bool = True):
+    def _train_many(self, state: TrainState, batches: dict[str, PyTree], check_labels: bool = True):
         return jax.lax.scan(functools.partial(self._train_step, check_labels=check_labels), state, batches)
 
-    def _eval_step(self, state: dict[str, PyTree], metrics: PyTree, batch: dict[str, PyTree]):
+    def _eval_step(self, state: TrainState, metrics: PyTree, batch: dict[str, PyTree]):
         # The mask's sum is the token the host waits on: the metrics themselves are donated onwards, and
         # a host-sent count would come back as the input buffer itself, ready before the step ran.
         token = jnp.sum(batch["mask"])
@@ -239,39 +240,33 @@ class StepFunctions:
             record = jax.lax.cond(found, locate, lambda *_, record=record: record, row_bad, first)
         return record
 
-    def _predict_step(self, state: dict[str, PyTree], x: PyTree):
+    def _predict_step(self, state: TrainState, x: PyTree):
         """The outputs, and the model state after them (a random stream moves on, as in Keras)."""
         return self.adapter.predict_with_state(state, x)
 
     # The step's metric results ride along as device scalars (a few divisions in the same program):
     # batch callbacks get them as logs without another dispatch, and nobody waits for them unless a
     # callback reads them.
-    def _train_with_logs(self, state: dict[str, PyTree], batch: dict[str, PyTree], check_labels: bool = True):
+    def _train_with_logs(self, state: TrainState, batch: dict[str, PyTree], check_labels: bool = True):
         new, aux = self._train_step(state, batch, check_labels)
-        return new, dict(aux, logs=self.adapter.metric_logs(new["metrics"]))
+        return new, dict(aux, logs=self.adapter.metric_logs(new.metrics))
 
-    def _train_many_with_logs(self, state: dict[str, PyTree], batches: dict[str, PyTree],
+    def _train_many_with_logs(self, state: TrainState, batches: dict[str, PyTree],
                               check_labels: bool = True):
         new, aux = self._train_many(state, batches, check_labels)
-        return new, dict(aux, logs=self.adapter.metric_logs(new["metrics"]))
+        return new, dict(aux, logs=self.adapter.metric_logs(new.metrics))
 
-    def _eval_with_logs(self, state: dict[str, PyTree], metrics: PyTree, batch: dict[str, PyTree]):
+    def _eval_with_logs(self, state: TrainState, metrics: PyTree, batch: dict[str, PyTree]):
         metrics, token = self._eval_step(state, metrics, batch)
         return metrics, {"token": token, "logs": self.adapter.metric_logs(metrics)}
 
     # -- helpers ---------------------------------------------------------------------------------
-    @staticmethod
-    def counters() -> dict[str, np.ndarray]:
-        """The engine's entries of a fresh training state (host arrays)."""
-        return {"step": np.zeros((), np.int32), "skipped": np.zeros((), np.int32),
-                "nonfinite_step": np.zeros((), np.int32), "bad_label": np.zeros(4, np.int32)}
-
-    def labels_halted(self, state: dict[str, PyTree]) -> bool:
+    def labels_halted(self, state: TrainState) -> bool:
         """Whether a bad label froze ``state`` (reads one small replicated array)."""
-        return "bad_label" in state and bool(host_value(state["bad_label"])[0])
+        return bool(host_value(state.bad_label)[0])
 
-    def take_bad_labels(self, state: dict[str, PyTree], epoch: int, batch_offset: int
-                        ) -> tuple[dict[str, PyTree], ValueError | None]:
+    def take_bad_labels(self, state: TrainState, epoch: int, batch_offset: int
+                        ) -> tuple[TrainState, ValueError | None]:
         """The error a bad label froze ``state`` with (``None`` if none), and the state to continue from:
         the record cleared and the step counter back at the last applied step, so the same trainer
         trains on once the labels are fixed.
@@ -280,24 +275,22 @@ class StepFunctions:
           epoch: the epoch (0-based) ``state`` trained in; batch_offset: added to a step to give its
             1-based batch of the epoch.
         """
-        if "bad_label" not in state:
-            return state, None
-        record = host_value(state["bad_label"])
+        record = host_value(state.bad_label)
         if not record[0]:
             return state, None
         step = int(record[0])
-        state = dict(state, bad_label=state["bad_label"] * 0, step=state["step"] * 0 + (step - 1))
+        state = state.replace(bad_label=state.bad_label * 0, step=state.step * 0 + (step - 1))
         where = (f"in row {int(record[2])} of the global batch of step {step} (epoch {epoch + 1}, batch "
                  f"{step + batch_offset} of the epoch)")
         return state, ValueError(self._label_message(record, where) + " The update of that step was not "
                                  "applied: the trainer and the model hold the values from before it.")
 
     @staticmethod
-    def clear_nonfinite(state: dict[str, PyTree], bad_step: int) -> dict[str, PyTree]:
+    def clear_nonfinite(state: TrainState, bad_step: int) -> TrainState:
         """``state`` after a non-finite step froze it (``on_nonfinite="raise"``), ready to train on: the
         record cleared and the step counter back at the last applied step (``bad_step - 1``)."""
-        return dict(state, skipped=state["skipped"] * 0, nonfinite_step=state["nonfinite_step"] * 0,
-                    step=state["step"] * 0 + (bad_step - 1))
+        return state.replace(skipped=state.skipped * 0, nonfinite_step=state.nonfinite_step * 0,
+                             step=state.step * 0 + (bad_step - 1))
 
     def eval_watch(self) -> Callable[[Any], None]:
         """An ``InFlight`` ``on_done`` for evaluation: raises on a batch holding a bad label."""

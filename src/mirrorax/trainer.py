@@ -28,6 +28,7 @@ from mirrorax.progress import Progress, resolve_verbose
 from mirrorax.step import InFlight, NonFiniteMode, StepFunctions, host_tree, host_value
 from mirrorax.strategy import MirroredStrategy, get_strategy
 from mirrorax.streams import Stream, make_stream
+from mirrorax.train_state import TrainState
 
 __all__ = ["Trainer", "History", "NonFiniteLossError"]
 
@@ -134,7 +135,7 @@ class Trainer:
         self.prefetch = int(prefetch)  # "auto" is resolved above
         self.steps = StepFunctions(self.adapter, self.strategy, donate=donate, on_nonfinite=on_nonfinite,
                                    accumulation_steps=accumulation_steps)
-        self._state: dict[str, PyTree] | None = None
+        self._state: TrainState | None = None
         self.stream: IO[str] = sys.stdout
         # NaN/inf in array inputs are refused up front unless non-finite steps are to be skipped or
         # ignored: then the user has chosen to train on past them.
@@ -145,13 +146,15 @@ class Trainer:
 
     # -- state -------------------------------------------------------------------------------------
     @property
-    def state(self) -> dict[str, PyTree] | None:
-        """The training state on the devices (``params``, ``model_state``, ``optimizer``, ``metrics``,
-        ``step``, ``skipped``), or ``None`` before the first use."""
+    def state(self) -> TrainState | None:
+        """The training state on the devices, a :class:`mirrorax.TrainState` (``state.params``,
+        ``state.model_state``, ``state.optimizer``, ``state.metrics``, ``state.step`` and the other
+        counters; ``state["params"]`` reads the same), or ``None`` before the first fit, evaluate or
+        predict."""
         return self._state
 
     @property
-    def _live_state(self) -> dict[str, PyTree]:
+    def _live_state(self) -> TrainState:
         """The state, which fit, evaluate and predict build (:meth:`_ensure_state`) before any step."""
         if self._state is None:
             raise RuntimeError("The trainer has no state yet: it is built by the first fit/evaluate/predict.")
@@ -177,21 +180,23 @@ class Trainer:
         # state in the layout it went in with.
         self._state = self._place_state(self._initial_host_state())
 
-    def _initial_host_state(self) -> dict[str, PyTree]:
-        """The model's values plus the engine's counters, on the host (built model required)."""
-        host = self.adapter.initial_state()
-        host.update(self.steps.counters())
-        return host
+    def _initial_host_state(self) -> TrainState:
+        """The model's values plus the engine's counters at zero, on the host (built model required)."""
+        return TrainState.create(**self.adapter.initial_state())
 
-    def state_layout(self, state: dict[str, PyTree]) -> dict[str, PyTree]:
-        """Where each leaf of a state (arrays or shapes) lives on the strategy's devices."""
+    def state_layout(self, state: TrainState | dict[str, PyTree]) -> TrainState | dict[str, PyTree]:
+        """Where each leaf of a state (arrays or shapes) lives on the strategy's devices: a state of
+        ``NamedSharding``s (for a dict of some of its groups, a dict of theirs)."""
         s = self.strategy
-        return {k: s.state_layout(v, _SHARDED_GROUPS[k]) if k in _SHARDED_GROUPS
-                else jax.tree.map(lambda _: s.replicated, v) for k, v in state.items()}
+        groups = state.as_dict() if isinstance(state, TrainState) else state
+        layouts = {k: s.state_layout(v, _SHARDED_GROUPS[k]) if k in _SHARDED_GROUPS
+                   else jax.tree.map(lambda _: s.replicated, v) for k, v in groups.items()}
+        return TrainState(**layouts) if isinstance(state, TrainState) else layouts
 
-    def _place_state(self, tree: dict[str, PyTree], *, from_host: bool = True) -> dict[str, PyTree]:
-        """State groups placed as the strategy lays them out (parameters and optimizer state split over the
-        devices in the sharded modes, everything else replicated), with process 0's values."""
+    def _place_state(self, tree: TrainState | dict[str, PyTree], *, from_host: bool = True) -> Any:
+        """A state (or a dict of some of its groups) placed as the strategy lays it out (parameters and
+        optimizer state split over the devices in the sharded modes, everything else replicated), with
+        process 0's values; of the type given."""
         return self.strategy.place(tree, self.state_layout(tree), broadcast=from_host)
 
     @classmethod
@@ -232,8 +237,8 @@ class Trainer:
         trainer._write_back()
         return trainer
 
-    def host_state(self) -> dict[str, PyTree]:
-        """A host (numpy) copy of the training state."""
+    def host_state(self) -> TrainState:
+        """A host copy of the training state: a :class:`mirrorax.TrainState` of numpy arrays."""
         if self._state is None:
             raise RuntimeError("The trainer has no state yet; call fit, evaluate or predict first.")
         return host_tree(self._state)
@@ -242,8 +247,8 @@ class Trainer:
         if self._state is not None:
             self.adapter.write_back(self._state)
 
-    def _batch_hook(self, hooks: Callbacks, name: str, index: int, logs: Any, state: dict[str, PyTree], *,
-                    exposed: dict[str, PyTree] | None = None) -> dict[str, PyTree]:
+    def _batch_hook(self, hooks: Callbacks, name: str, index: int, logs: Any, state: TrainState, *,
+                    exposed: TrainState | None = None) -> TrainState:
         """Calls batch hook ``name`` while ``state`` is this trainer's (its evaluate / predict / state read
         it) and ``exposed`` (default ``state``) is what Keras callbacks read through ``Callback.model``.
         Returns ``state`` with what the callbacks changed on the model adopted."""
@@ -258,8 +263,7 @@ class Trainer:
             self.adapter.release()
         return state
 
-    def _adopt_model_changes(self, state: dict[str, PyTree], *, model_has_values: bool = True
-                             ) -> dict[str, PyTree]:
+    def _adopt_model_changes(self, state: TrainState, *, model_has_values: bool = True) -> TrainState:
         """``state``, continuing from the model's values where they were replaced since they were lent
         (``set_weights`` between fits or in a callback, Keras's own ``fit``): the model is the truth.
 
@@ -276,8 +280,8 @@ class Trainer:
         if model_has_values:
             values = self.adapter.model_values()
         else:
-            values = {g: state[g] for g in self.adapter.written_groups}
-        return dict(state, **self._place_state(values))
+            values = {g: getattr(state, g) for g in self.adapter.written_groups}
+        return state.replace(**self._place_state(values))
 
     # -- data helpers ------------------------------------------------------------------------------
     def _batch_size(self, source: Any, batch_size: int | None) -> int:
@@ -505,7 +509,7 @@ class Trainer:
 
     def _preempted(self, ckpt: Any, epoch: int, batch: int) -> preemption.Preempted:
         """The stop of every process on SIGTERM, once the checkpoint (if any) is started."""
-        step = int(host_value(self._state["step"])) if self._state is not None else 0
+        step = int(host_value(self._state.step)) if self._state is not None else 0
         code = preemption.PREEMPTED_EXIT_CODE
         if ckpt is not None:
             message = (f"mirrorax: preempted (SIGTERM): saved checkpoint step {step} (epoch {epoch + 1}, batch "
@@ -517,7 +521,7 @@ class Trainer:
                        "SIGTERM and resume from there.")
         return preemption.Preempted(message, step=step, checkpoint_dir=None if ckpt is None else ckpt.directory)
 
-    def _abstract_state(self) -> PyTree:
+    def _abstract_state(self) -> TrainState:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._state)
 
     def _run_epoch(self, stream: Stream, position: int, steps_per_epoch: int | None, epoch: int, epochs: int,
@@ -528,7 +532,7 @@ class Trainer:
         state = self._live_state
         self.adapter.release()  # the model's variables let go of the buffers the first step donates
         if not start_batch:
-            state = dict(state, metrics=self._place(self.adapter.initial_metrics(state["metrics"]), from_host=False))
+            state = state.replace(metrics=self._place(self.adapter.initial_metrics(state.metrics), from_host=False))
         self._state = None  # donated below; restored when the epoch ends or fails
         total = steps_per_epoch or stream.batches_per_pass
         if positioned and start_batch:
@@ -536,13 +540,13 @@ class Trainer:
             host = stream.batches(position, steps_per_epoch and steps_per_epoch - start_batch, start=0)
         else:
             host = stream.batches(position, steps_per_epoch, start=start_batch)
-        first_step = int(host_value(state["step"]))
+        first_step = int(host_value(state.step))
         raise_mode = self.steps.on_nonfinite == "raise"
         listens_begin = hooks is not None and hooks.listens["train_begin"]
         listens_end = hooks is not None and hooks.listens["train_end"]
         window = InFlight(self.max_in_flight)
         progress = Progress(mode, total, epoch + 1, epochs,
-                            lambda: self.adapter.metric_results(host_tree(state["metrics"])),
+                            lambda: self.adapter.metric_results(host_tree(state.metrics)),
                             stream=self.stream)
         steps = samples = 0
         halted = preempted = False
@@ -589,7 +593,7 @@ class Trainer:
                     # Stop here (the same step on every process). At the epoch's last batch the
                     # epoch ends normally instead and fit stops after its checkpoint.
                     window.drain()
-                    if raise_mode and int(host_value(state["skipped"])):
+                    if raise_mode and int(host_value(state.skipped)):
                         halted = True
                         break
                     if saver is not None:
@@ -599,7 +603,7 @@ class Trainer:
                 if saver is not None and saver.due(first_step + before, first_step + steps) and \
                         (total is None or in_epoch < total):
                     window.drain()
-                    if (raise_mode and int(host_value(state["skipped"]))) or self.steps.labels_halted(state):
+                    if (raise_mode and int(host_value(state.skipped))) or self.steps.labels_halted(state):
                         halted = True
                         break
                     saver.save(state, epoch, in_epoch)
@@ -618,8 +622,8 @@ class Trainer:
         if label_error is not None:
             self._write_back()
             raise label_error
-        if raise_mode and (halted or int(host_value(state["skipped"]))):
-            bad = int(host_value(state["nonfinite_step"]))
+        if raise_mode and (halted or int(host_value(state.skipped))):
+            bad = int(host_value(state.nonfinite_step))
             self._state = self.steps.clear_nonfinite(state, bad)
             self._write_back()
             raise NonFiniteLossError(
@@ -627,11 +631,11 @@ class Trainer:
                 f"{start_batch + bad - first_step} of the epoch). The update of that step was not applied: the "
                 "trainer, the model and any checkpoint hold the values from before it. Lower the learning rate, "
                 "check the inputs for NaN/inf, or pass Trainer(..., on_nonfinite='skip') to drop such steps.")
-        totals = host_tree(state["metrics"])
+        totals = host_tree(state.metrics)
         logs = self.adapter.metric_results(totals)
         self.adapter.keep_metrics(totals)
         if self.steps.on_nonfinite == "skip":
-            logs["skipped_steps"] = float(host_value(state["skipped"]))
+            logs["skipped_steps"] = float(host_value(state.skipped))
         return logs, progress, steps, samples
 
     def _validation_source(self, validation_data: Any) -> Any:
@@ -706,7 +710,7 @@ class Trainer:
         def batch_end(index: int, logs: Any) -> None:
             assert hooks is not None
             self._state = self._batch_hook(hooks, "on_test_batch_end", index, logs, self._live_state,
-                                           exposed=dict(self._live_state, metrics=metrics))
+                                           exposed=self._live_state.replace(metrics=metrics))
 
         # As Keras's evaluate: the model's variables hold nothing while the loop runs (the metrics'
         # totals are the loop's own); they are lent the values again at the end.
@@ -791,7 +795,7 @@ class Trainer:
                 if hooks is not None and hooks.listens["predict_begin"] and i % spe == 0:
                     hooks.call("on_predict_batch_begin", i)
                 y, model_state = self.steps.predict(self._live_state, batch.x)
-                self._state = dict(self._live_state, model_state=model_state)
+                self._state = self._live_state.replace(model_state=model_state)
                 window.push((y, batch.mask))
                 if hooks is not None and getattr(self.model, "stop_predicting", False):
                     break
@@ -802,7 +806,7 @@ class Trainer:
         finally:
             if isinstance(batches, data_lib.Prefetcher):
                 batches.close()
-        if jax.tree.leaves(self._live_state["model_state"]):
+        if jax.tree.leaves(self._live_state.model_state):
             self._write_back()  # the model's random streams moved on (Keras's predict syncs them back too)
         if hooks is not None:
             hooks.call("on_predict_end")
@@ -829,7 +833,7 @@ class Trainer:
         self.steps.check_labels_in_step(True)  # (the labels of a single batch are looked at in the step)
         host = next(source.batches(batch_size, self.strategy, shuffle=False, seed=0, pass_index=0))
         batch = data_lib.to_global(host, self.strategy)
-        state = dict(self._live_state, metrics=self._place(self.adapter.initial_metrics(), from_host=False))
+        state = self._live_state.replace(metrics=self._place(self.adapter.initial_metrics(), from_host=False))
         self.adapter.release()
         self._state = None
         try:
@@ -837,11 +841,11 @@ class Trainer:
         finally:
             self._state = state if state is not None else self._state
         self._write_back()
-        if self.steps.on_nonfinite == "raise" and int(host_value(state["skipped"])):
-            self._state = self.steps.clear_nonfinite(state, int(host_value(state["nonfinite_step"])))
+        if self.steps.on_nonfinite == "raise" and int(host_value(state.skipped)):
+            self._state = self.steps.clear_nonfinite(state, int(host_value(state.nonfinite_step)))
             raise NonFiniteLossError("The loss of this batch is not finite; the update was not applied (the model "
                                      "keeps its values). Check the batch for NaN/inf or lower the learning rate.")
-        totals = host_tree(state["metrics"])
+        totals = host_tree(state.metrics)
         self.adapter.keep_metrics(totals)
         return self.adapter.metric_results(totals)
 

@@ -1,8 +1,9 @@
 """The adapter protocol: what the engine needs from a model, as pure functions over a state pytree.
 
-The training state is a dict of dicts of arrays (keys are variable paths, so a checkpoint names what it
-holds): ``{"params": ..., "model_state": ..., "optimizer": ..., "metrics": ...}``. The engine adds
-``step`` and ``skipped`` counters.
+The training state is a :class:`mirrorax.TrainState`: the model's groups ``params``, ``model_state``,
+``optimizer`` and ``metrics`` (for Keras models dicts of arrays keyed by variable path, so a checkpoint
+names what it holds), and the engine's counters (``step``, ``skipped``, ...). An adapter reads the groups
+(``state.params``) and returns new values; the engine builds the next state.
 
 ``train(state, batch)`` must compute the loss as the (weighted) mean over the *real* rows of the global
 batch (``batch["mask"]`` is 0 on padding) and update metric accumulators with the mask as weight, so
@@ -15,6 +16,8 @@ import abc
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from mirrorax.train_state import TrainState
 
 PyTree = Any
 
@@ -69,7 +72,8 @@ class ModelAdapter(abc.ABC):
 
     @abc.abstractmethod
     def initial_state(self) -> dict[str, PyTree]:
-        """The model's current values (host or device arrays): params, model_state, optimizer, metrics."""
+        """The model's current values (host or device arrays), the groups of a :class:`TrainState` the
+        model owns: ``{"params": ..., "model_state": ..., "optimizer": ..., "metrics": ...}``."""
 
     @abc.abstractmethod
     def initial_metrics(self, previous: PyTree | None = None) -> PyTree:
@@ -77,31 +81,31 @@ class ModelAdapter(abc.ABC):
         metric's own ``reset_state`` may keep some of what they hold)."""
 
     @abc.abstractmethod
-    def grads(self, state: dict[str, PyTree], batch: dict[str, PyTree], loss_scale: Any = 1.0
+    def grads(self, state: TrainState, batch: dict[str, PyTree], loss_scale: Any = 1.0
               ) -> tuple[PyTree, Any, PyTree, PyTree]:
         """Gradients of ``loss_scale * loss`` on a global batch, in training mode (traced, pure).
 
         Returns:
-          ``(grads, loss, model_state, metrics)``: grads with the structure of ``state["params"]``, the
+          ``(grads, loss, model_state, metrics)``: grads with the structure of ``state.params``, the
           unscaled loss (mean over the real rows), and the updated non-trainable state and metrics.
         """
 
     @abc.abstractmethod
-    def apply_gradients(self, state: dict[str, PyTree], grads: PyTree) -> tuple[PyTree, PyTree]:
+    def apply_gradients(self, state: TrainState, grads: PyTree) -> tuple[PyTree, PyTree]:
         """One optimizer update: returns ``(params, optimizer_state)`` (traced, pure)."""
 
     @abc.abstractmethod
-    def evaluate(self, state: dict[str, PyTree], metrics: PyTree, batch: dict[str, PyTree]) -> PyTree:
+    def evaluate(self, state: TrainState, metrics: PyTree, batch: dict[str, PyTree]) -> PyTree:
         """Updates ``metrics`` with a batch in inference mode (traced, pure)."""
 
     @abc.abstractmethod
-    def predict(self, state: dict[str, PyTree], x: PyTree) -> PyTree:
+    def predict(self, state: TrainState, x: PyTree) -> PyTree:
         """The model's outputs in inference mode (traced, pure)."""
 
-    def predict_with_state(self, state: dict[str, PyTree], x: PyTree) -> tuple[PyTree, PyTree]:
+    def predict_with_state(self, state: TrainState, x: PyTree) -> tuple[PyTree, PyTree]:
         """The outputs and the ``model_state`` after the call: a layer's random stream advances in
         inference mode too (Keras's ``predict`` keeps it). Default: the state unchanged."""
-        return self.predict(state, x), state["model_state"]
+        return self.predict(state, x), state.model_state
 
     @abc.abstractmethod
     def metric_results(self, metrics: PyTree) -> dict[str, float]:
@@ -116,7 +120,7 @@ class ModelAdapter(abc.ABC):
         adapter cannot compute them in a traced program."""
         return {}
 
-    def write_back(self, state: dict[str, PyTree]) -> None:
+    def write_back(self, state: TrainState) -> None:
         """Stores trained values into the user's model object.
 
         ``state`` is the device state. Either copy it to the host one variable at a time
@@ -142,7 +146,7 @@ class ModelAdapter(abc.ABC):
     def release(self) -> None:
         """Before a fit's first train step: the model lets go of the values it shares with the state."""
 
-    def expose(self, state: dict[str, PyTree]) -> None:
+    def expose(self, state: TrainState) -> None:
         """Mid-epoch, before the batch callbacks: lets them read ``state`` through the model."""
 
     def exposure_read(self) -> bool:

@@ -140,9 +140,8 @@ class _FunctionalAdapter(ModelAdapter):
     def build(self, sample):
         if sample.get("y") is None or not self.sparse or self._output_shape is not None:
             return
-        state = {"params": self.model.params, "model_state": self.model.model_state or {}}
-        spec = jax.eval_shape(lambda p, s, x: self._apply(p, s or None, x, False)[0], state["params"],
-                              state["model_state"], sample["x"])
+        spec = jax.eval_shape(lambda p, s, x: self._apply(p, s or None, x, False)[0], self.model.params,
+                              self.model.model_state or {}, sample["x"])
         self._output_shape = tuple(spec.shape)
 
     def sparse_targets(self, y, check_shapes=False):
@@ -169,7 +168,7 @@ class _FunctionalAdapter(ModelAdapter):
         return out
 
     def _loss(self, params, state, batch, training):
-        y_pred, model_state = self._apply(params, state["model_state"] or None, batch["x"], training)
+        y_pred, model_state = self._apply(params, state.model_state or None, batch["x"], training)
         per = self.loss_fn(batch["y"], y_pred)
         dt = jnp.result_type(per.dtype, self.float_dtype)  # every factor of the loss in the model's type
         w = batch["sample_weight"].astype(dt) * batch["mask"].astype(dt)
@@ -182,21 +181,21 @@ class _FunctionalAdapter(ModelAdapter):
             loss, aux = self._loss(p, state, batch, True)
             return loss * loss_scale, (loss, aux)
 
-        (_, (loss, (loss_sum, y_pred, model_state))), g = jax.value_and_grad(f, has_aux=True)(state["params"])
-        return g, loss, model_state, self._accumulate(state["metrics"], loss_sum, batch["y"], y_pred, batch)
+        (_, (loss, (loss_sum, y_pred, model_state))), g = jax.value_and_grad(f, has_aux=True)(state.params)
+        return g, loss, model_state, self._accumulate(state.metrics, loss_sum, batch["y"], y_pred, batch)
 
     def apply_gradients(self, state, grads):
         import optax
 
-        updates, opt_state = self.opt.update(grads, state["optimizer"], state["params"])
-        return optax.apply_updates(state["params"], updates), opt_state
+        updates, opt_state = self.opt.update(grads, state.optimizer, state.params)
+        return optax.apply_updates(state.params, updates), opt_state
 
     def evaluate(self, state, metrics, batch):
-        _, (loss_sum, y_pred, _) = self._loss(state["params"], state, batch, False)
+        _, (loss_sum, y_pred, _) = self._loss(state.params, state, batch, False)
         return self._accumulate(metrics, loss_sum, batch["y"], y_pred, batch)
 
     def predict(self, state, x):
-        return self._apply(state["params"], state["model_state"] or None, x, False)[0]
+        return self._apply(state.params, state.model_state or None, x, False)[0]
 
     def metric_logs(self, metrics):
         return {n: m["total"] / jnp.maximum(m["count"], 1e-12) for n, m in metrics.items()}
@@ -208,6 +207,6 @@ class _FunctionalAdapter(ModelAdapter):
     def write_back(self, state):
         from mirrorax.step import host_value
 
-        self.model.params = jax.tree.map(host_value, state["params"])
+        self.model.params = jax.tree.map(host_value, state.params)
         if self.stateful:
-            self.model.model_state = jax.tree.map(host_value, state["model_state"])
+            self.model.model_state = jax.tree.map(host_value, state.model_state)

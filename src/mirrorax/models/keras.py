@@ -197,10 +197,10 @@ class KerasAdapter(ModelAdapter):
         return [tree[n] for n in self._names[group]]
 
     def initial_state(self) -> dict[str, PyTree]:
-        state = dict(self.model_values(), metrics=self.initial_metrics())
+        values = dict(self.model_values(), metrics=self.initial_metrics())
         if self.optax is not None:
-            state["optimizer"] = self.optax.init(state["params"])
-        return state
+            values["optimizer"] = self.optax.init(values["params"])
+        return values
 
     def initial_metrics(self, previous: PyTree | None = None) -> PyTree:
         values = [a.copy() for a in self._metrics_init]
@@ -240,9 +240,9 @@ class KerasAdapter(ModelAdapter):
         metrics, loss)`` after one update on the global batch."""
         self._tracing = "train"
         logs, (params, model_state, opt, metrics) = keras_custom.call_train_step(
-            self.model, self._unpack("params", state["params"]), self._unpack("model_state", state["model_state"]),
-            self._unpack("optimizer", state["optimizer"]), self._unpack("metrics", state["metrics"]), batch)
-        metrics = dict(self._pack("metrics", metrics), **keras_custom.store_logs("train", logs, state["metrics"]))
+            self.model, self._unpack("params", state.params), self._unpack("model_state", state.model_state),
+            self._unpack("optimizer", state.optimizer), self._unpack("metrics", state.metrics), batch)
+        metrics = dict(self._pack("metrics", metrics), **keras_custom.store_logs("train", logs, state.metrics))
         loss = jnp.asarray(logs.get("loss", 0.0), jnp.float32).reshape(())
         return (self._pack("params", params), self._pack("optimizer", opt), self._pack("model_state", model_state),
                 metrics, loss)
@@ -255,13 +255,13 @@ class KerasAdapter(ModelAdapter):
             # (Adam: two per weight) on one device for the life of the trainer.
             opt_vars = [jnp.zeros(v.shape, v.dtype) for v in self.model.optimizer.variables]
         else:
-            opt_vars = self._unpack("optimizer", state["optimizer"])
+            opt_vars = self._unpack("optimizer", state.optimizer)
 
         def loss_fn(params):
-            scaled, aux = self._loss_and_updates(params, state["model_state"], state["metrics"], opt_vars, batch, True)
+            scaled, aux = self._loss_and_updates(params, state.model_state, state.metrics, opt_vars, batch, True)
             return scaled * loss_scale, aux
 
-        (_, (loss, y_pred, model_state, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+        (_, (loss, y_pred, model_state, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         metrics = self._update_metrics(metrics, loss, batch, y_pred)
         return grads, loss, self._pack("model_state", model_state), metrics
 
@@ -269,22 +269,22 @@ class KerasAdapter(ModelAdapter):
         if self.optax is not None:
             import optax
 
-            updates, opt_state = self.optax.update(grads, state["optimizer"], state["params"])
-            return optax.apply_updates(state["params"], updates), opt_state
+            updates, opt_state = self.optax.update(grads, state.optimizer, state.params)
+            return optax.apply_updates(state.params, updates), opt_state
         new_params, new_opt = self.model.optimizer.stateless_apply(
-            self._unpack("optimizer", state["optimizer"]), self._unpack("params", grads),
-            self._unpack("params", state["params"]))
+            self._unpack("optimizer", state.optimizer), self._unpack("params", grads),
+            self._unpack("params", state.params))
         return self._pack("params", new_params), self._pack("optimizer", new_opt)
 
     def evaluate(self, state, metrics, batch):
         self._tracing = "test"
         if self.custom["test_step"]:
             logs, (_, _, new) = keras_custom.call_test_step(
-                self.model, self._unpack("params", state["params"]), self._unpack("model_state", state["model_state"]),
+                self.model, self._unpack("params", state.params), self._unpack("model_state", state.model_state),
                 self._unpack("metrics", metrics), batch)
             return dict(self._pack("metrics", new), **keras_custom.store_logs("test", logs, metrics))
         _, (loss, y_pred, _, new_metrics) = self._loss_and_updates(
-            state["params"], state["model_state"], metrics, None, batch, False)
+            state.params, state.model_state, metrics, None, batch, False)
         return self._update_metrics(new_metrics, loss, batch, y_pred)
 
     def predict(self, state, x):
@@ -292,12 +292,12 @@ class KerasAdapter(ModelAdapter):
 
     def predict_with_state(self, state, x):
         if self.custom["predict_step"]:
-            return keras_custom.call_predict_step(self.model, self._unpack("params", state["params"]),
-                                                  self._unpack("model_state", state["model_state"]), x), \
-                state["model_state"]
+            return keras_custom.call_predict_step(self.model, self._unpack("params", state.params),
+                                                  self._unpack("model_state", state.model_state), x), \
+                state.model_state
         kwargs = {"training": False} if self.model._call_has_training_arg else {}
-        y_pred, model_state = self.model.stateless_call(self._unpack("params", state["params"]),
-                                                        self._unpack("model_state", state["model_state"]), x,
+        y_pred, model_state = self.model.stateless_call(self._unpack("params", state.params),
+                                                        self._unpack("model_state", state.model_state), x,
                                                         **kwargs)
         return y_pred, self._pack("model_state", model_state)
 
@@ -452,12 +452,12 @@ class KerasAdapter(ModelAdapter):
 
     def expose(self, state) -> None:
         m = self.model
-        values = {g: self._unpack(g, state[g]) for g in self.written_groups}
+        values = {g: self._unpack(g, getattr(state, g)) for g in self.written_groups}
         names = {"params": "trainable_variables", "model_state": "non_trainable_variables",
                  "optimizer": "optimizer_variables"}
         m._jax_state = {names[g]: v for g, v in values.items()}
-        if "metrics" in state:  # a callback reading the metrics mid-epoch gets the running totals
-            m._jax_state["metrics_variables"] = self._unpack("metrics", state["metrics"])
+        # A callback reading the metrics mid-epoch gets the running totals.
+        m._jax_state["metrics_variables"] = self._unpack("metrics", state.metrics)
         m._jax_state_synced = False
         self._exposed_state = m._jax_state  # Keras wraps it (a TrackedDict): keep what it holds
         self._exposed = list(zip(self._written_variables(), [a for v in values.values() for a in v]))
@@ -496,7 +496,7 @@ class KerasAdapter(ModelAdapter):
         return [v for g in self.written_groups for v in groups[g]]
 
     def _written_values(self, state) -> list[Any]:
-        return [a for g in self.written_groups for a in self._unpack(g, state[g])]
+        return [a for g in self.written_groups for a in self._unpack(g, getattr(state, g))]
 
 
 def _local_replica(a: Any) -> Any:
