@@ -240,7 +240,7 @@ def test_batch_logs_come_to_the_host_only_when_a_callback_reads_them():
     kept = {}
     for name, m in (("ref", ref), ("scope", model)):
         logs_seen = kept.setdefault(name, [])
-        keep = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: logs_seen.append(logs))
+        keep = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs, seen=logs_seen: seen.append(logs))
         m.fit(x, y, epochs=1, callbacks=[keep], **FIT)
     assert len(kept["scope"]) == len(kept["ref"]) == 4
     assert all(type(logs).__name__ == "LazyLogs" and logs._pending for logs in kept["scope"])  # never read

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any, Literal
@@ -20,6 +19,7 @@ import numpy as np
 
 from mirrorax import consistency, preemption
 from mirrorax import data as data_lib
+from mirrorax import epoch as epoch_lib
 from mirrorax import resume as resume_lib
 from mirrorax._checks import check_int
 from mirrorax.hooks import Callbacks
@@ -526,12 +526,13 @@ class Trainer:
 
     def _run_epoch(self, stream: Stream, position: int, steps_per_epoch: int | None, epoch: int, epochs: int,
                    mode: int, *, start_batch: int = 0, saver: resume_lib.Saver | None = None,
-                   hooks: Callbacks, watch: preemption.Watch | None = None,
+                   hooks: Callbacks | None, watch: preemption.Watch | None = None,
                    positioned: bool = False) -> tuple[dict[str, float], Progress, int, int]:
-        # Resuming mid-epoch keeps the checkpoint's metric accumulators: the epoch's logs stay exact.
+        """One epoch: dispatch each step, place the next batch, then run the loop's hooks
+        (:mod:`mirrorax.epoch`: batch callbacks, the halt watch, preemption, periodic saves, progress)."""
         state = self._live_state
         self.adapter.release()  # the model's variables let go of the buffers the first step donates
-        if not start_batch:
+        if not start_batch:  # (resuming mid-epoch keeps the checkpoint's accumulators: the logs stay exact)
             state = state.replace(metrics=self._place(self.adapter.initial_metrics(state.metrics), from_host=False))
         self._state = None  # donated below; restored when the epoch ends or fails
         total = steps_per_epoch or stream.batches_per_pass
@@ -540,103 +541,90 @@ class Trainer:
             host = stream.batches(position, steps_per_epoch and steps_per_epoch - start_batch, start=0)
         else:
             host = stream.batches(position, steps_per_epoch, start=start_batch)
-        first_step = int(host_value(state.step))
-        raise_mode = self.steps.on_nonfinite == "raise"
-        listens_begin = hooks is not None and hooks.listens["train_begin"]
-        listens_end = hooks is not None and hooks.listens["train_end"]
-        window = InFlight(self.max_in_flight)
+        run = epoch_lib.EpochRun(state, InFlight(self.max_in_flight), start_batch, int(host_value(state.step)), total)
         progress = Progress(mode, total, epoch + 1, epochs,
-                            lambda: self.adapter.metric_results(host_tree(state.metrics)),
-                            stream=self.stream)
-        steps = samples = 0
-        halted = preempted = False
-        last_look = time.perf_counter()
+                            lambda: self.adapter.metric_results(host_tree(run.state.metrics)), stream=self.stream)
+        callbacks = None if hooks is None else epoch_lib.BatchCallbacks(
+            hooks, self.steps_per_execution, self._train_batch_end(hooks), self.model)
+        loop_hooks: list[epoch_lib.EpochHook] = [h for h in (
+            callbacks,
+            epoch_lib.HaltWatch(),
+            None if watch is None else epoch_lib.PreemptionStop(watch, saver, self.steps, epoch),
+            None if saver is None else epoch_lib.PeriodicSave(saver, self.steps, epoch),
+            epoch_lib.ProgressHook(progress)) if h is not None]
+        outcome = None
         batches = iter(self._device_batches(host, self.steps_per_execution, stream.per_process))
         programs: dict[int, Any] = {}  # steps per call (0: one) -> the compiled step for this epoch's batches
         try:
             upcoming = next(batches, None)
-            while upcoming is not None:
+            while upcoming is not None and outcome is None:
                 k, batch = upcoming
-                # Batch hooks once per execution, as Keras: a short last one (run as single steps) too.
-                spe = self.steps_per_execution
-                if listens_begin and steps % spe == 0:
-                    hooks.call("on_train_batch_begin", start_batch + steps)
+                for hook in loop_hooks:
+                    hook.before_step(run)
                 tree = batch.tree()
                 program = programs.get(k)
                 if program is None:  # the epoch's batches have one padded shape: one lookup per kind
-                    program = programs[k] = (self.steps.train_many if k else self.steps.train).program(state, tree)
-                (state, aux), done = program(state, tree)
+                    program = programs[k] = (self.steps.train_many if k else self.steps.train).program(run.state, tree)
+                (run.state, run.aux), done = program(run.state, tree)
                 # Place the next batch while this step and the previous one run, then wait for the
                 # previous one: the host's copy overlaps the devices' work instead of following it.
                 upcoming = next(batches, None)
-                window.push(aux, done)
-                before = steps
-                steps += max(k, 1)
-                samples += stream.last_real(k)
-                if listens_end and (steps % spe == 0 or upcoming is None):
-                    # As Keras: an execution ends at begin + steps_per_execution - 1, a short last one too.
-                    state = self._batch_hook(hooks, "on_train_batch_end",
-                                             start_batch + before - before % spe + spe - 1, aux["logs"], state)
-                    self._state = None  # donated by the next step
+                run.window.push(run.aux, done)
+                run.before, run.steps = run.steps, run.steps + max(k, 1)
+                run.samples += stream.last_real(k)
+                run.last = upcoming is None
+                for hook in loop_hooks:
+                    outcome = hook.after_step(run)
+                    if outcome is not None:
+                        break
+                if callbacks is not None and callbacks.changed:
                     programs.clear()  # a callback may have placed new values: look the signature up again
-                    if getattr(self.model, "stop_training", False):
-                        break
-                in_epoch = start_batch + steps
-                # Looked at in every mode: a bad label halts whatever on_nonfinite says.
-                if time.perf_counter() - last_look > 0.5 and window.last_done is not None:
-                    last_look = time.perf_counter()  # a finished step's flag: no wait
-                    if np.any(host_value(window.last_done["halted"])):
-                        halted = True
-                        break
-                if watch is not None and watch.reached() and upcoming is not None and \
-                        (total is None or in_epoch < total):
-                    # Stop here (the same step on every process). At the epoch's last batch the
-                    # epoch ends normally instead and fit stops after its checkpoint.
-                    window.drain()
-                    if raise_mode and int(host_value(state.skipped)):
-                        halted = True
-                        break
-                    if saver is not None:
-                        saver.save(state, epoch, in_epoch)
-                    preempted = True
-                    break
-                if saver is not None and saver.due(first_step + before, first_step + steps) and \
-                        (total is None or in_epoch < total):
-                    window.drain()
-                    if (raise_mode and int(host_value(state.skipped))) or self.steps.labels_halted(state):
-                        halted = True
-                        break
-                    saver.save(state, epoch, in_epoch)
-                progress.update(in_epoch, samples)
-            window.drain()
+                    callbacks.changed = False
+            run.window.drain()
             progress.stop()
-            if preempted:
-                self._state = state
-                raise self._preempted(None if saver is None else saver.ckpt, epoch, start_batch + steps)
+            if outcome is epoch_lib.Outcome.PREEMPT:
+                self._state = run.state
+                raise self._preempted(None if saver is None else saver.ckpt, epoch, run.in_epoch)
         finally:
             if isinstance(batches, data_lib.Prefetcher):
                 batches.close()
             self.adapter.conceal()
-            self._state = state
-        self._state, label_error = self.steps.take_bad_labels(state, epoch, start_batch - first_step)
+            self._state = run.state
+        return self._finish_epoch(run, outcome is epoch_lib.Outcome.HALT, epoch), progress, run.steps, run.samples
+
+    def _train_batch_end(self, hooks: Callbacks) -> Callable[[int, Any, TrainState], TrainState]:
+        """``on_train_batch_end`` with the state exposed to the model's callbacks; returns the state to go
+        on from (what a callback changed on the model adopted)."""
+        def end(index: int, logs: Any, state: TrainState) -> TrainState:
+            state = self._batch_hook(hooks, "on_train_batch_end", index, logs, state)
+            self._state = None  # donated by the next step
+            return state
+
+        return end
+
+    def _finish_epoch(self, run: epoch_lib.EpochRun, halted: bool, epoch: int) -> dict[str, float]:
+        """The epoch's logs, or the error a frozen epoch ends with (a bad label; a non-finite step under
+        ``on_nonfinite="raise"``), the state then set to train on from the last applied step."""
+        state = run.state
+        self._state, label_error = self.steps.take_bad_labels(state, epoch, run.start_batch - run.first_step)
         if label_error is not None:
             self._write_back()
             raise label_error
-        if raise_mode and (halted or int(host_value(state.skipped))):
+        if self.steps.on_nonfinite == "raise" and (halted or int(host_value(state.skipped))):
             bad = int(host_value(state.nonfinite_step))
             self._state = self.steps.clear_nonfinite(state, bad)
             self._write_back()
             raise NonFiniteLossError(
                 f"The loss became non-finite at step {bad} (epoch {epoch + 1}, batch "
-                f"{start_batch + bad - first_step} of the epoch). The update of that step was not applied: the "
-                "trainer, the model and any checkpoint hold the values from before it. Lower the learning rate, "
+                f"{run.start_batch + bad - run.first_step} of the epoch). The update of that step was not applied: "
+                "the trainer, the model and any checkpoint hold the values from before it. Lower the learning rate, "
                 "check the inputs for NaN/inf, or pass Trainer(..., on_nonfinite='skip') to drop such steps.")
         totals = host_tree(state.metrics)
         logs = self.adapter.metric_results(totals)
         self.adapter.keep_metrics(totals)
         if self.steps.on_nonfinite == "skip":
             logs["skipped_steps"] = float(host_value(state.skipped))
-        return logs, progress, steps, samples
+        return logs
 
     def _validation_source(self, validation_data: Any) -> Any:
         if validation_data is None:
