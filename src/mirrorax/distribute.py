@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import numpy as np
 
-from mirrorax.data import put_local
+from mirrorax.data import put_rows
 
 if TYPE_CHECKING:
     from mirrorax.strategy import MirroredStrategy
@@ -213,11 +213,7 @@ class DistributedDataset:
         s = self._strategy
         sharding = s.batch_sharding
         leaves, treedef = jax.tree.flatten(host.rows)
-        if s.process_count == 1:
-            placed = put_local(leaves, sharding)
-        else:
-            placed = [jax.make_array_from_process_local_data(sharding, a, (a.shape[0] * s.process_count,) + a.shape[1:])
-                      for a in leaves]
+        placed = put_rows(leaves, sharding, s.process_count)
         full = bool(host.mask.all())
         mask = self._mask_cache.get(host.mask.shape[0]) if full else None
         if mask is None:
@@ -234,9 +230,7 @@ class DistributedDataset:
 
     def _put_rows(self, a: np.ndarray) -> jax.Array:
         s = self._strategy
-        if s.process_count == 1:
-            return put_local([a], s.batch_sharding)[0]
-        return jax.make_array_from_process_local_data(s.batch_sharding, a, (a.shape[0] * s.process_count,))
+        return put_rows([a], s.batch_sharding, s.process_count)[0]
 
     def __repr__(self) -> str:
         kind = f"arrays of {self._n} rows" if self._arrays is not None else type(self._iterable).__name__
