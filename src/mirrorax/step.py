@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mirrorax import batch_sums
 from mirrorax.dispatch import InFlight, StrategyFunction, layout
 from mirrorax.models.base import ModelAdapter, real_count
 from mirrorax.strategy import MirroredStrategy
@@ -248,17 +249,25 @@ class StepFunctions:
     # batch callbacks get them as logs without another dispatch, and nobody waits for them unless a
     # callback reads them.
     def _train_with_logs(self, state: TrainState, batch: dict[str, PyTree], check_labels: bool = True):
-        new, aux = self._train_step(state, batch, check_labels)
+        with self._split():
+            new, aux = self._train_step(state, batch, check_labels)
         return new, dict(aux, logs=self.adapter.metric_logs(new.metrics))
 
     def _train_many_with_logs(self, state: TrainState, batches: dict[str, PyTree],
                               check_labels: bool = True):
-        new, aux = self._train_many(state, batches, check_labels)
+        with self._split():
+            new, aux = self._train_many(state, batches, check_labels)
         return new, dict(aux, logs=self.adapter.metric_logs(new.metrics))
 
     def _eval_with_logs(self, state: TrainState, metrics: PyTree, batch: dict[str, PyTree]):
-        metrics, token = self._eval_step(state, metrics, batch)
+        with self._split():
+            metrics, token = self._eval_step(state, metrics, batch)
         return metrics, {"token": token, "logs": self.adapter.metric_logs(metrics)}
+
+    def _split(self) -> Any:
+        """While a step is traced: where its batch is split, for sums packed into one all-reduce
+        (:mod:`mirrorax.batch_sums`)."""
+        return batch_sums.over(self.strategy.mesh, self.strategy.batch_axis)
 
     # -- helpers ---------------------------------------------------------------------------------
     def labels_halted(self, state: TrainState) -> bool:

@@ -19,13 +19,14 @@ import contextlib
 import math
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mirrorax import batch_sums
 from mirrorax.models import keras_custom
 from mirrorax.models.base import ModelAdapter, SparseTarget, real_count
 from mirrorax.models.keras_targets import check_target_shape, fits, loss_entries, output_spec, resolve, shape_text
@@ -223,17 +224,61 @@ class KerasAdapter(ModelAdapter):
         real = real_count(batch)
         # Keras divides by the number of rows: scale the weights so the loss is the mean over real rows.
         # Every factor in the model's float type: a float64 model's loss stays float64 throughout.
-        dt = self.float_dtype
-        loss_weight = batch["sample_weight"].astype(dt) * mask.astype(dt) * (rows / jnp.maximum(real.astype(dt), 1.0))
-        y = batch["y"]
-        if hasattr(y, "ndim") and y.ndim > 1:
-            # Keras does not broadcast (batch,) weights over per-timestep losses: (batch, 1, ...) does.
-            loss_weight = loss_weight.reshape((-1,) + (1,) * (y.ndim - 1))
-        with _masked_batch_norm(self.model, mask, self.keras):
+        loss_weight = self._loss_weight(batch["sample_weight"], mask, batch["y"], rows, real)
+        with _masked_batch_norm(self.model, mask, self.keras), self._watch_losses():
             return self.model.compute_loss_and_updates(
                 self._unpack("params", params), self._unpack("model_state", model_state),
                 self._unpack("metrics", metrics), batch["x"], batch["y"], loss_weight,
                 training=training, optimizer_variables=opt_vars)
+
+    def _loss_weight(self, sample_weight, mask, y, rows, real):
+        # Keras divides by the number of rows: scale the weights so the loss is the mean over real rows.
+        # Every factor in the model's float type: a float64 model's loss stays float64 throughout.
+        dt = self.float_dtype
+        loss_weight = sample_weight.astype(dt) * mask.astype(dt) * (rows / jnp.maximum(real.astype(dt), 1.0))
+        if hasattr(y, "ndim") and y.ndim > 1:
+            # Keras does not broadcast (batch,) weights over per-timestep losses: (batch, 1, ...) does.
+            loss_weight = loss_weight.reshape((-1,) + (1,) * (y.ndim - 1))
+        return loss_weight
+
+    @contextlib.contextmanager
+    def _watch_losses(self) -> Iterator[None]:
+        """While Keras computes the loss: whether it is the compiled loss alone (no regularisation or
+        ``add_loss`` terms, no ``compute_loss`` of the model's own), recorded for :meth:`_rows_loss`."""
+        model = self.model
+        self._compiled_loss_only = False
+        from keras.src.trainers.trainer import Trainer as KerasTrainer
+
+        if type(model).compute_loss is not KerasTrainer.compute_loss or model._compile_loss is None:
+            yield
+            return
+        keras_compute_loss = model.compute_loss
+
+        def compute_loss(*args: Any, **kwargs: Any) -> Any:
+            self._compiled_loss_only = not model.losses
+            return keras_compute_loss(*args, **kwargs)
+
+        model.compute_loss = compute_loss
+        try:
+            yield
+        finally:
+            del model.compute_loss
+
+    def _rows_loss(self, y: Any, y_pred: Any) -> Callable[[Any, Any, Any, Any, Any], Any] | None:
+        """The compiled loss of some rows, to be summed over the replicas (``None`` when it does not add
+        up so): one output, one loss reduced by ``sum_over_batch_size``, no other loss terms."""
+        cl = self.model._compile_loss
+        one = jax.tree_util.treedef_is_leaf
+        if not self._compiled_loss_only or not one(jax.tree.structure(y)) or not one(jax.tree.structure(y_pred)):
+            return None
+        flat = getattr(cl, "_flat_losses", None)
+        if not flat or len(flat) != 1 or getattr(flat[0][1], "reduction", None) != "sum_over_batch_size":
+            return None
+
+        def loss(y_t, y_p, sample_weight, mask, real):
+            # Over r rows of the global batch's R: sum(l * w * R / real) / R, the global loss's share.
+            return cl(y_t, y_p, self._loss_weight(sample_weight, mask, y_t, mask.shape[0], real))
+        return loss
 
     def train_step(self, state, batch):
         """The model's own ``train_step`` (its class overrides it): ``(params, optimizer, model_state,
@@ -262,7 +307,9 @@ class KerasAdapter(ModelAdapter):
             return scaled * loss_scale, aux
 
         (_, (loss, y_pred, model_state, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        metrics = self._update_metrics(metrics, loss, batch, y_pred)
+        # (A loss summed per replica below replaces Keras's: the global one is then unused, and JAX
+        # drops its reduction.)
+        metrics, loss = self._update_metrics(metrics, loss, batch, y_pred)
         return grads, loss, self._pack("model_state", model_state), metrics
 
     def apply_gradients(self, state, grads):
@@ -285,7 +332,7 @@ class KerasAdapter(ModelAdapter):
             return dict(self._pack("metrics", new), **keras_custom.store_logs("test", logs, metrics))
         _, (loss, y_pred, _, new_metrics) = self._loss_and_updates(
             state.params, state.model_state, metrics, None, batch, False)
-        return self._update_metrics(new_metrics, loss, batch, y_pred)
+        return self._update_metrics(new_metrics, loss, batch, y_pred)[0]
 
     def predict(self, state, x):
         return self.predict_with_state(state, x)[0]
@@ -356,18 +403,53 @@ class KerasAdapter(ModelAdapter):
         model = self.model
         refs = model.metrics_variables
         values = metrics if isinstance(metrics, list) else self._unpack("metrics", metrics)
+        cm = model._compile_metrics
+        mask, weights = batch["mask"], batch["sample_weight"] * batch["mask"]
+        where = batch_sums.current()
+        # Metrics that add up over rows are summed per replica and packed into one all-reduce operand
+        # (mirrorax.batch_sums), with the loss when it adds up too; the others use the global batch.
+        packed: list[Any] = []
+        totals: list[Any] = []
+        if where is not None:
+            packed = [] if cm is None else _packable(cm, batch["y"], y_pred)
+            rows_loss = self._rows_loss(batch["y"], y_pred) if _unmasked(y_pred) else None
+            own = [v for m in packed for v in m.variables]
+            if rows_loss is not None or packed:
+                def sums(rows, real):
+                    y, y_p, m, w, sw = rows
+                    head = [] if rows_loss is None else [rows_loss(y, y_p, sw, m, real)]
+                    return head + self._metric_totals(cm, own, packed, y, y_p, m, w)
+
+                totals = batch_sums.per_replica_sums(
+                    sums, (batch["y"], y_pred, mask, weights, batch["sample_weight"]), where, real_count(batch))
+                if rows_loss is not None:
+                    loss, totals = totals[0].astype(jnp.result_type(loss)), totals[1:]
         with self.keras.StatelessScope(state_mapping=list(zip(refs, values))) as scope:
             model._loss_tracker.update_state(loss, sample_weight=real_count(batch))
-            if model._compile_metrics is not None:
-                _update_compile_metrics(model._compile_metrics, batch["y"], y_pred, batch["mask"],
-                                        batch["sample_weight"] * batch["mask"])
+            if cm is not None:
+                _update_compile_metrics(cm, batch["y"], y_pred, mask, weights,
+                                        skip=set(map(id, packed)) if packed else None)
         out = []
         for ref, v in zip(refs, values):
             new = scope.get_current_value(ref)
             out.append(v if new is None else new)
+        if packed:
+            index = {id(ref): i for i, ref in enumerate(refs)}
+            for v, total in zip(own, totals):
+                i = index[id(v)]
+                out[i] = values[i] + total.astype(values[i].dtype)
         extras = {k: v for k, v in metrics.items() if k.startswith(keras_custom.EXTRA_PREFIX)} \
             if isinstance(metrics, dict) else {}
-        return dict(self._pack("metrics", out), **extras)
+        return dict(self._pack("metrics", out), **extras), loss
+
+    def _metric_totals(self, cm, own, packed, y, y_pred, mask, weights):
+        """The totals of ``packed`` metrics' variables ``own`` over some rows, from zero."""
+        if not packed:
+            return []
+        zeros = [jnp.zeros(v.shape, v.dtype) for v in own]
+        with self.keras.StatelessScope(state_mapping=list(zip(own, zeros))) as local:
+            _update_compile_metrics(cm, y, y_pred, mask, weights, only=set(map(id, packed)))
+        return [z if local.get_current_value(v) is None else local.get_current_value(v) for v, z in zip(own, zeros)]
 
     def keep_metrics(self, metrics) -> None:
         # As Keras's fit/evaluate leave them: model.get_metrics_result() and each metric's result() after
@@ -565,17 +647,10 @@ def _resets_itself(metric: Any) -> bool:
                                                                    "keras.src.trainers.compile_utils"))
 
 
-def _update_compile_metrics(cm: Any, y: Any, y_pred: Any, mask: Any, weights: Any) -> None:
-    """``CompileMetrics.update_state``, with padding masked out of the *unweighted* metrics too.
-
-    Keras feeds ``metrics=`` without sample weights and ``weighted_metrics=`` with them; padding rows
-    must count in neither, so the former get the mask and the latter ``sample_weight * mask``.
-    """
-    if not all(hasattr(cm, a) for a in ("_flat_metrics", "_flat_weighted_metrics", "_flatten_y")):
-        cm.update_state(y, y_pred, weights)  # an unknown Keras version: weighted metrics stay exact
-        return
-    if not cm.built:
-        cm.build(y, y_pred)
+def _compile_metric_items(cm: Any, y: Any, y_pred: Any, mask: Any, weights: Any
+                          ) -> Iterator[tuple[Any, Any, Any, Any]]:
+    """``(metric, y_true, y_pred, weights)`` for each metric of a built CompileMetrics: ``metrics=`` get
+    the mask, ``weighted_metrics=`` get ``sample_weight * mask``."""
     ys, ps = cm._flatten_y(y), cm._flatten_y(y_pred)
     for flat, w in ((cm._flat_metrics, mask), (cm._flat_weighted_metrics, weights)):
         for m, y_t, y_p in zip(flat, ys, ps):
@@ -583,7 +658,60 @@ def _update_compile_metrics(cm: Any, y: Any, y_pred: Any, mask: Any, weights: An
                 continue
             # An output's metrics come as one MetricsList: each metric is fed on its own (see below).
             for metric in m.metrics if type(m).__name__ == "MetricsList" else [m]:
-                metric.update_state(y_t, y_p, sample_weight=w if _per_example(metric, y_t, y_p) else None)
+                yield metric, y_t, y_p, w
+
+
+def _update_compile_metrics(cm: Any, y: Any, y_pred: Any, mask: Any, weights: Any, *,
+                            skip: set[int] | None = None, only: set[int] | None = None) -> None:
+    """``CompileMetrics.update_state``, with padding masked out of the *unweighted* metrics too.
+
+    Keras feeds ``metrics=`` without sample weights and ``weighted_metrics=`` with them; padding rows
+    must count in neither, so the former get the mask and the latter ``sample_weight * mask``.
+    ``skip`` / ``only``: ids of metrics to leave out / to update alone.
+    """
+    if not all(hasattr(cm, a) for a in ("_flat_metrics", "_flat_weighted_metrics", "_flatten_y")):
+        cm.update_state(y, y_pred, weights)  # an unknown Keras version: weighted metrics stay exact
+        return
+    if not cm.built:
+        cm.build(y, y_pred)
+    for metric, y_t, y_p, w in _compile_metric_items(cm, y, y_pred, mask, weights):
+        if (skip is not None and id(metric) in skip) or (only is not None and id(metric) not in only):
+            continue
+        metric.update_state(y_t, y_p, sample_weight=w if _per_example(metric, y_t, y_p) else None)
+
+
+def _unmasked(y_pred: Any) -> bool:
+    """Whether no output carries a Keras mask (a masked loss or metric divides by a global count)."""
+    from keras.src.backend import get_keras_mask
+
+    return all(get_keras_mask(p) is None for p in jax.tree.leaves(y_pred))
+
+
+def _packable(cm: Any, y: Any, y_pred: Any) -> list[Any]:
+    """The compiled metrics whose update adds up over rows (from zero, the totals of two sets of rows
+    are the sum of each set's), which :mod:`mirrorax.batch_sums` may sum per replica: Keras's own
+    sum-based metrics (means of a per-example function, confusion counts, AUC) whose ``update_state``
+    is Keras's, fed per-example weights. A metric of a function that gives one number per batch, a
+    subclass with its own ``update_state``, or outputs carrying a Keras mask stay in the global view."""
+    if not all(hasattr(cm, a) for a in ("_flat_metrics", "_flat_weighted_metrics", "_flatten_y")):
+        return []
+    if not cm.built:
+        cm.build(y, y_pred)
+    if not _unmasked(y_pred):
+        return []
+    adds_up = _sum_based_updates()
+    return [metric for metric, y_t, y_p, _ in _compile_metric_items(cm, y, y_pred, None, None)
+            if getattr(type(metric), "update_state", None) in adds_up and _per_example(metric, y_t, y_p)]
+
+
+def _sum_based_updates() -> set[Any]:
+    """The ``update_state`` functions of Keras's metrics whose variables are sums over rows."""
+    from keras.src.metrics import confusion_metrics as cm
+    from keras.src.metrics import reduction_metrics as rm
+
+    return {rm.Sum.update_state, rm.Mean.update_state, rm.MeanMetricWrapper.update_state,
+            cm._ConfusionMatrixConditionCount.update_state, cm.Precision.update_state, cm.Recall.update_state,
+            cm.SensitivitySpecificityBase.update_state, cm.AUC.update_state}
 
 
 def _per_example(metric: Any, y_t: Any, y_p: Any) -> bool:
