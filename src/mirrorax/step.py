@@ -172,15 +172,22 @@ class StepFunctions:
         ok = nonfinite_ok & labels_ok
         first_bad = jnp.where((state.nonfinite_step == 0) & ~finite & labels_ok, state.step + 1,
                               state.nonfinite_step)
-        # A branch around the optimizer update alone, not a select over the state: the update runs only
-        # when it is applied, and nothing else passes through the branch (operands that only pass
-        # through a conditional cost copies). The rest is small and selected.
-        params, opt = jax.lax.cond(ok, apply, lambda po: po, params_opt)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+        # A branch around the optimizer update, not a select over the state: the update runs only when
+        # it is applied, in place. The step's metrics and model state (small) take the same branch: one
+        # select per leaf cost more than the branch (about 1 ms a step on 2 processes x 4 CPU devices).
+        def applied(operands):
+            po, new_rest, _ = operands
+            return apply(po), new_rest
+
+        def unchanged(operands):
+            po, _, old_rest = operands
+            return po, old_rest
+
+        (params, opt), (model_state, metrics) = jax.lax.cond(
+            ok, applied, unchanged, (params_opt, (model_state, metrics), (state.model_state, state.metrics)))
         skipped = state.skipped + (~nonfinite_ok & labels_ok).astype(state.skipped.dtype)
-        new = state.replace(params=params, optimizer=opt, model_state=keep(model_state, state.model_state),
-                            metrics=keep(metrics, state.metrics), step=state.step + 1, skipped=skipped,
-                            nonfinite_step=first_bad, bad_label=bad_label)
+        new = state.replace(params=params, optimizer=opt, model_state=model_state, metrics=metrics,
+                            step=state.step + 1, skipped=skipped, nonfinite_step=first_bad, bad_label=bad_label)
         # ``halted`` is sticky: any later step's aux tells the host that training froze, so the host
         # looks only now and then, never once per step.
         halted = bad_label[0] > 0
