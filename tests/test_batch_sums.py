@@ -80,7 +80,8 @@ def test_eight_devices_log_what_one_does(model_kw):
         np.testing.assert_allclose(eight[1][key], value, rtol=2e-6, atol=1e-7, err_msg=key)
 
 
-def _train_step_hlo(n, **model_kw):
+def _step_hlo(trainer, x, y):
+    """The optimized HLO of the train step ``trainer`` runs on ``(x, y)``."""
     captured = {}
     original = dispatch.StrategyFunction.program
 
@@ -88,14 +89,17 @@ def _train_step_hlo(n, **model_kw):
         captured["args"] = args
         return original(self, *args)
 
-    x, y = _data()
-    trainer = mx.Trainer(_model(**model_kw), helpers.strategy(n))
     dispatch.StrategyFunction.program = program
     try:
         trainer.fit(x, y, batch_size=24, epochs=1, steps_per_epoch=1, verbose=0)
     finally:
         dispatch.StrategyFunction.program = original
     return trainer.steps.train.lower(*captured["args"]).compile().as_text()
+
+
+def _train_step_hlo(n, **model_kw):
+    x, y = _data()
+    return _step_hlo(mx.Trainer(_model(**model_kw), helpers.strategy(n)), x, y)
 
 
 def _all_reduce_operands(hlo: str) -> list[str]:
@@ -136,3 +140,30 @@ def test_packing_is_a_sum_of_every_replica():
     assert sorted(_all_reduce_operands(hlo)) == ["f32[2]", "s32[1]"]  # one operand per dtype
     assert float(total) == 120.0 and int(int_total) == 120 and float(squares) == float((np.arange(16) ** 2).sum())
     assert int_total.dtype == np.int32
+
+
+def test_a_functional_model_packs_its_loss_and_metrics_too():
+    import optax
+
+    def apply(p, x):
+        return jax.numpy.tanh(x @ p["w"]) @ p["v"]
+
+    rng = np.random.default_rng(1)
+    params = {"w": rng.normal(size=(12, 8)).astype("float32") * 0.3,
+              "v": rng.normal(size=(8, 3)).astype("float32") * 0.3}
+    x, y = _data()
+    results = {}
+    for n in (1, 8):
+        model = mx.FunctionalModel(apply, params, loss="sparse_categorical_crossentropy_from_logits",
+                                   optimizer=optax.sgd(0.1), metrics=["accuracy"])
+        trainer = mx.Trainer(model, helpers.strategy(n))
+        h = trainer.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0)
+        results[n] = (h.history, trainer.evaluate(x, y, batch_size=40))
+        if n == 8:
+            operands = _all_reduce_operands(_step_hlo(trainer, x, y))
+            # 2 gradients and one f32[3]: the loss's sum and accuracy's total and count
+            assert len(operands) == 3 and "f32[3]" in operands, operands
+    for key, values in results[1][0].items():
+        np.testing.assert_allclose(results[8][0][key], values, rtol=2e-6, atol=1e-7, err_msg=key)
+    for key, value in results[1][1].items():
+        np.testing.assert_allclose(results[8][1][key], value, rtol=2e-6, atol=1e-7, err_msg=key)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mirrorax import batch_sums
 from mirrorax.models.base import ModelAdapter, SparseTarget, real_count
 
 __all__ = ["FunctionalModel"]
@@ -154,35 +155,57 @@ class _FunctionalAdapter(ModelAdapter):
         return [SparseTarget("y", y, int(self._output_shape[-1]), None,
                              "sparse_categorical_crossentropy_from_logits")]
 
-    def _accumulate(self, metrics, loss_sum, y, y_pred, batch):
+    def _accumulate(self, metrics, weighted, y, y_pred, batch):
+        """The metrics' totals after this batch, and the batch's loss sum (``weighted``: each row's weighted
+        loss). On several devices the sums are taken per replica in one all-reduce operand
+        (:mod:`mirrorax.batch_sums`): they all add up over rows."""
         dt = self.float_dtype
         w = batch["sample_weight"].astype(dt) * batch["mask"].astype(dt)
         real = real_count(batch).astype(dt)
+        fns = list(self.metric_fns.items())
+
+        def sums(rows):
+            weighted, y, y_pred, w = rows
+            out = [jnp.sum(weighted)]
+            for _, fn in fns:
+                v = fn(y, y_pred).reshape(w.shape[0], -1).mean(-1)
+                out += [jnp.sum(v * w).astype(dt), jnp.sum(w)]
+            return out
+
+        where = batch_sums.current()
+        rows = (weighted, y, y_pred, w)
+        totals = sums(rows) if where is None else batch_sums.per_replica_sums(sums, rows, where)
         # Sums keep their type: a metric carried through a scan or donated between steps must not change it.
-        out = {"loss": {"total": metrics["loss"]["total"] + loss_sum.astype(dt),
+        out = {"loss": {"total": metrics["loss"]["total"] + totals[0].astype(dt),
                         "count": metrics["loss"]["count"] + real}}
-        for name, fn in self.metric_fns.items():
-            v = fn(y, y_pred).reshape(w.shape[0], -1).mean(-1)
-            out[name] = {"total": metrics[name]["total"] + jnp.sum(v * w).astype(dt),
-                         "count": metrics[name]["count"] + jnp.sum(w)}
-        return out
+        for i, (name, _) in enumerate(fns):
+            out[name] = {"total": metrics[name]["total"] + totals[1 + 2 * i],
+                         "count": metrics[name]["count"] + totals[2 + 2 * i]}
+        return out, totals[0]
 
     def _loss(self, params, state, batch, training):
         y_pred, model_state = self._apply(params, state.model_state or None, batch["x"], training)
         per = self.loss_fn(batch["y"], y_pred)
         dt = jnp.result_type(per.dtype, self.float_dtype)  # every factor of the loss in the model's type
         w = batch["sample_weight"].astype(dt) * batch["mask"].astype(dt)
-        loss_sum = jnp.sum(jnp.where(batch["mask"] > 0, per.astype(dt) * w, 0.0))
-        loss = loss_sum / jnp.maximum(real_count(batch).astype(dt), 1.0)
-        return loss, (loss_sum, y_pred, model_state if model_state is not None else {})
+        weighted = jnp.where(batch["mask"] > 0, per.astype(dt) * w, 0.0)
+        loss = jnp.sum(weighted) / self._real(batch, dt)
+        return loss, (weighted, y_pred, model_state if model_state is not None else {})
+
+    @staticmethod
+    def _real(batch, dt):
+        return jnp.maximum(real_count(batch).astype(dt), 1.0)
 
     def grads(self, state, batch, loss_scale=1.0):
         def f(p):
             loss, aux = self._loss(p, state, batch, True)
-            return loss * loss_scale, (loss, aux)
+            return loss * loss_scale, aux
 
-        (_, (loss, (loss_sum, y_pred, model_state))), g = jax.value_and_grad(f, has_aux=True)(state.params)
-        return g, loss, model_state, self._accumulate(state.metrics, loss_sum, batch["y"], y_pred, batch)
+        # The loss is taken again from the summed rows below: the forward's own sum is then unused (JAX
+        # drops it), and the loss rides the metrics' all-reduce operand.
+        (_, (weighted, y_pred, model_state)), g = jax.value_and_grad(f, has_aux=True)(state.params)
+        metrics, loss_sum = self._accumulate(state.metrics, weighted, batch["y"], y_pred, batch)
+        return g, loss_sum / self._real(batch, loss_sum.dtype), model_state, metrics
 
     def apply_gradients(self, state, grads):
         import optax
@@ -191,8 +214,8 @@ class _FunctionalAdapter(ModelAdapter):
         return optax.apply_updates(state.params, updates), opt_state
 
     def evaluate(self, state, metrics, batch):
-        _, (loss_sum, y_pred, _) = self._loss(state.params, state, batch, False)
-        return self._accumulate(metrics, loss_sum, batch["y"], y_pred, batch)
+        _, (weighted, y_pred, _) = self._loss(state.params, state, batch, False)
+        return self._accumulate(metrics, weighted, batch["y"], y_pred, batch)[0]
 
     def predict(self, state, x):
         return self._apply(state.params, state.model_state or None, x, False)[0]
