@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from mirrorax.data import Batch, IterableSource
+from mirrorax.inputs.batch import Batch
+from mirrorax.inputs.iterables import IterableSource
 from mirrorax.step import host_value
 from mirrorax.train_state import TrainState
 

@@ -18,16 +18,22 @@ import jax
 import numpy as np
 
 from mirrorax import consistency, preemption
-from mirrorax import data as data_lib
 from mirrorax import epoch as epoch_lib
 from mirrorax import resume as resume_lib
 from mirrorax._checks import check_int
 from mirrorax.hooks import Callbacks
+from mirrorax.input_checks import check_batch_size
+from mirrorax.inputs.arrays import ArraySource
+from mirrorax.inputs.batch import Batch, stack
+from mirrorax.inputs.iterables import IterableSource
+from mirrorax.inputs.placement import to_global
+from mirrorax.inputs.prefetch import Prefetcher
+from mirrorax.inputs.source import is_array_tree, make_source, require_targets
+from mirrorax.inputs.streams import Stream, make_stream
 from mirrorax.models.base import ModelAdapter, adapt
 from mirrorax.progress import Progress, resolve_verbose
 from mirrorax.step import InFlight, NonFiniteMode, StepFunctions, host_tree, host_value
 from mirrorax.strategy import MirroredStrategy, get_strategy
-from mirrorax.streams import Stream, make_stream
 from mirrorax.train_state import TrainState
 
 __all__ = ["Trainer", "History", "NonFiniteLossError"]
@@ -107,7 +113,7 @@ class Trainer:
     """
 
     # fit's steps_per_epoch: exactly that many batches, array inputs continuing into a new pass (False),
-    # or at most that many, an epoch ending where the data does (True: Keras's fit, see streams.py).
+    # or at most that many, an epoch ending where the data does (True: Keras's fit, see inputs/streams.py).
     _epochs_end_with_data = False
 
     def __init__(self, model: Any, strategy: MirroredStrategy | None = None, *, loss: Any = None,
@@ -169,7 +175,7 @@ class Trainer:
         """
         return self.strategy._replicate(tree, broadcast=from_host)
 
-    def _ensure_state(self, sample: data_lib.Batch) -> None:
+    def _ensure_state(self, sample: Batch) -> None:
         # Building is incremental: a predict-only start builds layers; targets later add metrics, whose
         # accumulators are placed afresh for every epoch and evaluation anyway.
         self.adapter.build(sample.tree())
@@ -286,22 +292,22 @@ class Trainer:
     # -- data helpers ------------------------------------------------------------------------------
     def _batch_size(self, source: Any, batch_size: int | None) -> int:
         if batch_size is None:
-            if isinstance(source, data_lib.IterableSource):
+            if isinstance(source, IterableSource):
                 rows = source.first_batch_rows()
                 return rows * self.strategy.process_count if source.per_process else rows
             return 32
-        return data_lib.check_batch_size(batch_size)
+        return check_batch_size(batch_size)
 
-    def _sample(self, source: Any, batch_size: int, with_targets: bool = True) -> data_lib.Batch:
-        if isinstance(source, data_lib.ArraySource):
+    def _sample(self, source: Any, batch_size: int, with_targets: bool = True) -> Batch:
+        if isinstance(source, ArraySource):
             gen = source.batches(batch_size, self.strategy, shuffle=False, seed=0, pass_index=0,
                                  with_targets=with_targets)
             return next(gen)
         return source.sample(with_targets)
 
-    def _device_batches(self, host: Iterator[data_lib.Batch], group: int,
-                        per_process_iterable: bool) -> Iterator[tuple[int, data_lib.Batch]]:
-        def grouped() -> Iterator[tuple[int, data_lib.Batch]]:
+    def _device_batches(self, host: Iterator[Batch], group: int,
+                        per_process_iterable: bool) -> Iterator[tuple[int, Batch]]:
+        def grouped() -> Iterator[tuple[int, Batch]]:
             if group == 1:
                 for b in host:
                     yield 0, b
@@ -309,7 +315,7 @@ class Trainer:
             while True:
                 chunk = list(itertools.islice(host, group))
                 if len(chunk) == group:
-                    yield group, data_lib.stack(chunk)
+                    yield group, stack(chunk)
                 else:
                     for b in chunk:
                         yield 0, b
@@ -318,8 +324,8 @@ class Trainer:
         # Per-process pipelines agree on "more data?" with a collective each step: that must stay on
         # the thread that dispatches steps, so they are placed synchronously.
         if self.prefetch == 0 or (per_process_iterable and self.strategy.process_count > 1):
-            return ((k, data_lib.to_global(b, self.strategy, stacked=k > 0)) for k, b in grouped())
-        return data_lib.Prefetcher(grouped(), self.strategy, depth=self.prefetch)
+            return ((k, to_global(b, self.strategy, stacked=k > 0)) for k, b in grouped())
+        return Prefetcher(grouped(), self.strategy, depth=self.prefetch)
 
     # -- fit ---------------------------------------------------------------------------------------
     def fit(self, x: Any, y: Any = None, *, batch_size: int | None = None, epochs: int = 1,
@@ -378,11 +384,11 @@ class Trainer:
         if steps_per_epoch is not None:
             check_int("steps_per_epoch", steps_per_epoch)
         if validation_batch_size is not None:
-            data_lib.check_batch_size(validation_batch_size)
+            check_batch_size(validation_batch_size)
         every = resume_lib.check_every(checkpoint_every)
-        source = data_lib.make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
+        source = make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
                                       check_finite=self._refuse_nonfinite)
-        data_lib.require_targets(source, "fit")
+        require_targets(source, "fit")
         batch_size = self._batch_size(source, batch_size)
         val = self._validation_source(validation_data)
         ckpt = None
@@ -586,7 +592,7 @@ class Trainer:
                 self._state = run.state
                 raise self._preempted(None if saver is None else saver.ckpt, epoch, run.in_epoch)
         finally:
-            if isinstance(batches, data_lib.Prefetcher):
+            if isinstance(batches, Prefetcher):
                 batches.close()
             self.adapter.conceal()
             self._state = run.state
@@ -630,24 +636,24 @@ class Trainer:
         if validation_data is None:
             return None
         dtype = self.adapter.float_dtype
-        source: data_lib.ArraySource | data_lib.IterableSource
+        source: ArraySource | IterableSource
         if isinstance(validation_data, list) and len(validation_data) in (2, 3) and \
                 not isinstance(validation_data[0], (tuple, list)):
             validation_data = tuple(validation_data)  # as Keras reads [x_val, y_val]
-        if isinstance(validation_data, tuple) and validation_data and data_lib.is_array_tree(validation_data[0]):
+        if isinstance(validation_data, tuple) and validation_data and is_array_tree(validation_data[0]):
             if len(validation_data) not in (2, 3):
                 raise ValueError(
                     f"validation_data must be (x_val, y_val), (x_val, y_val, sample_weight_val) or an iterable of "
                     f"(x, y) batches; received a tuple of {len(validation_data)} element(s) (of types "
                     f"{[type(v).__name__ for v in validation_data]}). Pass validation_data=(x_val, y_val).")
-            source = data_lib.ArraySource(*validation_data, float_dtype=dtype, check_finite=self._refuse_nonfinite)
-        elif data_lib.is_array_tree(validation_data):
+            source = ArraySource(*validation_data, float_dtype=dtype, check_finite=self._refuse_nonfinite)
+        elif is_array_tree(validation_data):
             raise ValueError(f"validation_data must be (x_val, y_val), (x_val, y_val, sample_weight_val) or an "
                              f"iterable of (x, y) batches; received {type(validation_data).__name__} of inputs "
                              "alone. Pass validation_data=(x_val, y_val).")
         else:
-            source = data_lib.make_source(validation_data, float_dtype=dtype)
-        data_lib.require_targets(source, "validation_data")
+            source = make_source(validation_data, float_dtype=dtype)
+        require_targets(source, "validation_data")
         return source
 
     # -- evaluate / predict ------------------------------------------------------------------------
@@ -665,9 +671,9 @@ class Trainer:
           >>> trainer.evaluate(x_test, y_test, batch_size=256)
           {'accuracy': 0.97, 'loss': 0.09}
         """
-        source = data_lib.make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
+        source = make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
                                       check_finite=self._refuse_nonfinite)
-        data_lib.require_targets(source, "evaluate")
+        require_targets(source, "evaluate")
         batch_size = self._batch_size(source, batch_size)
         if steps is not None:
             check_int("steps", steps)
@@ -718,7 +724,7 @@ class Trainer:
                 batch_end(i - i % spe + spe - 1, aux["logs"])
             window.drain()
         finally:
-            if isinstance(batches, data_lib.Prefetcher):
+            if isinstance(batches, Prefetcher):
                 batches.close()
             self.adapter.conceal()
             self._write_back()
@@ -745,10 +751,10 @@ class Trainer:
           >>> probs.shape[0] == len(x_test)
           True
         """
-        if isinstance(x, tuple) and len(x) in (2, 3) and not data_lib.is_array_tree(x):
+        if isinstance(x, tuple) and len(x) in (2, 3) and not is_array_tree(x):
             x = x[0]
         # NaN inputs are allowed here: they spoil only their own rows' outputs.
-        source = data_lib.make_source(x, float_dtype=self.adapter.float_dtype, check_finite=False)
+        source = make_source(x, float_dtype=self.adapter.float_dtype, check_finite=False)
         batch_size = self._batch_size(source, batch_size)
         self._ensure_state(self._sample(source, batch_size, with_targets=False))
         source.check_targets(self.adapter)  # the inputs' shapes (no targets here)
@@ -792,7 +798,7 @@ class Trainer:
                 n = len(outputs)
                 hooks.call("on_predict_batch_end", n - n % spe + spe - 1, {"outputs": _joined(outputs[-(n % spe):])})
         finally:
-            if isinstance(batches, data_lib.Prefetcher):
+            if isinstance(batches, Prefetcher):
                 batches.close()
         if jax.tree.leaves(self._live_state.model_state):
             self._write_back()  # the model's random streams moved on (Keras's predict syncs them back too)
@@ -814,13 +820,13 @@ class Trainer:
         """
         if class_weight is not None:
             sample_weight = _class_weights(y, class_weight, sample_weight)
-        source = data_lib.ArraySource(x, y, sample_weight)
+        source = ArraySource(x, y, sample_weight)
         batch_size = source.num_examples
         sample = self._sample(source, batch_size)
         self._ensure_state(sample)
         self.steps.check_labels_in_step(True)  # (the labels of a single batch are looked at in the step)
         host = next(source.batches(batch_size, self.strategy, shuffle=False, seed=0, pass_index=0))
-        batch = data_lib.to_global(host, self.strategy)
+        batch = to_global(host, self.strategy)
         state = self._live_state.replace(metrics=self._place(self.adapter.initial_metrics(), from_host=False))
         self.adapter.release()
         self._state = None
@@ -839,7 +845,7 @@ class Trainer:
 
     def test_on_batch(self, x: Any, y: Any = None, *, sample_weight: Any = None) -> dict[str, float]:
         """Loss and metrics of one batch in inference mode (Keras's ``test_on_batch``)."""
-        source = data_lib.ArraySource(x, y, sample_weight)
+        source = ArraySource(x, y, sample_weight)
         return self._evaluate_source(source, source.num_examples)
 
     def compile_counts(self) -> dict[str, int]:

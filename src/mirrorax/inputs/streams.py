@@ -16,7 +16,9 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
-from mirrorax.data import ArraySource, Batch, IterableSource
+from mirrorax.inputs.arrays import ArraySource
+from mirrorax.inputs.batch import Batch
+from mirrorax.inputs.iterables import IterableSource
 from mirrorax.strategy import MirroredStrategy
 
 __all__ = ["Stream", "ArrayStream", "IterStream", "make_stream"]
