@@ -164,7 +164,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
     import keras
 
     from mirrorax import hooks as hooks_lib
-    from mirrorax.inputs.source import is_array_tree
+    from mirrorax.inputs.make import is_array_tree
 
     trainer = trainer_of(self)
     arrays = is_array_tree(x)
@@ -185,9 +185,9 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
             (x, y, sample_weight), validation_split=validation_split)
     if class_weight is not None:
         if arrays:
-            from mirrorax.trainer import _class_weights
+            from mirrorax.inputs.make import class_weights
 
-            sample_weight = _class_weights(y, class_weight, sample_weight)
+            sample_weight = class_weights(y, class_weight, sample_weight)
         else:  # batches (a PyDataset, a generator): each one weighted as Keras's data adapters do
             from collections.abc import Iterator
 
@@ -236,7 +236,7 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: int | None = 
     import keras
 
     from mirrorax import hooks as hooks_lib
-    from mirrorax.inputs.source import is_array_tree
+    from mirrorax.inputs.make import is_array_tree
 
     if not is_array_tree(x):
         x = _as_batches(x)
@@ -259,7 +259,7 @@ def _predict(self: Any, x: Any, batch_size: int | None = None, verbose: Any = "a
     import keras
 
     from mirrorax import hooks as hooks_lib
-    from mirrorax.inputs.source import is_array_tree
+    from mirrorax.inputs.make import is_array_tree
 
     if not is_array_tree(x):
         x = _as_batches(x)
@@ -322,11 +322,11 @@ class _class_weighted:
     def __iter__(self) -> Any:
         import keras
 
-        from mirrorax.trainer import _class_weights
+        from mirrorax.inputs.make import class_weights
 
         for item in self.data:
             x, y, w = keras.utils.unpack_x_y_sample_weight(item)
-            yield x, y, _class_weights(np.asarray(y), self.class_weight, w)
+            yield x, y, class_weights(np.asarray(y), self.class_weight, w)
 
     def __len__(self) -> int:
         return len(self.data)
@@ -371,7 +371,7 @@ class _batches:
 
 
 def _num_batches(x: Any, batch_size: int | None) -> int | None:
-    from mirrorax.inputs.source import is_array_tree
+    from mirrorax.inputs.make import is_array_tree
 
     if is_array_tree(x):
         import jax

@@ -173,7 +173,7 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
     Example:
       >>> print(mx.plan(model, x_train[:1], y_train[:1], batch_size=256, device_memory="24GB"))
     """
-    from mirrorax.inputs.source import make_source
+    from mirrorax.inputs.make import make_source
     from mirrorax.keras_fit import strategy_of
     from mirrorax.strategy import get_strategy
     from mirrorax.trainer import Trainer
@@ -185,7 +185,7 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
         trainer = Trainer(trainer.model if trainer is not None else model_or_trainer, base)
     memory = parse_bytes(device_memory) if device_memory is not None else _device_memory(base.devices)
     source = make_source(x, y, float_dtype=trainer.adapter.float_dtype)
-    sample = trainer._sample(source, 1)
+    sample = source.sample(1, trainer.strategy)
     result = _plan_one(trainer, sample, batch_size, memory)
     if memory is not None and search:
         for mode in MODES:

@@ -7,7 +7,6 @@ to the host only when shown (progress refresh, end of epoch).
 
 from __future__ import annotations
 
-import itertools
 import os
 import sys
 import warnings
@@ -24,12 +23,12 @@ from mirrorax._checks import check_int
 from mirrorax.hooks import Callbacks
 from mirrorax.input_checks import check_batch_size
 from mirrorax.inputs.arrays import ArraySource
-from mirrorax.inputs.batch import Batch, stack
-from mirrorax.inputs.iterables import IterableSource
+from mirrorax.inputs.batch import Batch
+from mirrorax.inputs.make import class_weights, is_array_tree, make_source, validation_source
 from mirrorax.inputs.placement import to_global
-from mirrorax.inputs.prefetch import Prefetcher
-from mirrorax.inputs.source import is_array_tree, make_source, require_targets
-from mirrorax.inputs.streams import Stream, make_stream
+from mirrorax.inputs.prefetch import Prefetcher, device_batches
+from mirrorax.inputs.source import Source
+from mirrorax.inputs.streams import Stream
 from mirrorax.models.base import ModelAdapter, adapt
 from mirrorax.progress import Progress, resolve_verbose
 from mirrorax.step import InFlight, NonFiniteMode, StepFunctions, host_tree, host_value
@@ -290,42 +289,14 @@ class Trainer:
         return state.replace(**self._place_state(values))
 
     # -- data helpers ------------------------------------------------------------------------------
-    def _batch_size(self, source: Any, batch_size: int | None) -> int:
+    def _batch_size(self, source: Source, batch_size: int | None) -> int:
         if batch_size is None:
-            if isinstance(source, IterableSource):
-                rows = source.first_batch_rows()
-                return rows * self.strategy.process_count if source.per_process else rows
-            return 32
+            return source.default_batch_size(self.strategy.process_count)
         return check_batch_size(batch_size)
 
-    def _sample(self, source: Any, batch_size: int, with_targets: bool = True) -> Batch:
-        if isinstance(source, ArraySource):
-            gen = source.batches(batch_size, self.strategy, shuffle=False, seed=0, pass_index=0,
-                                 with_targets=with_targets)
-            return next(gen)
-        return source.sample(with_targets)
-
-    def _device_batches(self, host: Iterator[Batch], group: int,
-                        per_process_iterable: bool) -> Iterator[tuple[int, Batch]]:
-        def grouped() -> Iterator[tuple[int, Batch]]:
-            if group == 1:
-                for b in host:
-                    yield 0, b
-                return
-            while True:
-                chunk = list(itertools.islice(host, group))
-                if len(chunk) == group:
-                    yield group, stack(chunk)
-                else:
-                    for b in chunk:
-                        yield 0, b
-                    return
-
-        # Per-process pipelines agree on "more data?" with a collective each step: that must stay on
-        # the thread that dispatches steps, so they are placed synchronously.
-        if self.prefetch == 0 or (per_process_iterable and self.strategy.process_count > 1):
-            return ((k, to_global(b, self.strategy, stacked=k > 0)) for k, b in grouped())
-        return Prefetcher(grouped(), self.strategy, depth=self.prefetch)
+    def _device_batches(self, host: Iterator[Batch], group: int, per_process: bool
+                        ) -> Iterator[tuple[int, Batch]] | Prefetcher:
+        return device_batches(host, group, self.strategy, prefetch=self.prefetch, per_process=per_process)
 
     # -- fit ---------------------------------------------------------------------------------------
     def fit(self, x: Any, y: Any = None, *, batch_size: int | None = None, epochs: int = 1,
@@ -388,9 +359,10 @@ class Trainer:
         every = resume_lib.check_every(checkpoint_every)
         source = make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
                                       check_finite=self._refuse_nonfinite)
-        require_targets(source, "fit")
+        source.require_targets("fit")
         batch_size = self._batch_size(source, batch_size)
-        val = self._validation_source(validation_data)
+        val = validation_source(validation_data, float_dtype=self.adapter.float_dtype,
+                                check_finite=self._refuse_nonfinite)
         ckpt = None
         if checkpoint_dir is not None:
             from mirrorax.checkpoint import Checkpointer
@@ -399,13 +371,13 @@ class Trainer:
         if callbacks is not None and not isinstance(callbacks, (list, tuple)) and \
                 type(callbacks).__name__ != "CallbackList":  # (Keras's fit under a scope passes its own list)
             callbacks = [callbacks]  # one callback, not in a list: as Keras's own fit takes it
-        sample = self._sample(source, batch_size)
+        sample = source.sample(batch_size, self.strategy)
         self._ensure_state(sample)
         for s in (source, val):  # shapes against the outputs, labels against the classes: before compiling
             if s is not None:
                 s.check_targets(self.adapter)
         # Labels the host has checked whole need no guard in the step (it costs up to 7% of a step).
-        self.steps.check_labels_in_step(not getattr(source, "labels_checked", False))
+        self.steps.check_labels_in_step(not source.labels_checked)
         consistency.check_replicas(self._state)  # multi-process: every process holds process 0's values
         self._write_back()  # lent to the model: what callbacks change on it from here on is adopted
         # The plan's line (verbose), and will it fit? (only where a device's memory is known): the step is
@@ -413,8 +385,8 @@ class Trainer:
         announce = mode if self._plan_line is None else self._plan_line
         _plan_module().at_fit_start(self, sample, batch_size, announce=bool(announce) and self.strategy.is_primary)
         history = History()
-        stream = make_stream(source, batch_size, self.strategy, shuffle=shuffle, seed=seed,
-                             ends_with_data=self._epochs_end_with_data)
+        stream = source.stream(batch_size, self.strategy, shuffle=shuffle, seed=seed,
+                               ends_with_data=self._epochs_end_with_data)
         per_epoch = steps_per_epoch or stream.batches_per_pass
         hooks = Callbacks(callbacks, self.model, epochs=epochs, steps=per_epoch, verbose=0 if not mode else mode)
         should_validate = _validation_schedule(validation_freq)
@@ -424,7 +396,7 @@ class Trainer:
                "steps_per_epoch": steps_per_epoch}
         start_epoch, start_batch, input_state = initial_epoch, 0, None
         training_logs: dict[str, float] = {}
-        inputs = None if ckpt is None else resume_lib.InputState.attach(source, self.strategy.process_count)
+        inputs = None if ckpt is None else source.track_position(self.strategy.process_count)
         watch = preemption.Watch(self.strategy.process_count)
         stopped: preemption.Preempted | None = None
         try:
@@ -632,30 +604,6 @@ class Trainer:
             logs["skipped_steps"] = float(host_value(state.skipped))
         return logs
 
-    def _validation_source(self, validation_data: Any) -> Any:
-        if validation_data is None:
-            return None
-        dtype = self.adapter.float_dtype
-        source: ArraySource | IterableSource
-        if isinstance(validation_data, list) and len(validation_data) in (2, 3) and \
-                not isinstance(validation_data[0], (tuple, list)):
-            validation_data = tuple(validation_data)  # as Keras reads [x_val, y_val]
-        if isinstance(validation_data, tuple) and validation_data and is_array_tree(validation_data[0]):
-            if len(validation_data) not in (2, 3):
-                raise ValueError(
-                    f"validation_data must be (x_val, y_val), (x_val, y_val, sample_weight_val) or an iterable of "
-                    f"(x, y) batches; received a tuple of {len(validation_data)} element(s) (of types "
-                    f"{[type(v).__name__ for v in validation_data]}). Pass validation_data=(x_val, y_val).")
-            source = ArraySource(*validation_data, float_dtype=dtype, check_finite=self._refuse_nonfinite)
-        elif is_array_tree(validation_data):
-            raise ValueError(f"validation_data must be (x_val, y_val), (x_val, y_val, sample_weight_val) or an "
-                             f"iterable of (x, y) batches; received {type(validation_data).__name__} of inputs "
-                             "alone. Pass validation_data=(x_val, y_val).")
-        else:
-            source = make_source(validation_data, float_dtype=dtype)
-        require_targets(source, "validation_data")
-        return source
-
     # -- evaluate / predict ------------------------------------------------------------------------
     def evaluate(self, x: Any, y: Any = None, *, batch_size: int | None = None, sample_weight: Any = None,
                  verbose: int | str = 0, steps: int | None = None, callbacks: Any = None) -> dict[str, float]:
@@ -673,7 +621,7 @@ class Trainer:
         """
         source = make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
                                       check_finite=self._refuse_nonfinite)
-        require_targets(source, "evaluate")
+        source.require_targets("evaluate")
         batch_size = self._batch_size(source, batch_size)
         if steps is not None:
             check_int("steps", steps)
@@ -685,12 +633,12 @@ class Trainer:
             self.stream.write(f"evaluate - {format_logs(logs)}\n")
         return logs
 
-    def _evaluate_source(self, source: Any, batch_size: int, *, steps: int | None = None,
+    def _evaluate_source(self, source: Source, batch_size: int, *, steps: int | None = None,
                          hooks: Callbacks | None = None) -> dict[str, float]:
-        self._ensure_state(self._sample(source, batch_size))
+        self._ensure_state(source.sample(batch_size, self.strategy))
         source.check_targets(self.adapter)
         metrics = self._place(self.adapter.initial_metrics(), from_host=False)
-        stream = make_stream(source, batch_size, self.strategy)
+        stream = source.stream(batch_size, self.strategy)
         window = InFlight(self.max_in_flight, self.steps.eval_watch())
         within = _within_pass(stream, steps, warn=self._epochs_end_with_data)
         batches = self._device_batches(stream.batches(0, within), 1, stream.per_process)
@@ -756,11 +704,11 @@ class Trainer:
         # NaN inputs are allowed here: they spoil only their own rows' outputs.
         source = make_source(x, float_dtype=self.adapter.float_dtype, check_finite=False)
         batch_size = self._batch_size(source, batch_size)
-        self._ensure_state(self._sample(source, batch_size, with_targets=False))
+        self._ensure_state(source.sample(batch_size, self.strategy, with_targets=False))
         source.check_targets(self.adapter)  # the inputs' shapes (no targets here)
         if steps is not None:
             check_int("steps", steps)
-        stream = make_stream(source, batch_size, self.strategy, with_targets=False)
+        stream = source.stream(batch_size, self.strategy, with_targets=False)
         outputs: list[Any] = []
         hooks = Callbacks(callbacks, self.model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
         end = hooks is not None and hooks.listens["predict_end"]
@@ -819,13 +767,12 @@ class Trainer:
           >>> logs = trainer.train_on_batch(x[:64], y[:64])
         """
         if class_weight is not None:
-            sample_weight = _class_weights(y, class_weight, sample_weight)
+            sample_weight = class_weights(y, class_weight, sample_weight)
         source = ArraySource(x, y, sample_weight)
         batch_size = source.num_examples
-        sample = self._sample(source, batch_size)
-        self._ensure_state(sample)
+        host = source.sample(batch_size, self.strategy)
+        self._ensure_state(host)
         self.steps.check_labels_in_step(True)  # (the labels of a single batch are looked at in the step)
-        host = next(source.batches(batch_size, self.strategy, shuffle=False, seed=0, pass_index=0))
         batch = to_global(host, self.strategy)
         state = self._live_state.replace(metrics=self._place(self.adapter.initial_metrics(), from_host=False))
         self.adapter.release()
@@ -894,22 +841,3 @@ def _validation_schedule(freq: Any) -> Callable[[int], bool]:
         return lambda epoch: epoch + 1 in wanted
     check_int("validation_freq", freq)
     return lambda epoch: (epoch + 1) % int(freq) == 0
-
-
-def _class_weights(y: Any, class_weight: Any, sample_weight: Any) -> np.ndarray:
-    """Per-example weights from ``{class: weight}`` (Keras's rule: the label, or the argmax of one-hot)."""
-    if sample_weight is not None:
-        raise ValueError("Pass sample_weight or class_weight, not both (as Keras): received both. Multiply the "
-                         "class weights into sample_weight yourself to use them together.")
-    if not isinstance(class_weight, dict):
-        raise TypeError(f"class_weight must be a dict {{class index: weight}}; received {type(class_weight).__name__}.")
-    labels = np.asarray(y)
-    if labels.ndim > 1 and labels.shape[-1] > 1:
-        labels = labels.argmax(axis=-1)
-    labels = labels.reshape(len(labels), -1)[:, 0].astype(np.int64)
-    missing = sorted(set(np.unique(labels).tolist()) - set(int(k) for k in class_weight))
-    if missing:
-        raise ValueError(f"class_weight has no weight for class(es) {missing[:10]} found in y; received keys "
-                         f"{sorted(class_weight)[:10]}. Give every class a weight.")
-    table = {int(k): float(v) for k, v in class_weight.items()}
-    return np.asarray([table[int(c)] for c in labels], np.float32)

@@ -17,8 +17,11 @@ import numpy as np
 from mirrorax.input_checks import check_finite_values, check_labels, check_weights, leaves, tree_numeric
 from mirrorax.inputs.batch import Batch, padded_batch_size, row_counts
 from mirrorax.inputs.placement import shared_constant
+from mirrorax.inputs.source import no_targets
+from mirrorax.inputs.streams import ArrayStream
 
 if TYPE_CHECKING:
+    from mirrorax.inputs.position import InputState
     from mirrorax.strategy import MirroredStrategy
 
 __all__ = ["ArraySource"]
@@ -40,6 +43,8 @@ class ArraySource:
         that is not one non-negative number per example.
       TypeError: non-numeric arrays.
     """
+
+    per_process = False  # every process holds every example and takes its own rows of each batch
 
     def __init__(self, x: PyTree, y: PyTree = None, sample_weight: Any = None, *, float_dtype: Any = np.float32,
                  check_finite: bool = True) -> None:
@@ -80,6 +85,35 @@ class ArraySource:
         if self.y is not None:
             check_labels(adapter.sparse_targets(self.y, check_shapes=True))
         self._targets_checked = True
+
+    def default_batch_size(self, process_count: int) -> int:
+        """Keras's default global batch for arrays: 32."""
+        return 32
+
+    def require_targets(self, what: str) -> None:
+        """Refuses arrays without ``y`` for ``what`` (``"fit"``, ``"evaluate"``, ``"validation_data"``)."""
+        if self.y is not None:
+            return
+        given = "x alone"
+        if isinstance(self.x, (list, tuple)) and all(isinstance(v, (list, tuple)) for v in self.x):
+            given += (" (a list of (x, y) tuples reads as a list of input arrays, as in Keras: pass batches as "
+                      "an iterator or generator, e.g. iter(batches))")
+        raise no_targets(what, given)
+
+    def sample(self, batch_size: int, strategy: MirroredStrategy, *, with_targets: bool = True) -> Batch:
+        """This process's rows of the first batch of an unshuffled pass."""
+        return next(self.batches(batch_size, strategy, shuffle=False, seed=0, pass_index=0,
+                                 with_targets=with_targets))
+
+    def stream(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: bool = False, seed: int = 0,
+               with_targets: bool = True, ends_with_data: bool = False) -> ArrayStream:
+        """One endless stream of passes, pass ``k`` in the order of ``(seed, k)`` when ``shuffle``."""
+        return ArrayStream(self, batch_size, strategy, shuffle, seed, with_targets=with_targets,
+                           ends_with_data=ends_with_data)
+
+    def track_position(self, process_count: int) -> InputState | None:
+        """``None``: a batch of arrays is found by its index (the pass's order is a function of the seed)."""
+        return None
 
     def batches_per_pass(self, batch_size: int) -> int:
         return math.ceil(self.num_examples / batch_size)

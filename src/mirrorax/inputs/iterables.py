@@ -15,6 +15,9 @@ import numpy as np
 
 from mirrorax.input_checks import batch_weights, leaves, rows_shape, tree_numeric
 from mirrorax.inputs.batch import Batch, padded_batch_size, row_counts, take_rows
+from mirrorax.inputs.position import InputState
+from mirrorax.inputs.source import no_targets
+from mirrorax.inputs.streams import IterStream
 
 if TYPE_CHECKING:
     from mirrorax.strategy import InputContext, MirroredStrategy
@@ -72,7 +75,23 @@ class IterableSource:
             return itertools.chain([unread], it)
         return it
 
-    def sample(self, with_targets: bool = True) -> Batch:
+    @property
+    def labels_checked(self) -> bool:
+        """Always False: labels outside the classes are found in the step (``StepFunctions``), as
+        reading every batch on the host would cost time on every step."""
+        return False
+
+    def default_batch_size(self, process_count: int) -> int:
+        """The first batch's rows (times ``process_count`` for a per-process pipeline)."""
+        rows = self.first_batch_rows()
+        return rows * process_count if self.per_process else rows
+
+    def require_targets(self, what: str) -> None:
+        """Refuses batches without ``y`` for ``what`` (``"fit"``, ``"evaluate"``, ``"validation_data"``)."""
+        if self.peek()[1] is None:
+            raise no_targets(what, "batches of x alone")
+
+    def sample(self, batch_size: int, strategy: MirroredStrategy, *, with_targets: bool = True) -> Batch:
         """The first item as an all-real :class:`Batch` (for building a model's variables)."""
         x, y, _ = self.peek()
         n = row_counts(x)[0][1]
@@ -112,6 +131,22 @@ class IterableSource:
                 raise ValueError(f"Batch {index} of the input has {name} of dtype {dtype_g}, the first batch "
                                  f"{dtype_w}. Every batch must have the same dtypes; cast in the input pipeline "
                                  f"(e.g. .astype('{dtype_w}')).")
+
+    def stream(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: bool = False, seed: int = 0,
+               with_targets: bool = True, ends_with_data: bool = False) -> IterStream:
+        """One iteration per epoch (a one-shot iterator continues across epochs). ``shuffle`` and ``seed``
+        do not apply: an iterable yields batches in its own order."""
+        return IterStream(self, batch_size, strategy, with_targets=with_targets, ends_with_data=ends_with_data)
+
+    def track_position(self, process_count: int) -> InputState | None:
+        """Wraps the iterable in place in an :class:`InputState`; ``None`` where positions are left to
+        replay: one-shot iterators, and per-process pipelines of a multi-process job (each process's
+        input has its own state; only process 0 writes ``meta``)."""
+        if isinstance(self.iterable, (Iterator, InputState)) or (self.per_process and process_count > 1):
+            return None
+        tracker = InputState(self.iterable)
+        self.iterable = tracker
+        return tracker
 
     def first_batch_rows(self) -> int:
         x, _, _ = self.peek()

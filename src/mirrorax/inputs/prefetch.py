@@ -1,19 +1,21 @@
-"""Prefetch: batches placed on the devices on a background thread while the current step runs."""
+"""An epoch's batches on the devices: grouped for several steps per dispatch, placed ahead on a
+background thread while the current step runs (or synchronously)."""
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from mirrorax.inputs.batch import Batch
+from mirrorax.inputs.batch import Batch, stack
 from mirrorax.inputs.placement import to_global
 
 if TYPE_CHECKING:
     from mirrorax.strategy import MirroredStrategy
 
-__all__ = ["Prefetcher"]
+__all__ = ["Prefetcher", "device_batches"]
 
 
 class Prefetcher:
@@ -67,3 +69,32 @@ class Prefetcher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def device_batches(host: Iterator[Batch], group: int, strategy: MirroredStrategy, *, prefetch: int,
+                   per_process: bool) -> Iterator[tuple[int, Batch]] | Prefetcher:
+    """``host``'s batches on the devices as ``(k, batch)`` pairs: ``k == 0`` for one step's batch,
+    ``k == group`` for ``group`` batches stacked for one dispatch (``steps_per_execution``; the tail
+    that does not fill a group goes one by one).
+
+    Placed ``prefetch`` ahead on a background thread (:class:`Prefetcher`), or synchronously when
+    ``prefetch == 0``, or for per-process pipelines of a multi-process job: they agree on "more data?"
+    with a collective each step, which must stay on the thread that dispatches the steps.
+    """
+    def grouped() -> Iterator[tuple[int, Batch]]:
+        if group == 1:
+            for b in host:
+                yield 0, b
+            return
+        while True:
+            chunk = list(itertools.islice(host, group))
+            if len(chunk) == group:
+                yield group, stack(chunk)
+            else:
+                for b in chunk:
+                    yield 0, b
+                return
+
+    if prefetch == 0 or (per_process and strategy.process_count > 1):
+        return ((k, to_global(b, strategy, stacked=k > 0)) for k, b in grouped())
+    return Prefetcher(grouped(), strategy, depth=prefetch)

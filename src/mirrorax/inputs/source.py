@@ -1,63 +1,76 @@
-"""What a user passes as data, as a source of global batches: arrays or an iterable of batches."""
+"""The one protocol every input implements: what the trainer, streams and checkpoints ask of a source.
+
+A source turns what a user passed (arrays, an iterable of batches, a per-process pipeline) into this
+process's rows of fixed-shape global batches. Everything that differs between kinds of input lives
+behind :class:`Source`; the trainer never asks which kind it holds.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-import jax
-import numpy as np
+if TYPE_CHECKING:
+    from mirrorax.inputs.batch import Batch
+    from mirrorax.inputs.position import InputState
+    from mirrorax.inputs.streams import Stream
+    from mirrorax.strategy import MirroredStrategy
 
-from mirrorax.input_checks import is_nested_numbers
-from mirrorax.inputs.arrays import ArraySource
-from mirrorax.inputs.iterables import IterableSource
-
-__all__ = ["make_source", "require_targets", "is_array_tree"]
+__all__ = ["Source", "no_targets"]
 
 
-def make_source(x: Any, y: Any = None, sample_weight: Any = None, *, float_dtype: Any = np.float32,
-                check_finite: bool = True) -> ArraySource | IterableSource:
-    """An :class:`ArraySource` for arrays, an :class:`IterableSource` for any other iterable.
+class Source(Protocol):
+    """A source of global batches (:class:`~mirrorax.inputs.arrays.ArraySource`,
+    :class:`~mirrorax.inputs.iterables.IterableSource`).
 
-    Args:
-      float_dtype: the model's float type (float32/float64 inputs become it).
-      check_finite: refuse NaN/inf in arrays (fit and evaluate; predict passes False).
+    Attributes:
+      per_process: each process yields only its own rows of a global batch
+        (``strategy.distribute_datasets_from_function``), not the whole batch.
     """
-    if is_array_tree(x):
-        return ArraySource(x, y, sample_weight, float_dtype=float_dtype, check_finite=check_finite)
-    if y is not None or sample_weight is not None:
-        raise ValueError("When x is an iterable of batches, y and sample_weight come from its items; "
-                         f"received y of type {type(y).__name__} and sample_weight of type "
-                         f"{type(sample_weight).__name__} too. Yield (x, y) or (x, y, sample_weight) instead.")
-    if not isinstance(x, Iterable) or isinstance(x, (str, bytes)):
-        raise TypeError(f"x must be an array, a tuple/list/dict of arrays, or an iterable of batches; "
-                        f"received {type(x).__name__}.")
-    return IterableSource(x, float_dtype=float_dtype)
+
+    per_process: bool
+
+    @property
+    def labels_checked(self) -> bool:
+        """Whether every label was checked against its classes on the host (then the step need not look)."""
+        ...
+
+    def default_batch_size(self, process_count: int) -> int:
+        """The global batch when the user gives none (Keras's 32 for arrays; the first batch's rows for an
+        iterable, times ``process_count`` for a per-process pipeline)."""
+        ...
+
+    def require_targets(self, what: str) -> None:
+        """Refuses a source without targets for ``what`` (``"fit"``, ``"evaluate"``, ``"validation_data"``)."""
+        ...
+
+    def check_targets(self, adapter: Any) -> None:
+        """Refuses inputs and targets that do not fit the model, before anything is compiled."""
+        ...
+
+    def sample(self, batch_size: int, strategy: MirroredStrategy, *, with_targets: bool = True) -> Batch:
+        """One batch of this process's rows, all real (for building a model's variables)."""
+        ...
+
+    def stream(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: bool = False, seed: int = 0,
+               with_targets: bool = True, ends_with_data: bool = False) -> Stream:
+        """The stream of this source's global batches of ``batch_size``: which batches each epoch takes.
+
+        ``shuffle`` / ``seed``: the order of each pass over arrays (an iterable keeps its own order).
+        ``ends_with_data``: ``steps_per_epoch`` bounds an epoch, which also ends where the data does
+        (Keras's ``fit``); otherwise an epoch of array inputs takes exactly ``steps_per_epoch`` batches,
+        continuing into a new pass."""
+        ...
+
+    def track_position(self, process_count: int) -> InputState | None:
+        """Starts recording the input's own position within an epoch, for checkpoints (the
+        :class:`~mirrorax.inputs.position.InputState`), or ``None`` where a resumed epoch needs none
+        (arrays are positioned by index) or cannot have one (one-shot iterators, per-process pipelines
+        of a multi-process job: they are replayed)."""
+        ...
 
 
-def require_targets(source: ArraySource | IterableSource, what: str) -> None:
-    """Refuses a source without targets for ``what`` (``"fit"``, ``"evaluate"``, ``"validation_data"``)."""
-    y = source.y if isinstance(source, ArraySource) else source.peek()[1]
-    if y is None:
-        given = "x alone" if isinstance(source, ArraySource) else "batches of x alone"
-        if isinstance(source, ArraySource) and isinstance(source.x, (list, tuple)) and \
-                all(isinstance(v, (list, tuple)) for v in source.x):
-            given += (" (a list of (x, y) tuples reads as a list of input arrays, as in Keras: pass batches as "
-                      "an iterator or generator, e.g. iter(batches))")
-        form = {"fit": "fit(x, y)", "evaluate": "evaluate(x, y)"}.get(what, "(x_val, y_val)")
-        raise ValueError(f"{what} needs targets to compute the loss; received {given} (y is None). Pass {form}, "
-                         "or an iterable that yields (x, y) or (x, y, sample_weight) batches.")
-
-
-def is_array_tree(x: Any) -> bool:
-    if isinstance(x, (np.ndarray, jax.Array)) or hasattr(x, "__array__") and not isinstance(x, Iterator):
-        return not isinstance(x, (str, bytes)) and not _looks_iterable_dataset(x)
-    if isinstance(x, Mapping):
-        return all(is_array_tree(v) for v in x.values())
-    if isinstance(x, (tuple, list)):
-        return len(x) > 0 and (is_nested_numbers(x) or all(is_array_tree(v) for v in x))
-    return False
-
-
-def _looks_iterable_dataset(x: Any) -> bool:
-    return type(x).__module__.startswith(("tensorflow", "torch.utils"))
+def no_targets(what: str, given: str) -> ValueError:
+    """The error for ``what`` (``"fit"``, ``"evaluate"``, ``"validation_data"``) given inputs alone."""
+    form = {"fit": "fit(x, y)", "evaluate": "evaluate(x, y)"}.get(what, "(x_val, y_val)")
+    return ValueError(f"{what} needs targets to compute the loss; received {given} (y is None). Pass {form}, "
+                      "or an iterable that yields (x, y) or (x, y, sample_weight) batches.")

@@ -3,7 +3,8 @@
 Array inputs form one endless stream of passes (pass ``k`` shuffled by ``(seed, k)``); an epoch is one
 pass, or ``steps_per_epoch`` batches that continue where the last epoch stopped. Iterable inputs give
 one iteration per epoch (a one-shot iterator continues across epochs, as in Keras). A stream also
-counts the real examples of the batches it handed out, for samples/s.
+counts the real examples of the batches it handed out, for samples/s. Each source makes its own
+(``Source.stream``).
 
 Keras's ``fit`` (``ends_with_data=True``) reads ``steps_per_epoch`` as an upper bound instead: an epoch
 continues where the last one stopped but ends where the data does (the end of a pass over arrays, the
@@ -14,14 +15,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mirrorax.inputs.arrays import ArraySource
 from mirrorax.inputs.batch import Batch
-from mirrorax.inputs.iterables import IterableSource
-from mirrorax.strategy import MirroredStrategy
 
-__all__ = ["Stream", "ArrayStream", "IterStream", "make_stream"]
+if TYPE_CHECKING:
+    from mirrorax.inputs.arrays import ArraySource
+    from mirrorax.inputs.iterables import IterableSource
+    from mirrorax.strategy import MirroredStrategy
+
+__all__ = ["Stream", "ArrayStream", "IterStream"]
 
 
 class Stream:
@@ -130,20 +133,6 @@ class IterStream(Stream):
             self._seen += taken
             if self._seen >= self.batches_per_pass:  # a sized iterable's pass is done (Keras's rule)
                 self._continuing, self._seen = None, 0
-
-
-def make_stream(source: ArraySource | IterableSource, batch_size: int, strategy: MirroredStrategy, *,
-                shuffle: bool = False, seed: int = 0, with_targets: bool = True,
-                ends_with_data: bool = False) -> Stream:
-    """The stream of ``source``'s global batches of ``batch_size``.
-
-    ``ends_with_data``: ``steps_per_epoch`` bounds an epoch, which also ends where the data does
-    (Keras's ``fit``); otherwise an epoch of array inputs takes exactly ``steps_per_epoch`` batches,
-    continuing into a new pass."""
-    if isinstance(source, ArraySource):
-        return ArrayStream(source, batch_size, strategy, shuffle, seed, with_targets=with_targets,
-                           ends_with_data=ends_with_data)
-    return IterStream(source, batch_size, strategy, with_targets=with_targets, ends_with_data=ends_with_data)
 
 
 def len_or_none(x: Any) -> int | None:
