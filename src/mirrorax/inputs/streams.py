@@ -14,6 +14,7 @@ end of an iteration), and the next epoch starts a new pass.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from mirrorax.inputs.iterables import IterableSource
     from mirrorax.strategy import MirroredStrategy
 
-__all__ = ["Stream", "ArrayStream", "IterStream"]
+__all__ = ["Stream", "ArrayStream", "IterStream", "within_pass", "ran_out_of_data"]
 
 
 class Stream:
@@ -140,3 +141,21 @@ def len_or_none(x: Any) -> int | None:
         return len(x)
     except TypeError:
         return None
+
+
+def within_pass(stream: Stream, steps: int | None, warn: bool) -> int | None:
+    """evaluate's and predict's ``steps``: a limit within one pass over the data (never a second pass,
+    which would count examples twice), as Keras reads it; ``warn``: with Keras's warning when it cuts."""
+    n = stream.batches_per_pass
+    if not steps or not n:
+        return steps
+    if warn and steps > n:
+        ran_out_of_data()
+    return min(steps, n)
+
+
+def ran_out_of_data() -> None:
+    """Keras's warning when an epoch ends before its ``steps_per_epoch`` (the same words)."""
+    warnings.warn("Your input ran out of data; interrupting training. Make sure that your dataset or generator "
+                  "can generate at least `steps_per_epoch * epochs` batches. You may need to use the "
+                  "`.repeat()` function when building your dataset.", stacklevel=3)
