@@ -12,7 +12,7 @@ import pytest
 from helpers import assert_weights_close, strategy
 
 import mirrorax as mx
-from mirrorax import data as data_lib
+from mirrorax.inputs.arrays import ArraySource
 
 pytestmark = pytest.mark.multi_device
 
@@ -219,7 +219,7 @@ def test_non_finite_values_are_refused_with_their_place():
     with pytest.raises(ValueError, match=r"x holds nan at x\[5, 2\] \(example 5\).*refuse NaN and inf"):
         t.fit(xn, y, batch_size=8, verbose=0)
     with pytest.raises(ValueError, match=r"x\['a'\] holds inf at x\['a'\]\[3, 0\]"):
-        data_lib.ArraySource({"a": np.where(np.arange(24)[:, None] == 3, np.inf, x)}, y)
+        ArraySource({"a": np.where(np.arange(24)[:, None] == 3, np.inf, x)}, y)
     w = np.ones(24)
     w[7] = -np.inf
     with pytest.raises(ValueError, match=r"sample_weight holds -inf at sample_weight\[7\]"):

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mirrorax.distribute import DistributedDataset
+from mirrorax.inputs.distributed import DistributedDataset
 
 
 def _fake(replicas: int, processes: int = 1, index: int = 0):

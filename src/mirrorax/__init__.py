@@ -17,8 +17,8 @@ from mirrorax.cache import enable_compilation_cache as enable_compilation_cache
 from mirrorax.cluster import ClusterError as ClusterError
 from mirrorax.cluster import ClusterInfo as ClusterInfo
 from mirrorax.cluster import initialize as initialize
-from mirrorax.distribute import DistributedBatch as DistributedBatch
-from mirrorax.distribute import DistributedDataset as DistributedDataset
+from mirrorax.inputs.distributed import DistributedBatch as DistributedBatch
+from mirrorax.inputs.distributed import DistributedDataset as DistributedDataset
 from mirrorax.models.base import ModelAdapter as ModelAdapter
 from mirrorax.models.functional import FunctionalModel as FunctionalModel
 from mirrorax.plan import Plan as Plan

@@ -163,11 +163,11 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
                         validation_batch_size=validation_batch_size, validation_freq=validation_freq)
     import keras
 
-    from mirrorax import data as data_lib
     from mirrorax import hooks as hooks_lib
+    from mirrorax.inputs.make import is_array_tree
 
     trainer = trainer_of(self)
-    arrays = data_lib.is_array_tree(x)
+    arrays = is_array_tree(x)
     max_epochs = keras.config.max_epochs()
     if max_epochs and max_epochs < epochs:
         warnings.warn(f"Limiting epochs to {max_epochs}", stacklevel=2)  # Keras's debugging cap, its words
@@ -185,9 +185,9 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
             (x, y, sample_weight), validation_split=validation_split)
     if class_weight is not None:
         if arrays:
-            from mirrorax.trainer import _class_weights
+            from mirrorax.inputs.make import class_weights
 
-            sample_weight = _class_weights(y, class_weight, sample_weight)
+            sample_weight = class_weights(y, class_weight, sample_weight)
         else:  # batches (a PyDataset, a generator): each one weighted as Keras's data adapters do
             from collections.abc import Iterator
 
@@ -196,7 +196,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
             if isinstance(batches, Iterator):  # a generator stays one-shot (see _as_batches)
                 x = iter(x)
     if (validation_data is not None and not isinstance(validation_data, tuple)
-            and data_lib.is_array_tree(validation_data)):
+            and is_array_tree(validation_data)):
         raise ValueError("validation_data must be a tuple (x_val, y_val) or (x_val, y_val, sample_weight), or an "
                          f"iterable of such batches; received {type(validation_data).__name__}.")
     if not arrays:
@@ -235,17 +235,17 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: int | None = 
         raise ValueError(f"Arguments not recognized: {kwargs}")
     import keras
 
-    from mirrorax import data as data_lib
     from mirrorax import hooks as hooks_lib
+    from mirrorax.inputs.make import is_array_tree
 
-    if not data_lib.is_array_tree(x):
+    if not is_array_tree(x):
         x = _as_batches(x)
     steps = _capped_steps(steps)
     hooks_lib.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
                                                  steps=steps or _num_batches(x, batch_size or 32), model=self)
-    logs = trainer_of(self).evaluate(x, y, batch_size=batch_size or (32 if data_lib.is_array_tree(x) else None),
+    logs = trainer_of(self).evaluate(x, y, batch_size=batch_size or (32 if is_array_tree(x) else None),
                                      sample_weight=sample_weight, steps=steps, callbacks=callbacks)
     return logs if return_dict else self._flatten_metrics_in_order(logs)
 
@@ -258,17 +258,17 @@ def _predict(self: Any, x: Any, batch_size: int | None = None, verbose: Any = "a
         return fallback(x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
     import keras
 
-    from mirrorax import data as data_lib
     from mirrorax import hooks as hooks_lib
+    from mirrorax.inputs.make import is_array_tree
 
-    if not data_lib.is_array_tree(x):
+    if not is_array_tree(x):
         x = _as_batches(x)
     steps = _capped_steps(steps)
     hooks_lib.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
                                                  steps=steps or _num_batches(x, batch_size or 32), model=self)
-    return trainer_of(self).predict(x, batch_size=batch_size or (32 if data_lib.is_array_tree(x) else None),
+    return trainer_of(self).predict(x, batch_size=batch_size or (32 if is_array_tree(x) else None),
                                     steps=steps, callbacks=callbacks)
 
 
@@ -322,11 +322,11 @@ class _class_weighted:
     def __iter__(self) -> Any:
         import keras
 
-        from mirrorax.trainer import _class_weights
+        from mirrorax.inputs.make import class_weights
 
         for item in self.data:
             x, y, w = keras.utils.unpack_x_y_sample_weight(item)
-            yield x, y, _class_weights(np.asarray(y), self.class_weight, w)
+            yield x, y, class_weights(np.asarray(y), self.class_weight, w)
 
     def __len__(self) -> int:
         return len(self.data)
@@ -371,9 +371,9 @@ class _batches:
 
 
 def _num_batches(x: Any, batch_size: int | None) -> int | None:
-    from mirrorax import data as data_lib
+    from mirrorax.inputs.make import is_array_tree
 
-    if data_lib.is_array_tree(x):
+    if is_array_tree(x):
         import jax
 
         rows = int(np.shape(jax.tree.leaves(x)[0])[0])

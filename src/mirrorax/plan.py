@@ -173,7 +173,7 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
     Example:
       >>> print(mx.plan(model, x_train[:1], y_train[:1], batch_size=256, device_memory="24GB"))
     """
-    from mirrorax import data as data_lib
+    from mirrorax.inputs.make import make_source
     from mirrorax.keras_fit import strategy_of
     from mirrorax.strategy import get_strategy
     from mirrorax.trainer import Trainer
@@ -184,8 +184,8 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
     if trainer is None or trainer.strategy is not base:
         trainer = Trainer(trainer.model if trainer is not None else model_or_trainer, base)
     memory = parse_bytes(device_memory) if device_memory is not None else _device_memory(base.devices)
-    source = data_lib.make_source(x, y, float_dtype=trainer.adapter.float_dtype)
-    sample = trainer._sample(source, 1)
+    source = make_source(x, y, float_dtype=trainer.adapter.float_dtype)
+    sample = source.sample(1, trainer.strategy)
     result = _plan_one(trainer, sample, batch_size, memory)
     if memory is not None and search:
         for mode in MODES:
@@ -254,14 +254,14 @@ def _largest(peak: Any, memory: int, step: int, start: int) -> int | None:
 
 
 def _plan_one(trainer: Any, sample: Any, batch_size: int, memory: int | None = None) -> Plan:
-    """The plan of ``trainer``'s train step at ``batch_size`` (``sample``: a :class:`mirrorax.data.Batch`
+    """The plan of ``trainer``'s train step at ``batch_size`` (``sample``: a :class:`mirrorax.inputs.batch.Batch`
     of the inputs, for their row shapes and dtypes).
 
     When the trainer already holds its state (``fit`` about to run), the step is lowered for that very
     state, so the program compiled here is the one the first step runs: JAX's compilation cache hands
     it over, and planning at ``fit`` start costs no second compile.
     """
-    from mirrorax import data as data_lib
+    from mirrorax.inputs.batch import padded_batch_size
 
     s = trainer.strategy
     if trainer.state is not None:
@@ -273,7 +273,7 @@ def _plan_one(trainer: Any, sample: Any, batch_size: int, memory: int | None = N
         layouts = trainer.state_layout(host)
         abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=sh),
                                 host, layouts)
-    padded = data_lib.padded_batch_size(batch_size, s)
+    padded = padded_batch_size(batch_size, s)
 
     def batch_spec(a: Any) -> Any:
         a = np.asarray(a)

@@ -25,7 +25,8 @@ from mirrorax.replica import ReduceOp, resolve_op
 
 if TYPE_CHECKING:
     from mirrorax.dispatch import StrategyFunction
-    from mirrorax.distribute import DistributedDataset
+    from mirrorax.inputs.distributed import DistributedDataset
+    from mirrorax.inputs.iterables import PerProcessDataset
 
 __all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "InputContext", "get_strategy"]
 
@@ -307,7 +308,7 @@ class MirroredStrategy:
           >>> for batch in dist:
           ...     state, loss = step(state, batch)
         """
-        from mirrorax.distribute import DistributedDataset
+        from mirrorax.inputs.distributed import DistributedDataset
 
         return DistributedDataset(self, data, batch_size=batch_size, shuffle=shuffle, seed=seed)
 
@@ -455,7 +456,7 @@ class MirroredStrategy:
         """This process's :class:`InputContext`."""
         return InputContext(self.process_count, self.process_index, self.num_replicas_in_sync)
 
-    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Any]) -> Any:
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Any]) -> PerProcessDataset:
         """Builds this process's input pipeline: ``dataset_fn(ctx)``, with ``ctx`` an :class:`InputContext`.
 
         The pipeline yields this process's share of each global batch: ``(x, y)`` or ``(x, y, w)``
@@ -469,7 +470,9 @@ class MirroredStrategy:
           ...     return [(np.zeros((rows, 4)), np.zeros((rows,)))]
           >>> ds = MirroredStrategy().distribute_datasets_from_function(fn)
         """
-        return _PerProcessDataset(dataset_fn(self.input_context()), self.input_context())
+        from mirrorax.inputs.iterables import PerProcessDataset
+
+        return PerProcessDataset(dataset_fn(self.input_context()), self.input_context())
 
     def __repr__(self) -> str:
         kinds = sorted({d.platform for d in self._devices})
@@ -479,17 +482,6 @@ class MirroredStrategy:
 
 MultiWorkerMirroredStrategy = MirroredStrategy
 """The TF name for a strategy whose devices span several processes or hosts; the same class here."""
-
-
-class _PerProcessDataset:
-    """Marks an iterable as yielding this process's rows only (not the global batch)."""
-
-    def __init__(self, iterable: Any, context: InputContext) -> None:
-        self.iterable = iterable
-        self.context = context
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.iterable)
 
 
 def get_strategy() -> MirroredStrategy:

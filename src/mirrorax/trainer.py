@@ -7,70 +7,34 @@ to the host only when shown (progress refresh, end of epoch).
 
 from __future__ import annotations
 
-import itertools
 import os
 import sys
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any, Literal
 
 import jax
-import numpy as np
 
-from mirrorax import consistency, preemption
-from mirrorax import data as data_lib
+from mirrorax import consistency, evaluation, preemption
 from mirrorax import epoch as epoch_lib
 from mirrorax import resume as resume_lib
 from mirrorax._checks import check_int
 from mirrorax.hooks import Callbacks
+from mirrorax.input_checks import check_batch_size
+from mirrorax.inputs.batch import Batch
+from mirrorax.inputs.make import make_source, validation_source
+from mirrorax.inputs.prefetch import Prefetcher, device_batches
+from mirrorax.inputs.source import Source
+from mirrorax.inputs.streams import Stream, ran_out_of_data
 from mirrorax.models.base import ModelAdapter, adapt
 from mirrorax.progress import Progress, resolve_verbose
+from mirrorax.results import History, NonFiniteLossError
 from mirrorax.step import InFlight, NonFiniteMode, StepFunctions, host_tree, host_value
 from mirrorax.strategy import MirroredStrategy, get_strategy
-from mirrorax.streams import Stream, make_stream
 from mirrorax.train_state import TrainState
 
 __all__ = ["Trainer", "History", "NonFiniteLossError"]
 
 PyTree = Any
-
-
-class NonFiniteLossError(FloatingPointError):
-    """Training produced a non-finite loss (``on_nonfinite="raise"``). The trainer and the model keep the
-    values from before that step."""
-
-
-class History:
-    """What ``fit`` returns: ``history`` maps each metric (and ``val_`` metric) to one value per epoch.
-
-    Attributes:
-      history: ``{"loss": [...], "accuracy": [...], "val_loss": [...], ...}``, as Keras's ``History``.
-      epoch: the epoch indices run.
-      samples_per_second: training throughput of each epoch (real examples only).
-    """
-
-    def __init__(self) -> None:
-        self.history: dict[str, list[float]] = {}
-        self.epoch: list[int] = []
-        self.samples_per_second: list[float] = []
-
-    def append(self, epoch: int, logs: dict[str, float], samples_per_second: float) -> None:
-        self.epoch.append(epoch)
-        self.samples_per_second.append(samples_per_second)
-        for k, v in logs.items():
-            self.history.setdefault(k, []).append(v)
-
-    def restore(self, saved: dict[str, Any]) -> None:
-        """Takes the epochs recorded in a checkpoint (``as_dict`` form)."""
-        self.history = {k: list(v) for k, v in saved.get("history", {}).items()}
-        self.epoch = list(saved.get("epoch", []))
-        self.samples_per_second = list(saved.get("samples_per_second", []))
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"history": self.history, "epoch": self.epoch, "samples_per_second": self.samples_per_second}
-
-    def __repr__(self) -> str:
-        return f"History(epochs={len(self.epoch)}, keys={list(self.history)})"
 
 
 class Trainer:
@@ -107,7 +71,7 @@ class Trainer:
     """
 
     # fit's steps_per_epoch: exactly that many batches, array inputs continuing into a new pass (False),
-    # or at most that many, an epoch ending where the data does (True: Keras's fit, see streams.py).
+    # or at most that many, an epoch ending where the data does (True: Keras's fit, see inputs/streams.py).
     _epochs_end_with_data = False
 
     def __init__(self, model: Any, strategy: MirroredStrategy | None = None, *, loss: Any = None,
@@ -169,7 +133,7 @@ class Trainer:
         """
         return self.strategy._replicate(tree, broadcast=from_host)
 
-    def _ensure_state(self, sample: data_lib.Batch) -> None:
+    def _ensure_state(self, sample: Batch) -> None:
         # Building is incremental: a predict-only start builds layers; targets later add metrics, whose
         # accumulators are placed afresh for every epoch and evaluation anyway.
         self.adapter.build(sample.tree())
@@ -284,42 +248,14 @@ class Trainer:
         return state.replace(**self._place_state(values))
 
     # -- data helpers ------------------------------------------------------------------------------
-    def _batch_size(self, source: Any, batch_size: int | None) -> int:
+    def _batch_size(self, source: Source, batch_size: int | None) -> int:
         if batch_size is None:
-            if isinstance(source, data_lib.IterableSource):
-                rows = source.first_batch_rows()
-                return rows * self.strategy.process_count if source.per_process else rows
-            return 32
-        return data_lib.check_batch_size(batch_size)
+            return source.default_batch_size(self.strategy.process_count)
+        return check_batch_size(batch_size)
 
-    def _sample(self, source: Any, batch_size: int, with_targets: bool = True) -> data_lib.Batch:
-        if isinstance(source, data_lib.ArraySource):
-            gen = source.batches(batch_size, self.strategy, shuffle=False, seed=0, pass_index=0,
-                                 with_targets=with_targets)
-            return next(gen)
-        return source.sample(with_targets)
-
-    def _device_batches(self, host: Iterator[data_lib.Batch], group: int,
-                        per_process_iterable: bool) -> Iterator[tuple[int, data_lib.Batch]]:
-        def grouped() -> Iterator[tuple[int, data_lib.Batch]]:
-            if group == 1:
-                for b in host:
-                    yield 0, b
-                return
-            while True:
-                chunk = list(itertools.islice(host, group))
-                if len(chunk) == group:
-                    yield group, data_lib.stack(chunk)
-                else:
-                    for b in chunk:
-                        yield 0, b
-                    return
-
-        # Per-process pipelines agree on "more data?" with a collective each step: that must stay on
-        # the thread that dispatches steps, so they are placed synchronously.
-        if self.prefetch == 0 or (per_process_iterable and self.strategy.process_count > 1):
-            return ((k, data_lib.to_global(b, self.strategy, stacked=k > 0)) for k, b in grouped())
-        return data_lib.Prefetcher(grouped(), self.strategy, depth=self.prefetch)
+    def _device_batches(self, host: Iterator[Batch], group: int, per_process: bool
+                        ) -> Iterator[tuple[int, Batch]] | Prefetcher:
+        return device_batches(host, group, self.strategy, prefetch=self.prefetch, per_process=per_process)
 
     # -- fit ---------------------------------------------------------------------------------------
     def fit(self, x: Any, y: Any = None, *, batch_size: int | None = None, epochs: int = 1,
@@ -378,13 +314,14 @@ class Trainer:
         if steps_per_epoch is not None:
             check_int("steps_per_epoch", steps_per_epoch)
         if validation_batch_size is not None:
-            data_lib.check_batch_size(validation_batch_size)
+            check_batch_size(validation_batch_size)
         every = resume_lib.check_every(checkpoint_every)
-        source = data_lib.make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
-                                      check_finite=self._refuse_nonfinite)
-        data_lib.require_targets(source, "fit")
+        source = make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
+                             check_finite=self._refuse_nonfinite)
+        source.require_targets("fit")
         batch_size = self._batch_size(source, batch_size)
-        val = self._validation_source(validation_data)
+        val = validation_source(validation_data, float_dtype=self.adapter.float_dtype,
+                                check_finite=self._refuse_nonfinite)
         ckpt = None
         if checkpoint_dir is not None:
             from mirrorax.checkpoint import Checkpointer
@@ -393,13 +330,13 @@ class Trainer:
         if callbacks is not None and not isinstance(callbacks, (list, tuple)) and \
                 type(callbacks).__name__ != "CallbackList":  # (Keras's fit under a scope passes its own list)
             callbacks = [callbacks]  # one callback, not in a list: as Keras's own fit takes it
-        sample = self._sample(source, batch_size)
+        sample = source.sample(batch_size, self.strategy)
         self._ensure_state(sample)
         for s in (source, val):  # shapes against the outputs, labels against the classes: before compiling
             if s is not None:
                 s.check_targets(self.adapter)
         # Labels the host has checked whole need no guard in the step (it costs up to 7% of a step).
-        self.steps.check_labels_in_step(not getattr(source, "labels_checked", False))
+        self.steps.check_labels_in_step(not source.labels_checked)
         consistency.check_replicas(self._state)  # multi-process: every process holds process 0's values
         self._write_back()  # lent to the model: what callbacks change on it from here on is adopted
         # The plan's line (verbose), and will it fit? (only where a device's memory is known): the step is
@@ -407,8 +344,8 @@ class Trainer:
         announce = mode if self._plan_line is None else self._plan_line
         _plan_module().at_fit_start(self, sample, batch_size, announce=bool(announce) and self.strategy.is_primary)
         history = History()
-        stream = make_stream(source, batch_size, self.strategy, shuffle=shuffle, seed=seed,
-                             ends_with_data=self._epochs_end_with_data)
+        stream = source.stream(batch_size, self.strategy, shuffle=shuffle, seed=seed,
+                               ends_with_data=self._epochs_end_with_data)
         per_epoch = steps_per_epoch or stream.batches_per_pass
         hooks = Callbacks(callbacks, self.model, epochs=epochs, steps=per_epoch, verbose=0 if not mode else mode)
         should_validate = _validation_schedule(validation_freq)
@@ -418,7 +355,7 @@ class Trainer:
                "steps_per_epoch": steps_per_epoch}
         start_epoch, start_batch, input_state = initial_epoch, 0, None
         training_logs: dict[str, float] = {}
-        inputs = None if ckpt is None else resume_lib.InputState.attach(source, self.strategy.process_count)
+        inputs = None if ckpt is None else source.track_position(self.strategy.process_count)
         watch = preemption.Watch(self.strategy.process_count)
         stopped: preemption.Preempted | None = None
         try:
@@ -451,12 +388,12 @@ class Trainer:
                     saver=saver, hooks=hooks, watch=watch, positioned=inputs is not None)
                 if self._epochs_end_with_data and steps_per_epoch and start_batch + steps < steps_per_epoch \
                         and not getattr(self.model, "stop_training", False):
-                    _ran_out_of_data()
+                    ran_out_of_data()
                 start_batch = 0
                 self._write_back()  # Keras syncs the model before validation: on_test_begin may read it
                 if val is not None and should_validate(epoch):
-                    vlogs = self._evaluate_source(val, validation_batch_size or batch_size, steps=validation_steps,
-                                                  hooks=hooks)
+                    vlogs = evaluation.evaluate_source(self, val, validation_batch_size or batch_size,
+                                                       steps=validation_steps, hooks=hooks)
                     logs.update({f"val_{k}": v for k, v in vlogs.items()})
                 sps = progress.finish(steps, samples, logs)
                 history.append(epoch, logs, sps)
@@ -586,7 +523,7 @@ class Trainer:
                 self._state = run.state
                 raise self._preempted(None if saver is None else saver.ckpt, epoch, run.in_epoch)
         finally:
-            if isinstance(batches, data_lib.Prefetcher):
+            if isinstance(batches, Prefetcher):
                 batches.close()
             self.adapter.conceal()
             self._state = run.state
@@ -626,30 +563,6 @@ class Trainer:
             logs["skipped_steps"] = float(host_value(state.skipped))
         return logs
 
-    def _validation_source(self, validation_data: Any) -> Any:
-        if validation_data is None:
-            return None
-        dtype = self.adapter.float_dtype
-        source: data_lib.ArraySource | data_lib.IterableSource
-        if isinstance(validation_data, list) and len(validation_data) in (2, 3) and \
-                not isinstance(validation_data[0], (tuple, list)):
-            validation_data = tuple(validation_data)  # as Keras reads [x_val, y_val]
-        if isinstance(validation_data, tuple) and validation_data and data_lib.is_array_tree(validation_data[0]):
-            if len(validation_data) not in (2, 3):
-                raise ValueError(
-                    f"validation_data must be (x_val, y_val), (x_val, y_val, sample_weight_val) or an iterable of "
-                    f"(x, y) batches; received a tuple of {len(validation_data)} element(s) (of types "
-                    f"{[type(v).__name__ for v in validation_data]}). Pass validation_data=(x_val, y_val).")
-            source = data_lib.ArraySource(*validation_data, float_dtype=dtype, check_finite=self._refuse_nonfinite)
-        elif data_lib.is_array_tree(validation_data):
-            raise ValueError(f"validation_data must be (x_val, y_val), (x_val, y_val, sample_weight_val) or an "
-                             f"iterable of (x, y) batches; received {type(validation_data).__name__} of inputs "
-                             "alone. Pass validation_data=(x_val, y_val).")
-        else:
-            source = data_lib.make_source(validation_data, float_dtype=dtype)
-        data_lib.require_targets(source, "validation_data")
-        return source
-
     # -- evaluate / predict ------------------------------------------------------------------------
     def evaluate(self, x: Any, y: Any = None, *, batch_size: int | None = None, sample_weight: Any = None,
                  verbose: int | str = 0, steps: int | None = None, callbacks: Any = None) -> dict[str, float]:
@@ -665,70 +578,8 @@ class Trainer:
           >>> trainer.evaluate(x_test, y_test, batch_size=256)
           {'accuracy': 0.97, 'loss': 0.09}
         """
-        source = data_lib.make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
-                                      check_finite=self._refuse_nonfinite)
-        data_lib.require_targets(source, "evaluate")
-        batch_size = self._batch_size(source, batch_size)
-        if steps is not None:
-            check_int("steps", steps)
-        hooks = Callbacks(callbacks, self.model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
-        logs = self._evaluate_source(source, batch_size, steps=steps, hooks=hooks)
-        if self.strategy.is_primary and resolve_verbose(verbose, self.stream):
-            from mirrorax.progress import format_logs
-
-            self.stream.write(f"evaluate - {format_logs(logs)}\n")
-        return logs
-
-    def _evaluate_source(self, source: Any, batch_size: int, *, steps: int | None = None,
-                         hooks: Callbacks | None = None) -> dict[str, float]:
-        self._ensure_state(self._sample(source, batch_size))
-        source.check_targets(self.adapter)
-        metrics = self._place(self.adapter.initial_metrics(), from_host=False)
-        stream = make_stream(source, batch_size, self.strategy)
-        window = InFlight(self.max_in_flight, self.steps.eval_watch())
-        within = _within_pass(stream, steps, warn=self._epochs_end_with_data)
-        batches = self._device_batches(stream.batches(0, within), 1, stream.per_process)
-        begin = hooks is not None and hooks.listens["test_begin"]
-        end = hooks is not None and hooks.listens["test_end"]
-        if hooks is not None:
-            self.model.stop_evaluating = False  # as Keras: a test-batch callback may set it to stop early
-            hooks.call("on_test_begin")
-            self._adopt_callback_changes()
-
-        def batch_end(index: int, logs: Any) -> None:
-            assert hooks is not None
-            self._state = self._batch_hook(hooks, "on_test_batch_end", index, logs, self._live_state,
-                                           exposed=self._live_state.replace(metrics=metrics))
-
-        # As Keras's evaluate: the model's variables hold nothing while the loop runs (the metrics'
-        # totals are the loop's own); they are lent the values again at the end.
-        self.adapter.release()
-        try:
-            spe, i, aux = self.steps_per_execution, -1, None  # batch hooks once per execution, as Keras
-            for i, (_, batch) in enumerate(batches):
-                if begin and hooks is not None and i % spe == 0:
-                    hooks.call("on_test_batch_begin", i)
-                metrics, aux = self.steps.evaluate(self._live_state, metrics, batch.tree())
-                window.push(aux["token"])
-                if end and hooks is not None and (i + 1) % spe == 0:
-                    batch_end(i, aux["logs"])
-                    if getattr(self.model, "stop_evaluating", False):
-                        break
-            if end and hooks is not None and aux is not None and (i + 1) % spe:
-                batch_end(i - i % spe + spe - 1, aux["logs"])
-            window.drain()
-        finally:
-            if isinstance(batches, data_lib.Prefetcher):
-                batches.close()
-            self.adapter.conceal()
-            self._write_back()
-        totals = host_tree(metrics)
-        logs = self.adapter.metric_results(totals)
-        self.adapter.keep_metrics(totals)
-        if hooks is not None:
-            hooks.call("on_test_end", logs)
-            self._adopt_callback_changes()
-        return logs
+        return evaluation.evaluate(self, x, y, batch_size=batch_size, sample_weight=sample_weight, verbose=verbose,
+                                   steps=steps, callbacks=callbacks)
 
     def predict(self, x: Any, *, batch_size: int | None = None, verbose: int | str = 0, steps: int | None = None,
                 callbacks: Any = None) -> Any:
@@ -745,61 +596,7 @@ class Trainer:
           >>> probs.shape[0] == len(x_test)
           True
         """
-        if isinstance(x, tuple) and len(x) in (2, 3) and not data_lib.is_array_tree(x):
-            x = x[0]
-        # NaN inputs are allowed here: they spoil only their own rows' outputs.
-        source = data_lib.make_source(x, float_dtype=self.adapter.float_dtype, check_finite=False)
-        batch_size = self._batch_size(source, batch_size)
-        self._ensure_state(self._sample(source, batch_size, with_targets=False))
-        source.check_targets(self.adapter)  # the inputs' shapes (no targets here)
-        if steps is not None:
-            check_int("steps", steps)
-        stream = make_stream(source, batch_size, self.strategy, with_targets=False)
-        outputs: list[Any] = []
-        hooks = Callbacks(callbacks, self.model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
-        end = hooks is not None and hooks.listens["predict_end"]
-        spe = self.steps_per_execution  # batch hooks once per execution, as Keras
-
-        def collect(item: tuple[Any, Any]) -> None:
-            if hooks is not None and getattr(self.model, "stop_predicting", False):
-                # Dispatched before a callback's stop was seen (the window runs ahead): Keras would not
-                # have run it, so neither its outputs nor its hooks count.
-                return
-            y, mask = item
-            mask_h = host_value(mask) > 0
-            outputs.append(jax.tree.map(lambda a: host_value(a)[mask_h], y))
-            if end and hooks is not None and len(outputs) % spe == 0:
-                hooks.call("on_predict_batch_end", len(outputs) - 1, {"outputs": _joined(outputs[-spe:])})
-
-        window = InFlight(self.max_in_flight, collect)
-        within = _within_pass(stream, steps, warn=self._epochs_end_with_data)
-        batches = self._device_batches(stream.batches(0, within), 1, stream.per_process)
-        if hooks is not None:
-            self.model.stop_predicting = False  # as Keras: a predict-batch callback may set it to stop early
-            hooks.call("on_predict_begin")
-            self._adopt_callback_changes()
-        try:
-            for i, (_, batch) in enumerate(batches):
-                if hooks is not None and hooks.listens["predict_begin"] and i % spe == 0:
-                    hooks.call("on_predict_batch_begin", i)
-                y, model_state = self.steps.predict(self._live_state, batch.x)
-                self._state = self._live_state.replace(model_state=model_state)
-                window.push((y, batch.mask))
-                if hooks is not None and getattr(self.model, "stop_predicting", False):
-                    break
-            window.drain()
-            if end and hooks is not None and len(outputs) % spe:
-                n = len(outputs)
-                hooks.call("on_predict_batch_end", n - n % spe + spe - 1, {"outputs": _joined(outputs[-(n % spe):])})
-        finally:
-            if isinstance(batches, data_lib.Prefetcher):
-                batches.close()
-        if jax.tree.leaves(self._live_state.model_state):
-            self._write_back()  # the model's random streams moved on (Keras's predict syncs them back too)
-        if hooks is not None:
-            hooks.call("on_predict_end")
-            self._adopt_callback_changes()
-        return jax.tree.map(lambda *a: np.concatenate(a), *outputs)
+        return evaluation.predict(self, x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
 
     # -- one batch (Keras's *_on_batch) ------------------------------------------------------------
     def train_on_batch(self, x: Any, y: Any = None, *, sample_weight: Any = None, class_weight: Any = None
@@ -812,63 +609,15 @@ class Trainer:
         Example:
           >>> logs = trainer.train_on_batch(x[:64], y[:64])
         """
-        if class_weight is not None:
-            sample_weight = _class_weights(y, class_weight, sample_weight)
-        source = data_lib.ArraySource(x, y, sample_weight)
-        batch_size = source.num_examples
-        sample = self._sample(source, batch_size)
-        self._ensure_state(sample)
-        self.steps.check_labels_in_step(True)  # (the labels of a single batch are looked at in the step)
-        host = next(source.batches(batch_size, self.strategy, shuffle=False, seed=0, pass_index=0))
-        batch = data_lib.to_global(host, self.strategy)
-        state = self._live_state.replace(metrics=self._place(self.adapter.initial_metrics(), from_host=False))
-        self.adapter.release()
-        self._state = None
-        try:
-            state, aux = self.steps.train(state, batch.tree())
-        finally:
-            self._state = state if state is not None else self._state
-        self._write_back()
-        if self.steps.on_nonfinite == "raise" and int(host_value(state.skipped)):
-            self._state = self.steps.clear_nonfinite(state, int(host_value(state.nonfinite_step)))
-            raise NonFiniteLossError("The loss of this batch is not finite; the update was not applied (the model "
-                                     "keeps its values). Check the batch for NaN/inf or lower the learning rate.")
-        totals = host_tree(state.metrics)
-        self.adapter.keep_metrics(totals)
-        return self.adapter.metric_results(totals)
+        return evaluation.train_on_batch(self, x, y, sample_weight=sample_weight, class_weight=class_weight)
 
     def test_on_batch(self, x: Any, y: Any = None, *, sample_weight: Any = None) -> dict[str, float]:
         """Loss and metrics of one batch in inference mode (Keras's ``test_on_batch``)."""
-        source = data_lib.ArraySource(x, y, sample_weight)
-        return self._evaluate_source(source, source.num_examples)
+        return evaluation.test_on_batch(self, x, y, sample_weight=sample_weight)
 
     def compile_counts(self) -> dict[str, int]:
         """Programs compiled per step kind (fixed shapes: one per kind used)."""
         return self.steps.compile_counts()
-
-
-def _joined(outputs: list[Any]) -> Any:
-    """Per-batch outputs of one execution as one batch (what Keras's ``on_predict_batch_end`` gets)."""
-    return outputs[0] if len(outputs) == 1 else jax.tree.map(lambda *a: np.concatenate(a), *outputs)
-
-
-def _within_pass(stream: Stream, steps: int | None, warn: bool) -> int | None:
-    """evaluate's and predict's ``steps``: a limit within one pass over the data (never a second pass,
-    which would count examples twice), as Keras reads it; ``warn``: with Keras's warning when it cuts."""
-    n = stream.batches_per_pass
-    if not steps or not n:
-        return steps
-    if warn and steps > n:
-        _ran_out_of_data()
-    return min(steps, n)
-
-
-def _ran_out_of_data() -> None:
-    """Keras's warning when an epoch ends before its ``steps_per_epoch`` (the same words)."""
-    warnings.warn("Your input ran out of data; interrupting training. Make sure that your dataset or generator "
-                  "can generate at least `steps_per_epoch * epochs` batches. You may need to use the "
-                  "`.repeat()` function when building your dataset.", stacklevel=3)
-
 
 
 def _plan_module() -> Any:
@@ -888,22 +637,3 @@ def _validation_schedule(freq: Any) -> Callable[[int], bool]:
         return lambda epoch: epoch + 1 in wanted
     check_int("validation_freq", freq)
     return lambda epoch: (epoch + 1) % int(freq) == 0
-
-
-def _class_weights(y: Any, class_weight: Any, sample_weight: Any) -> np.ndarray:
-    """Per-example weights from ``{class: weight}`` (Keras's rule: the label, or the argmax of one-hot)."""
-    if sample_weight is not None:
-        raise ValueError("Pass sample_weight or class_weight, not both (as Keras): received both. Multiply the "
-                         "class weights into sample_weight yourself to use them together.")
-    if not isinstance(class_weight, dict):
-        raise TypeError(f"class_weight must be a dict {{class index: weight}}; received {type(class_weight).__name__}.")
-    labels = np.asarray(y)
-    if labels.ndim > 1 and labels.shape[-1] > 1:
-        labels = labels.argmax(axis=-1)
-    labels = labels.reshape(len(labels), -1)[:, 0].astype(np.int64)
-    missing = sorted(set(np.unique(labels).tolist()) - set(int(k) for k in class_weight))
-    if missing:
-        raise ValueError(f"class_weight has no weight for class(es) {missing[:10]} found in y; received keys "
-                         f"{sorted(class_weight)[:10]}. Give every class a weight.")
-    table = {int(k): float(v) for k, v in class_weight.items()}
-    return np.asarray([table[int(c)] for c in labels], np.float32)

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import numpy as np
 
-from mirrorax.data import put_rows
+from mirrorax.inputs.iterables import PerProcessDataset
+from mirrorax.inputs.placement import put_rows
 
 if TYPE_CHECKING:
     from mirrorax.strategy import MirroredStrategy
@@ -89,12 +90,10 @@ class DistributedDataset:
 
     def __init__(self, strategy: MirroredStrategy, data: Any, *, batch_size: int | None = None,
                  shuffle: bool = False, seed: int = 0) -> None:
-        from mirrorax.strategy import _PerProcessDataset
-
         self._strategy = strategy
         self._shuffle, self._seed = bool(shuffle), int(seed)
         self._passes = 0
-        self._per_process = isinstance(data, _PerProcessDataset)
+        self._per_process = isinstance(data, PerProcessDataset)
         self._num_real_cache: dict[int, jax.Array] = {}
         self._mask_cache: dict[int, jax.Array] = {}
         if _is_arrays(data):

@@ -3,7 +3,8 @@
 Array inputs form one endless stream of passes (pass ``k`` shuffled by ``(seed, k)``); an epoch is one
 pass, or ``steps_per_epoch`` batches that continue where the last epoch stopped. Iterable inputs give
 one iteration per epoch (a one-shot iterator continues across epochs, as in Keras). A stream also
-counts the real examples of the batches it handed out, for samples/s.
+counts the real examples of the batches it handed out, for samples/s. Each source makes its own
+(``Source.stream``).
 
 Keras's ``fit`` (``ends_with_data=True``) reads ``steps_per_epoch`` as an upper bound instead: an epoch
 continues where the last one stopped but ends where the data does (the end of a pass over arrays, the
@@ -13,13 +14,18 @@ end of an iteration), and the next epoch starts a new pass.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mirrorax.data import ArraySource, Batch, IterableSource
-from mirrorax.strategy import MirroredStrategy
+from mirrorax.inputs.batch import Batch
 
-__all__ = ["Stream", "ArrayStream", "IterStream", "make_stream"]
+if TYPE_CHECKING:
+    from mirrorax.inputs.arrays import ArraySource
+    from mirrorax.inputs.iterables import IterableSource
+    from mirrorax.strategy import MirroredStrategy
+
+__all__ = ["Stream", "ArrayStream", "IterStream", "within_pass", "ran_out_of_data"]
 
 
 class Stream:
@@ -130,22 +136,26 @@ class IterStream(Stream):
                 self._continuing, self._seen = None, 0
 
 
-def make_stream(source: ArraySource | IterableSource, batch_size: int, strategy: MirroredStrategy, *,
-                shuffle: bool = False, seed: int = 0, with_targets: bool = True,
-                ends_with_data: bool = False) -> Stream:
-    """The stream of ``source``'s global batches of ``batch_size``.
-
-    ``ends_with_data``: ``steps_per_epoch`` bounds an epoch, which also ends where the data does
-    (Keras's ``fit``); otherwise an epoch of array inputs takes exactly ``steps_per_epoch`` batches,
-    continuing into a new pass."""
-    if isinstance(source, ArraySource):
-        return ArrayStream(source, batch_size, strategy, shuffle, seed, with_targets=with_targets,
-                           ends_with_data=ends_with_data)
-    return IterStream(source, batch_size, strategy, with_targets=with_targets, ends_with_data=ends_with_data)
-
-
 def len_or_none(x: Any) -> int | None:
     try:
         return len(x)
     except TypeError:
         return None
+
+
+def within_pass(stream: Stream, steps: int | None, warn: bool) -> int | None:
+    """evaluate's and predict's ``steps``: a limit within one pass over the data (never a second pass,
+    which would count examples twice), as Keras reads it; ``warn``: with Keras's warning when it cuts."""
+    n = stream.batches_per_pass
+    if not steps or not n:
+        return steps
+    if warn and steps > n:
+        ran_out_of_data()
+    return min(steps, n)
+
+
+def ran_out_of_data() -> None:
+    """Keras's warning when an epoch ends before its ``steps_per_epoch`` (the same words)."""
+    warnings.warn("Your input ran out of data; interrupting training. Make sure that your dataset or generator "
+                  "can generate at least `steps_per_epoch * epochs` batches. You may need to use the "
+                  "`.repeat()` function when building your dataset.", stacklevel=3)

@@ -1,0 +1,158 @@
+"""Array inputs: examples held in memory by every process, cut into global batches by index.
+
+The data position is ``(pass, batch)``: pass ``k`` visits every example once, in the order of
+``permutation(seed, k)``, which depends on neither the device nor the process count. Each process takes
+only its own rows of every global batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from mirrorax.input_checks import check_finite_values, check_labels, check_weights, leaves, tree_numeric
+from mirrorax.inputs.batch import Batch, padded_batch_size, row_counts
+from mirrorax.inputs.placement import shared_constant
+from mirrorax.inputs.source import no_targets
+from mirrorax.inputs.streams import ArrayStream
+
+if TYPE_CHECKING:
+    from mirrorax.inputs.position import InputState
+    from mirrorax.strategy import MirroredStrategy
+
+__all__ = ["ArraySource"]
+
+PyTree = Any
+
+
+class ArraySource:
+    """Examples held in memory by every process: numpy arrays or tuples/dicts of them.
+
+    Args:
+      x: inputs; y: targets (or ``None``); sample_weight: ``(n,)`` weights (or ``None``).
+      float_dtype: the model's float type: float32/float64 arrays become it.
+      check_finite: refuse NaN/inf in ``x``, ``y`` and ``sample_weight`` (fit and evaluate with
+        ``on_nonfinite="raise"``; not predict). Negative and misshapen weights are refused regardless.
+
+    Raises:
+      ValueError: empty input, x, y and sample_weight of different lengths, NaN/inf, a sample_weight
+        that is not one non-negative number per example.
+      TypeError: non-numeric arrays.
+    """
+
+    per_process = False  # every process holds every example and takes its own rows of each batch
+
+    def __init__(self, x: PyTree, y: PyTree = None, sample_weight: Any = None, *, float_dtype: Any = np.float32,
+                 check_finite: bool = True) -> None:
+        if x is None:
+            raise ValueError("x is None; pass the inputs as an array (or a tuple/dict of arrays).")
+        float_dtype = np.dtype(float_dtype)
+        self.x = tree_numeric(x, "x", float_dtype)
+        self.y = tree_numeric(y, "y", float_dtype)
+        self.w = None if sample_weight is None else check_weights(sample_weight, float_dtype)
+        lengths = [("x" + n, rows) for n, rows in row_counts(self.x)] + \
+            [("y" + n, rows) for n, rows in row_counts(self.y)]
+        if self.w is not None:
+            lengths.append(("sample_weight", self.w.shape[0]))
+        sizes = {rows for _, rows in lengths}
+        if len(sizes) > 1:
+            desc = ", ".join(f"{n}: {rows}" for n, rows in lengths)
+            raise ValueError(f"x, y and sample_weight must have the same number of examples; received {desc}. "
+                             "Pass arrays with one row per example.")
+        self.num_examples = sizes.pop()
+        if self.num_examples == 0:
+            raise ValueError("The input is empty (0 examples). Pass at least one example.")
+        if check_finite:
+            for name, a in leaves(self.x, "x") + leaves(self.y, "y"):
+                check_finite_values(a, name)
+        self._targets_checked = False
+
+    @property
+    def labels_checked(self) -> bool:
+        """Whether every label was checked against its classes here (then the step need not look)."""
+        return self._targets_checked
+
+    def check_targets(self, adapter: Any) -> None:
+        """Refuses inputs and targets that do not fit the model (input shapes; target shapes under the
+        loss; labels outside the classes), once per source, before anything is compiled."""
+        if self._targets_checked:
+            return
+        adapter.check_inputs(self.x)
+        if self.y is not None:
+            check_labels(adapter.sparse_targets(self.y, check_shapes=True))
+        self._targets_checked = True
+
+    def default_batch_size(self, process_count: int) -> int:
+        """Keras's default global batch for arrays: 32."""
+        return 32
+
+    def require_targets(self, what: str) -> None:
+        """Refuses arrays without ``y`` for ``what`` (``"fit"``, ``"evaluate"``, ``"validation_data"``)."""
+        if self.y is not None:
+            return
+        given = "x alone"
+        if isinstance(self.x, (list, tuple)) and all(isinstance(v, (list, tuple)) for v in self.x):
+            given += (" (a list of (x, y) tuples reads as a list of input arrays, as in Keras: pass batches as "
+                      "an iterator or generator, e.g. iter(batches))")
+        raise no_targets(what, given)
+
+    def sample(self, batch_size: int, strategy: MirroredStrategy, *, with_targets: bool = True) -> Batch:
+        """This process's rows of the first batch of an unshuffled pass."""
+        return next(self.batches(batch_size, strategy, shuffle=False, seed=0, pass_index=0,
+                                 with_targets=with_targets))
+
+    def stream(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: bool = False, seed: int = 0,
+               with_targets: bool = True, ends_with_data: bool = False) -> ArrayStream:
+        """One endless stream of passes, pass ``k`` in the order of ``(seed, k)`` when ``shuffle``."""
+        return ArrayStream(self, batch_size, strategy, shuffle, seed, with_targets=with_targets,
+                           ends_with_data=ends_with_data)
+
+    def track_position(self, process_count: int) -> InputState | None:
+        """``None``: a batch of arrays is found by its index (the pass's order is a function of the seed)."""
+        return None
+
+    def batches_per_pass(self, batch_size: int) -> int:
+        return math.ceil(self.num_examples / batch_size)
+
+    def order(self, shuffle: bool, seed: int, pass_index: int) -> np.ndarray:
+        """The example order of pass ``pass_index``: the same on every process and device count."""
+        if not shuffle:
+            return np.arange(self.num_examples)
+        return np.random.default_rng([int(seed), int(pass_index)]).permutation(self.num_examples)
+
+    def batches(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: bool, seed: int,
+                pass_index: int, start: int = 0, with_targets: bool = True) -> Iterator[Batch]:
+        """This process's rows of each global batch of pass ``pass_index``, from batch ``start`` on."""
+        order = self.order(shuffle, seed, pass_index)
+        padded = padded_batch_size(batch_size, strategy)
+        local = padded // strategy.process_count
+        lo = strategy.process_index * local
+        ones = shared_constant(np.ones(local, np.float32))
+        for b in range(start, self.batches_per_pass(batch_size)):
+            first = b * batch_size
+            real = order[first:first + batch_size]
+            if lo + local <= len(real):  # every row of this process's share is a real example
+                # Unshuffled rows are contiguous: views, not copies.
+                idx = slice(first + lo, first + lo + local) if not shuffle else real[lo:lo + local]
+                yield self._batch(idx, None, with_targets, len(real), ones)
+                continue
+            slot = np.arange(lo, lo + local)
+            valid = slot < len(real)
+            idx = np.where(valid, real[np.minimum(slot, len(real) - 1)], real[0])
+            yield self._batch(idx, valid, with_targets, len(real), ones)
+
+    def _batch(self, idx: np.ndarray | slice, valid: np.ndarray | None, with_targets: bool, num_real: int,
+               ones: np.ndarray) -> Batch:
+        """Rows ``idx``; ``valid`` marks the real ones (``None``: all real)."""
+        pick = (lambda a: a[idx]) if isinstance(idx, slice) else (lambda a: np.take(a, idx, axis=0))
+        if self.w is None:
+            w = ones if valid is None else np.ones(len(valid), np.float32)
+        else:
+            w = pick(self.w)
+        mask = ones if valid is None else valid.astype(np.float32)
+        y = jax.tree.map(pick, self.y) if with_targets else None
+        return Batch(jax.tree.map(pick, self.x), y, w, mask, shared_constant(np.float32(num_real)))

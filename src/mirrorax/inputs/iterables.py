@@ -1,0 +1,226 @@
+"""Iterable inputs: any Python iterable of batches (generators, tf.data, a torch DataLoader, grain).
+
+Each item is one global batch, or, from ``strategy.distribute_datasets_from_function``, this process's
+share of one (a :class:`PerProcessDataset`). A short item is padded to the fixed shape and masked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mirrorax.input_checks import batch_weights, leaves, rows_shape, tree_numeric
+from mirrorax.inputs.batch import Batch, padded_batch_size, row_counts, take_rows
+from mirrorax.inputs.position import InputState
+from mirrorax.inputs.source import no_targets
+from mirrorax.inputs.streams import IterStream
+
+if TYPE_CHECKING:
+    from mirrorax.strategy import InputContext, MirroredStrategy
+
+__all__ = ["IterableSource", "PerProcessDataset"]
+
+PyTree = Any
+
+
+class PerProcessDataset:
+    """Marks an iterable as yielding this process's rows only (not the global batch): what
+    ``strategy.distribute_datasets_from_function`` returns."""
+
+    def __init__(self, iterable: Any, context: InputContext) -> None:
+        self.iterable = iterable
+        self.context = context
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.iterable)
+
+
+class IterableSource:
+    """Batches from any Python iterable of ``x``, ``(x, y)`` or ``(x, y, sample_weight)``.
+
+    Generators, ``tf.data``, a torch ``DataLoader`` and grain loaders all reduce to this. Each item is
+    one global batch (or, from ``strategy.distribute_datasets_from_function``, this process's share).
+    A smaller item is padded to the fixed shape; a larger one is an error.
+    """
+
+    def __init__(self, iterable: Iterable[Any], *, float_dtype: Any = np.float32) -> None:
+        self.per_process = isinstance(iterable, PerProcessDataset)
+        self.iterable = iterable
+        self.float_dtype = np.dtype(float_dtype)
+        self._first: Any = None
+
+    def peek(self) -> tuple[PyTree, PyTree, Any]:
+        """The first item, split into ``(x, y, w)`` (for sizing and building); consumes nothing."""
+        if self._first is None:
+            it = iter(self.iterable)
+            try:
+                raw = next(it)
+            except StopIteration:
+                raise ValueError("The input iterable yielded no batch. Pass a non-empty dataset.") from None
+            x, y, w = _split(raw)
+            self._first = (tree_numeric(x, "x", self.float_dtype), tree_numeric(y, "y", self.float_dtype), w)
+            if it is self.iterable or isinstance(self.iterable, Iterator):
+                # A one-shot iterator: the peeked item must still be trained on.
+                self._unread = raw
+        return self._first
+
+    def _iter(self) -> Iterator[Any]:
+        it = iter(self.iterable)
+        unread = self.__dict__.pop("_unread", None)
+        if unread is not None:
+            return itertools.chain([unread], it)
+        return it
+
+    @property
+    def labels_checked(self) -> bool:
+        """Always False: labels outside the classes are found in the step (``StepFunctions``), as
+        reading every batch on the host would cost time on every step."""
+        return False
+
+    def default_batch_size(self, process_count: int) -> int:
+        """The first batch's rows (times ``process_count`` for a per-process pipeline)."""
+        rows = self.first_batch_rows()
+        return rows * process_count if self.per_process else rows
+
+    def require_targets(self, what: str) -> None:
+        """Refuses batches without ``y`` for ``what`` (``"fit"``, ``"evaluate"``, ``"validation_data"``)."""
+        if self.peek()[1] is None:
+            raise no_targets(what, "batches of x alone")
+
+    def sample(self, batch_size: int, strategy: MirroredStrategy, *, with_targets: bool = True) -> Batch:
+        """The first item as an all-real :class:`Batch` (for building a model's variables)."""
+        x, y, _ = self.peek()
+        n = row_counts(x)[0][1]
+        return Batch(x, y if with_targets else None, np.ones(n, np.float32), np.ones(n, np.float32))
+
+    def check_targets(self, adapter: Any) -> None:
+        """Refuses a first batch whose targets do not fit the model's outputs and loss (shapes). Labels
+        outside the classes are found in the step (``StepFunctions``): reading every batch here would cost
+        host time on every step."""
+        x, y, _ = self.peek()
+        adapter.check_inputs(x)
+        if y is not None:
+            adapter.sparse_targets(y, check_shapes=True)
+
+    def _signature(self, x: PyTree, y: PyTree) -> list[tuple[str, tuple[int, ...], str]]:
+        # Sorted: dict keys in another order are the same batch (JAX flattens dicts by sorted key).
+        return sorted((name, a.shape[1:], a.dtype.name) for name, a in leaves(x, "x") + leaves(y, "y"))
+
+    def _check_like_first(self, x: PyTree, y: PyTree, index: int) -> None:
+        """Every batch has the first one's arrays (names, shapes past the batch axis, dtypes): a change
+        would compile the step again (or fail inside the model) instead of training."""
+        fx, fy, _ = self.peek()
+        want, got = self._signature(fx, fy if y is not None else None), self._signature(x, y)
+        if want == got:
+            return
+        names_w, names_g = [n for n, _, _ in want], [n for n, _, _ in got]
+        if names_w != names_g:
+            raise ValueError(f"Batch {index} of the input holds the arrays {names_g}, the first batch {names_w}. "
+                             "Every batch must have the same structure (x, y and sample_weight alike).")
+        for (name, shape_w, dtype_w), (_, shape_g, dtype_g) in zip(want, got):
+            if shape_w != shape_g:
+                raise ValueError(f"Batch {index} of the input has {name} of shape {rows_shape(shape_g)}, the first "
+                                 f"batch {rows_shape(shape_w)}. Every batch must "
+                                 "have the same shape past the batch axis (only the number of rows may vary: "
+                                 "short batches are padded). Pad or crop to one shape in the input pipeline.")
+            if dtype_w != dtype_g:
+                raise ValueError(f"Batch {index} of the input has {name} of dtype {dtype_g}, the first batch "
+                                 f"{dtype_w}. Every batch must have the same dtypes; cast in the input pipeline "
+                                 f"(e.g. .astype('{dtype_w}')).")
+
+    def stream(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: bool = False, seed: int = 0,
+               with_targets: bool = True, ends_with_data: bool = False) -> IterStream:
+        """One iteration per epoch (a one-shot iterator continues across epochs). ``shuffle`` and ``seed``
+        do not apply: an iterable yields batches in its own order."""
+        return IterStream(self, batch_size, strategy, with_targets=with_targets, ends_with_data=ends_with_data)
+
+    def track_position(self, process_count: int) -> InputState | None:
+        """Wraps the iterable in place in an :class:`InputState`; ``None`` where positions are left to
+        replay: one-shot iterators, and per-process pipelines of a multi-process job (each process's
+        input has its own state; only process 0 writes ``meta``)."""
+        if isinstance(self.iterable, (Iterator, InputState)) or (self.per_process and process_count > 1):
+            return None
+        tracker = InputState(self.iterable)
+        self.iterable = tracker
+        return tracker
+
+    def first_batch_rows(self) -> int:
+        x, _, _ = self.peek()
+        return row_counts(x)[0][1]
+
+    def batches(self, batch_size: int, strategy: MirroredStrategy, *, with_targets: bool = True,
+                skip: int = 0) -> Iterator[Batch]:
+        padded = padded_batch_size(batch_size, strategy)
+        rows = padded // strategy.process_count if self.per_process else padded
+        multi = strategy.process_count > 1
+        it = self._iter()
+        for _ in range(skip):
+            next(it, None)
+        template = None
+        index = skip  # 1-based, as the user counts batches
+        while True:
+            item = next(it, None)
+            index += 1
+            if multi and self.per_process:
+                # Processes agree each step whether anyone still has data, so no process waits in a
+                # collective for a batch that another never sends.
+                from mirrorax.consistency import any_process  # host-side: no wait on the steps
+
+                if not any_process(item is not None):
+                    return
+            elif item is None:
+                return
+            if item is None:
+                yield _empty_like(template)
+                continue
+            x, y, w = _split(item)
+            x = tree_numeric(x, "x", self.float_dtype)
+            y = tree_numeric(y, "y", self.float_dtype) if with_targets else None
+            self._check_like_first(x, y, index)
+            lengths = {rows for _, rows in row_counts(x) + row_counts(y)}
+            if len(lengths) != 1:
+                raise ValueError(f"A batch's arrays have different lengths {sorted(lengths)}; each item must hold "
+                                 "one row per example in x, y and sample_weight.")
+            n = lengths.pop()
+            if n > rows:
+                raise ValueError(f"The input yielded a batch of {n} rows, more than batch_size={batch_size}"
+                                 f" ({rows} rows per {'process' if self.per_process else 'step'}). Pass "
+                                 "batch_size equal to the largest batch the iterable yields.")
+            w = np.ones(n, self.float_dtype) if w is None else batch_weights(w, n, index, self.float_dtype)
+            if not self.per_process and multi:
+                lo = strategy.process_index * (padded // strategy.process_count)
+                slot = np.arange(lo, lo + padded // strategy.process_count)
+            else:
+                slot = np.arange(rows)
+            valid = slot < n
+            idx = np.where(valid, np.minimum(slot, n - 1), 0)
+            template = Batch(take_rows(x, idx), take_rows(y, idx), w[idx], valid.astype(np.float32),
+                             None if self.per_process else np.float32(n))
+            yield template
+
+
+def _empty_like(template: Batch | None) -> Batch:
+    if template is None:
+        raise RuntimeError("This process's input pipeline yielded no batch while another process still had "
+                           "data, and there is no earlier batch to shape the padding. Give every process "
+                           "at least one batch per epoch.")
+    return dataclasses.replace(template, mask=np.zeros_like(template.mask), num_real=None)
+
+
+def _split(item: Any) -> tuple[Any, Any, Any]:
+    if isinstance(item, tuple):
+        if len(item) == 1:
+            return item[0], None, None
+        if len(item) == 2:
+            return item[0], item[1], None
+        if len(item) == 3:
+            return item
+        raise ValueError(f"An input item must be x, (x,), (x, y) or (x, y, sample_weight); received a "
+                         f"tuple of {len(item)} elements.")
+    if isinstance(item, list) and len(item) in (2, 3) and not isinstance(item[0], (int, float)):
+        return _split(tuple(item))
+    return item, None, None

@@ -1,0 +1,100 @@
+"""An epoch's batches on the devices: grouped for several steps per dispatch, placed ahead on a
+background thread while the current step runs (or synchronously)."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from mirrorax.inputs.batch import Batch, stack
+from mirrorax.inputs.placement import to_global
+
+if TYPE_CHECKING:
+    from mirrorax.strategy import MirroredStrategy
+
+__all__ = ["Prefetcher", "device_batches"]
+
+
+class Prefetcher:
+    """Places the next batches on the devices on a background thread while the current step runs.
+
+    Args:
+      batches: ``(k, batch)`` pairs: ``k == 0`` for one step's batch, ``k > 0`` for ``k`` stacked steps.
+      strategy: where they go. depth: batches placed ahead.
+    """
+
+    _END = object()
+
+    def __init__(self, batches: Iterator[tuple[Any, Batch]], strategy: MirroredStrategy, depth: int = 2) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(batches, strategy), daemon=True,
+                                        name="mirrorax-prefetch")
+        self._thread.start()
+
+    def _run(self, batches: Iterator[tuple[Any, Batch]], strategy: MirroredStrategy) -> None:
+        try:
+            for tag, b in batches:
+                if not self._put((tag, to_global(b, strategy, stacked=tag > 0))):
+                    return
+            self._put(self._END)
+        except BaseException as e:  # re-raised on the consuming thread
+            self._put(e)
+
+    def _put(self, item: Any) -> bool:
+        """Queues ``item`` unless the consumer closed first (then returns False)."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> Iterator[tuple[int, Batch]]:
+        return self
+
+    def __next__(self) -> tuple[int, Batch]:
+        item = self._queue.get()
+        if item is self._END:
+            self._queue.put(item)
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def device_batches(host: Iterator[Batch], group: int, strategy: MirroredStrategy, *, prefetch: int,
+                   per_process: bool) -> Iterator[tuple[int, Batch]] | Prefetcher:
+    """``host``'s batches on the devices as ``(k, batch)`` pairs: ``k == 0`` for one step's batch,
+    ``k == group`` for ``group`` batches stacked for one dispatch (``steps_per_execution``; the tail
+    that does not fill a group goes one by one).
+
+    Placed ``prefetch`` ahead on a background thread (:class:`Prefetcher`), or synchronously when
+    ``prefetch == 0``, or for per-process pipelines of a multi-process job: they agree on "more data?"
+    with a collective each step, which must stay on the thread that dispatches the steps.
+    """
+    def grouped() -> Iterator[tuple[int, Batch]]:
+        if group == 1:
+            for b in host:
+                yield 0, b
+            return
+        while True:
+            chunk = list(itertools.islice(host, group))
+            if len(chunk) == group:
+                yield group, stack(chunk)
+            else:
+                for b in chunk:
+                    yield 0, b
+                return
+
+    if prefetch == 0 or (per_process and strategy.process_count > 1):
+        return ((k, to_global(b, strategy, stacked=k > 0)) for k, b in grouped())
+    return Prefetcher(grouped(), strategy, depth=prefetch)

@@ -1,0 +1,76 @@
+"""The one protocol every input implements: what the trainer, streams and checkpoints ask of a source.
+
+A source turns what a user passed (arrays, an iterable of batches, a per-process pipeline) into this
+process's rows of fixed-shape global batches. Everything that differs between kinds of input lives
+behind :class:`Source`; the trainer never asks which kind it holds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from mirrorax.inputs.batch import Batch
+    from mirrorax.inputs.position import InputState
+    from mirrorax.inputs.streams import Stream
+    from mirrorax.strategy import MirroredStrategy
+
+__all__ = ["Source", "no_targets"]
+
+
+class Source(Protocol):
+    """A source of global batches (:class:`~mirrorax.inputs.arrays.ArraySource`,
+    :class:`~mirrorax.inputs.iterables.IterableSource`).
+
+    Attributes:
+      per_process: each process yields only its own rows of a global batch
+        (``strategy.distribute_datasets_from_function``), not the whole batch.
+    """
+
+    per_process: bool
+
+    @property
+    def labels_checked(self) -> bool:
+        """Whether every label was checked against its classes on the host (then the step need not look)."""
+        ...
+
+    def default_batch_size(self, process_count: int) -> int:
+        """The global batch when the user gives none (Keras's 32 for arrays; the first batch's rows for an
+        iterable, times ``process_count`` for a per-process pipeline)."""
+        ...
+
+    def require_targets(self, what: str) -> None:
+        """Refuses a source without targets for ``what`` (``"fit"``, ``"evaluate"``, ``"validation_data"``)."""
+        ...
+
+    def check_targets(self, adapter: Any) -> None:
+        """Refuses inputs and targets that do not fit the model, before anything is compiled."""
+        ...
+
+    def sample(self, batch_size: int, strategy: MirroredStrategy, *, with_targets: bool = True) -> Batch:
+        """One batch of this process's rows, all real (for building a model's variables)."""
+        ...
+
+    def stream(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: bool = False, seed: int = 0,
+               with_targets: bool = True, ends_with_data: bool = False) -> Stream:
+        """The stream of this source's global batches of ``batch_size``: which batches each epoch takes.
+
+        ``shuffle`` / ``seed``: the order of each pass over arrays (an iterable keeps its own order).
+        ``ends_with_data``: ``steps_per_epoch`` bounds an epoch, which also ends where the data does
+        (Keras's ``fit``); otherwise an epoch of array inputs takes exactly ``steps_per_epoch`` batches,
+        continuing into a new pass."""
+        ...
+
+    def track_position(self, process_count: int) -> InputState | None:
+        """Starts recording the input's own position within an epoch, for checkpoints (the
+        :class:`~mirrorax.inputs.position.InputState`), or ``None`` where a resumed epoch needs none
+        (arrays are positioned by index) or cannot have one (one-shot iterators, per-process pipelines
+        of a multi-process job: they are replayed)."""
+        ...
+
+
+def no_targets(what: str, given: str) -> ValueError:
+    """The error for ``what`` (``"fit"``, ``"evaluate"``, ``"validation_data"``) given inputs alone."""
+    form = {"fit": "fit(x, y)", "evaluate": "evaluate(x, y)"}.get(what, "(x_val, y_val)")
+    return ValueError(f"{what} needs targets to compute the loss; received {given} (y is None). Pass {form}, "
+                      "or an iterable that yields (x, y) or (x, y, sample_weight) batches.")
