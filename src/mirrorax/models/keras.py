@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mirrorax import batch_sums
-from mirrorax.models import keras_custom
+from mirrorax.models import keras_custom, keras_metrics
 from mirrorax.models.base import ModelAdapter, SparseTarget, real_count
 from mirrorax.models.keras_targets import check_target_shape, fits, loss_entries, output_spec, resolve, shape_text
 
@@ -107,7 +106,7 @@ class KerasAdapter(ModelAdapter):
                 optimizer=(optimizer if optimizer is not None
                            else (model.optimizer if compiled and model.optimizer else "adam")),
                 loss=loss if loss is not None else model.loss,
-                metrics=metrics if metrics is not None else _compiled_metric_args(model),
+                metrics=metrics if metrics is not None else keras_metrics.compiled_metric_args(model),
             )
         if mixed_precision is not None:
             _set_mixed_precision(model, mixed_precision, keras, optax=self.optax is not None)
@@ -205,7 +204,8 @@ class KerasAdapter(ModelAdapter):
 
     def initial_metrics(self, previous: PyTree | None = None) -> PyTree:
         values = [a.copy() for a in self._metrics_init]
-        if previous is not None and any(_resets_itself(m) for m in _all_metrics(self.model.metrics)):
+        metrics = keras_metrics.all_metrics(self.model.metrics)
+        if previous is not None and any(keras_metrics.resets_itself(m) for m in metrics):
             # A metric with its own reset_state (one that keeps counting across epochs): Keras resets
             # the variables in place, so the reset starts from the values they hold.
             from mirrorax.step import host_value
@@ -400,56 +400,13 @@ class KerasAdapter(ModelAdapter):
         return out
 
     def _update_metrics(self, metrics, loss, batch, y_pred):
-        model = self.model
-        refs = model.metrics_variables
+        """The metrics after this batch, and the batch's loss (:func:`keras_metrics.update`)."""
         values = metrics if isinstance(metrics, list) else self._unpack("metrics", metrics)
-        cm = model._compile_metrics
-        mask, weights = batch["mask"], batch["sample_weight"] * batch["mask"]
-        where = batch_sums.current()
-        # Metrics that add up over rows are summed per replica and packed into one all-reduce operand
-        # (mirrorax.batch_sums), with the loss when it adds up too; the others use the global batch.
-        packed: list[Any] = []
-        totals: list[Any] = []
-        if where is not None:
-            packed = [] if cm is None else _packable(cm, batch["y"], y_pred)
-            rows_loss = self._rows_loss(batch["y"], y_pred) if _unmasked(y_pred) else None
-            own = [v for m in packed for v in m.variables]
-            if rows_loss is not None or packed:
-                def sums(rows, real):
-                    y, y_p, m, w, sw = rows
-                    head = [] if rows_loss is None else [rows_loss(y, y_p, sw, m, real)]
-                    return head + self._metric_totals(cm, own, packed, y, y_p, m, w)
-
-                totals = batch_sums.per_replica_sums(
-                    sums, (batch["y"], y_pred, mask, weights, batch["sample_weight"]), where, real_count(batch))
-                if rows_loss is not None:
-                    loss, totals = totals[0].astype(jnp.result_type(loss)), totals[1:]
-        with self.keras.StatelessScope(state_mapping=list(zip(refs, values))) as scope:
-            model._loss_tracker.update_state(loss, sample_weight=real_count(batch))
-            if cm is not None:
-                _update_compile_metrics(cm, batch["y"], y_pred, mask, weights,
-                                        skip=set(map(id, packed)) if packed else None)
-        out = []
-        for ref, v in zip(refs, values):
-            new = scope.get_current_value(ref)
-            out.append(v if new is None else new)
-        if packed:
-            index = {id(ref): i for i, ref in enumerate(refs)}
-            for v, total in zip(own, totals):
-                i = index[id(v)]
-                out[i] = values[i] + total.astype(values[i].dtype)
+        rows_loss = self._rows_loss(batch["y"], y_pred)
+        out, loss = keras_metrics.update(self.model, values, loss, batch, y_pred, rows_loss)
         extras = {k: v for k, v in metrics.items() if k.startswith(keras_custom.EXTRA_PREFIX)} \
             if isinstance(metrics, dict) else {}
         return dict(self._pack("metrics", out), **extras), loss
-
-    def _metric_totals(self, cm, own, packed, y, y_pred, mask, weights):
-        """The totals of ``packed`` metrics' variables ``own`` over some rows, from zero."""
-        if not packed:
-            return []
-        zeros = [jnp.zeros(v.shape, v.dtype) for v in own]
-        with self.keras.StatelessScope(state_mapping=list(zip(own, zeros))) as local:
-            _update_compile_metrics(cm, y, y_pred, mask, weights, only=set(map(id, packed)))
-        return [z if local.get_current_value(v) is None else local.get_current_value(v) for v, z in zip(own, zeros)]
 
     def keep_metrics(self, metrics) -> None:
         # As Keras's fit/evaluate leave them: model.get_metrics_result() and each metric's result() after
@@ -626,116 +583,6 @@ def _set_mixed_precision(model: Any, kind: str, keras: Any, *, optax: bool) -> N
                              "scaling needed) or a Keras optimizer.")
         if not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
             model.optimizer = keras.optimizers.LossScaleOptimizer(model.optimizer)
-
-
-def _all_metrics(metrics: Sequence[Any]) -> Iterator[Any]:
-    """``model.metrics`` and the metrics inside them (a CompileMetrics' lists)."""
-    for m in metrics:
-        if m is None:
-            continue
-        yield m
-        inner = [*getattr(m, "_flat_metrics", []), *getattr(m, "_flat_weighted_metrics", [])]
-        if type(m).__name__ == "MetricsList":
-            inner += list(m.metrics)
-        yield from _all_metrics(inner)
-
-
-def _resets_itself(metric: Any) -> bool:
-    """Whether ``metric``'s ``reset_state`` is its own (not Keras's, which zeroes the variables)."""
-    owner = next((c for c in type(metric).__mro__ if "reset_state" in c.__dict__), None)
-    return owner is not None and not owner.__module__.startswith(("keras.src.metrics.",
-                                                                   "keras.src.trainers.compile_utils"))
-
-
-def _compile_metric_items(cm: Any, y: Any, y_pred: Any, mask: Any, weights: Any
-                          ) -> Iterator[tuple[Any, Any, Any, Any]]:
-    """``(metric, y_true, y_pred, weights)`` for each metric of a built CompileMetrics: ``metrics=`` get
-    the mask, ``weighted_metrics=`` get ``sample_weight * mask``."""
-    ys, ps = cm._flatten_y(y), cm._flatten_y(y_pred)
-    for flat, w in ((cm._flat_metrics, mask), (cm._flat_weighted_metrics, weights)):
-        for m, y_t, y_p in zip(flat, ys, ps):
-            if not m:
-                continue
-            # An output's metrics come as one MetricsList: each metric is fed on its own (see below).
-            for metric in m.metrics if type(m).__name__ == "MetricsList" else [m]:
-                yield metric, y_t, y_p, w
-
-
-def _update_compile_metrics(cm: Any, y: Any, y_pred: Any, mask: Any, weights: Any, *,
-                            skip: set[int] | None = None, only: set[int] | None = None) -> None:
-    """``CompileMetrics.update_state``, with padding masked out of the *unweighted* metrics too.
-
-    Keras feeds ``metrics=`` without sample weights and ``weighted_metrics=`` with them; padding rows
-    must count in neither, so the former get the mask and the latter ``sample_weight * mask``.
-    ``skip`` / ``only``: ids of metrics to leave out / to update alone.
-    """
-    if not all(hasattr(cm, a) for a in ("_flat_metrics", "_flat_weighted_metrics", "_flatten_y")):
-        cm.update_state(y, y_pred, weights)  # an unknown Keras version: weighted metrics stay exact
-        return
-    if not cm.built:
-        cm.build(y, y_pred)
-    for metric, y_t, y_p, w in _compile_metric_items(cm, y, y_pred, mask, weights):
-        if (skip is not None and id(metric) in skip) or (only is not None and id(metric) not in only):
-            continue
-        metric.update_state(y_t, y_p, sample_weight=w if _per_example(metric, y_t, y_p) else None)
-
-
-def _unmasked(y_pred: Any) -> bool:
-    """Whether no output carries a Keras mask (a masked loss or metric divides by a global count)."""
-    from keras.src.backend import get_keras_mask
-
-    return all(get_keras_mask(p) is None for p in jax.tree.leaves(y_pred))
-
-
-def _packable(cm: Any, y: Any, y_pred: Any) -> list[Any]:
-    """The compiled metrics whose update adds up over rows (from zero, the totals of two sets of rows
-    are the sum of each set's), which :mod:`mirrorax.batch_sums` may sum per replica: Keras's own
-    sum-based metrics (means of a per-example function, confusion counts, AUC) whose ``update_state``
-    is Keras's, fed per-example weights. A metric of a function that gives one number per batch, a
-    subclass with its own ``update_state``, or outputs carrying a Keras mask stay in the global view."""
-    if not all(hasattr(cm, a) for a in ("_flat_metrics", "_flat_weighted_metrics", "_flatten_y")):
-        return []
-    if not cm.built:
-        cm.build(y, y_pred)
-    if not _unmasked(y_pred):
-        return []
-    adds_up = _sum_based_updates()
-    return [metric for metric, y_t, y_p, _ in _compile_metric_items(cm, y, y_pred, None, None)
-            if getattr(type(metric), "update_state", None) in adds_up and _per_example(metric, y_t, y_p)]
-
-
-def _sum_based_updates() -> set[Any]:
-    """The ``update_state`` functions of Keras's metrics whose variables are sums over rows."""
-    from keras.src.metrics import confusion_metrics as cm
-    from keras.src.metrics import reduction_metrics as rm
-
-    return {rm.Sum.update_state, rm.Mean.update_state, rm.MeanMetricWrapper.update_state,
-            cm._ConfusionMatrixConditionCount.update_state, cm.Precision.update_state, cm.Recall.update_state,
-            cm.SensitivitySpecificityBase.update_state, cm.AUC.update_state}
-
-
-def _per_example(metric: Any, y_t: Any, y_p: Any) -> bool:
-    """Whether ``metric``'s function gives a value per example, which weights (and the padding mask) can
-    weigh. A function that returns one number per batch (``lambda y, p: 0.0``) takes none: Keras counts
-    it once per batch, and so does the global batch here (whose padding rows, in a short last batch, such
-    a function sees: no mask reaches inside it)."""
-    fn = getattr(metric, "_fn", None)
-    if fn is None:
-        return True
-    kwargs = getattr(metric, "_fn_kwargs", None) or {}
-    try:
-        out = jax.eval_shape(lambda a, b: fn(a, b, **kwargs), *(jax.ShapeDtypeStruct(v.shape, v.dtype)
-                                                               for v in (y_t, y_p)))
-    except Exception:  # the call below meets the same error and reports it
-        return True
-    return all(len(o.shape) > 0 for o in jax.tree.leaves(out))
-
-
-def _compiled_metric_args(model: Any) -> Any:
-    cm = getattr(model, "_compile_metrics", None)
-    if cm is None:
-        return None
-    return getattr(cm, "_user_metrics", None)
 
 
 def _is_optax(opt: Any) -> bool:

@@ -89,14 +89,14 @@ def exact_metrics(model: Any, batch: dict[str, Any]) -> Iterator[None]:
     """While an override is traced: its metric updates count real rows, with the user's weights."""
     from keras.src.trainers.trainer import Trainer as KerasTrainer
 
-    from mirrorax.models.keras import _update_compile_metrics
+    from mirrorax.models.keras_metrics import update_compile_metrics
 
     mask = batch["mask"]
     tracker = model._loss_tracker
     patched = []
     if type(model).compute_metrics is KerasTrainer.compute_metrics and model._compile_metrics is not None:
         def compute_metrics(x, y, y_pred, sample_weight=None):
-            _update_compile_metrics(model._compile_metrics, y, y_pred, mask, batch["sample_weight"] * mask)
+            update_compile_metrics(model._compile_metrics, y, y_pred, mask, batch["sample_weight"] * mask)
             return model.get_metrics_result()
 
         object.__setattr__(model, "compute_metrics", compute_metrics)
