@@ -63,6 +63,7 @@ def two_device_systems(tmp_path_factory):
 
 
 @pytest.mark.multi_device
+@pytest.mark.timeout(600)  # the shared harness run counts against whichever test sets it up
 def test_mirrorax_entry_points_run_as_systems(two_device_systems):
     """model.fit under a scope and the keras.io guide loop on strategy.jit are systems of their own."""
     rows, _ = two_device_systems
@@ -72,6 +73,7 @@ def test_mirrorax_entry_points_run_as_systems(two_device_systems):
 
 
 @pytest.mark.multi_device
+@pytest.mark.timeout(600)  # the shared harness run counts against whichever test sets it up
 def test_sharding_modes_run_as_systems_with_their_memory(two_device_systems):
     """shard='optimizer' and 'all' are systems beside replication; each run records device 0's memory."""
     all_rows, table = two_device_systems
