@@ -17,7 +17,6 @@ import os
 import statistics
 import sys
 import time
-from functools import partial
 from typing import Any
 
 
@@ -31,12 +30,10 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["JAX_NUM_CPU_DEVICES"] = str(args.devices)
     os.environ.setdefault("KERAS_BACKEND", "jax")
     import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     import mirrorax as mx
     from benchmarks import workloads
+    from benchmarks.peers.jax_loop import HandLoop
 
     wl = workloads.get(args.workload)
     strategy = mx.MirroredStrategy(devices=jax.devices()[:args.devices])
@@ -51,44 +48,10 @@ def main(argv: list[str] | None = None) -> None:
 
     # The hand-written loop of benchmarks/peers/jax_loop.py: donated replicated state, the next batch
     # placed while the step runs, at most 2 steps in flight.
-    replicated, split = NamedSharding(strategy.mesh, P()), NamedSharding(strategy.mesh, P(strategy.batch_axis))
-    ref = workloads.build_keras_model(wl)
     spec = workloads.compile_args(wl)
-    optimizer, loss_obj = spec["optimizer"], spec["loss"]
-    optimizer.build(ref.trainable_variables)
-    sums = (jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
-    state: Any = jax.device_put(([v.value for v in ref.trainable_variables],
-                                 [v.value for v in ref.non_trainable_variables],
-                                 [v.value for v in optimizer.variables], sums), replicated)
-    layouts = jax.tree.map(lambda _: replicated, state)
-
-    def loss_fn(trainable: Any, non_trainable: Any, xb: Any, yb: Any) -> Any:
-        y_pred, non_trainable = ref.stateless_call(trainable, non_trainable, xb, training=True)
-        return loss_obj(yb, y_pred), (non_trainable, y_pred)
-
-    @partial(jax.jit, donate_argnums=(0,), in_shardings=(layouts, split, split), out_shardings=(layouts, replicated))
-    def step(state: Any, xb: Any, yb: Any) -> Any:
-        trainable, non_trainable, opt_vars, (loss_sum, correct, count) = state
-        (loss, (non_trainable, y_pred)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            trainable, non_trainable, xb, yb)
-        trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads, trainable)
-        hits = jnp.sum(jnp.argmax(y_pred, axis=-1) == yb).astype(jnp.float32)
-        return (trainable, non_trainable, opt_vars, (loss_sum + loss, correct + hits, count + yb.size)), loss
-
     batches = [(x[i:i + wl.batch], y[i:i + wl.batch]) for i in range(0, len(x), wl.batch)]
-
-    def hand(n: int) -> None:
-        nonlocal state
-        pending, upcoming = None, jax.device_put(batches[0], split)
-        for i in range(n):
-            xb, yb = upcoming
-            state, loss = step(state, xb, yb)
-            if i + 1 < n:
-                upcoming = jax.device_put(batches[(i + 1) % len(batches)], split)
-            if pending is not None:
-                pending.block_until_ready()
-            pending = loss
-        jax.block_until_ready(state)
+    hand = HandLoop(workloads.build_keras_model(wl), spec["optimizer"], spec["loss"], strategy.mesh, batches,
+                    axis=strategy.batch_axis).steps
 
     def timed(f: Any) -> float:
         t0 = time.perf_counter()

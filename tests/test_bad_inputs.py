@@ -60,7 +60,7 @@ def trains_like_fresh(t, m, x, y):
 
 
 # -- labels outside the classes ------------------------------------------------------------------------
-@pytest.mark.parametrize("bad", [7, 5, -1])
+@pytest.mark.parametrize("bad", [7, pytest.param(5, marks=pytest.mark.slow), pytest.param(-1, marks=pytest.mark.slow)])
 def test_array_label_outside_classes_is_refused_before_compiling(bad):
     x, y = data()
     y_bad = y.copy()
@@ -108,7 +108,8 @@ def test_functional_model_labels_checked():
     t.fit(x, y, batch_size=8, verbose=0)
 
 
-@pytest.mark.parametrize("on_nonfinite", ["raise", "skip", "ignore"])
+@pytest.mark.parametrize("on_nonfinite", ["raise", pytest.param("skip", marks=pytest.mark.slow),
+                                          pytest.param("ignore", marks=pytest.mark.slow)])
 def test_iterable_label_outside_classes_stops_training_without_applying_that_step(on_nonfinite):
     x, y = data(48)
     y_bad = y.copy()
@@ -272,12 +273,13 @@ def test_python_lists_of_numbers_are_arrays():
 @pytest.mark.parametrize("change, match", [
     (lambda xb, yb: (xb[:, :3], yb), r"Batch 2 of the input has x of shape \(rows, 3\), the first batch "
                                      r"\(rows, 4\)"),
-    (lambda xb, yb: (xb, yb[:, None]), r"Batch 2 of the input has y of shape \(rows, 1\), the first batch "
-                                       r"\(rows,\)"),
-    (lambda xb, yb: (xb.astype(np.float16), yb), r"Batch 2 of the input has x of dtype float16, the first "
-                                                 r"batch float32"),
-    (lambda xb, yb: ({"a": xb}, yb), r"Batch 2 of the input holds the arrays \[\"x\['a'\]\", 'y'\], the first "
-                                     r"batch \['x', 'y'\]"),
+    # The same check of other kinds of change (each trains afterwards): the slow tier.
+    pytest.param(lambda xb, yb: (xb, yb[:, None]), r"Batch 2 of the input has y of shape \(rows, 1\), the first "
+                 r"batch \(rows,\)", marks=pytest.mark.slow),
+    pytest.param(lambda xb, yb: (xb.astype(np.float16), yb), r"Batch 2 of the input has x of dtype float16, the "
+                 r"first batch float32", marks=pytest.mark.slow),
+    pytest.param(lambda xb, yb: ({"a": xb}, yb), r"Batch 2 of the input holds the arrays \[\"x\['a'\]\", 'y'\], "
+                 r"the first batch \['x', 'y'\]", marks=pytest.mark.slow),
 ])
 def test_iterable_that_changes_between_batches(change, match):
     x, y = data()

@@ -265,6 +265,7 @@ os._exit(3)  # no cleanup, no flush of the pending write: what a kill -9 leaves
 
 
 @pytest.mark.multi_process
+@pytest.mark.slow  # starts processes
 def test_crash_during_async_save_leaves_previous_checkpoint_usable(tmp_path):
     import subprocess
     import sys
@@ -483,6 +484,7 @@ print("worker", pid, "ok", flush=True)
 
 
 @pytest.mark.multi_process
+@pytest.mark.slow  # starts processes
 def test_checkpoint_moves_between_process_counts(tmp_path):
     """1 process x 8 devices -> 2 processes x 4 devices -> 1 process x 1 and 4 devices."""
     import socket
@@ -535,7 +537,7 @@ def _sharded_state(n: int, shard: bool, rows: int = 2048) -> dict:
 
 
 @pytest.mark.multi_device
-@pytest.mark.parametrize("n,shard", [(1, False), (8, False), (8, True)])
+@pytest.mark.parametrize("n,shard", [(1, False), pytest.param(8, False, marks=pytest.mark.slow), (8, True)])
 def test_async_save_holds_the_step_values_while_later_steps_donate_the_buffers(tmp_path, n, shard):
     """Steps that donate (and overwrite in place) the saved buffers right after ``save`` returns must
     not reach the checkpoint: it restores bit for bit the values of the step it names."""

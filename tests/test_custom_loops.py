@@ -47,6 +47,7 @@ def _batches(dist):
 
 
 # -- the examples ------------------------------------------------------------------------------------
+@pytest.mark.slow  # an example's training, on two device counts
 def test_keras_io_guide_equals_one_device():
     guide = _example("keras_io_guide")
     # 200 digits in batches of 64 (3 full, last 8); 64 rows do not divide by 3: padded to 66.
@@ -57,6 +58,7 @@ def test_keras_io_guide_equals_one_device():
     assert one["losses"][1] < one["losses"][0]
 
 
+@pytest.mark.slow  # an example's training, on two device counts
 def test_tf_custom_loop_per_replica_equals_global_view():
     tf_loop = _example("tf_custom_loop")
     global_view = tf_loop.main(num_devices=1, mode="jit", verbose=False)
@@ -69,6 +71,7 @@ def test_tf_custom_loop_per_replica_equals_global_view():
     assert per_replica["train_loss"][1] < per_replica["train_loss"][0]
 
 
+@pytest.mark.slow  # an example's training, on two device counts
 def test_gan_trains_and_equals_one_device():
     gan = _example("gan")
     one = gan.main(num_devices=1, verbose=False)

@@ -87,6 +87,7 @@ def test_devices_mixed_platforms(monkeypatch):
         strategy_mod._validate_devices(fakes)
 
 
+@pytest.mark.slow  # starts a process
 def test_wrong_keras_backend_names_the_fix():
     code = ("import os; os.environ['KERAS_BACKEND']='numpy'\n"
             "import keras, mirrorax as mx\n"

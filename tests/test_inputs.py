@@ -46,6 +46,7 @@ def test_iterable_of_batches_equals_arrays():
     np.testing.assert_allclose(pred, tb.predict(xt, batch_size=50), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # several fits (and the frameworks' imports)
 def test_generator_with_steps_per_epoch_continues_across_epochs():
     x, y, _, _ = flat_digits(128)
 
@@ -67,6 +68,7 @@ def test_larger_batch_than_batch_size_is_an_error():
         mx.Trainer(dense(), strategy(2)).fit(_Reiterable(x, y, 32), batch_size=16, verbose=0)
 
 
+@pytest.mark.slow  # several fits (and the frameworks' imports)
 def test_multi_input_dict_and_multi_output():
     rng = np.random.default_rng(0)
     n = 90
@@ -121,6 +123,7 @@ class _Tensor:
         return self._a
 
 
+@pytest.mark.slow  # several fits (and the frameworks' imports)
 def test_framework_tensors_in_batches_convert_through_numpy():
     x, y, _, _ = flat_digits(64)
     a = dense()

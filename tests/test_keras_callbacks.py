@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from helpers import assert_weights_close, flat_digits, strategy
 
-pytestmark = pytest.mark.multi_device
+# Keras's own conformance: each test trains two models for several epochs.
+pytestmark = [pytest.mark.multi_device, pytest.mark.slow]
 
 RTOL, ATOL = 1e-5, 1e-6
 ROWS, BATCH, DEVICES = 100, 32, 4

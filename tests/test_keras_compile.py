@@ -11,7 +11,8 @@ import mirrorax as mx
 pytestmark = pytest.mark.multi_device
 
 
-@pytest.mark.parametrize("loss", ["string", "object", "callable"])
+@pytest.mark.parametrize("loss", ["string", pytest.param("object", marks=pytest.mark.slow),
+                                  pytest.param("callable", marks=pytest.mark.slow)])
 def test_loss_kinds_match_keras(loss):
     x, y, _, _ = flat_digits(100)
     kinds = {
@@ -69,6 +70,7 @@ def test_trained_weights_written_back_and_model_saves(tmp_path):
     assert_weights_close(again, ref, 1e-5, 1e-5)
 
 
+@pytest.mark.slow  # trains to a stop; tests/test_keras_callbacks.py checks it against Keras
 def test_keras_callbacks_early_stopping():
     x, y, _, _ = flat_digits(64)
     model = dense()
@@ -83,6 +85,7 @@ def test_keras_callbacks_early_stopping():
     assert len(hist.epoch) == 2 and [e for e, _ in seen] == [0, 1]
 
 
+@pytest.mark.slow  # Keras and mirrorax training side by side
 def test_sequence_model_per_timestep_loss_matches_keras():
     """Targets of shape (batch, time): the padding weights must broadcast over time steps."""
     rng = np.random.default_rng(0)
@@ -130,6 +133,7 @@ def test_batch_callbacks_read_the_newest_weights_through_callback_model():
         np.testing.assert_array_equal(b, c)  # reading changed nothing
 
 
+@pytest.mark.slow  # Keras and mirrorax training side by side
 def test_keras_evaluate_in_a_callback_does_not_disturb_training():
     """Keras's own evaluate donates the variables' arrays; the trainer continues from the same values."""
     x, y, _, _ = flat_digits(64)
@@ -148,6 +152,7 @@ def test_keras_evaluate_in_a_callback_does_not_disturb_training():
     assert_weights_close(model, ref, 0, 0)
 
 
+@pytest.mark.slow  # Keras and mirrorax training side by side
 def test_weights_set_on_the_model_are_what_the_trainer_continues_from():
     """set_weights in a callback or between fits, or Keras's own fit: the model is the truth, as in Keras."""
     x, y, xt, yt = flat_digits(64)
@@ -183,7 +188,7 @@ def test_weights_set_on_the_model_are_what_the_trainer_continues_from():
                                model.evaluate(xt, yt, batch_size=32, verbose=0), rtol=1e-6)
 
 
-@pytest.mark.parametrize("save_freq", ["epoch", 4])
+@pytest.mark.parametrize("save_freq", ["epoch", pytest.param(4, marks=pytest.mark.slow)])
 def test_keras_model_checkpoint_saves_the_trained_weights(tmp_path, save_freq):
     x, y, _, _ = flat_digits(64)  # 4 batches an epoch: the last save is of the final weights
     model = dense()
@@ -196,6 +201,7 @@ def test_keras_model_checkpoint_saves_the_trained_weights(tmp_path, save_freq):
     assert_weights_close(loaded, model, 0, 0)
 
 
+@pytest.mark.slow  # Keras and mirrorax training side by side
 def test_trainer_evaluate_inside_a_batch_callback_sees_the_current_weights():
     x, y, _, _ = flat_digits(64)
     model = dense()

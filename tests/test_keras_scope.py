@@ -33,6 +33,7 @@ def keras_cnn_reference():
     return model, hist, model.evaluate(xt, yt, batch_size=64, verbose=0), model.predict(xt, batch_size=64, verbose=0)
 
 
+@pytest.mark.slow  # Keras's conformance: the same training scoped and plain
 @pytest.mark.parametrize("n", [1, 2, 8])
 def test_seed_program_under_scope_trains_on_every_device_with_keras_numbers(keras_cnn_reference, n):
     ref, ref_hist, ref_eval, ref_pred = keras_cnn_reference
@@ -127,6 +128,7 @@ def test_train_on_batch_loop_equals_keras():
     np.testing.assert_allclose(model.predict_on_batch(x[:30]), ref.predict_on_batch(x[:30]), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # Keras's conformance: the same training scoped and plain
 def test_model_metrics_hold_the_last_totals_after_fit_and_evaluate_as_keras():
     """After fit (with validation: its totals are the last ones), evaluate and train_on_batch, the model's
     own metric objects hold what Keras's leave there (get_metrics_result, a metric's result())."""
@@ -163,6 +165,7 @@ def test_model_metrics_hold_the_last_totals_after_fit_and_evaluate_as_keras():
     same()
 
 
+@pytest.mark.slow  # Keras's conformance: the same training scoped and plain
 def test_fit_signature_validation_split_class_weight_and_validation_freq_match_keras():
     x, y, _, _ = flat_digits(120)
     weights = {c: 1.0 + 0.1 * c for c in range(10)}
@@ -277,6 +280,7 @@ class _Rows(keras.utils.PyDataset):
         return self.x[s], self.y[s]
 
 
+@pytest.mark.slow  # Keras's conformance: the same training scoped and plain
 @pytest.mark.parametrize("steps_per_epoch", [3, 6])
 @pytest.mark.parametrize("kind", ["arrays", "py_dataset"])
 def test_steps_per_epoch_ends_where_the_data_ends_as_in_keras(kind, steps_per_epoch):
@@ -306,6 +310,7 @@ def test_steps_per_epoch_ends_where_the_data_ends_as_in_keras(kind, steps_per_ep
 
 
 
+@pytest.mark.slow  # Keras's conformance: the same training scoped and plain
 def test_keras_debugging_caps_on_epochs_and_steps_apply():
     x, y, _, _ = flat_digits(96)  # 6 batches of 16: two capped epochs of 3
     runs = []
@@ -337,6 +342,7 @@ class _Ends(_Batches):
         self.epochs[-1].append(("end", batch))
 
 
+@pytest.mark.slow  # Keras's conformance: the same training scoped and plain
 @pytest.mark.parametrize("steps_per_execution", [3, 101])
 def test_batch_hooks_once_per_execution_a_short_last_one_too(steps_per_execution):
     # 100 rows, batch 16: 7 batches an epoch. 3: executions of 3, 3 and 1; 101: one execution of 7.
@@ -355,6 +361,7 @@ def test_batch_hooks_once_per_execution_a_short_last_one_too(steps_per_execution
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # Keras's conformance: the same training scoped and plain
 def test_metric_function_of_one_number_per_batch_counts_once_per_batch():
     def batch_constant(y_true, y_pred):  # no value per example: padding and weights cannot apply
         return 0.5
@@ -377,6 +384,7 @@ def test_metric_function_of_one_number_per_batch_counts_once_per_batch():
         np.testing.assert_allclose(got_hist[k], want_hist[k], rtol=1e-5, err_msg=k)
 
 
+@pytest.mark.slow  # Keras's conformance: the same training scoped and plain
 def test_predict_moves_a_layers_random_stream_on_as_keras():
     class TestTimeDropout(keras.layers.Layer):  # random in inference too: its seed state must advance
         def __init__(self):
@@ -419,6 +427,7 @@ class _BatchLogs(keras.callbacks.Callback):
         self.values.append(float(logs["mse_all_epochs"]))
 
 
+@pytest.mark.slow  # Keras's conformance: the same training scoped and plain
 def test_a_metrics_own_reset_state_is_kept_across_epochs_as_keras():
     x, y, _, _ = flat_digits(48)
     y = np.eye(10, dtype=np.float32)[y]
@@ -436,6 +445,7 @@ def test_a_metrics_own_reset_state_is_kept_across_epochs_as_keras():
 
 
 
+@pytest.mark.slow  # Keras's conformance: the same training scoped and plain
 def test_steps_per_epoch_rounds_up_to_whole_executions_as_keras():
     # 6 batches a pass; steps_per_execution=2, steps_per_epoch=3: Keras runs 2 executions (4 batches),
     # then the 2 left in the pass (a short epoch: "ran out of data").

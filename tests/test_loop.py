@@ -46,6 +46,7 @@ def test_progress_modes():
         assert check(out), repr(out)
 
 
+@pytest.mark.slow  # several fits, one per steps_per_execution
 def test_steps_per_execution_gives_the_same_weights():
     x, y, xt, yt = digits(200)
     a = cnn()
@@ -145,6 +146,7 @@ def test_functional_model_matches_plain_jax():
     assert len(hist.history["loss"]) == 2
 
 
+@pytest.mark.slow  # three fits
 def test_background_prefetch_gives_the_same_result_and_survives_errors():
     x, y, xt, yt = flat_digits(150)
     a = dense()

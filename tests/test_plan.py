@@ -31,7 +31,8 @@ def _data(n=64):
     return x, np.arange(n) % 10
 
 
-@pytest.mark.parametrize("shard", [None, "optimizer", "all"])
+@pytest.mark.parametrize("shard", [None, pytest.param("optimizer", marks=pytest.mark.slow),
+                                   pytest.param("all", marks=pytest.mark.slow)])
 def test_planned_state_bytes_equal_what_fit_holds(shard):
     x, y = _data()
     s = mx.MirroredStrategy(devices=jax.devices()[:4], shard=shard)
@@ -53,6 +54,7 @@ def test_planned_state_bytes_equal_what_fit_holds(shard):
     assert "per device" in str(p) and p.summary().startswith("plan: 4 devices")
 
 
+@pytest.mark.slow  # a plan search: several compiles per probe
 def test_largest_batch_search_and_fit_refuses_a_step_that_does_not_fit(monkeypatch):
     x, y = _data()
     s = mx.MirroredStrategy(devices=jax.devices()[:2])
@@ -97,6 +99,7 @@ class _Compiles:
         jax.monitoring.unregister_event_duration_listener(self._listen)
 
 
+@pytest.mark.slow  # a plan and a fit per verbosity
 @pytest.mark.parametrize("shard", [None, "all"])
 def test_fit_prints_the_plans_line_with_verbose_and_compiles_the_step_once(shard):
     x, y = _data(128)
@@ -128,6 +131,7 @@ def test_a_model_made_under_a_scope_is_planned_on_its_strategy():
     assert (p.shard, p.num_devices) == ("all", 2)
 
 
+@pytest.mark.slow  # a plan and a fit per verbosity
 def test_model_fit_under_a_scope_prints_the_plans_line_unless_silent(capsys):
     x, y = _data(64)
     s = mx.MirroredStrategy(devices=jax.devices()[:2], shard="optimizer")

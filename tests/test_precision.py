@@ -7,7 +7,7 @@ from helpers import cnn, digits, strategy
 
 import mirrorax as mx
 
-pytestmark = pytest.mark.multi_device
+pytestmark = [pytest.mark.multi_device, pytest.mark.slow]  # each trains the CNN twice
 
 
 def test_bfloat16_mixed_precision_stays_close_to_float32():

@@ -24,6 +24,7 @@ def replicated_run():
     return model.get_weights(), hist.history
 
 
+@pytest.mark.slow  # an equivalence sweep: the CNN, 2 epochs, per mode
 @pytest.mark.parametrize("shard", ["optimizer", "all"])
 def test_sharded_modes_give_the_replicated_result(replicated_run, shard):
     want, want_hist = replicated_run
@@ -68,6 +69,7 @@ def _state_bytes_on(device, tree) -> int:
     return sum(s.data.nbytes for a in jax.tree.leaves(tree) for s in a.addressable_shards if s.device == device)
 
 
+@pytest.mark.slow  # three fits of a 1024-wide MLP on 8 devices
 def test_state_bytes_per_device_shrink_by_the_device_count():
     x = np.random.default_rng(0).normal(size=(64, 256)).astype(np.float32)
     y = np.arange(64) % 10
@@ -94,6 +96,7 @@ def test_state_bytes_per_device_shrink_by_the_device_count():
     assert measured["optimizer"]["optimizer"] <= rep["optimizer"] / 8 * 1.1
 
 
+@pytest.mark.slow  # four fits with checkpoints
 def test_checkpoint_written_sharded_on_8_resumes_replicated_on_2_and_back(tmp_path):
     x, y, _, _ = flat_digits(160)
 
