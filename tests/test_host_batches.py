@@ -14,7 +14,7 @@ def _fake(replicas: int, processes: int = 1, index: int = 0):
 
 
 def _host(ds, pass_index=0):
-    return list(ds._array_batches(pass_index)) if ds._arrays is not None else list(ds._iterable_batches())
+    return list(ds._array_batches(pass_index)) if ds._source is not None else list(ds._iterable_batches())
 
 
 def test_arrays_are_cut_padded_and_masked_per_process():
@@ -23,7 +23,7 @@ def test_arrays_are_cut_padded_and_masked_per_process():
         ds = DistributedDataset(_fake(4, 2, index), (x, np.arange(10)), batch_size=3)
         batches = _host(ds)
         assert len(batches) == 4 and len(ds) == 4
-        rows = [b.rows[0][:, 0].tolist() for b in batches]
+        rows = [b.x[0][:, 0].tolist() for b in batches]
         masks = [b.mask.tolist() for b in batches]
         if index == 0:
             assert rows == [[0, 1], [3, 4], [6, 7], [9, 9]] and masks == [[1, 1], [1, 1], [1, 1], [1, 0]]
@@ -37,7 +37,7 @@ def test_shuffle_order_depends_on_seed_and_pass_not_on_devices():
     orders = {}
     for replicas in (1, 8):
         ds = DistributedDataset(_fake(replicas), x, batch_size=8, shuffle=True, seed=5)
-        orders[replicas] = [np.concatenate([b.rows[m > 0][:, 0] for b, m in ((b, b.mask) for b in _host(ds, p))])
+        orders[replicas] = [np.concatenate([b.x[m > 0][:, 0] for b, m in ((b, b.mask) for b in _host(ds, p))])
                             for p in (0, 1)]
     assert sorted(orders[1][0]) == list(range(40))
     np.testing.assert_array_equal(orders[1][0], orders[8][0])

@@ -71,6 +71,16 @@ class ArraySource:
                 check_finite_values(a, name)
         self._targets_checked = False
 
+    @classmethod
+    def of_rows(cls, tree: PyTree, num_examples: int) -> ArraySource:
+        """A source of ``tree`` as inputs alone, taken as given: its arrays already numeric, checked and
+        ``num_examples`` rows long (:class:`~mirrorax.inputs.distributed.DistributedDataset`'s data, any
+        pytree, which it checks under JAX's rules rather than Keras's)."""
+        self = cls.__new__(cls)
+        self.x, self.y, self.w, self.num_examples = tree, None, None, num_examples
+        self._targets_checked = False
+        return self
+
     @property
     def labels_checked(self) -> bool:
         """Whether every label was checked against its classes here (then the step need not look)."""

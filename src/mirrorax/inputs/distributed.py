@@ -6,6 +6,13 @@ with a ``mask`` (1.0 for real rows, 0.0 for padding) and ``num_real`` (real rows
 Padding rows are copies of a real row, so they are harmless inputs; :func:`mirrorax.compute_average_loss`
 and :func:`mirrorax.masked_mean` leave them out.
 
+The rows are cut, shuffled, padded and masked by the Trainer's own sources (an array's by
+:class:`~mirrorax.inputs.arrays.ArraySource`, an iterable's by the helpers
+:class:`~mirrorax.inputs.iterables.IterableSource` uses), each batch held as a host
+:class:`~mirrorax.inputs.batch.Batch` whose ``x`` is the item's structure (no targets, no weights), and
+placed with :func:`~mirrorax.inputs.placement.put_rows`. What stays here is the data's reading under JAX's
+rules: any pytree of arrays, each batch's item whole (never split into ``x``, ``y`` and ``sample_weight``).
+
 Each process builds only its own rows of every global batch. The next batch is placed right after the
 strategy dispatches a step (``strategy.jit`` / ``strategy.run``), before the host waits on the previous
 step: the host's copy overlaps the devices' work, without a second thread.
@@ -13,15 +20,16 @@ step: the host's copy overlaps the devices' work, without a second thread.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
 
-from mirrorax.inputs.iterables import PerProcessDataset
-from mirrorax.inputs.placement import put_rows
+from mirrorax.inputs.arrays import ArraySource
+from mirrorax.inputs.batch import Batch, padded_batch_size, take_rows
+from mirrorax.inputs.iterables import PerProcessDataset, agreed_items, empty_like, padding_index
+from mirrorax.inputs.placement import cached_put, is_shared, put_rows, shared_constant
 
 if TYPE_CHECKING:
     from mirrorax.strategy import MirroredStrategy
@@ -73,12 +81,6 @@ def _rows(tree: PyTree, what: str) -> int:
     return next(iter(lengths.values()))
 
 
-class _HostBatch(NamedTuple):
-    rows: PyTree  # this process's rows (numpy)
-    mask: np.ndarray  # float32 (local rows,)
-    num_real: int  # real rows of the global batch (-1: unknown here, summed on the devices)
-
-
 class DistributedDataset:
     """Global batches of ``data`` for a strategy (see :meth:`MirroredStrategy.experimental_distribute_dataset`).
 
@@ -94,16 +96,16 @@ class DistributedDataset:
         self._shuffle, self._seed = bool(shuffle), int(seed)
         self._passes = 0
         self._per_process = isinstance(data, PerProcessDataset)
-        self._num_real_cache: dict[int, jax.Array] = {}
-        self._mask_cache: dict[int, jax.Array] = {}
+        self._source: ArraySource | None = None
         if _is_arrays(data):
             if batch_size is None:
                 raise ValueError("batch_size is required when data holds arrays: it is the global batch "
                                  "(over all devices and processes), e.g. batch_size=256.")
-            self._arrays: PyTree = _tree(data, "data")
-            self._n = _rows(self._arrays, "data")
+            arrays = _tree(data, "data")
+            self._n = _rows(arrays, "data")
             if self._n == 0:
                 raise ValueError("data is empty (0 rows).")
+            self._source = ArraySource.of_rows(arrays, self._n)
             self._iterable = None
         else:
             if shuffle:
@@ -112,7 +114,7 @@ class DistributedDataset:
             if not isinstance(data, Iterable) or isinstance(data, (str, bytes)):
                 raise TypeError("data must be an iterable of global batches or a tuple/dict of arrays; received "
                                 f"{type(data).__name__}.")
-            self._arrays, self._n, self._iterable = None, 0, data
+            self._n, self._iterable = 0, data
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
                                        or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer (the global batch); received {batch_size!r}.")
@@ -126,63 +128,35 @@ class DistributedDataset:
 
     def padded_rows(self, batch_size: int) -> int:
         """Rows of every placed batch: ``batch_size`` rounded up to a multiple of the device count."""
-        n = self._strategy.num_replicas_in_sync
-        return math.ceil(batch_size / n) * n
+        return padded_batch_size(batch_size, self._strategy)
 
     def __len__(self) -> int:
-        if self._arrays is not None:
+        if self._source is not None:
             assert self._batch_size is not None  # arrays come with a batch size (checked at construction)
-            return math.ceil(self._n / self._batch_size)
+            return self._source.batches_per_pass(self._batch_size)
         return len(self._iterable)  # type: ignore[arg-type]  # TypeError for iterables without a length
 
     # -- iteration ---------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[DistributedBatch]:
         pass_index = self._passes
         self._passes += 1
-        host = self._array_batches(pass_index) if self._arrays is not None else self._iterable_batches()
+        host = self._array_batches(pass_index) if self._source is not None else self._iterable_batches()
         return _PlacingIterator(self._strategy, host, self._place)
 
-    def _array_batches(self, pass_index: int) -> Iterator[_HostBatch]:
-        s, b = self._strategy, self._batch_size
-        assert b is not None
-        order = np.random.default_rng([self._seed, pass_index]).permutation(self._n) if self._shuffle \
-            else np.arange(self._n)
-        local = self.padded_rows(b) // s.process_count
-        lo = s.process_index * local
-        for first in range(0, self._n, b):
-            real = order[first:first + b]
-            slot = np.arange(lo, lo + local)
-            valid = slot < len(real)
-            if valid.all() and not self._shuffle:
-                idx: Any = slice(first + lo, first + lo + local)  # contiguous rows: views, no copy
-            else:
-                idx = np.where(valid, real[np.minimum(slot, len(real) - 1)], real[0])
-            take = ((lambda a, idx=idx: a[idx]) if isinstance(idx, slice)
-                    else (lambda a, idx=idx: np.take(a, idx, axis=0)))
-            yield _HostBatch(jax.tree.map(take, self._arrays), valid.astype(np.float32), len(real))
+    def _array_batches(self, pass_index: int) -> Iterator[Batch]:
+        assert self._source is not None and self._batch_size is not None
+        return self._source.batches(self._batch_size, self._strategy, shuffle=self._shuffle, seed=self._seed,
+                                    pass_index=pass_index, with_targets=False)
 
-    def _iterable_batches(self) -> Iterator[_HostBatch]:
+    def _iterable_batches(self) -> Iterator[Batch]:
         s = self._strategy
-        multi = s.process_count > 1
-        it = iter(self._iterable)  # type: ignore[arg-type]
-        template: _HostBatch | None = None
-        index = 0
-        while True:
-            item = next(it, None)
-            if multi and self._per_process:
-                # The processes agree each step whether any still has data: none waits in a collective
-                # for a batch that another never sends.
-                from mirrorax.consistency import any_process  # host-side: no wait on the steps
-
-                if not any_process(item is not None):
-                    return
-            elif item is None:
-                return
+        known = not (self._per_process and s.process_count > 1)  # per-process: only the devices know the count
+        template: Batch | None = None
+        ones: np.ndarray | None = None
+        counts: dict[int, np.ndarray] = {}  # the shared count of each batch size seen (a lookup per batch)
+        for index, item in enumerate(agreed_items(iter(self._iterable), s, self._per_process)):  # type: ignore[arg-type]
             if item is None:
-                if template is None:
-                    raise RuntimeError("This process's pipeline yielded no batch while another process still had "
-                                       "data. Give every process at least one batch per pass.")
-                yield template._replace(mask=np.zeros_like(template.mask), num_real=-1)
+                yield empty_like(template, "pass")
                 continue
             rows = _tree(item, f"batch {index}")
             n = _rows(rows, f"batch {index}")
@@ -194,37 +168,35 @@ class DistributedDataset:
                 raise ValueError(f"Batch {index} has {n} rows, more than batch_size={self._batch_size} allows "
                                  f"({limit} rows per {'process' if self._per_process else 'global batch'}). Pass "
                                  "batch_size equal to the largest batch the iterable yields.")
-            if self._per_process or not multi:
-                slot = np.arange(limit)
+            idx, valid = padding_index(n, padded, s, self._per_process)
+            if valid.all():  # a full batch: the one mask already on the devices
+                if ones is None or ones.shape != valid.shape:
+                    ones = shared_constant(np.ones(valid.shape, np.float32))
+                mask = ones
             else:
-                local = padded // s.process_count
-                slot = np.arange(s.process_index * local, (s.process_index + 1) * local)
-            valid = slot < n
-            idx = np.where(valid, np.minimum(slot, n - 1), 0)
-            template = _HostBatch(jax.tree.map(lambda a, idx=idx: np.take(a, idx, axis=0), rows),
-                                  valid.astype(np.float32),
-                                  -1 if self._per_process and multi else n)
-            index += 1
+                mask = valid.astype(np.float32)
+            # No weights: a DistributedBatch carries none (the field holds the mask, never placed).
+            count = counts.get(n) if known else None
+            if known and count is None:
+                count = counts[n] = shared_constant(np.float32(n))
+            template = Batch(take_rows(rows, idx), None, mask, mask, count)
             yield template
 
     # -- placement ---------------------------------------------------------------------------------
-    def _place(self, host: _HostBatch) -> DistributedBatch:
+    def _place(self, host: Batch) -> DistributedBatch:
         s = self._strategy
         sharding = s.batch_sharding
-        leaves, treedef = jax.tree.flatten(host.rows)
-        placed = put_rows(leaves, sharding, s.process_count)
-        full = bool(host.mask.all())
-        mask = self._mask_cache.get(host.mask.shape[0]) if full else None
-        if mask is None:
-            mask = self._put_rows(host.mask)
-            if full:
-                self._mask_cache[host.mask.shape[0]] = mask
-        if host.num_real >= 0:
-            num_real = self._num_real_cache.get(host.num_real)
-            if num_real is None:
-                num_real = self._num_real_cache[host.num_real] = s.replicate(np.float32(host.num_real))
-        else:  # per-process pipelines: only the devices know the global count
+        leaves, treedef = jax.tree.flatten(host.x)
+        if is_shared(host.mask):  # a full batch: its mask was placed once
+            placed = put_rows(leaves, sharding, s.process_count)
+            mask = cached_put(host.mask, sharding, self._put_rows)
+        else:  # the rows and the mask in one transfer
+            placed = put_rows([*leaves, host.mask], sharding, s.process_count)
+            mask = placed.pop()
+        if host.num_real is None:  # per-process pipelines: only the devices know the global count
             num_real = _sum_mask(mask)
+        else:
+            num_real = cached_put(np.asarray(host.num_real, np.float32), s.replicated, s.replicate)
         return DistributedBatch(jax.tree.unflatten(treedef, placed), mask, num_real)
 
     def _put_rows(self, a: np.ndarray) -> jax.Array:
@@ -232,7 +204,7 @@ class DistributedDataset:
         return put_rows([a], s.batch_sharding, s.process_count)[0]
 
     def __repr__(self) -> str:
-        kind = f"arrays of {self._n} rows" if self._arrays is not None else type(self._iterable).__name__
+        kind = f"arrays of {self._n} rows" if self._source is not None else type(self._iterable).__name__
         return f"DistributedDataset({kind}, batch_size={self._batch_size}, shuffle={self._shuffle})"
 
 
@@ -246,7 +218,7 @@ class _PlacingIterator:
 
     _END = object()
 
-    def __init__(self, strategy: MirroredStrategy, host: Iterator[_HostBatch], place: Any) -> None:
+    def __init__(self, strategy: MirroredStrategy, host: Iterator[Batch], place: Any) -> None:
         self._strategy, self._host, self._place = strategy, host, place
         self._ready: Any = None
 

@@ -22,7 +22,7 @@ from mirrorax.inputs.streams import IterStream
 if TYPE_CHECKING:
     from mirrorax.strategy import InputContext, MirroredStrategy
 
-__all__ = ["IterableSource", "PerProcessDataset"]
+__all__ = ["IterableSource", "PerProcessDataset", "agreed_items", "padding_index", "empty_like"]
 
 PyTree = Any
 
@@ -156,26 +156,15 @@ class IterableSource:
                 skip: int = 0) -> Iterator[Batch]:
         padded = padded_batch_size(batch_size, strategy)
         rows = padded // strategy.process_count if self.per_process else padded
-        multi = strategy.process_count > 1
         it = self._iter()
         for _ in range(skip):
             next(it, None)
         template = None
         index = skip  # 1-based, as the user counts batches
-        while True:
-            item = next(it, None)
+        for item in agreed_items(it, strategy, self.per_process):
             index += 1
-            if multi and self.per_process:
-                # Processes agree each step whether anyone still has data, so no process waits in a
-                # collective for a batch that another never sends.
-                from mirrorax.consistency import any_process  # host-side: no wait on the steps
-
-                if not any_process(item is not None):
-                    return
-            elif item is None:
-                return
             if item is None:
-                yield _empty_like(template)
+                yield empty_like(template, "epoch")
                 continue
             x, y, w = _split(item)
             x = tree_numeric(x, "x", self.float_dtype)
@@ -191,23 +180,51 @@ class IterableSource:
                                  f" ({rows} rows per {'process' if self.per_process else 'step'}). Pass "
                                  "batch_size equal to the largest batch the iterable yields.")
             w = np.ones(n, self.float_dtype) if w is None else batch_weights(w, n, index, self.float_dtype)
-            if not self.per_process and multi:
-                lo = strategy.process_index * (padded // strategy.process_count)
-                slot = np.arange(lo, lo + padded // strategy.process_count)
-            else:
-                slot = np.arange(rows)
-            valid = slot < n
-            idx = np.where(valid, np.minimum(slot, n - 1), 0)
+            idx, valid = padding_index(n, padded, strategy, self.per_process)
             template = Batch(take_rows(x, idx), take_rows(y, idx), w[idx], valid.astype(np.float32),
                              None if self.per_process else np.float32(n))
             yield template
 
 
-def _empty_like(template: Batch | None) -> Batch:
+def agreed_items(it: Iterator[Any], strategy: MirroredStrategy, per_process: bool) -> Iterator[Any]:
+    """The items of ``it`` until it ends; for the per-process pipelines of a multi-process job, until every
+    process's ends, ``None`` standing for each batch this process lacks while another still has data."""
+    multi_per_process = per_process and strategy.process_count > 1
+    while True:
+        item = next(it, None)
+        if multi_per_process:
+            # Processes agree each step whether anyone still has data, so no process waits in a
+            # collective for a batch that another never sends.
+            from mirrorax.consistency import any_process  # host-side: no wait on the steps
+
+            if not any_process(item is not None):
+                return
+        elif item is None:
+            return
+        yield item
+
+
+def padding_index(n: int, padded: int, strategy: MirroredStrategy, per_process: bool) -> tuple[np.ndarray,
+                                                                                                np.ndarray]:
+    """Which of an item's ``n`` rows fills each of this process's rows of a batch of ``padded`` rows (a
+    padding row copies row 0), and which rows are real. A per-process item is this process's share; a
+    global one is cut, each process taking its own rows."""
+    if not per_process and strategy.process_count > 1:
+        local = padded // strategy.process_count
+        slot = np.arange(strategy.process_index * local, (strategy.process_index + 1) * local)
+    else:
+        slot = np.arange(padded // strategy.process_count if per_process else padded)
+    valid = slot < n
+    return np.where(valid, np.minimum(slot, n - 1), 0), valid
+
+
+def empty_like(template: Batch | None, per: str) -> Batch:
+    """An all-padding batch shaped like ``template``, for a process whose pipeline ended before another's
+    (``per``: what every process needs at least one batch of, ``"epoch"`` or ``"pass"``)."""
     if template is None:
         raise RuntimeError("This process's input pipeline yielded no batch while another process still had "
                            "data, and there is no earlier batch to shape the padding. Give every process "
-                           "at least one batch per epoch.")
+                           f"at least one batch per {per}.")
     return dataclasses.replace(template, mask=np.zeros_like(template.mask), num_real=None)
 
 
