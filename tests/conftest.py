@@ -26,9 +26,12 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _fresh_keras_state():
-    """Every test starts with Keras's default names and seeds, so two tests never share layer names."""
+    """Every test starts with Keras's default names and seeds, so two tests never share layer names.
+
+    One full garbage collection per test (after it), not two: each took about 0.28 s late in a run.
+    """
     import keras
 
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     yield
     keras.backend.clear_session()

@@ -66,8 +66,8 @@ def _train(n, **model_kw):
 
 @pytest.mark.parametrize("model_kw", [
     dict(metrics=("accuracy", "sparse_top_k_categorical_accuracy"), weighted=("accuracy",)),
-    dict(metrics=("accuracy", BatchMax())),
-    dict(regularizer=keras.regularizers.L2(0.01)),
+    pytest.param(dict(metrics=("accuracy", BatchMax())), marks=pytest.mark.slow),
+    pytest.param(dict(regularizer=keras.regularizers.L2(0.01)), marks=pytest.mark.slow),
 ], ids=["packed", "not-a-sum", "regularized-loss"])
 def test_eight_devices_log_what_one_does(model_kw):
     if "metrics" in model_kw:  # a metric object serves one model: a fresh one for each
@@ -116,6 +116,7 @@ def test_loss_and_metrics_take_one_operand_beside_the_gradients():
     assert len(operands) == 5 and "f32[5]" in operands and "f32[]" not in operands, operands
 
 
+@pytest.mark.slow
 def test_a_loss_with_other_terms_keeps_its_own_reduction():
     # With a regulariser the loss is Keras's global one (its own operand); the metrics are still packed.
     operands = _all_reduce_operands(_train_step_hlo(8, regularizer=keras.regularizers.L2(0.01)))
@@ -142,6 +143,7 @@ def test_packing_is_a_sum_of_every_replica():
     assert int_total.dtype == np.int32
 
 
+@pytest.mark.slow
 def test_a_functional_model_packs_its_loss_and_metrics_too():
     import optax
 

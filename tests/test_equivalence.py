@@ -67,6 +67,7 @@ def test_evaluate_counts_every_example_exactly():
         assert trainer.evaluate(xt, yt, batch_size=bs)["accuracy"] == pytest.approx(expected, abs=1e-7)
 
 
+@pytest.mark.slow
 def test_sample_weight_matches_keras():
     x, y, _, _ = flat_digits(150)
     w = np.random.default_rng(0).uniform(0.0, 2.0, len(x)).astype(np.float32)

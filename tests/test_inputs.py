@@ -28,6 +28,7 @@ class _Reiterable:
         return -(-len(self.x) // self.bs)
 
 
+@pytest.mark.slow
 def test_iterable_of_batches_equals_arrays():
     x, y, xt, yt = flat_digits(130)
     w = np.linspace(0.5, 1.5, len(x)).astype(np.float32)

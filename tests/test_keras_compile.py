@@ -49,6 +49,7 @@ def test_uncompiled_model_with_loss_given():
     assert hist.history["loss"][1] < hist.history["loss"][0]
 
 
+@pytest.mark.slow
 def test_trained_weights_written_back_and_model_saves(tmp_path):
     x, y, xt, _ = flat_digits(100)
     model = dense()
@@ -117,6 +118,7 @@ def _two_epochs(callbacks=()) -> keras.Model:
     return model
 
 
+@pytest.mark.slow
 def test_batch_callbacks_read_the_newest_weights_through_callback_model():
     """Mid-epoch, Keras callbacks see the weights after the step just taken (as with Keras's own fit)."""
     seen = []

@@ -105,6 +105,7 @@ def test_two_strategies_in_one_process():
     assert_weights_close(models[0], models[1], 1e-5, 1e-6)  # the same run on other devices
 
 
+@pytest.mark.slow
 def test_train_on_batch_loop_equals_keras():
     x, y, _, _ = flat_digits(90)
 
@@ -199,6 +200,7 @@ def test_unsupported_argument_is_a_clear_error():
         model.fit(iter([(x, y)]), validation_split=0.5, verbose=0)
 
 
+@pytest.mark.slow
 def test_run_eagerly_falls_back_to_keras_with_a_warning():
     x, y, _, _ = flat_digits(32)
     with strategy(2).scope():

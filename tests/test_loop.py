@@ -61,6 +61,7 @@ def test_steps_per_execution_gives_the_same_weights():
     assert tb.compile_counts()["train_many"] == 1 and tb.compile_counts()["train"] == 1
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_the_whole_batch():
     x, y, _, _ = flat_digits(150)
     a = dense(optimizer="sgd")
@@ -117,6 +118,7 @@ def test_nonfinite_skip_counts_skipped_steps():
     assert all(np.isfinite(w).all() for w in model.get_weights())
 
 
+@pytest.mark.slow
 def test_functional_model_matches_plain_jax():
     x, y, _, _ = flat_digits(120)
     rng = np.random.default_rng(0)
