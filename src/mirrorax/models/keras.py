@@ -220,11 +220,7 @@ class KerasAdapter(ModelAdapter):
     # -- the pure functions ----------------------------------------------------------------------
     def _loss_and_updates(self, params, model_state, metrics, opt_vars, batch, training):
         mask = batch["mask"]
-        rows = mask.shape[0]
-        real = real_count(batch)
-        # Keras divides by the number of rows: scale the weights so the loss is the mean over real rows.
-        # Every factor in the model's float type: a float64 model's loss stays float64 throughout.
-        loss_weight = self._loss_weight(batch["sample_weight"], mask, batch["y"], rows, real)
+        loss_weight = self._loss_weight(batch["sample_weight"], mask, batch["y"], mask.shape[0], real_count(batch))
         with _masked_batch_norm(self.model, mask, self.keras), self._watch_losses():
             return self.model.compute_loss_and_updates(
                 self._unpack("params", params), self._unpack("model_state", model_state),
