@@ -106,6 +106,11 @@ def resets_itself(metric: Any) -> bool:
                                                                    "keras.src.trainers.compile_utils"))
 
 
+def _known_layout(cm: Any) -> bool:
+    """Whether a CompileMetrics has the flat metric lists this module reads (Keras 3's layout)."""
+    return all(hasattr(cm, a) for a in ("_flat_metrics", "_flat_weighted_metrics", "_flatten_y"))
+
+
 def _compile_metric_items(cm: Any, y: Any, y_pred: Any, mask: Any, weights: Any
                           ) -> Iterator[tuple[Any, Any, Any, Any]]:
     """``(metric, y_true, y_pred, weights)`` for each metric of a built CompileMetrics: ``metrics=`` get
@@ -128,7 +133,7 @@ def update_compile_metrics(cm: Any, y: Any, y_pred: Any, mask: Any, weights: Any
     must count in neither, so the former get the mask and the latter ``sample_weight * mask``.
     ``skip`` / ``only``: ids of metrics to leave out / to update alone.
     """
-    if not all(hasattr(cm, a) for a in ("_flat_metrics", "_flat_weighted_metrics", "_flatten_y")):
+    if not _known_layout(cm):
         cm.update_state(y, y_pred, weights)  # an unknown Keras version: weighted metrics stay exact
         return
     if not cm.built:
@@ -152,7 +157,7 @@ def _packable(cm: Any, y: Any, y_pred: Any) -> list[Any]:
     sum-based metrics (means of a per-example function, confusion counts, AUC) whose ``update_state``
     is Keras's, fed per-example weights. A metric of a function that gives one number per batch, a
     subclass with its own ``update_state``, or outputs carrying a Keras mask stay in the global view."""
-    if not all(hasattr(cm, a) for a in ("_flat_metrics", "_flat_weighted_metrics", "_flatten_y")):
+    if not _known_layout(cm):
         return []
     if not cm.built:
         cm.build(y, y_pred)
