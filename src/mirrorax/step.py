@@ -186,10 +186,9 @@ class StepFunctions:
         ok = nonfinite_ok & labels_ok
         first_bad = jnp.where((state.nonfinite_step == 0) & ~finite & labels_ok, state.step + 1,
                               state.nonfinite_step)
-        # A branch around the backward pass and the optimizer update (``apply``), not a select over the
-        # state: both run only when the step is applied, the update in place. The step's metrics and
-        # model state (small) take the same branch: one select per leaf cost more than the branch (about
-        # 1 ms a step on 2 processes x 4 CPU devices).
+        # A branch around the optimizer update, not a select over the state: the update runs only when
+        # it is applied, in place. The step's metrics and model state (small) take the same branch: one
+        # select per leaf cost more than the branch (about 1 ms a step on 2 processes x 4 CPU devices).
         def applied(operands):
             po, new_rest, _ = operands
             return apply(po), new_rest
