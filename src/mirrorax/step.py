@@ -2,18 +2,13 @@
 
 A train step is a pure function ``(state, batch) -> (state, aux)`` jitted once over the global batch:
 state replicated (``NamedSharding(mesh, P())``) and donated, batch split over the batch axis. XLA's
-partitioner inserts the all-reduce of the gradients, so the numbers are the single-device numbers
-whatever the device count; the loss and the metrics' totals are summed per replica into one packed
-operand (:mod:`mirrorax.batch_sums`).
+partitioner inserts the all-reduce of gradients and metric sums, so the numbers are the single-device
+numbers whatever the device count.
 
 ``aux`` holds the step's loss and whether training has halted. With ``on_nonfinite="raise"`` a
 non-finite step leaves the state untouched and freezes it (every later step is a no-op, and
 ``state.nonfinite_step`` names the step) so the host can stop at its next look and the trainer still
 holds the last good values; with ``"skip"`` the update is dropped and counted in ``state.skipped``.
-The guard is a branch around the backward pass and the update (the forward pass gives the loss it
-tests): a step that is not applied costs no backward pass, and the gradients are laid out as the update
-reads them. (With the gradients computed outside the branch, XLA:CPU copied the transposed kernel
-gradient into the branch's layout: 7% of an MLP step at 8 devices, against 2% now.)
 
 Integer labels outside a sparse cross-entropy's classes freeze the state the same way in every mode
 (``state.bad_label`` records the first: step, target, row, value), since JAX's one-hot would score
@@ -117,13 +112,6 @@ class StepFunctions:
         self.train, self.train_many = self._variants[flag]
 
     # -- pure functions --------------------------------------------------------------------------
-    def _forward(self, state: TrainState, batch: dict[str, PyTree]):
-        """``(backward, loss, model_state, metrics)`` of the step (see ``ModelAdapter.forward``)."""
-        if self.accumulation_steps == 1:
-            return self.adapter.forward(state, batch)
-        grads, loss, model_state, metrics = self._grads(state, batch)
-        return (lambda: grads), loss, model_state, metrics
-
     def _grads(self, state: TrainState, batch: dict[str, PyTree]):
         k = self.accumulation_steps
         if k == 1:
@@ -156,13 +144,11 @@ class StepFunctions:
             def apply(params_opt):
                 return params_new, opt_new
         else:
-            # The backward pass runs inside apply: in the branch below that applies the update (a step
-            # that is not applied never runs it, and its gradients are laid out as the update reads them).
-            backward, loss, model_state, metrics = self._forward(state, batch)
+            grads, loss, model_state, metrics = self._grads(state, batch)
 
             def apply(params_opt):
                 return self.adapter.apply_gradients(state.replace(params=params_opt[0], optimizer=params_opt[1],
-                                                                  model_state=model_state), backward())
+                                                                  model_state=model_state), grads)
         finite = jnp.isfinite(loss)
 
         params_opt = (state.params, state.optimizer)

@@ -13,7 +13,6 @@ that the result does not depend on padding or on the device count.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -90,15 +89,6 @@ class ModelAdapter(abc.ABC):
           ``(grads, loss, model_state, metrics)``: grads with the structure of ``state.params``, the
           unscaled loss (mean over the real rows), and the updated non-trainable state and metrics.
         """
-
-    def forward(self, state: TrainState, batch: dict[str, PyTree], loss_scale: Any = 1.0
-                ) -> tuple[Callable[[], PyTree], Any, PyTree, PyTree]:
-        """:meth:`grads` with the backward pass left to the caller: ``(backward, loss, model_state,
-        metrics)``, ``backward()`` giving the gradients. The train step calls it inside the branch that
-        applies the update, so a step that is not applied never runs its backward pass. (Adapters that
-        cannot split the passes compute the gradients here.)"""
-        grads, loss, model_state, metrics = self.grads(state, batch, loss_scale)
-        return (lambda: grads), loss, model_state, metrics
 
     @abc.abstractmethod
     def apply_gradients(self, state: TrainState, grads: PyTree) -> tuple[PyTree, PyTree]:

@@ -197,20 +197,15 @@ class _FunctionalAdapter(ModelAdapter):
         return jnp.maximum(real_count(batch).astype(dt), 1.0)
 
     def grads(self, state, batch, loss_scale=1.0):
-        backward, loss, model_state, metrics = self.forward(state, batch, loss_scale)
-        return backward(), loss, model_state, metrics
-
-    def forward(self, state, batch, loss_scale=1.0):
         def f(p):
             loss, aux = self._loss(p, state, batch, True)
             return loss * loss_scale, aux
 
         # The loss is taken again from the summed rows below: the forward's own sum is then unused (JAX
         # drops it), and the loss rides the metrics' all-reduce operand.
-        scaled, pullback, (weighted, y_pred, model_state) = jax.vjp(f, state.params, has_aux=True)
+        (_, (weighted, y_pred, model_state)), g = jax.value_and_grad(f, has_aux=True)(state.params)
         metrics, loss_sum = self._accumulate(state.metrics, weighted, batch["y"], y_pred, batch)
-        return ((lambda: pullback(jnp.ones_like(scaled))[0]), loss_sum / self._real(batch, loss_sum.dtype),
-                model_state, metrics)
+        return g, loss_sum / self._real(batch, loss_sum.dtype), model_state, metrics
 
     def apply_gradients(self, state, grads):
         import optax

@@ -289,10 +289,6 @@ class KerasAdapter(ModelAdapter):
                 metrics, loss)
 
     def grads(self, state, batch, loss_scale=1.0):
-        backward, loss, model_state, metrics = self.forward(state, batch, loss_scale)
-        return backward(), loss, model_state, metrics
-
-    def forward(self, state, batch, loss_scale=1.0):
         self._tracing = None
         if self.optax is not None:
             # Keras's loss code maps its (unused) optimizer's variables; zeros made while tracing are
@@ -306,11 +302,11 @@ class KerasAdapter(ModelAdapter):
             scaled, aux = self._loss_and_updates(params, state.model_state, state.metrics, opt_vars, batch, True)
             return scaled * loss_scale, aux
 
-        scaled, pullback, (loss, y_pred, model_state, metrics) = jax.vjp(loss_fn, state.params, has_aux=True)
+        (_, (loss, y_pred, model_state, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         # (A loss summed per replica below replaces Keras's: the global one is then unused, and JAX
         # drops its reduction.)
         metrics, loss = self._update_metrics(metrics, loss, batch, y_pred)
-        return (lambda: pullback(jnp.ones_like(scaled))[0]), loss, self._pack("model_state", model_state), metrics
+        return grads, loss, self._pack("model_state", model_state), metrics
 
     def apply_gradients(self, state, grads):
         if self.optax is not None:
