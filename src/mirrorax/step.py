@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mirrorax import batch_sums
+from mirrorax.as_made import split_transposes
 from mirrorax.dispatch import InFlight, StrategyFunction, layout
 from mirrorax.models.base import ModelAdapter, real_count
 from mirrorax.strategy import MirroredStrategy
@@ -144,11 +145,15 @@ class StepFunctions:
             def apply(params_opt):
                 return params_new, opt_new
         else:
-            grads, loss, model_state, metrics = self._grads(state, batch)
+            restore: Callable[[PyTree], PyTree]
+            if self.on_nonfinite == "ignore" and labels is None:
+                (grads, loss, model_state, metrics), restore = self._grads(state, batch), _same
+            else:  # the update runs inside the guard's branch: the kernels' gradients enter it as made
+                (grads, loss, model_state, metrics), restore = split_transposes(self._grads, state, batch)
 
             def apply(params_opt):
                 return self.adapter.apply_gradients(state.replace(params=params_opt[0], optimizer=params_opt[1],
-                                                                  model_state=model_state), grads)
+                                                                  model_state=model_state), restore(grads))
         finite = jnp.isfinite(loss)
 
         params_opt = (state.params, state.optimizer)
@@ -337,6 +342,10 @@ class StepFunctions:
         # (``_cache_size``: jax.jit's count of compiled signatures, which its public type does not declare)
         return dict(counts, evaluate=getattr(self.evaluate, "_cache_size")(),  # noqa: B009
                     predict=getattr(self.predict, "_cache_size")())  # noqa: B009
+
+
+def _same(tree: PyTree) -> PyTree:
+    return tree
 
 
 def _one_copy(a: Any) -> Any:
