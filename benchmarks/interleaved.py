@@ -1,4 +1,4 @@
-"""``model.fit`` under a scope against the hand-written loop, alternated in one process.
+"""``model.fit`` under a scope (or ``Trainer.fit``) against the hand-written loop, alternated in one process.
 
 The harness (``benchmarks.run``) runs each system in its own process, which is the fair default; but on a
 shared host whose speed drifts by 10-20% over minutes (measured here: the hand-written loop alone took
@@ -7,7 +7,8 @@ within that drift. This script removes it: both loops live in one process (same 
 definition, each its own weights and optimizer) and alternate in short chunks (ABBA order), so drift
 hits both alike; the ratio is taken per pair.
 
-Run: ``python -m benchmarks.interleaved --workload cnn --devices 1`` (about 2 minutes for the CNN).
+Run: ``python -m benchmarks.interleaved --workload cnn --devices 1`` (about 2 minutes for the CNN);
+``--entry trainer`` times ``mx.Trainer(model, strategy).fit`` (its non-finite guard on) instead.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--devices", type=int, default=1, help="simulated CPU devices (default 1)")
     p.add_argument("--steps", type=int, default=30, help="steps per chunk (default 30)")
     p.add_argument("--pairs", type=int, default=14, help="chunks of each loop (default 14)")
+    p.add_argument("--entry", choices=("scope", "trainer"), default="scope",
+                   help="model.fit under the strategy's scope (default), or mx.Trainer(model).fit")
     args = p.parse_args(argv)
     os.environ["JAX_NUM_CPU_DEVICES"] = str(args.devices)
     os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -42,9 +45,13 @@ def main(argv: list[str] | None = None) -> None:
         model.compile(**workloads.compile_args(wl))
     x, y = workloads.make_data(wl, wl.batch * args.steps, seed=0)
 
+    trained = mx.Trainer(model, strategy) if args.entry == "trainer" else model
+    label = "Trainer.fit" if args.entry == "trainer" else "model.fit under scope"
+
     def fit(n: int) -> None:
-        model.fit(x, y, batch_size=wl.batch, epochs=1, steps_per_epoch=n, shuffle=False, verbose=0)
-        jax.block_until_ready([v.value for v in model.trainable_variables])
+        trained.fit(x, y, batch_size=wl.batch, epochs=1, steps_per_epoch=n, shuffle=False, verbose=0)
+        jax.block_until_ready(trained.state if args.entry == "trainer" else
+                              [v.value for v in model.trainable_variables])
 
     # The hand-written loop of benchmarks/peers/jax_loop.py: donated replicated state, the next batch
     # placed while the step runs, at most 2 steps in flight.
@@ -69,9 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     ratios = [h / f for f, h in zip(fits, hands)]
     print(f"{args.workload}, {args.devices} device(s), {args.pairs} pairs of {args.steps} steps, "
           f"global batch {wl.batch}")
-    print("model.fit under scope, s per chunk:", " ".join(f"{t:.2f}" for t in fits))
-    print("hand-written loop,     s per chunk:", " ".join(f"{t:.2f}" for t in hands))
-    print(f"speed, model.fit / hand-written: median of pairs {statistics.median(ratios):.3f}, "
+    print(f"{label + ',':22} s per chunk:", " ".join(f"{t:.2f}" for t in fits))
+    print(f"{'hand-written loop,':22} s per chunk:", " ".join(f"{t:.2f}" for t in hands))
+    print(f"speed, {label} / hand-written: median of pairs {statistics.median(ratios):.3f}, "
           f"total {sum(hands) / sum(fits):.3f}")
 
 
