@@ -335,7 +335,7 @@ class Trainer:
         for s in (source, val):  # shapes against the outputs, labels against the classes: before compiling
             if s is not None:
                 s.check_targets(self.adapter)
-        # Labels the host has checked whole need no guard in the step (it costs up to 7% of a step).
+        # Labels the host has checked whole need no search and no guard in the step.
         self.steps.check_labels_in_step(not source.labels_checked)
         consistency.check_replicas(self._state)  # multi-process: every process holds process 0's values
         self._write_back()  # lent to the model: what callbacks change on it from here on is adopted
