@@ -107,7 +107,7 @@ def _cond_operands_made_by(trainer, x, y) -> list[str]:
 
 
 @pytest.mark.multi_device
-@pytest.mark.parametrize("on_nonfinite", ["raise", "skip"])
+@pytest.mark.parametrize("on_nonfinite", ["raise", pytest.param("skip", marks=pytest.mark.slow)])
 def test_no_gradient_enters_the_guard_transposed(on_nonfinite):
     x, y = _data()
     made_by = _cond_operands_made_by(mx.Trainer(_model(), helpers.strategy(8), on_nonfinite=on_nonfinite), x, y)

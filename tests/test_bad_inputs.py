@@ -167,8 +167,8 @@ def test_iterable_label_outside_classes_in_evaluate():
 
 # -- validation_data, strategy, other arguments --------------------------------------------------------
 @pytest.mark.parametrize("val, what", [
-    (lambda x, y: (x,), r"a tuple of 1 element\(s\)"),
-    (lambda x, y: (x, y, np.ones(len(x)), 1), r"a tuple of 4 element\(s\)"),
+    pytest.param(lambda x, y: (x,), r"a tuple of 1 element\(s\)", marks=pytest.mark.slow),
+    pytest.param(lambda x, y: (x, y, np.ones(len(x)), 1), r"a tuple of 4 element\(s\)", marks=pytest.mark.slow),
     (lambda x, y: x, r"received ndarray of inputs alone"),
 ])
 def test_validation_data_of_the_wrong_arity(val, what):

@@ -167,6 +167,7 @@ def test_background_prefetch_gives_the_same_result_and_survives_errors():
         tb.fit(broken(), batch_size=32, verbose=0)
 
 
+@pytest.mark.slow  # test_progress_modes covers each mode's output
 def test_auto_progress_is_a_bar_in_jupyter_and_a_line_per_epoch_elsewhere(monkeypatch):
     import sys
     import types

@@ -11,6 +11,7 @@ import mirrorax as mx
 pytestmark = pytest.mark.multi_device
 
 
+@pytest.mark.slow  # a fit that lists the live arrays after each batch (a callback per batch)
 def test_no_single_device_copies_of_the_weights_during_fit():
     """Adam's slots were kept as whole single-device arrays on device 0 for the trainer's life (two per
     weight, beside the replicated state): device 0 ran out of memory before the others."""

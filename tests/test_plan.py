@@ -31,8 +31,8 @@ def _data(n=64):
     return x, np.arange(n) % 10
 
 
-@pytest.mark.parametrize("shard", [None, pytest.param("optimizer", marks=pytest.mark.slow),
-                                   pytest.param("all", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a fit per layout; test_a_model_made_under_a_scope_is_planned_on_its_strategy is fast
+@pytest.mark.parametrize("shard", [None, "optimizer", "all"])
 def test_planned_state_bytes_equal_what_fit_holds(shard):
     x, y = _data()
     s = mx.MirroredStrategy(devices=jax.devices()[:4], shard=shard)
