@@ -1,4 +1,4 @@
-"""``model.fit`` under a scope (or ``Trainer.fit``) against the hand-written loop, alternated in one process.
+"""An entry point of mirrorax against the hand-written loop, alternated in one process.
 
 The harness (``benchmarks.run``) runs each system in its own process, which is the fair default; but on a
 shared host whose speed drifts by 10-20% over minutes (measured here: the hand-written loop alone took
@@ -8,7 +8,9 @@ definition, each its own weights and optimizer) and alternate in short chunks (A
 hits both alike; the ratio is taken per pair.
 
 Run: ``python -m benchmarks.interleaved --workload cnn --devices 1`` (about 2 minutes for the CNN);
-``--entry trainer`` times ``mx.Trainer(model, strategy).fit`` (its non-finite guard on) instead.
+``--entry`` picks mirrorax's side: ``scope`` (``model.fit`` under the strategy's scope, the default),
+``trainer`` (``mx.Trainer(model, strategy).fit``, its non-finite guard on) or ``guide`` (the keras.io
+guide's loop on ``strategy.jit``, ``benchmarks/peers/guide_api.py``).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--devices", type=int, default=1, help="simulated CPU devices (default 1)")
     p.add_argument("--steps", type=int, default=30, help="steps per chunk (default 30)")
     p.add_argument("--pairs", type=int, default=14, help="chunks of each loop (default 14)")
-    p.add_argument("--entry", choices=("scope", "trainer"), default="scope",
-                   help="model.fit under the strategy's scope (default), or mx.Trainer(model).fit")
+    p.add_argument("--entry", choices=("scope", "trainer", "guide"), default="scope",
+                   help="model.fit under the strategy's scope (default), mx.Trainer(model).fit, or the "
+                        "keras.io guide's loop on strategy.jit")
     args = p.parse_args(argv)
     os.environ["JAX_NUM_CPU_DEVICES"] = str(args.devices)
     os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -36,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import mirrorax as mx
     from benchmarks import workloads
+    from benchmarks.peers.guide_api import GuideLoop
     from benchmarks.peers.jax_loop import HandLoop
 
     wl = workloads.get(args.workload)
@@ -46,9 +50,14 @@ def main(argv: list[str] | None = None) -> None:
     x, y = workloads.make_data(wl, wl.batch * args.steps, seed=0)
 
     trained = mx.Trainer(model, strategy) if args.entry == "trainer" else model
-    label = "Trainer.fit" if args.entry == "trainer" else "model.fit under scope"
+    label = {"scope": "model.fit under scope", "trainer": "Trainer.fit", "guide": "guide loop"}[args.entry]
+    guide = GuideLoop(workloads.build_keras_model(wl), workloads.compile_args(wl)["optimizer"], strategy, x, y,
+                      wl.batch) if args.entry == "guide" else None
 
     def fit(n: int) -> None:
+        if guide is not None:
+            guide.steps(n)
+            return
         trained.fit(x, y, batch_size=wl.batch, epochs=1, steps_per_epoch=n, shuffle=False, verbose=0)
         jax.block_until_ready(trained.state if args.entry == "trainer" else
                               [v.value for v in model.trainable_variables])
