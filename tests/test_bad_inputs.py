@@ -131,6 +131,7 @@ def test_iterable_label_outside_classes_stops_training_without_applying_that_ste
     assert_weights_close(m, ref, 1e-6, 1e-7)
 
 
+@pytest.mark.slow  # a speed property: the label search compiled out of the step
 def test_array_labels_checked_on_the_host_leave_the_step_unguarded():
     """In-memory labels are all checked before compiling, so (with on_nonfinite="ignore") the step has no
     guard around the update: no conditional in its program. An iterable's labels keep the guard."""

@@ -29,6 +29,7 @@ def test_loss_kinds_match_keras(loss):
     assert hist["acc"] == pytest.approx(ref_hist["acc"], abs=1e-7)
 
 
+@pytest.mark.slow  # two fits to compare: Keras's and the Trainer's
 def test_optax_optimizer_equals_keras_sgd():
     x, y, _, _ = flat_digits(100)
     ref = dense(optimizer=keras.optimizers.SGD(0.1))

@@ -86,6 +86,7 @@ def test_compiled_under_scope_after_being_built_outside():
     assert model.trainable_variables[0].value.sharding.device_set == set(s.devices)
 
 
+@pytest.mark.slow  # two models and fits
 def test_two_strategies_in_one_process():
     import jax
 
