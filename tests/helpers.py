@@ -48,3 +48,24 @@ def assert_weights_close(a: keras.Model, b: keras.Model, rtol: float, atol: floa
     assert len(wa) == len(wb)
     for i, (u, v) in enumerate(zip(wa, wb)):
         np.testing.assert_allclose(u, v, rtol=rtol, atol=atol, err_msg=f"weight {i}")
+
+
+def train_step_args(trainer: mx.Trainer, x, y, batch_size: int = 24) -> tuple:
+    """The arguments ``trainer``'s compiled train step is called with in a one-step ``fit`` on ``(x, y)``
+    (for ``trainer.steps.train.lower(*args)`` or a ``jax.make_jaxpr`` of the step). Read
+    ``trainer.steps.train`` after this call: ``fit`` selects which compiled variant it names."""
+    from mirrorax import dispatch
+
+    captured = {}
+    original = dispatch.StrategyFunction.program
+
+    def program(self, *args):
+        captured["args"] = args
+        return original(self, *args)
+
+    dispatch.StrategyFunction.program = program
+    try:
+        trainer.fit(x, y, batch_size=batch_size, epochs=1, steps_per_epoch=1, verbose=0)
+    finally:
+        dispatch.StrategyFunction.program = original
+    return captured["args"]

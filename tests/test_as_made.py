@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import mirrorax as mx
-from mirrorax import dispatch
 from mirrorax.as_made import split_transposes
 from tests import helpers
 from tests.test_batch_sums import _data, _model
@@ -87,19 +86,8 @@ def test_a_function_with_callbacks_is_called_as_it_is():
 
 def _cond_operands_made_by(trainer, x, y) -> list[str]:
     """What made each operand of the guard's branch (``lax.cond``) in ``trainer``'s train step."""
-    captured = {}
-    original = dispatch.StrategyFunction.program
-
-    def program(self, *args):
-        captured.setdefault("args", args)
-        return original(self, *args)
-
-    dispatch.StrategyFunction.program = program
-    try:
-        trainer.fit(x, y, batch_size=24, epochs=1, steps_per_epoch=1, verbose=0)
-    finally:
-        dispatch.StrategyFunction.program = original
-    jaxpr = jax.make_jaxpr(trainer.steps.train._fn)(*captured["args"]).jaxpr
+    args = helpers.train_step_args(trainer, x, y)  # first: fit selects the step variant ``train`` names
+    jaxpr = jax.make_jaxpr(trainer.steps.train._fn)(*args).jaxpr
     made_by = {v: eqn.primitive.name for eqn in jaxpr.eqns for v in eqn.outvars}
     conds = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "cond"]
     assert conds, "the guarded step has no branch"

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 import mirrorax as mx
-from mirrorax import dispatch
 from tests import helpers
 
 pytestmark = pytest.mark.multi_device
@@ -82,19 +81,8 @@ def test_eight_devices_log_what_one_does(model_kw):
 
 def _step_hlo(trainer, x, y):
     """The optimized HLO of the train step ``trainer`` runs on ``(x, y)``."""
-    captured = {}
-    original = dispatch.StrategyFunction.program
-
-    def program(self, *args):
-        captured["args"] = args
-        return original(self, *args)
-
-    dispatch.StrategyFunction.program = program
-    try:
-        trainer.fit(x, y, batch_size=24, epochs=1, steps_per_epoch=1, verbose=0)
-    finally:
-        dispatch.StrategyFunction.program = original
-    return trainer.steps.train.lower(*captured["args"]).compile().as_text()
+    args = helpers.train_step_args(trainer, x, y)  # first: fit selects the step variant ``train`` names
+    return trainer.steps.train.lower(*args).compile().as_text()
 
 
 def _train_step_hlo(n, **model_kw):
