@@ -137,6 +137,7 @@ class StepFunctions:
 
     def _train_step(self, state: TrainState, batch: dict[str, PyTree], check_labels: bool = True):
         labels = self._label_record(batch) if check_labels else None
+        guarded = not (self.on_nonfinite == "ignore" and labels is None)  # the update runs in a branch
         if getattr(self.adapter, "custom", {}).get("train_step"):
             # The model's own train_step computes and applies the update; the checks below still hold.
             # Only the Keras adapter has train_step, and only it sets custom["train_step"].
@@ -146,10 +147,10 @@ class StepFunctions:
                 return params_new, opt_new
         else:
             restore: Callable[[PyTree], PyTree]
-            if self.on_nonfinite == "ignore" and labels is None:
-                (grads, loss, model_state, metrics), restore = self._grads(state, batch), _same
-            else:  # the update runs inside the guard's branch: the kernels' gradients enter it as made
+            if guarded:  # the kernels' gradients enter the guard's branch as the backward pass made them
                 (grads, loss, model_state, metrics), restore = split_transposes(self._grads, state, batch)
+            else:
+                (grads, loss, model_state, metrics), restore = self._grads(state, batch), _same
 
             def apply(params_opt):
                 return self.adapter.apply_gradients(state.replace(params=params_opt[0], optimizer=params_opt[1],
@@ -157,7 +158,7 @@ class StepFunctions:
         finite = jnp.isfinite(loss)
 
         params_opt = (state.params, state.optimizer)
-        if self.on_nonfinite == "ignore" and labels is None:
+        if not guarded:
             params, opt = apply(params_opt)
             return (state.replace(params=params, optimizer=opt, model_state=model_state, metrics=metrics,
                                   step=state.step + 1), {"loss": loss, "halted": jnp.zeros((), bool)})
