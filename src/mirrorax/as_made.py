@@ -34,14 +34,12 @@ def split_transposes(fn: Callable[..., tuple[PyTree, ...]], *args: Any
     Returns ``(out, restore)``: ``out`` is ``fn(*args)`` except that each leaf of ``out[0]`` that ``fn``
     made with a final ``transpose`` (under mixed precision, followed by casts) is that transpose's input;
     ``restore(out[0])`` gives ``fn``'s own first output. A function with side effects in its trace
-    (callbacks) is called as it is, with ``restore`` the identity.
+    (callbacks) is evaluated as traced, with ``restore`` the identity.
     """
     closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
     jaxpr = closed.jaxpr
     first = jax.tree.structure(shapes[0])
-    count = len(jax.tree.leaves(shapes[0]))
-    if jaxpr.effects:
-        return fn(*args), lambda grads: grads
+    count = 0 if jaxpr.effects else len(jax.tree.leaves(shapes[0]))
     made_by = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
 
     def maker(v: Any) -> Any:
