@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["over", "current", "per_replica_sums"]
+__all__ = ["over", "whole", "current", "per_replica_sums"]
 
 PyTree = Any
 _local = threading.local()
@@ -42,6 +42,20 @@ def over(mesh: Mesh, axis: str) -> Iterator[None]:
     if stack is None:
         stack = _local.stack = []
     stack.append((mesh, axis) if mesh.shape[axis] > 1 else None)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+@contextlib.contextmanager
+def whole() -> Iterator[None]:
+    """While tracing part of a step whose rows do not split evenly over the devices (a batch cut to its
+    real rows): its sums stay in the global view (``jax.shard_map`` takes only even splits)."""
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    stack.append(None)
     try:
         yield
     finally:

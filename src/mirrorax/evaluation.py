@@ -142,7 +142,7 @@ def predict(trainer: Trainer, x: Any, *, batch_size: int | None = None, verbose:
         for i, (_, batch) in enumerate(batches):
             if hooks is not None and hooks.listens["predict_begin"] and i % spe == 0:
                 hooks.call("on_predict_batch_begin", i)
-            y, model_state = trainer.steps.predict(trainer._live_state, batch.x)
+            y, model_state = trainer.steps.predict(trainer._live_state, batch.x, batch.real_rows())
             trainer._state = trainer._live_state.replace(model_state=model_state)
             window.push((y, batch.mask))
             if hooks is not None and getattr(trainer.model, "stop_predicting", False):

@@ -5,6 +5,14 @@ state replicated (``NamedSharding(mesh, P())``) and donated, batch split over th
 partitioner inserts the all-reduce of gradients and metric sums, so the numbers are the single-device
 numbers whatever the device count.
 
+A batch whose padding sits at its end carries its real row count statically (``batch["rows"]``, a
+:class:`~mirrorax.inputs.batch.RealRows`): every step first cuts it to those rows
+(:func:`real_rows_only`), so the model computes on exactly the rows Keras would give it (a forward pass
+that mixes rows, Keras's per-output loss trackers weighted by the batch's rows). That count is part of
+the compiled signature: a full-batch program and a tail program per step kind at most, as Keras's own
+jit retraces for a short batch. The cut rows stay where they were placed; on the ``Auto`` mesh axis XLA
+partitions a count that does not divide by the devices unevenly itself.
+
 ``aux`` holds the step's loss and whether training has halted. With ``on_nonfinite="raise"`` a
 non-finite step leaves the state untouched and freezes it (every later step is a no-op, and
 ``state.nonfinite_step`` names the step) so the host can stop at its next look and the trainer still
@@ -19,6 +27,7 @@ anything runs; this catches them in iterables, where reading every batch on the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from collections.abc import Callable
@@ -31,11 +40,13 @@ import numpy as np
 from mirrorax import batch_sums
 from mirrorax.as_made import split_transposes
 from mirrorax.dispatch import InFlight, StrategyFunction, layout
+from mirrorax.inputs.batch import RealRows
 from mirrorax.models.base import ModelAdapter, real_count
 from mirrorax.strategy import MirroredStrategy
 from mirrorax.train_state import TrainState
 
-__all__ = ["StepFunctions", "InFlight", "NONFINITE_MODES", "NonFiniteMode", "host_value", "host_tree"]
+__all__ = ["StepFunctions", "InFlight", "NONFINITE_MODES", "NonFiniteMode", "host_value", "host_tree",
+           "real_rows_only"]
 
 PyTree = Any
 NonFiniteMode = Literal["raise", "skip", "ignore"]
@@ -48,6 +59,47 @@ def _split_micro(a: jax.Array, k: int, replicas: int) -> jax.Array:
     m = rows // (replicas * k)
     a = a.reshape((replicas, k, m) + a.shape[1:])
     return jnp.swapaxes(a, 0, 1).reshape((k, replicas * m) + a.shape[3:])
+
+
+def real_rows_only(batch: dict[str, PyTree], sharding: jax.sharding.Sharding
+                   ) -> tuple[dict[str, PyTree], int | None]:
+    """``batch`` cut to its real rows when it carries their count (``batch["rows"]``), and that count
+    (``None``: the batch as it came, its padding, if any, masked).
+
+    The cut batch's mask is a constant of ones and its count a constant, which XLA folds away: the
+    masking that per-process pipelines still need costs the cut batch nothing.
+    """
+    rows = batch.get("rows")
+    if rows is None:
+        return batch, None
+    if not isinstance(rows, RealRows) or not isinstance(rows.count, int):
+        raise TypeError(f"Expected batch['rows'] to be RealRows with one int count. Received: {rows!r}. This "
+                        "is a bug in mirrorax: please report it.")
+    n = rows.count
+
+    def cut(a: jax.Array) -> jax.Array:
+        # The first n rows of a batch split evenly keep their devices; the constraint keeps XLA from
+        # gathering a count that does not divide by the devices onto one of them.
+        return jax.lax.with_sharding_constraint(a[:n], sharding)
+
+    out = {k: v for k, v in batch.items() if k != "rows"}
+    for name in ("x", "y", "sample_weight"):
+        out[name] = jax.tree.map(cut, batch.get(name))
+    out["mask"] = jnp.ones((n,), batch["mask"].dtype)
+    out["num_real"] = jnp.asarray(n, jnp.float32)
+    return out, n
+
+
+def _cut_micro(batch: dict[str, PyTree], rows: int, k: int) -> list[dict[str, PyTree]]:
+    """A cut batch of ``rows`` rows as up to ``k`` consecutive micro-batches of near-equal sizes (each
+    counting its own rows, as a micro-batch of a full batch counts its mask)."""
+    bounds = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(rows), k) if len(part)])
+    out = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        part = {name: jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], batch.get(name))
+                for name in ("x", "y", "sample_weight", "mask")}
+        out.append(part)
+    return out
 
 
 class StepFunctions:
@@ -113,10 +165,12 @@ class StepFunctions:
         self.train, self.train_many = self._variants[flag]
 
     # -- pure functions --------------------------------------------------------------------------
-    def _grads(self, state: TrainState, batch: dict[str, PyTree]):
+    def _grads(self, state: TrainState, batch: dict[str, PyTree], rows: int | None = None):
         k = self.accumulation_steps
         if k == 1:
             return self.adapter.grads(state, batch)
+        if rows is not None:
+            return self._grads_cut(state, batch, rows)
         replicas = self.strategy.num_replicas_in_sync
         total = jnp.maximum(real_count(batch), 1.0)
         rows = {name: v for name, v in batch.items() if name != "num_real"}  # micro-batches count their mask
@@ -135,7 +189,33 @@ class StepFunctions:
         (grads, loss, model_state, metrics), _ = jax.lax.scan(body, init, micro)
         return grads, loss, model_state, metrics
 
+    def _grads_cut(self, state: TrainState, batch: dict[str, PyTree], rows: int):
+        """Accumulated gradients of a batch cut to its ``rows`` real rows: micro-batches of consecutive
+        rows, one after the other (their sizes differ, so no scan), each weighted by its share of rows."""
+        gsum = jax.tree.map(jnp.zeros_like, state.params)
+        loss = jnp.zeros((), self.adapter.float_dtype)
+        model_state, metrics = state.model_state, state.metrics
+        for mb in _cut_micro(batch, rows, self.accumulation_steps):
+            share = jnp.asarray(mb["mask"].shape[0] / rows, self.adapter.float_dtype)
+            s = state.replace(model_state=model_state, metrics=metrics)
+            g, part, model_state, metrics = self.adapter.grads(s, mb, loss_scale=share)
+            gsum = jax.tree.map(jnp.add, gsum, g)
+            loss = loss + part * share
+        return gsum, loss, model_state, metrics
+
+    def _even(self, rows: int | None) -> bool:
+        """Whether a step's rows split evenly over the replicas, micro-batches included (then its metric
+        sums may be packed per replica, :mod:`mirrorax.batch_sums`)."""
+        return rows is None or (self.accumulation_steps == 1 and rows % self.strategy.num_replicas_in_sync == 0)
+
     def _train_step(self, state: TrainState, batch: dict[str, PyTree], check_labels: bool = True):
+        batch, rows = real_rows_only(batch, self.strategy.batch_sharding)
+        if self._even(rows):
+            return self._train_rows(state, batch, check_labels, rows)
+        with batch_sums.whole():
+            return self._train_rows(state, batch, check_labels, rows)
+
+    def _train_rows(self, state: TrainState, batch: dict[str, PyTree], check_labels: bool, rows: int | None):
         labels = self._label_record(batch) if check_labels else None
         guarded = not (self.on_nonfinite == "ignore" and labels is None)  # the update runs in a branch
         if getattr(self.adapter, "custom", {}).get("train_step"):
@@ -148,9 +228,10 @@ class StepFunctions:
         else:
             restore: Callable[[PyTree], PyTree]
             if guarded:  # the kernels' gradients enter the guard's branch as the backward pass made them
-                (grads, loss, model_state, metrics), restore = split_transposes(self._grads, state, batch)
+                (grads, loss, model_state, metrics), restore = split_transposes(
+                    functools.partial(self._grads, rows=rows), state, batch)
             else:
-                (grads, loss, model_state, metrics), restore = self._grads(state, batch), _same
+                (grads, loss, model_state, metrics), restore = self._grads(state, batch, rows), _same
 
             def apply(params_opt):
                 return self.adapter.apply_gradients(state.replace(params=params_opt[0], optimizer=params_opt[1],
@@ -202,14 +283,34 @@ class StepFunctions:
         return new, {"loss": loss, "halted": halted}
 
     def _train_many(self, state: TrainState, batches: dict[str, PyTree], check_labels: bool = True):
-        return jax.lax.scan(functools.partial(self._train_step, check_labels=check_labels), state, batches)
+        step = functools.partial(self._train_step, check_labels=check_labels)
+        rows = batches.get("rows")
+        if rows is None:
+            return jax.lax.scan(step, state, batches)
+        # Steps with other real row counts (a group holding a pass's short last batch) cannot share one
+        # scan body: each run of equal counts is its own scan, one after the other in this program.
+        stacked = {k: v for k, v in batches.items() if k != "rows"}
+        counts = rows.count if isinstance(rows.count, tuple) else (rows.count,)
+        auxes, start = [], 0
+        for count, run in itertools.groupby(counts):
+            length = len(list(run))
+            part = jax.tree.map(lambda a, lo=start, hi=start + length: a[lo:hi], stacked)
+            if count is not None:
+                part = dict(part, rows=RealRows(count))
+            state, aux = jax.lax.scan(step, state, part)
+            auxes.append(aux)
+            start += length
+        return state, jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)
 
     def _eval_step(self, state: TrainState, metrics: PyTree, batch: dict[str, PyTree]):
         # The mask's sum is the token the host waits on: the metrics themselves are donated onwards, and
         # a host-sent count would come back as the input buffer itself, ready before the step ran.
+        # (The placed mask's: a cut batch's mask is a constant.)
         token = jnp.sum(batch["mask"])
-        labels = self._label_record(batch)
-        metrics = self.adapter.evaluate(state, metrics, batch)
+        batch, rows = real_rows_only(batch, self.strategy.batch_sharding)
+        with contextlib.nullcontext() if self._even(rows) else batch_sums.whole():
+            labels = self._label_record(batch)
+            metrics = self.adapter.evaluate(state, metrics, batch)
         return metrics, (token if labels is None else (token, labels))
 
     def _label_record(self, batch: dict[str, PyTree]) -> jax.Array | None:
@@ -254,9 +355,24 @@ class StepFunctions:
             record = jax.lax.cond(found, locate, lambda *_, record=record: record, row_bad, first)
         return record
 
-    def _predict_step(self, state: TrainState, x: PyTree):
-        """The outputs, and the model state after them (a random stream moves on, as in Keras)."""
-        return self.adapter.predict_with_state(state, x)
+    def _predict_step(self, state: TrainState, x: PyTree, rows: RealRows | None = None):
+        """The outputs, and the model state after them (a random stream moves on, as in Keras).
+
+        ``rows``: the real rows of ``x`` (its padding at the end); the model sees only those, and the
+        outputs come back padded with zeros to ``x``'s rows, split evenly as ``x`` was (the host keeps
+        the real ones).
+        """
+        if rows is None:
+            return self.adapter.predict_with_state(state, x)
+        padded = jax.tree.leaves(x)[0].shape[0]
+        cut, n = real_rows_only({"x": x, "mask": jnp.ones((padded,)), "rows": rows}, self.strategy.batch_sharding)
+        y, model_state = self.adapter.predict_with_state(state, cut["x"])
+
+        def pad(a: jax.Array) -> jax.Array:
+            if a.ndim == 0 or a.shape[0] != n:
+                return a
+            return jnp.pad(a, [(0, padded - n)] + [(0, 0)] * (a.ndim - 1))
+        return jax.tree.map(pad, y), model_state
 
     # The step's metric results ride along as device scalars (a few divisions in the same program):
     # batch callbacks get them as logs without another dispatch, and nobody waits for them unless a
@@ -338,7 +454,7 @@ class StepFunctions:
         return label_message(name, value, classes, loss, where)
 
     def compile_counts(self) -> dict[str, int]:
-        """How many programs each step kind has compiled (one each, with fixed shapes)."""
+        """How many programs each step kind has compiled (one per placed shape and real row count)."""
         counts = {"train": self.train.compile_count, "train_many": self.train_many.compile_count}
         # (``_cache_size``: jax.jit's count of compiled signatures, which its public type does not declare)
         return dict(counts, evaluate=getattr(self.evaluate, "_cache_size")(),  # noqa: B009

@@ -491,7 +491,8 @@ class Trainer:
             epoch_lib.ProgressHook(progress)) if h is not None]
         outcome = None
         batches = iter(self._device_batches(host, self.steps_per_execution, stream.per_process))
-        programs: dict[int, Any] = {}  # steps per call (0: one) -> the compiled step for this epoch's batches
+        # (steps per call (0: one), real rows) -> the compiled step for this epoch's batches
+        programs: dict[tuple[int, Any], Any] = {}
         try:
             upcoming = next(batches, None)
             while upcoming is not None and outcome is None:
@@ -499,9 +500,11 @@ class Trainer:
                 for hook in loop_hooks:
                     hook.before_step(run)
                 tree = batch.tree()
-                program = programs.get(k)
-                if program is None:  # the epoch's batches have one padded shape: one lookup per kind
-                    program = programs[k] = (self.steps.train_many if k else self.steps.train).program(run.state, tree)
+                kind = (k, tree.get("rows"))
+                program = programs.get(kind)
+                if program is None:  # one placed shape, full or short of real rows: one lookup per kind
+                    program = programs[kind] = (self.steps.train_many if k else self.steps.train).program(
+                        run.state, tree)
                 (run.state, run.aux), done = program(run.state, tree)
                 # Place the next batch while this step and the previous one run, then wait for the
                 # previous one: the host's copy overlaps the devices' work instead of following it.
@@ -616,7 +619,8 @@ class Trainer:
         return evaluation.test_on_batch(self, x, y, sample_weight=sample_weight)
 
     def compile_counts(self) -> dict[str, int]:
-        """Programs compiled per step kind (fixed shapes: one per kind used)."""
+        """Programs compiled per step kind: one per placed shape and real row count (a full batch and a
+        short last batch: two)."""
         return self.steps.compile_counts()
 
 

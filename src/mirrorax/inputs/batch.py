@@ -1,9 +1,16 @@
-"""One global batch on the host, and the fixed shape every batch has.
+"""One global batch on the host, and the fixed shape every batch is placed with.
 
-Every batch that reaches a jitted step has the same shape: the global batch rounded up to a multiple of
-the device count. Rows that hold no example (a short last batch, a batch that does not divide by the
-device count) are *padding*: copies of a real row whose ``mask`` is 0, so they never enter the loss, the
-gradients, the BatchNorm statistics or the metrics.
+Every batch is placed on the devices with one shape: the global batch rounded up to a multiple of the
+device count, so every device holds as many rows. Rows that hold no example (a short last batch, a batch
+that does not divide by the device count) are *padding*: copies of a real row whose ``mask`` is 0.
+
+Where the host knows the global batch's real row count (array inputs, iterables of global batches) the
+padding sits at the end of the global batch, and the count travels *statically* with the batch
+(:class:`RealRows`, part of the compiled signature): the step cuts the batch to its real rows before
+anything else (:func:`mirrorax.step.real_rows_only`), so the model sees exactly the rows Keras would show
+it, as Keras's own jit retraces for a short batch. Only per-process pipelines, whose padding sits inside
+each process's share and whose global count only the devices know, keep the padding in the step, masked
+out of the loss, the gradients, the BatchNorm statistics and the metrics.
 """
 
 from __future__ import annotations
@@ -19,9 +26,23 @@ import numpy as np
 if TYPE_CHECKING:
     from mirrorax.strategy import MirroredStrategy
 
-__all__ = ["Batch", "padded_batch_size", "row_counts", "take_rows", "stack"]
+__all__ = ["Batch", "RealRows", "padded_batch_size", "row_counts", "take_rows", "stack"]
 
 PyTree = Any
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class RealRows:
+    """The real rows of a placed batch whose padding sits at its end: a pytree with no leaves, so the count
+    is part of the compiled signature (one program per count, as ``jax.jit`` retraces per shape).
+
+    Attributes:
+      count: the real rows of the global batch; for batches stacked for several steps per dispatch, a
+        tuple with each step's count (``None`` for a full batch).
+    """
+
+    count: int | tuple[int | None, ...]
 
 
 @dataclasses.dataclass
@@ -35,6 +56,8 @@ class Batch:
       mask: float32 ``(rows,)``: 1 for a real example, 0 for padding.
       num_real: real examples in the whole global batch (all processes), when this process knows it
         (it then travels as a replicated scalar and spares the step a cross-device sum of the mask).
+      rows: the same count as a Python int (a tuple per step when stacked), when the padding sits at the
+        end of the global batch; ``None`` where only the devices know the count (per-process pipelines).
     """
 
     x: PyTree
@@ -42,11 +65,26 @@ class Batch:
     sample_weight: np.ndarray
     mask: np.ndarray
     num_real: Any = None
+    rows: int | tuple[int, ...] | None = None
+
+    def real_rows(self) -> RealRows | None:
+        """The static count the step cuts the batch to, ``None`` when there is nothing to cut (every row
+        real, or the count unknown to the host). Meaningful on a placed (global) batch."""
+        if self.rows is None:
+            return None
+        full = self.mask.shape[-1]
+        if isinstance(self.rows, tuple):
+            counts = tuple(None if c >= full else int(c) for c in self.rows)
+            return None if all(c is None for c in counts) else RealRows(counts)
+        return None if self.rows >= full else RealRows(int(self.rows))
 
     def tree(self) -> dict[str, PyTree]:
         tree = {"x": self.x, "y": self.y, "sample_weight": self.sample_weight, "mask": self.mask}
         if self.num_real is not None:
             tree["num_real"] = self.num_real
+        rows = self.real_rows()
+        if rows is not None:
+            tree["rows"] = rows
         return tree
 
 
@@ -85,5 +123,7 @@ def stack(batches: list[Batch]) -> Batch:
     stacked: list[Any] = [None if getattr(batches[0], f) is None
                else jax.tree.map(lambda *a: np.stack(a), *[getattr(b, f) for b in batches]) for f in fields]
     known = all(b.num_real is not None for b in batches)
+    rows = tuple(int(b.rows) for b in batches if b.rows is not None)  # (stacked batches each hold one)
     x, y, w, mask = stacked
-    return Batch(x, y, w, mask, np.stack([b.num_real for b in batches]) if known else None)
+    return Batch(x, y, w, mask, np.stack([b.num_real for b in batches]) if known else None,
+                 rows if len(rows) == len(batches) else None)

@@ -1,7 +1,8 @@
 """Iterable inputs: any Python iterable of batches (generators, tf.data, a torch DataLoader, grain).
 
 Each item is one global batch, or, from ``strategy.distribute_datasets_from_function``, this process's
-share of one (a :class:`PerProcessDataset`). A short item is padded to the fixed shape and masked.
+share of one (a :class:`PerProcessDataset`). A short item is padded to the fixed shape; the step cuts a global item's padding off again (its real
+row count is known on every process), a per-process item's stays in, masked.
 """
 
 from __future__ import annotations
@@ -181,8 +182,9 @@ class IterableSource:
                                  "batch_size equal to the largest batch the iterable yields.")
             w = np.ones(n, self.float_dtype) if w is None else batch_weights(w, n, index, self.float_dtype)
             idx, valid = padding_index(n, padded, strategy, self.per_process)
+            # A global item's padding sits at the end of the global batch: the step cuts it off (rows).
             template = Batch(take_rows(x, idx), take_rows(y, idx), w[idx], valid.astype(np.float32),
-                             None if self.per_process else np.float32(n))
+                             None if self.per_process else np.float32(n), None if self.per_process else n)
             yield template
 
 
@@ -225,7 +227,7 @@ def empty_like(template: Batch | None, per: str) -> Batch:
         raise RuntimeError("This process's input pipeline yielded no batch while another process still had "
                            "data, and there is no earlier batch to shape the padding. Give every process "
                            f"at least one batch per {per}.")
-    return dataclasses.replace(template, mask=np.zeros_like(template.mask), num_real=None)
+    return dataclasses.replace(template, mask=np.zeros_like(template.mask), num_real=None, rows=None)
 
 
 def _split(item: Any) -> tuple[Any, Any, Any]:
