@@ -173,8 +173,8 @@ class StepFunctions:
             return self._grads_cut(state, batch, rows)
         replicas = self.strategy.num_replicas_in_sync
         total = jnp.maximum(real_count(batch), 1.0)
-        rows = {name: v for name, v in batch.items() if name != "num_real"}  # micro-batches count their mask
-        micro = jax.tree.map(lambda a: _split_micro(a, k, replicas), rows)
+        fields = {name: v for name, v in batch.items() if name != "num_real"}  # micro-batches count their mask
+        micro = jax.tree.map(lambda a: _split_micro(a, k, replicas), fields)
 
         def body(carry, mb):
             gsum, lsum, model_state, metrics = carry

@@ -123,7 +123,7 @@ def stack(batches: list[Batch]) -> Batch:
     stacked: list[Any] = [None if getattr(batches[0], f) is None
                else jax.tree.map(lambda *a: np.stack(a), *[getattr(b, f) for b in batches]) for f in fields]
     known = all(b.num_real is not None for b in batches)
-    rows = tuple(int(b.rows) for b in batches if b.rows is not None)  # (stacked batches each hold one)
+    rows = tuple(b.rows for b in batches if isinstance(b.rows, int))  # (stacked batches each hold one)
     x, y, w, mask = stacked
     return Batch(x, y, w, mask, np.stack([b.num_real for b in batches]) if known else None,
                  rows if len(rows) == len(batches) else None)

@@ -1,8 +1,9 @@
 """Iterable inputs: any Python iterable of batches (generators, tf.data, a torch DataLoader, grain).
 
 Each item is one global batch, or, from ``strategy.distribute_datasets_from_function``, this process's
-share of one (a :class:`PerProcessDataset`). A short item is padded to the fixed shape; the step cuts a global item's padding off again (its real
-row count is known on every process), a per-process item's stays in, masked.
+share of one (a :class:`PerProcessDataset`). A short item is padded to the fixed shape; the step cuts a
+global item's padding off again (its real row count is known on every process), a per-process item's
+stays in, masked.
 """
 
 from __future__ import annotations
