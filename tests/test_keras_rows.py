@@ -196,3 +196,19 @@ def test_functional_model_predict_sees_each_batch_alone():
     got = trainer.predict(X[:10], batch_size=8)  # a last batch of 2, placed as 4
     want = np.concatenate([X[:8] - X[:8].mean(0), X[8:10] - X[8:10].mean(0)])
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_per_process_pipeline_keeps_padding_masked_and_per_output_losses_exact(keras_two_outputs):
+    # A per-process pipeline's global count only the devices know: its short batch stays padded and
+    # masked (no row-mixing model sees Keras's rows there), and the per-output losses still add up.
+    strategy = mx.MirroredStrategy(devices=jax.devices()[:4])
+
+    def pipeline(ctx):
+        return [(X[lo:lo + 32], {k: v[lo:lo + 32] for k, v in Y.items()}) for lo in range(0, 100, 32)]
+
+    model = two_outputs()
+    hist = mx.Trainer(model, strategy).fit(strategy.distribute_datasets_from_function(pipeline), batch_size=32,
+                                           epochs=2, verbose=0).history
+    for key, want in keras_two_outputs[0].items():
+        np.testing.assert_allclose(hist[key], want, rtol=RTOL, err_msg=key)

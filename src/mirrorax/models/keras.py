@@ -221,7 +221,8 @@ class KerasAdapter(ModelAdapter):
     def _loss_and_updates(self, params, model_state, metrics, opt_vars, batch, training):
         mask = batch["mask"]
         loss_weight = self._loss_weight(batch["sample_weight"], mask, batch["y"], mask.shape[0], real_count(batch))
-        with _masked_batch_norm(self.model, mask, self.keras), self._watch_losses():
+        with _masked_batch_norm(self.model, mask, self.keras), _loss_trackers_count(self.model, real_count(batch)), \
+                self._watch_losses():
             return self.model.compute_loss_and_updates(
                 self._unpack("params", params), self._unpack("model_state", model_state),
                 self._unpack("metrics", metrics), batch["x"], batch["y"], loss_weight,
@@ -588,6 +589,27 @@ def _is_optax(opt: Any) -> bool:
 
 def _layers(model: Any) -> Iterator[Any]:
     return iter(model._flatten_layers(include_self=False, recursive=True))
+
+
+@contextlib.contextmanager
+def _loss_trackers_count(model: Any, count: Any) -> Iterator[None]:
+    """While a step is traced, Keras's per-output loss trackers weigh the batch by its real rows.
+
+    Keras's ``CompileLoss`` weighs each output's loss by the batch's rows (``y_pred.shape[0]``): a batch
+    cut to its real rows has exactly those, but a padded one (per-process pipelines) would weigh its
+    padding too, and the parts of the logged loss would no longer add up to it.
+    """
+    trackers = [m for m in (getattr(getattr(model, "_compile_loss", None), "metrics", None) or []) if m is not None]
+    for metric in trackers:
+        def update_state(values: Any, sample_weight: Any = None, _original: Any = metric.update_state) -> Any:
+            return _original(values, sample_weight=count)
+
+        metric.update_state = update_state
+    try:
+        yield
+    finally:
+        for metric in trackers:
+            del metric.update_state
 
 
 @contextlib.contextmanager
