@@ -3,8 +3,8 @@
 As in TF, a model remembers the strategy it was built (or compiled) under: its own ``fit``,
 ``evaluate``, ``predict``, ``train_on_batch``, ``test_on_batch`` and ``predict_on_batch`` then run on
 a :class:`mirrorax.Trainer` for that model and strategy (one engine, the Trainer's guarantees: global
-batch, padding and masking, exact metrics, bounded dispatch, donation), whether they are called inside
-the scope or after it. Models made outside any scope are untouched.
+batch, short batches computed on their real rows, exact metrics, bounded dispatch, donation), whether
+they are called inside the scope or after it. Models made outside any scope are untouched.
 
 How: while a scope is open (and only then), Keras's model constructor and ``compile`` are wrapped so
 that a model created or compiled in it gets the strategy and these six methods as attributes of its

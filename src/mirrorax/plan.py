@@ -261,7 +261,7 @@ def _plan_one(trainer: Any, sample: Any, batch_size: int, memory: int | None = N
     state, so the program compiled here is the one the first step runs: JAX's compilation cache hands
     it over, and planning at ``fit`` start costs no second compile.
     """
-    from mirrorax.inputs.batch import padded_batch_size
+    from mirrorax.inputs.batch import RealRows, padded_batch_size
 
     s = trainer.strategy
     if trainer.state is not None:
@@ -280,9 +280,11 @@ def _plan_one(trainer: Any, sample: Any, batch_size: int, memory: int | None = N
         return jax.ShapeDtypeStruct((padded,) + a.shape[1:], a.dtype, sharding=s.batch_sharding)
 
     one = sample.tree()
-    batch = {k: jax.tree.map(batch_spec, v) for k, v in one.items() if k != "num_real" and v is not None}
+    batch = {k: jax.tree.map(batch_spec, v) for k, v in one.items() if k not in ("num_real", "rows") and v is not None}
     if sample.num_real is not None:  # as the fit's batches carry it (array inputs)
         batch["num_real"] = jax.ShapeDtypeStruct((), np.float32, sharding=s.replicated)
+    if isinstance(sample.rows, int) and sample.rows < padded:  # a first batch short of the global one: cut
+        batch["rows"] = RealRows(sample.rows)
     compiled = trainer.steps.train.lower(abstract, batch).compile()
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
