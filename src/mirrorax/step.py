@@ -10,8 +10,8 @@ A batch whose padding sits at its end carries its real row count statically (``b
 (:func:`real_rows_only`), so the model computes on exactly the rows Keras would give it (a forward pass
 that mixes rows, Keras's per-output loss trackers weighted by the batch's rows). That count is part of
 the compiled signature: a full-batch program and a tail program per step kind at most, as Keras's own
-jit retraces for a short batch. The cut rows stay where they were placed; on the ``Auto`` mesh axis XLA
-partitions a count that does not divide by the devices unevenly itself.
+jit retraces for a short batch. On the ``Auto`` mesh axis XLA partitions a count that does not divide
+by the devices unevenly itself.
 
 ``aux`` holds the step's loss and whether training has halted. With ``on_nonfinite="raise"`` a
 non-finite step leaves the state untouched and freezes it (every later step is a no-op, and
@@ -78,8 +78,10 @@ def real_rows_only(batch: dict[str, PyTree], sharding: jax.sharding.Sharding
     n = rows.count
 
     def cut(a: jax.Array) -> jax.Array:
-        # The first n rows of a batch split evenly keep their devices; the constraint keeps XLA from
-        # gathering a count that does not divide by the devices onto one of them.
+        # Split over the devices again, XLA padding an uneven split at the end: a batch short of a
+        # multiple of the device count (64 rows of 66 on 3 devices) keeps its rows where they are; a
+        # pass's short tail, placed on the first devices, is spread over all of them (a few rows move)
+        # instead of being computed, or gathered, on one.
         return jax.lax.with_sharding_constraint(a[:n], sharding)
 
     out = {k: v for k, v in batch.items() if k != "rows"}
@@ -210,9 +212,7 @@ class StepFunctions:
 
     def _train_step(self, state: TrainState, batch: dict[str, PyTree], check_labels: bool = True):
         batch, rows = real_rows_only(batch, self.strategy.batch_sharding)
-        if self._even(rows):
-            return self._train_rows(state, batch, check_labels, rows)
-        with batch_sums.whole():
+        with contextlib.nullcontext() if self._even(rows) else batch_sums.whole():
             return self._train_rows(state, batch, check_labels, rows)
 
     def _train_rows(self, state: TrainState, batch: dict[str, PyTree], check_labels: bool, rows: int | None):
