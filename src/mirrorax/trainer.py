@@ -7,6 +7,7 @@ to the host only when shown (progress refresh, end of epoch).
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -490,14 +491,25 @@ class Trainer:
             None if saver is None else epoch_lib.PeriodicSave(saver, self.steps, epoch),
             epoch_lib.ProgressHook(progress)) if h is not None]
         outcome = None
-        batches = iter(self._device_batches(host, self.steps_per_execution, stream.per_process))
+        batches: Any = None
         programs: dict[int, Any] = {}  # steps per call (0: one) -> the compiled step for this epoch's batches
         try:
+            # As Keras: on_train_batch_begin(0), then the epoch's first batch is read, on this thread (not
+            # the prefetcher's): Keras's fit draws a pass's order there (inputs/keras_order.py), so what a
+            # callback draws from the same random state stays in step with it.
+            for hook in loop_hooks:
+                hook.before_step(run)
+            first = next(host, None)
+            host = itertools.chain([first], host) if first is not None else iter(())
+            batches = iter(self._device_batches(host, self.steps_per_execution, stream.per_process))
             upcoming = next(batches, None)
+            began = True  # the hooks before the first step have run
             while upcoming is not None and outcome is None:
                 k, batch = upcoming
-                for hook in loop_hooks:
-                    hook.before_step(run)
+                if not began:
+                    for hook in loop_hooks:
+                        hook.before_step(run)
+                began = False
                 tree = batch.tree()
                 program = programs.get(k)
                 if program is None:  # the epoch's batches have one padded shape: one lookup per kind
