@@ -74,6 +74,10 @@ class Trainer:
     # fit's steps_per_epoch: exactly that many batches, array inputs continuing into a new pass (False),
     # or at most that many, an epoch ending where the data does (True: Keras's fit, see inputs/streams.py).
     _epochs_end_with_data = False
+    # The data order: (seed, pass) for arrays, the same on any device count and replayed on resume
+    # (False); or Keras's fit's own, drawn from numpy's global state when a pass starts, each fit's
+    # passes counted from its first epoch as Keras's iterator counts them (True: inputs/keras_order.py).
+    _keras_order = False
 
     def __init__(self, model: Any, strategy: MirroredStrategy | None = None, *, loss: Any = None,
                  optimizer: Any = None, metrics: Any = None, steps_per_execution: int = 1,
@@ -261,7 +265,8 @@ class Trainer:
     # -- fit ---------------------------------------------------------------------------------------
     def fit(self, x: Any, y: Any = None, *, batch_size: int | None = None, epochs: int = 1,
             validation_data: Any = None, validation_batch_size: int | None = None,
-            validation_steps: int | None = None, validation_freq: int | Sequence[int] = 1, shuffle: bool = True,
+            validation_steps: int | None = None, validation_freq: int | Sequence[int] = 1,
+            shuffle: bool | Literal["batch"] = True,
             seed: int = 0, sample_weight: Any = None, steps_per_epoch: int | None = None,
             initial_epoch: int = 0, callbacks: Any = None, verbose: int | str = "auto",
             checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int | str = "epoch",
@@ -346,7 +351,7 @@ class Trainer:
         _plan_module().at_fit_start(self, sample, batch_size, announce=bool(announce) and self.strategy.is_primary)
         history = History()
         stream = source.stream(batch_size, self.strategy, shuffle=shuffle, seed=seed,
-                               ends_with_data=self._epochs_end_with_data)
+                               ends_with_data=self._epochs_end_with_data, keras_order=self._keras_order)
         per_epoch = steps_per_epoch or stream.batches_per_pass
         hooks = Callbacks(callbacks, self.model, epochs=epochs, steps=per_epoch, verbose=0 if not mode else mode)
         should_validate = _validation_schedule(validation_freq)
@@ -378,10 +383,11 @@ class Trainer:
             # model._initial_epoch only then); its restored weights are adopted at on_epoch_begin.
             if resumed is None and getattr(self.model, "_initial_epoch", None):
                 start_epoch = int(self.model._initial_epoch)
+            first_epoch = start_epoch if self._keras_order else 0
             for epoch in range(start_epoch, epochs):
                 hooks.call("on_epoch_begin", epoch)
                 self._state = self._adopt_model_changes(self._live_state)  # e.g. a learning rate a callback set
-                position, count = stream.epoch_span(epoch, steps_per_epoch)
+                position, count = stream.epoch_span(epoch - first_epoch, steps_per_epoch)
                 if inputs is not None and start_batch:
                     inputs.position(start_batch, input_state)
                 logs, progress, steps, samples = self._run_epoch(
