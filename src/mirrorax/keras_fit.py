@@ -186,6 +186,8 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
 
         (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
             (x, y, sample_weight), validation_split=validation_split)
+    if arrays and batch_size is None and steps_per_epoch:
+        batch_size = -(-_rows(x) // steps_per_epoch)  # Keras's ArrayDataAdapter: the steps cover the rows once
     first = _keras_build_read(self, x, arrays, shuffle, batch_size or 32)
     if class_weight is not None:
         if arrays:
