@@ -286,7 +286,9 @@ class Trainer:
           validation_steps: validation batches per evaluation (default: all of ``validation_data``).
           validation_freq: validate every this many epochs, or after the epochs listed (1-based, as Keras).
           shuffle: shuffle array inputs every epoch, with an order that depends only on ``seed`` and
-            the epoch (never on the device or process count).
+            the epoch (never on the device or process count); ``"batch"``: the rows of each batch
+            among themselves, as Keras's ``shuffle="batch"``. (A Keras model's own ``fit`` under a
+            scope draws Keras's own order instead: see ``docs/keras_fit.md``.)
           seed: the shuffle seed.
           sample_weight: per-example weights, when ``x`` holds arrays.
           steps_per_epoch: batches per epoch (default: one pass over the data). Array inputs continue
@@ -357,7 +359,7 @@ class Trainer:
         should_validate = _validation_schedule(validation_freq)
         if self.strategy.process_count > 1:  # every process must take the same path through each step
             hooks.listens = {kind: consistency.any_process(v) for kind, v in hooks.listens.items()}
-        run = {"batch_size": batch_size, "shuffle": bool(shuffle), "seed": int(seed),
+        run = {"batch_size": batch_size, "shuffle": "batch" if shuffle == "batch" else bool(shuffle), "seed": int(seed),
                "steps_per_epoch": steps_per_epoch}
         start_epoch, start_batch, input_state = initial_epoch, 0, None
         training_logs: dict[str, float] = {}

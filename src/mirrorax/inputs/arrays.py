@@ -130,11 +130,17 @@ class ArraySource:
     def batches_per_pass(self, batch_size: int) -> int:
         return math.ceil(self.num_examples / batch_size)
 
-    def order(self, shuffle: bool | str, seed: int, pass_index: int) -> np.ndarray:
-        """The example order of pass ``pass_index``: the same on every process and device count."""
+    def order(self, shuffle: bool | str, seed: int, pass_index: int, batch_size: int = 1) -> np.ndarray:
+        """The example order of pass ``pass_index``: the same on every process and device count
+        (``shuffle="batch"``: each batch's rows permuted among themselves, as Keras's)."""
         if not shuffle:
             return np.arange(self.num_examples)
-        return np.random.default_rng([int(seed), int(pass_index)]).permutation(self.num_examples)
+        rng = np.random.default_rng([int(seed), int(pass_index)])
+        if shuffle == "batch":
+            n = self.num_examples
+            return np.concatenate([rng.permutation(min(batch_size, n - start)) + start
+                                   for start in range(0, n, batch_size)])
+        return rng.permutation(self.num_examples)
 
     def batches(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: bool | str, seed: int,
                 pass_index: int, start: int = 0, with_targets: bool = True,
@@ -142,7 +148,7 @@ class ArraySource:
         """This process's rows of each global batch of pass ``pass_index``, from batch ``start`` on
         (``order``: the pass's order, drawn elsewhere, instead of ``(seed, pass_index)``'s)."""
         if order is None:
-            order = self.order(shuffle, seed, pass_index)
+            order = self.order(shuffle, seed, pass_index, batch_size)
         else:
             shuffle = True  # rows are taken through the order
         padded = padded_batch_size(batch_size, strategy)
