@@ -236,3 +236,16 @@ def test_the_order_decides_the_weights():
     mx.Trainer(m).fit(x, y, epochs=2, verbose=0, **kw)
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(plain[0], m.get_weights()))
     assert diff > 1e-3
+
+
+def test_trainer_shuffle_batch_permutes_rows_within_each_batch():
+    """The explicit Trainer's shuffle="batch": each batch's own rows, permuted by (seed, pass)."""
+    from mirrorax.inputs.arrays import ArraySource
+
+    source = ArraySource(np.zeros((100, 2), np.float32))
+    order = source.order("batch", 0, 1, 32)
+    for start in range(0, 100, 32):
+        assert sorted(order[start:start + 32]) == list(range(start, min(start + 32, 100)))
+    assert not np.array_equal(order, np.arange(100))
+    np.testing.assert_array_equal(order, source.order("batch", 0, 1, 32))  # a function of (seed, pass)
+    assert not np.array_equal(order, source.order("batch", 0, 2, 32))
