@@ -14,11 +14,12 @@ own; leaving the last open scope restores Keras's functions. Nothing global outl
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import types
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -126,12 +127,14 @@ def trainer_of(model: Any) -> Trainer:
 
 @functools.cache
 def _keras_fit_trainer() -> type[Trainer]:
-    """The Trainer behind ``model.fit``, with Keras's reading of ``steps_per_epoch``: at most that many
-    batches, an epoch ending where the data does (with Keras's "ran out of data" warning)."""
+    """The Trainer behind ``model.fit``, with Keras's reading of ``steps_per_epoch`` (at most that many
+    batches, an epoch ending where the data does, with Keras's "ran out of data" warning) and Keras's
+    own shuffle order (:mod:`mirrorax.inputs.keras_order`)."""
     from mirrorax.trainer import Trainer
 
     class KerasFitTrainer(Trainer):
         _epochs_end_with_data = True
+        _keras_order = True
 
     return KerasFitTrainer
 
@@ -149,8 +152,8 @@ def _eager_fallback(model: Any, name: str) -> Callable[..., Any] | None:
 
 def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
          verbose: Any = "auto", callbacks: Any = None, validation_split: float = 0.0, validation_data: Any = None,
-         shuffle: bool = True, class_weight: Any = None, sample_weight: Any = None, initial_epoch: int = 0,
-         steps_per_epoch: int | None = None, validation_steps: int | None = None,
+         shuffle: bool | Literal["batch"] = True, class_weight: Any = None, sample_weight: Any = None,
+         initial_epoch: int = 0, steps_per_epoch: int | None = None, validation_steps: int | None = None,
          validation_batch_size: int | None = None, validation_freq: int = 1) -> Any:
     """Keras's ``Model.fit``, on every device of the model's strategy (see ``mirrorax.keras_fit``)."""
     self._assert_compile_called("fit")
@@ -183,6 +186,9 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
 
         (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
             (x, y, sample_weight), validation_split=validation_split)
+    if arrays and batch_size is None and steps_per_epoch:
+        batch_size = -(-_rows(x) // steps_per_epoch)  # Keras's ArrayDataAdapter: the steps cover the rows once
+    first = _keras_build_read(self, x, arrays, shuffle, batch_size or 32)
     if class_weight is not None:
         if arrays:
             from mirrorax.inputs.make import class_weights
@@ -191,7 +197,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
         else:  # batches (a PyDataset, a generator): each one weighted as Keras's data adapters do
             from collections.abc import Iterator
 
-            batches = _as_batches(x)
+            batches = _as_batches(x, shuffle, first)
             x = _class_weighted(batches, class_weight)
             if isinstance(batches, Iterator):  # a generator stays one-shot (see _as_batches)
                 x = iter(x)
@@ -200,7 +206,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
         raise ValueError("validation_data must be a tuple (x_val, y_val) or (x_val, y_val, sample_weight), or an "
                          f"iterable of such batches; received {type(validation_data).__name__}.")
     if not arrays:
-        x = _as_batches(x)
+        x = _as_batches(x, shuffle, first)
     hooks_lib.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         steps = steps_per_epoch or _num_batches(x, batch_size or (None if not arrays else 32))
@@ -332,36 +338,80 @@ class _class_weighted:
         return len(self.data)
 
 
-def _as_batches(x: Any) -> Any:
+def _keras_build_read(model: Any, x: Any, arrays: bool, shuffle: Any, batch_size: int) -> Any:
+    """What Keras's ``fit`` reads before training, for the random state and the dataset's hooks to be
+    where Keras leaves them: the first batch, to build a model not built yet (its order drawn and
+    dropped), then the reset of its iterator (a ``PyDataset``'s ``on_epoch_end``).
+
+    Returns:
+      The batch read from a ``PyDataset`` (the trainer's look at the first batch then reads nothing
+      more), else ``None``.
+    """
+    from mirrorax.inputs import keras_order
+
+    builds = keras_order.keras_builds(model)
+    if arrays:
+        if builds:
+            keras_order.build_read(shuffle, _rows(x), batch_size)
+        return None
+    if not _is_py_dataset(x):
+        return None
+    first = None
+    if builds:
+        x.on_epoch_begin()
+        n = x.num_batches
+        first = x[keras_order.batch_indices(n, bool(shuffle))[0] if n else 0]
+    x.on_epoch_end()
+    return first
+
+
+def _is_py_dataset(data: Any) -> bool:
+    return hasattr(data, "__getitem__") and hasattr(data, "num_batches") and hasattr(data, "on_epoch_end")
+
+
+def _as_batches(x: Any, shuffle: Any = False, first: Any = None) -> Any:
     """``x`` as an iterable of batches: a one-shot iterator (a generator) stays itself, so the batch the
     trainer peeks at to build the model is still trained on."""
     from collections.abc import Iterator
 
-    return x if isinstance(x, Iterator) else _batches(x)
+    return x if isinstance(x, Iterator) else _batches(x, shuffle, first)
 
 
 class _batches:
-    """A Keras ``PyDataset`` (or any other iterable of batches) as one iteration per epoch, calling the
-    dataset's own ``on_epoch_end`` after each, as Keras's data adapter does."""
+    """A Keras ``PyDataset`` (or any other iterable of batches) as one iteration per epoch, as Keras's
+    data adapter reads it: the dataset's ``on_epoch_begin``, its batches (in the order of
+    ``random.shuffle`` when ``shuffle`` and it has a length), its ``on_epoch_end``.
 
-    def __init__(self, data: Any) -> None:
-        self.data = data
+    The first iteration is the trainer's look at the first batch (for shapes), which reads ``first``
+    (the batch Keras's fit read, see :func:`_keras_build_read`) or else batch 0, and nothing else.
+    """
+
+    def __init__(self, data: Any, shuffle: Any = False, first: Any = None) -> None:
+        self.data, self.shuffle, self.first = data, bool(shuffle), first
+        self._looked = False
 
     def __iter__(self) -> Any:
         data = self.data
-        if hasattr(data, "__getitem__") and hasattr(data, "num_batches") and hasattr(data, "on_epoch_end"):
-            n = data.num_batches
-            index = 0
-            while n is None or index < n:
-                try:
-                    item = data[index]
-                except IndexError:
-                    break
-                yield item
-                index += 1
-            data.on_epoch_end()
+        if not _is_py_dataset(data):
+            yield from data
             return
-        yield from data
+        if not self._looked:
+            self._looked = True
+            yield data[0] if self.first is None else self.first
+            return
+        from mirrorax.inputs.keras_order import batch_indices
+
+        n = data.num_batches
+        data.on_epoch_begin()
+        # Drawn here, when the pass's first batch is read: where Keras draws it.
+        indices = itertools.count() if n is None else batch_indices(n, self.shuffle)
+        for index in indices:
+            try:
+                item = data[index]
+            except IndexError:
+                break
+            yield item
+        data.on_epoch_end()
 
     def __len__(self) -> int:
         n = getattr(self.data, "num_batches", None)

@@ -7,6 +7,7 @@ to the host only when shown (progress refresh, end of epoch).
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -73,6 +74,10 @@ class Trainer:
     # fit's steps_per_epoch: exactly that many batches, array inputs continuing into a new pass (False),
     # or at most that many, an epoch ending where the data does (True: Keras's fit, see inputs/streams.py).
     _epochs_end_with_data = False
+    # The data order: (seed, pass) for arrays, the same on any device count and replayed on resume
+    # (False); or Keras's fit's own, drawn from numpy's global state when a pass starts, each fit's
+    # passes counted from its first epoch as Keras's iterator counts them (True: inputs/keras_order.py).
+    _keras_order = False
 
     def __init__(self, model: Any, strategy: MirroredStrategy | None = None, *, loss: Any = None,
                  optimizer: Any = None, metrics: Any = None, steps_per_execution: int = 1,
@@ -260,7 +265,8 @@ class Trainer:
     # -- fit ---------------------------------------------------------------------------------------
     def fit(self, x: Any, y: Any = None, *, batch_size: int | None = None, epochs: int = 1,
             validation_data: Any = None, validation_batch_size: int | None = None,
-            validation_steps: int | None = None, validation_freq: int | Sequence[int] = 1, shuffle: bool = True,
+            validation_steps: int | None = None, validation_freq: int | Sequence[int] = 1,
+            shuffle: bool | Literal["batch"] = True,
             seed: int = 0, sample_weight: Any = None, steps_per_epoch: int | None = None,
             initial_epoch: int = 0, callbacks: Any = None, verbose: int | str = "auto",
             checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int | str = "epoch",
@@ -280,7 +286,9 @@ class Trainer:
           validation_steps: validation batches per evaluation (default: all of ``validation_data``).
           validation_freq: validate every this many epochs, or after the epochs listed (1-based, as Keras).
           shuffle: shuffle array inputs every epoch, with an order that depends only on ``seed`` and
-            the epoch (never on the device or process count).
+            the epoch (never on the device or process count); ``"batch"``: the rows of each batch
+            among themselves, as Keras's ``shuffle="batch"``. (A Keras model's own ``fit`` under a
+            scope draws Keras's own order instead: see ``docs/keras_fit.md``.)
           seed: the shuffle seed.
           sample_weight: per-example weights, when ``x`` holds arrays.
           steps_per_epoch: batches per epoch (default: one pass over the data). Array inputs continue
@@ -345,13 +353,13 @@ class Trainer:
         _plan_module().at_fit_start(self, sample, batch_size, announce=bool(announce) and self.strategy.is_primary)
         history = History()
         stream = source.stream(batch_size, self.strategy, shuffle=shuffle, seed=seed,
-                               ends_with_data=self._epochs_end_with_data)
+                               ends_with_data=self._epochs_end_with_data, keras_order=self._keras_order)
         per_epoch = steps_per_epoch or stream.batches_per_pass
         hooks = Callbacks(callbacks, self.model, epochs=epochs, steps=per_epoch, verbose=0 if not mode else mode)
         should_validate = _validation_schedule(validation_freq)
         if self.strategy.process_count > 1:  # every process must take the same path through each step
             hooks.listens = {kind: consistency.any_process(v) for kind, v in hooks.listens.items()}
-        run = {"batch_size": batch_size, "shuffle": bool(shuffle), "seed": int(seed),
+        run = {"batch_size": batch_size, "shuffle": "batch" if shuffle == "batch" else bool(shuffle), "seed": int(seed),
                "steps_per_epoch": steps_per_epoch}
         start_epoch, start_batch, input_state = initial_epoch, 0, None
         training_logs: dict[str, float] = {}
@@ -377,10 +385,11 @@ class Trainer:
             # model._initial_epoch only then); its restored weights are adopted at on_epoch_begin.
             if resumed is None and getattr(self.model, "_initial_epoch", None):
                 start_epoch = int(self.model._initial_epoch)
+            first_epoch = start_epoch if self._keras_order else 0
             for epoch in range(start_epoch, epochs):
                 hooks.call("on_epoch_begin", epoch)
                 self._state = self._adopt_model_changes(self._live_state)  # e.g. a learning rate a callback set
-                position, count = stream.epoch_span(epoch, steps_per_epoch)
+                position, count = stream.epoch_span(epoch - first_epoch, steps_per_epoch)
                 if inputs is not None and start_batch:
                     inputs.position(start_batch, input_state)
                 logs, progress, steps, samples = self._run_epoch(
@@ -490,15 +499,26 @@ class Trainer:
             None if saver is None else epoch_lib.PeriodicSave(saver, self.steps, epoch),
             epoch_lib.ProgressHook(progress)) if h is not None]
         outcome = None
-        batches = iter(self._device_batches(host, self.steps_per_execution, stream.per_process))
+        batches: Any = None
         # (steps per call (0: one), real rows) -> the compiled step for this epoch's batches
         programs: dict[tuple[int, Any], Any] = {}
         try:
+            # As Keras: on_train_batch_begin(0), then the epoch's first batch is read, on this thread (not
+            # the prefetcher's): Keras's fit draws a pass's order there (inputs/keras_order.py), so what a
+            # callback draws from the same random state stays in step with it.
+            for hook in loop_hooks:
+                hook.before_step(run)
+            first = next(host, None)
+            host = itertools.chain([first], host) if first is not None else iter(())
+            batches = iter(self._device_batches(host, self.steps_per_execution, stream.per_process))
             upcoming = next(batches, None)
+            began = True  # the hooks before the first step have run
             while upcoming is not None and outcome is None:
                 k, batch = upcoming
-                for hook in loop_hooks:
-                    hook.before_step(run)
+                if not began:
+                    for hook in loop_hooks:
+                        hook.before_step(run)
+                began = False
                 tree = batch.tree()
                 kind = (k, tree.get("rows"))
                 program = programs.get(kind)

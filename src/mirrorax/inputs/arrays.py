@@ -115,11 +115,13 @@ class ArraySource:
         return next(self.batches(batch_size, strategy, shuffle=False, seed=0, pass_index=0,
                                  with_targets=with_targets))
 
-    def stream(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: bool = False, seed: int = 0,
-               with_targets: bool = True, ends_with_data: bool = False) -> ArrayStream:
-        """One endless stream of passes, pass ``k`` in the order of ``(seed, k)`` when ``shuffle``."""
+    def stream(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: Any = False, seed: int = 0,
+               with_targets: bool = True, ends_with_data: bool = False, keras_order: bool = False) -> ArrayStream:
+        """One endless stream of passes, pass ``k`` in the order of ``(seed, k)`` when ``shuffle``; with
+        ``keras_order``, in the order Keras's ``fit`` draws when the pass starts (``shuffle`` as Keras's:
+        also ``"batch"``)."""
         return ArrayStream(self, batch_size, strategy, shuffle, seed, with_targets=with_targets,
-                           ends_with_data=ends_with_data)
+                           ends_with_data=ends_with_data, keras_order=keras_order)
 
     def track_position(self, process_count: int) -> InputState | None:
         """``None``: a batch of arrays is found by its index (the pass's order is a function of the seed)."""
@@ -128,16 +130,27 @@ class ArraySource:
     def batches_per_pass(self, batch_size: int) -> int:
         return math.ceil(self.num_examples / batch_size)
 
-    def order(self, shuffle: bool, seed: int, pass_index: int) -> np.ndarray:
-        """The example order of pass ``pass_index``: the same on every process and device count."""
+    def order(self, shuffle: bool | str, seed: int, pass_index: int, batch_size: int = 1) -> np.ndarray:
+        """The example order of pass ``pass_index``: the same on every process and device count
+        (``shuffle="batch"``: each batch's rows permuted among themselves, as Keras's)."""
         if not shuffle:
             return np.arange(self.num_examples)
-        return np.random.default_rng([int(seed), int(pass_index)]).permutation(self.num_examples)
+        rng = np.random.default_rng([int(seed), int(pass_index)])
+        if shuffle == "batch":
+            n = self.num_examples
+            return np.concatenate([rng.permutation(min(batch_size, n - start)) + start
+                                   for start in range(0, n, batch_size)])
+        return rng.permutation(self.num_examples)
 
-    def batches(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: bool, seed: int,
-                pass_index: int, start: int = 0, with_targets: bool = True) -> Iterator[Batch]:
-        """This process's rows of each global batch of pass ``pass_index``, from batch ``start`` on."""
-        order = self.order(shuffle, seed, pass_index)
+    def batches(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: bool | str, seed: int,
+                pass_index: int, start: int = 0, with_targets: bool = True,
+                order: np.ndarray | None = None) -> Iterator[Batch]:
+        """This process's rows of each global batch of pass ``pass_index``, from batch ``start`` on
+        (``order``: the pass's order, drawn elsewhere, instead of ``(seed, pass_index)``'s)."""
+        if order is None:
+            order = self.order(shuffle, seed, pass_index, batch_size)
+        else:
+            shuffle = True  # rows are taken through the order
         padded = padded_batch_size(batch_size, strategy)
         local = padded // strategy.process_count
         lo = strategy.process_index * local

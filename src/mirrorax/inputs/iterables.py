@@ -134,10 +134,10 @@ class IterableSource:
                                  f"{dtype_w}. Every batch must have the same dtypes; cast in the input pipeline "
                                  f"(e.g. .astype('{dtype_w}')).")
 
-    def stream(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: bool = False, seed: int = 0,
-               with_targets: bool = True, ends_with_data: bool = False) -> IterStream:
-        """One iteration per epoch (a one-shot iterator continues across epochs). ``shuffle`` and ``seed``
-        do not apply: an iterable yields batches in its own order."""
+    def stream(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: Any = False, seed: int = 0,
+               with_targets: bool = True, ends_with_data: bool = False, keras_order: bool = False) -> IterStream:
+        """One iteration per epoch (a one-shot iterator continues across epochs). ``shuffle``, ``seed`` and
+        ``keras_order`` do not apply: an iterable yields batches in its own order."""
         return IterStream(self, batch_size, strategy, with_targets=with_targets, ends_with_data=ends_with_data)
 
     def track_position(self, process_count: int) -> InputState | None:

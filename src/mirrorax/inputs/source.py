@@ -51,11 +51,13 @@ class Source(Protocol):
         """One batch of this process's rows, all real (for building a model's variables)."""
         ...
 
-    def stream(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: bool = False, seed: int = 0,
-               with_targets: bool = True, ends_with_data: bool = False) -> Stream:
+    def stream(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: Any = False, seed: int = 0,
+               with_targets: bool = True, ends_with_data: bool = False, keras_order: bool = False) -> Stream:
         """The stream of this source's global batches of ``batch_size``: which batches each epoch takes.
 
         ``shuffle`` / ``seed``: the order of each pass over arrays (an iterable keeps its own order).
+        ``keras_order``: arrays in the order Keras's ``fit`` draws from numpy's global state instead
+        (``shuffle`` read as Keras reads it: ``True``, ``False`` or ``"batch"``).
         ``ends_with_data``: ``steps_per_epoch`` bounds an epoch, which also ends where the data does
         (Keras's ``fit``); otherwise an epoch of array inputs takes exactly ``steps_per_epoch`` batches,
         continuing into a new pass."""

@@ -18,7 +18,10 @@ import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from mirrorax.inputs.batch import Batch
+from mirrorax.inputs.keras_order import pass_order
 
 if TYPE_CHECKING:
     from mirrorax.inputs.arrays import ArraySource
@@ -68,11 +71,23 @@ class ArrayStream(Stream):
     batches_per_pass: int
 
     def __init__(self, source: ArraySource, batch_size: int, strategy: MirroredStrategy,
-                 shuffle: bool, seed: int, with_targets: bool = True, ends_with_data: bool = False) -> None:
+                 shuffle: Any, seed: int, with_targets: bool = True, ends_with_data: bool = False,
+                 keras_order: bool = False) -> None:
         self.source, self.batch_size, self.strategy = source, batch_size, strategy
         self.shuffle, self.seed, self.with_targets = shuffle, seed, with_targets
         super().__init__(ends_with_data)
         self.batches_per_pass = source.batches_per_pass(batch_size)
+        self.keras_order = keras_order
+        self._drawn: dict[int, np.ndarray | None] = {}  # Keras's order of the pass being read
+
+    def _order(self, pass_index: int) -> np.ndarray | None:
+        """The order of pass ``pass_index``: ``None`` for ``(seed, pass)``'s; Keras's, drawn the first time
+        the pass is read (when Keras draws it) and kept while it is read."""
+        if not self.keras_order:
+            return None
+        if pass_index not in self._drawn:
+            self._drawn = {pass_index: pass_order(self.shuffle, self.source.num_examples, self.batch_size)}
+        return self._drawn[pass_index]
 
     def batches(self, position: int, count: int | None, start: int = 0) -> Iterator[Batch]:
         """Batches ``start..count`` (default: to the end of the pass) of the epoch at stream ``position``."""
@@ -82,7 +97,8 @@ class ArrayStream(Stream):
         while position < end:
             pass_index, start = divmod(position, self.batches_per_pass)
             for b in self.source.batches(self.batch_size, self.strategy, shuffle=self.shuffle, seed=self.seed,
-                                         pass_index=pass_index, start=start, with_targets=self.with_targets):
+                                         pass_index=pass_index, start=start, with_targets=self.with_targets,
+                                         order=self._order(pass_index)):
                 self._reals.append(min(self.batch_size, n - (position % self.batches_per_pass) * self.batch_size))
                 yield b
                 position += 1

@@ -1,0 +1,78 @@
+"""Keras's own shuffle order, for a Keras model's ``fit`` under a scope: the rows Keras would train on.
+
+Keras's ``fit`` on JAX draws its order from the program's global random state when a pass over the data
+starts (``keras.utils.set_random_seed`` seeds it): arrays from numpy
+(``np.random.permutation(num_samples)``, or with ``shuffle="batch"`` one
+``np.random.permutation(rows)`` per batch, ``ArrayDataAdapter``), a ``keras.utils.PyDataset`` from
+Python's ``random`` (``random.shuffle`` of its batch indices, ``PyDatasetAdapter``). Drawing the same
+numbers at the same moments gives Keras's order on any device count, and leaves the global state where
+Keras leaves it, so whatever else the program draws (a callback) stays in step.
+
+Every process of a multi-process job runs the same program, so a seeded one draws the same order on each;
+the order is still taken from process 0 (one small broadcast per pass), so an unseeded job trains on one
+order too: process 0's.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+
+from mirrorax.consistency import broadcast_from_primary
+
+__all__ = ["pass_order", "build_read", "batch_indices", "keras_builds"]
+
+
+def pass_order(shuffle: Any, num_examples: int, batch_size: int) -> np.ndarray | None:
+    """The example order of a pass that starts now, drawn as Keras's ``ArrayDataAdapter`` draws it.
+
+    Args:
+      shuffle: Keras's ``shuffle``: falsy (in order), ``"batch"`` (rows permuted within each batch) or
+        truthy (one permutation of every example).
+      num_examples: the examples of a pass. batch_size: the global batch.
+
+    Returns:
+      The order (process 0's on every process), or ``None`` for the rows in order.
+    """
+    if not shuffle:
+        return None
+    if shuffle == "batch":
+        # Keras draws one permutation per batch as it reads it; drawn together here (a pass's batches
+        # are read ahead), the same numbers in the same sequence.
+        order = np.concatenate([np.random.permutation(min(batch_size, num_examples - start)) + start
+                                for start in range(0, num_examples, batch_size)])
+    else:
+        order = np.random.permutation(num_examples)
+    return np.asarray(broadcast_from_primary(order))
+
+
+def build_read(shuffle: Any, num_examples: int, batch_size: int) -> None:
+    """The draw of the batch Keras's ``fit`` reads to build an unbuilt model (``Trainer._symbolic_build``
+    reads the first batch of a pass it then drops): the same numbers, taken from the global state and
+    dropped."""
+    if shuffle == "batch":
+        np.random.permutation(min(batch_size, num_examples))
+    elif shuffle:
+        np.random.permutation(num_examples)
+
+
+def batch_indices(num_batches: int, shuffle: bool) -> list[int]:
+    """A ``PyDataset``'s batch indices for a pass that starts now, as Keras's ``PyDatasetAdapter`` orders
+    them (``random.shuffle`` on Python's global state; process 0's on every process)."""
+    indices = list(range(num_batches))
+    if not shuffle:
+        return indices
+    random.shuffle(indices)
+    return [int(i) for i in broadcast_from_primary(np.asarray(indices, np.int64))]
+
+
+def keras_builds(model: Any) -> bool:
+    """Whether Keras's ``fit`` would read a batch to build ``model`` first: its layers, compiled metrics
+    or compiled loss are not built yet (``Trainer._symbolic_build``'s test). A fit after the first
+    (Keras's or mirrorax's: both build them) reads none."""
+    layers = all(layer.built for layer in model._flatten_layers())
+    metrics = getattr(model, "_compile_metrics", None)
+    loss = getattr(model, "_compile_loss", None)
+    return not layers or (metrics is not None and not metrics.built) or (loss is not None and not loss.built)
