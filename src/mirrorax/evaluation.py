@@ -138,9 +138,16 @@ def predict(trainer: Trainer, x: Any, *, batch_size: int | None = None, verbose:
         trainer.model.stop_predicting = False  # as Keras: a predict-batch callback may set it to stop early
         hooks.call("on_predict_begin")
         trainer._adopt_callback_changes()
+    begin = hooks is not None and hooks.listens["predict_begin"]
     try:
         for i, (_, batch) in enumerate(batches):
-            if hooks is not None and hooks.listens["predict_begin"] and i % spe == 0:
+            if begin and hooks is not None and i % spe == 0:
+                if end and i:
+                    # Keras calls on_predict_batch_end(k) before on_predict_batch_begin(k + 1): the previous
+                    # execution's outputs come first (only when both hooks listen does the order show).
+                    window.drain()
+                    if getattr(trainer.model, "stop_predicting", False):
+                        break
                 hooks.call("on_predict_batch_begin", i)
             y, model_state = trainer.steps.predict(trainer._live_state, batch.x, batch.real_rows())
             trainer._state = trainer._live_state.replace(model_state=model_state)

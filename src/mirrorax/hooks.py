@@ -42,11 +42,14 @@ def _overrides(cb: Any, names: Sequence[str]) -> bool:
 def check_available(callbacks: Any) -> None:
     """Raises at once, with what to install, when a callback needs a package that is missing.
 
-    ``keras.callbacks.TensorBoard`` writes its event files with ``tf.summary``: without TensorFlow it
-    would fail with a bare ``No module named 'tensorflow'`` at ``set_model`` or at the first epoch.
+    ``keras.callbacks.TensorBoard`` writes its event files with TensorFlow's ``tf.summary``, whose
+    ``scalar`` / ``histogram`` / ``image`` come from the ``tensorboard`` package: without TensorFlow it
+    fails with ``No module named 'tensorflow'`` at ``set_model``; without ``tensorboard`` (which
+    ``tensorflow`` / ``tensorflow-cpu`` no longer install, from 2.21) with ``TBNotInstalledError`` at the
+    end of the first epoch, after that epoch's work.
 
     Raises:
-      ImportError: a ``TensorBoard`` callback and no TensorFlow installed.
+      ImportError: a ``TensorBoard`` callback and no TensorFlow or no ``tensorboard`` installed.
     """
     try:
         import keras
@@ -56,12 +59,17 @@ def check_available(callbacks: Any) -> None:
     if not isinstance(members, (list, tuple)):
         return
     for cb in members:
-        if isinstance(cb, keras.callbacks.TensorBoard) and importlib.util.find_spec("tensorflow") is None:
+        if not isinstance(cb, keras.callbacks.TensorBoard):
+            continue
+        missing = [name for name, module in (("tensorflow-cpu", "tensorflow"), ("tensorboard", "tensorboard"))
+                   if importlib.util.find_spec(module) is None]
+        if missing:
             raise ImportError(
                 f"keras.callbacks.TensorBoard(log_dir={getattr(cb, 'log_dir', None)!r}) writes its logs with "
-                "TensorFlow's tf.summary, and TensorFlow is not installed. Install it with `pip install "
-                "tensorflow-cpu` (the CPU build is enough: it only writes the logs, training stays on JAX; it "
-                "also brings the `tensorboard` viewer), or remove the TensorBoard callback.")
+                "TensorFlow's tf.summary, which needs both the `tensorflow` and the `tensorboard` packages; "
+                f"missing here: {', '.join(missing)}. Install them with `pip install tensorflow-cpu tensorboard` "
+                "(the CPU build of TensorFlow is enough: it only writes the logs, training stays on JAX; since "
+                "TensorFlow 2.21 it no longer brings `tensorboard` along), or remove the TensorBoard callback.")
 
 
 class Callbacks:

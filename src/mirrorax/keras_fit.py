@@ -94,10 +94,39 @@ def _attach(model: Any, strategy: MirroredStrategy) -> None:
     if not (isinstance(model, KerasTrainer) and isinstance(model, keras.layers.Layer)):
         return
     object.__setattr__(model, "_mirrorax_strategy", strategy)  # not a tracked Keras attribute
+    _mirror_variables(model, strategy)
     for name in _ROUTED:
         # A method the model's class overrides itself stays the user's.
         if getattr(type(model), name) is getattr(keras.Model, name):
             object.__setattr__(model, name, types.MethodType(_METHODS[name], model))
+
+
+def _mirror_variables(model: Any, strategy: MirroredStrategy) -> None:
+    """Lays the variables the model has so far (at ``compile``: its weights) out on the strategy's
+    devices, as ``fit`` will (replicated; split where the strategy's ``shard=`` splits that variable),
+    and keeps every later assignment there. Variables made later get their layout at the first fit,
+    evaluate or predict (``KerasAdapter.write_back``). A model being constructed has none yet."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from mirrorax.models.keras import keep_layout
+
+    if strategy.process_count > 1:  # each process's model holds whole values on its own devices
+        local = NamedSharding(Mesh(np.array(strategy.local_devices), ("batch",)), PartitionSpec())
+    optimizer = getattr(model, "optimizer", None)
+    try:
+        groups = [(model.trainable_variables, "params"), (model.non_trainable_variables, "model_state")]
+    except AttributeError:  # JAXTrainer.__init__ runs before Model sets its layers up
+        return
+    if optimizer is not None and getattr(optimizer, "built", False):
+        groups.append((optimizer.variables, "optimizer"))
+    for variables, role in groups:
+        for v in variables:
+            if strategy.process_count > 1:
+                keep_layout(v, local)
+            elif role == "model_state":
+                keep_layout(v, strategy.replicated)
+            else:
+                keep_layout(v, strategy.state_sharding(tuple(v.shape), role))
 
 
 def trainer_of(model: Any) -> Trainer:

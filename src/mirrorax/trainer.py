@@ -246,11 +246,14 @@ class Trainer:
             changed = consistency.any_process(changed)
         if not changed:
             return state
-        if model_has_values:
-            values = self.adapter.model_values()
-        else:
+        if not model_has_values:
             values = {g: getattr(state, g) for g in self.adapter.written_groups}
-        return state.replace(**self._place_state(values))
+            return state.replace(**self._place_state(values))
+        state = state.replace(**self._place_state(self.adapter.model_values()))
+        # Lent again at once: a change made after this one (LearningRateScheduler at on_epoch_begin after
+        # ReduceLROnPlateau at on_epoch_end) is a change of the lent values too, and is adopted in turn.
+        self.adapter.write_back(state)
+        return state
 
     # -- data helpers ------------------------------------------------------------------------------
     def _batch_size(self, source: Source, batch_size: int | None) -> int:
@@ -448,10 +451,7 @@ class Trainer:
     def _adopt_callback_changes(self) -> None:
         """After a hook that may change the lent model (``SwapEMAWeights`` at ``on_test_begin``): the state
         takes the model's values, and lends them back so that a later change is seen too."""
-        state = self._adopt_model_changes(self._live_state)
-        if state is not self._state:
-            self._state = state
-            self._write_back()
+        self._state = self._adopt_model_changes(self._live_state)
 
     def _preempted(self, ckpt: Any, epoch: int, batch: int) -> preemption.Preempted:
         """The stop of every process on SIGTERM, once the checkpoint (if any) is started."""

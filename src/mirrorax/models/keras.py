@@ -30,7 +30,7 @@ from mirrorax.models import keras_custom, keras_metrics
 from mirrorax.models.base import ModelAdapter, SparseTarget, real_count
 from mirrorax.models.keras_targets import check_target_shape, fits, loss_entries, output_spec, resolve, shape_text
 
-__all__ = ["KerasAdapter", "check_keras_backend"]
+__all__ = ["KerasAdapter", "check_keras_backend", "keep_layout"]
 
 PyTree = Any
 
@@ -459,7 +459,9 @@ class KerasAdapter(ModelAdapter):
         # the trainer donates them to the next step.
         pairs = []
         for v, a in zip(self._written_variables(), self._written_values(state)):
-            v.assign(_local_replica(a))
+            a = _local_replica(a)
+            keep_layout(v, getattr(a, "sharding", None))
+            v.assign(a)
             pairs.append((v, v._value))
         self._lent_values = pairs
 
@@ -488,7 +490,9 @@ class KerasAdapter(ModelAdapter):
 
     def expose(self, state) -> None:
         m = self.model
-        values = {g: self._unpack(g, getattr(state, g)) for g in self.written_groups}
+        # Viewed as the model's variables hold them (this process's devices): Keras's sync assigns them,
+        # and an assignment places the value with the variable's layout (see keep_layout).
+        values = {g: [_local_replica(a) for a in self._unpack(g, getattr(state, g))] for g in self.written_groups}
         names = {"params": "trainable_variables", "model_state": "non_trainable_variables",
                  "optimizer": "optimizer_variables"}
         m._jax_state = {names[g]: v for g, v in values.items()}
@@ -533,6 +537,22 @@ class KerasAdapter(ModelAdapter):
 
     def _written_values(self, state) -> list[Any]:
         return [a for g in self.written_groups for a in self._unpack(g, getattr(state, g))]
+
+
+def keep_layout(variable: Any, sharding: jax.sharding.Sharding | None) -> None:
+    """Makes ``variable`` place every value assigned to it with ``sharding`` (and its value now).
+
+    Keras's JAX variables put an assigned value where their ``_layout`` says (``_direct_assign``), so
+    ``set_weights``, ``load_weights``, ``EarlyStopping(restore_best_weights=True)`` or a callback's
+    ``learning_rate.assign`` keep a strategy model's variables on the strategy's devices, as TF's
+    ``MirroredVariable`` stays mirrored, instead of leaving them on the default device.
+    """
+    if sharding is None or getattr(variable, "_layout", None) == sharding:
+        return
+    variable._layout = sharding
+    value = getattr(variable, "_value", None)
+    if value is not None and not (isinstance(value, jax.Array) and value.is_deleted()):  # (donated: replaced next)
+        variable._direct_assign(value)
 
 
 def _local_replica(a: Any) -> Any:
