@@ -365,7 +365,7 @@ class KerasAdapter(ModelAdapter):
         if len(inputs) != 1 or not hasattr(x, "shape") or not hasattr(inputs[0], "shape"):
             return  # several inputs: Keras names the mismatch itself
         want, got = tuple(inputs[0].shape[1:]), tuple(x.shape[1:])
-        if not fits(got, want):
+        if not fits(_as_functional_adjusts(got, want), want):
             dims = ["any" if d is None else str(d) for d in want]
             example = "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
             raise ValueError(f"x has shape {shape_text(x.shape)} but the model takes inputs of shape "
@@ -532,6 +532,16 @@ class KerasAdapter(ModelAdapter):
 
     def _written_values(self, state) -> list[Any]:
         return [a for g in self.written_groups for a in self._unpack(g, getattr(state, g))]
+
+
+def _as_functional_adjusts(got: tuple[Any, ...], want: tuple[Any, ...]) -> tuple[Any, ...]:
+    """An input's per-example shape as a Keras functional model adjusts it to its ``keras.Input``
+    (``Functional._adjust_input_rank``): a trailing axis of 1 dropped, or added where the input ends in 1."""
+    if len(got) == len(want) + 1 and got[-1:] == (1,):
+        return got[:-1]
+    if len(got) == len(want) - 1 and want[-1:] == (1,):
+        return got + (1,)
+    return got
 
 
 def _local_replica(a: Any) -> Any:
