@@ -19,9 +19,12 @@ import numpy as np
 if TYPE_CHECKING:
     from mirrorax.strategy import MirroredStrategy
 
-__all__ = ["Batch", "padded_batch_size", "row_counts", "take_rows", "stack"]
+__all__ = ["Batch", "padded_batch_size", "row_counts", "take_rows", "stack", "UNWEIGHTED"]
 
 PyTree = Any
+
+#: The key of :meth:`Batch.tree` present when the user gave no sample weights.
+UNWEIGHTED = "unweighted"
 
 
 @dataclasses.dataclass
@@ -35,6 +38,8 @@ class Batch:
       mask: float32 ``(rows,)``: 1 for a real example, 0 for padding.
       num_real: real examples in the whole global batch (all processes), when this process knows it
         (it then travels as a replicated scalar and spares the step a cross-device sum of the mask).
+      weighted: the user gave sample weights (or class weights). A model's own ``train_step`` then
+        gets ``(x, y, sample_weight)``, otherwise ``(x, y)``, as from Keras's own ``fit``.
     """
 
     x: PyTree
@@ -42,11 +47,16 @@ class Batch:
     sample_weight: np.ndarray
     mask: np.ndarray
     num_real: Any = None
+    weighted: bool = True
 
     def tree(self) -> dict[str, PyTree]:
         tree = {"x": self.x, "y": self.y, "sample_weight": self.sample_weight, "mask": self.mask}
         if self.num_real is not None:
             tree["num_real"] = self.num_real
+        if not self.weighted:
+            # A key without leaves: it changes the tree's structure, so a step traced for weighted
+            # batches is traced again for unweighted ones (what a custom train_step is given differs).
+            tree[UNWEIGHTED] = ()
         return tree
 
 
@@ -86,4 +96,5 @@ def stack(batches: list[Batch]) -> Batch:
                else jax.tree.map(lambda *a: np.stack(a), *[getattr(b, f) for b in batches]) for f in fields]
     known = all(b.num_real is not None for b in batches)
     x, y, w, mask = stacked
-    return Batch(x, y, w, mask, np.stack([b.num_real for b in batches]) if known else None)
+    return Batch(x, y, w, mask, np.stack([b.num_real for b in batches]) if known else None,
+                 all(b.weighted for b in batches))
