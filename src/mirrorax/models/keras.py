@@ -134,17 +134,35 @@ class KerasAdapter(ModelAdapter):
         self._extras: dict[str, Any] = {}  # metrics-state slots of the custom steps' own logs
         self._tracing: str | None = None  # the step kind being traced (its custom logs go to batch logs)
 
+    def needs_targets(self, what: str) -> bool:
+        """As Keras's own ``fit`` / ``evaluate``: targets are needed only to feed a compiled loss through
+        Keras's own steps. A model compiled without a loss (its losses from ``add_loss``), one with its
+        own ``compute_loss``, or its own ``train_step`` (fit) / ``test_step`` (evaluate) takes inputs
+        alone."""
+        from keras.src.trainers.trainer import Trainer as KerasTrainer
+
+        model = self.model
+        if self.predict_only:
+            return True
+        if getattr(model, "_compile_loss", None) is None:
+            return False
+        if type(model).compute_loss is not KerasTrainer.compute_loss:
+            return False
+        return not self.custom["train_step" if what == "fit" else "test_step"]
+
     # -- building ----------------------------------------------------------------------------------
     def build(self, sample: dict[str, PyTree]) -> None:
         model = self.model
         y = sample.get("y")
-        if self._built == "full" or (self._built and y is None):
+        # Inputs alone build the whole model (metrics too) where the loss needs no targets.
+        full = y is not None or not self.needs_targets("fit")
+        if self._built == "full" or (self._built and not full):
             return
         if y is not None and self.predict_only:
             raise ValueError(f"The model {model.name!r} is not compiled, so mirrorax does not know what to "
                              "minimise. Call model.compile(optimizer='adam', loss='mse') first.")
         self.check_inputs(sample["x"])
-        if y is None:
+        if not full:
             # predict before any fit/evaluate: build the layers only (metrics need targets to build).
             if not all(layer.built for layer in model._flatten_layers()):
                 model(jax.tree.map(lambda a: np.asarray(a)[:1], sample["x"]), training=False)
@@ -166,9 +184,9 @@ class KerasAdapter(ModelAdapter):
         }
         model.reset_metrics()
         self._metrics_init = [np.asarray(v.value) for v in model.metrics_variables]
-        if y is not None and (self.custom["train_step"] or self.custom["test_step"]):
+        if full and (self.custom["train_step"] or self.custom["test_step"]):
             self._extras = self._find_extra_logs(sample)
-        self._built = "full" if y is not None else "layers"
+        self._built = "full" if full else "layers"
 
     def _find_extra_logs(self, sample: dict[str, PyTree]) -> dict[str, Any]:
         """Traces the custom steps abstractly once: which scalar logs they add to the metric results."""
