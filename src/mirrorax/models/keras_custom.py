@@ -167,7 +167,9 @@ def _check_logs(model: Any, name: str, logs: Any) -> dict[str, Any]:
 
 def scalar_log_names(logs: dict[str, Any], known: set[str]) -> list[str]:
     """The names of ``logs`` (abstract values) that are scalars and not metric results."""
-    return [k for k, v in logs.items() if k not in known and tuple(getattr(v, "shape", jnp.shape(v))) == ()]
+    # A dict (a CompileMetrics' result, as keras.io's guide logs it) is no scalar: its metrics are in known.
+    return [k for k, v in logs.items() if k not in known and not isinstance(v, dict)
+            and tuple(getattr(v, "shape", jnp.shape(v))) == ()]
 
 
 def abstract(tree: Any) -> Any:
