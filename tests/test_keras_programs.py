@@ -281,3 +281,19 @@ def test_targets_keras_refuses_are_refused_before_compiling():
         model = _binary()
     with pytest.raises(ValueError, match=r"y has shape \(n, 2\) but the model's output has shape \(n, 1\)"):
         model.fit(x, np.zeros((ROWS, 2), "float32"), verbose=0)
+
+
+def _named_inputs():
+    a, c = keras.Input((3,), name="a"), keras.Input((2,), name="c")
+    model = keras.Model([a, c], keras.layers.Dense(1)(keras.layers.Concatenate()([a, c])))
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+@pytest.mark.slow  # a Keras and a scoped fit
+def test_a_dict_of_inputs_with_more_keys_than_the_model_takes():
+    # Keras takes a list-input model's inputs by name from a dict that holds more (a dataset's columns).
+    rng = np.random.default_rng(3)
+    x = {"a": rng.random((ROWS, 3)), "c": rng.random((ROWS, 2)), "label_text": rng.random((ROWS, 7))}
+    y = x["a"].sum(1, keepdims=True)
+    _assert_same(_fit(_named_inputs, None, x, y), _fit(_named_inputs, 4, x, y))

@@ -372,11 +372,12 @@ class KerasAdapter(ModelAdapter):
             return
         if isinstance(x, dict):
             names = sorted(struct) if isinstance(struct, dict) else [getattr(t, "name", "?") for t in inputs]
+            # Keras takes its inputs by name from a dict holding more keys (unless its inputs are a dict).
             if len(inputs) == 1 and not isinstance(struct, dict):
-                if set(x) != set(names):
+                if not set(names) <= set(x):
                     raise ValueError(f"x is a dict with keys {sorted(x)}, but the model has one input (named "
                                      f"{names[0]!r}). Pass the array itself: fit(x[{next(iter(x))!r}], ...).")
-            elif set(x) != set(names):
+            elif not set(names) <= set(x) or (isinstance(struct, dict) and set(x) != set(names)):
                 raise ValueError(f"x is a dict with keys {sorted(x)}, but the model's inputs are {names}. Pass a "
                                  "dict with exactly those keys.")
             return
