@@ -19,6 +19,7 @@ import pytest
 from helpers import strategy
 
 import mirrorax as mx
+from mirrorax.keras_fit import trainer_of
 
 pytestmark = pytest.mark.multi_device
 
@@ -75,12 +76,11 @@ def test_model_parallel_set_before_the_scope_is_refused_at_scope(no_distribution
             pass
 
 
-def test_data_parallel_set_inside_the_scope_is_refused_at_model_creation(no_distribution):
+def test_model_parallel_set_inside_the_scope_is_refused_at_model_creation(no_distribution):
     with strategy(2).scope():
-        keras.distribution.set_distribution(keras.distribution.DataParallel())
-        with pytest.raises(ValueError, match=r"set to DataParallel .* at creating a model under "
-                                             r"MirroredStrategy.scope\(\).*already trains data-parallel.*Keras's own "
-                                             r"fit with DataParallel without the scope"):
+        keras.distribution.set_distribution(_model_parallel())
+        with pytest.raises(ValueError, match=r"set to ModelParallel .* at creating a model under "
+                                             r"MirroredStrategy.scope\(\)"):
             keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
 
 
@@ -88,9 +88,18 @@ def test_a_distribution_set_after_compile_is_refused_at_fit(no_distribution):
     with strategy(2).scope():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         model.compile(optimizer="adam", loss="mse")
-    with keras.distribution.DataParallel().scope():
-        with pytest.raises(ValueError, match=r"set to DataParallel .* at fit, evaluate or predict under"):
+    with _model_parallel().scope():
+        with pytest.raises(ValueError, match=r"set to ModelParallel .* at fit, evaluate or predict under"):
             model.fit(np.zeros((8, 3)), np.zeros((8, 1)), verbose=0)
+
+
+def test_data_parallel_asks_for_what_the_scope_does_and_is_honoured(no_distribution):
+    # Replicated variables and split batches: the model trains under the scope, on its devices.
+    with keras.distribution.DataParallel().scope(), strategy(2).scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse")
+        model.fit(np.zeros((8, 3)), np.zeros((8, 1)), verbose=0)
+    assert trainer_of(model).strategy.num_replicas_in_sync == 2
 
 
 # -- Keras on another backend -------------------------------------------------------------------

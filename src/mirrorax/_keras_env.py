@@ -1,8 +1,9 @@
 """Keras settings that a model under ``MirroredStrategy.scope()`` cannot honour, refused where they meet.
 
 Two settings would otherwise be ignored without a word: Keras on another backend than JAX (the model
-would train on Keras's own single-device loop of that backend) and a global
-``keras.distribution`` (its layouts would be replaced by mirrorax's replicated ones). Both are read
+would train on Keras's own single-device loop of that backend) and a global ``keras.distribution``
+other than ``DataParallel`` (a ``ModelParallel`` layout map would be replaced by mirrorax's replicated
+variables). ``DataParallel`` asks for what the scope does and is honoured. Both are read
 only when the program itself has imported Keras: a pure-JAX program never needs it.
 """
 
@@ -36,8 +37,9 @@ def check_scope() -> None:
 
 
 def check_distribution(where: str) -> None:
-    """Refuses a global ``keras.distribution`` (``set_distribution`` or its ``scope()``) for a model of a
-    strategy; ``where`` names the call (``"scope()"``, ``"compile"``, ``"fit"``).
+    """Refuses a global ``keras.distribution`` (``set_distribution`` or its ``scope()``) other than
+    ``DataParallel`` for a model of a strategy; ``where`` names the call (``"scope()"``, ``"compile"``,
+    ``"fit"``).
 
     Raises:
       ValueError: a distribution is set: what it is, why it cannot apply, and the two ways on.
@@ -47,7 +49,9 @@ def check_distribution(where: str) -> None:
     from keras.src.distribution import distribution_lib
 
     dist = distribution_lib.distribution()
-    if dist is None:
+    if dist is None or isinstance(dist, distribution_lib.DataParallel):
+        # DataParallel asks for what the scope does (replicated variables, split batches): honoured, on
+        # the strategy's devices.
         return
     kind = type(dist).__name__
     if isinstance(dist, distribution_lib.ModelParallel):
@@ -55,8 +59,7 @@ def check_distribution(where: str) -> None:
                "(mirrorax does not honour Keras layout maps yet)")
         other = "Keras's own fit without the scope for model parallelism"
     else:
-        why = ("the scope already trains data-parallel on the strategy's devices, and two engines cannot both "
-               "lay out one model")
+        why = "mirrorax replicates every variable on the strategy's devices and would ignore its layouts"
         other = f"Keras's own fit with {kind} without the scope"
     raise ValueError(
         f"keras.distribution is set to {kind} (by keras.distribution.set_distribution or its scope()) at "
