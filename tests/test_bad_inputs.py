@@ -238,8 +238,7 @@ def test_non_finite_values_are_refused_with_their_place():
 
 @pytest.mark.parametrize("w, match", [
     (np.where(np.arange(24) == 6, -0.5, 1.0), r"negative weight -0.5 at example 6"),
-    (np.ones((24, 1)), r"received shape \(24, 1\)\. Pass sample_weight.reshape\(-1\)"),
-    (np.ones((24, 3)), r"received shape \(24, 3\)"),
+    (np.ones((24, 3)), r"of shape \(n,\) or \(n, 1\); received shape \(24, 3\)"),
     (np.ones(23), r"sample_weight: 23"),
 ])
 def test_bad_sample_weights(w, match):

@@ -131,19 +131,18 @@ def test_a_model_made_under_a_scope_is_planned_on_its_strategy():
     assert (p.shard, p.num_devices) == ("all", 2)
 
 
-@pytest.mark.slow  # a plan and a fit per verbosity
-def test_model_fit_under_a_scope_prints_the_plans_line_unless_silent(capsys):
+@pytest.mark.slow  # a fit per verbosity
+def test_model_fit_under_a_scope_prints_no_plan_line(capsys):
+    # Keras's fit prints no plan, so the Keras program under the scope prints none at any verbose.
     x, y = _data(64)
     s = mx.MirroredStrategy(devices=jax.devices()[:2], shard="optimizer")
-    expected = mx.plan(_model(), x, y, batch_size=16, strategy=s, search=False).summary()
     for verbose in (0, 1, 2):
         with s.scope():
             model = _model()
         capsys.readouterr()
         model.fit(x, y, batch_size=16, epochs=1, verbose=verbose)
         out = capsys.readouterr().out
-        assert (expected in out.splitlines()) == (verbose != 0), out
-        assert out.count("plan:") == (verbose != 0)
+        assert "plan:" not in out, out
 
 
 _MEMORY_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "plan_memory.py")

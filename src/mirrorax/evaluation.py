@@ -35,7 +35,8 @@ def evaluate(trainer: Trainer, x: Any, y: Any = None, *, batch_size: int | None 
     """:meth:`Trainer.evaluate`."""
     source = make_source(x, y, sample_weight, float_dtype=trainer.adapter.float_dtype,
                          check_finite=trainer._refuse_nonfinite)
-    source.require_targets("evaluate")
+    if trainer.adapter.needs_targets("evaluate"):
+        source.require_targets("evaluate")
     batch_size = trainer._batch_size(source, batch_size)
     if steps is not None:
         check_int("steps", steps)

@@ -166,11 +166,10 @@ def check_weights(sample_weight: Any, float_dtype: Any) -> np.ndarray:
         raise ValueError(f"sample_weight must be one array of one weight per example; received a "
                          f"{type(sample_weight).__name__} of them. Per-output sample weights are not supported: "
                          "weight the examples (shape (n,)), or weight the losses with compile(loss_weights=...).")
-    w = to_numeric(sample_weight, "sample_weight", float_dtype)
+    w = _per_example(to_numeric(sample_weight, "sample_weight", float_dtype))
     if w.ndim != 1:
-        hint = " Pass sample_weight.reshape(-1)." if w.ndim == 2 and w.shape[1] == 1 else \
-            " Per-timestep or per-output weights are not supported: weight each example with one number."
-        raise ValueError(f"sample_weight must be 1-D, one weight per example; received shape {w.shape}.{hint}")
+        raise ValueError(f"sample_weight must be one weight per example, of shape (n,) or (n, 1); received shape "
+                         f"{w.shape}. Per-timestep weights are not supported: weight each example with one number.")
     if w.dtype.kind not in "f":
         w = w.astype(float_dtype)
     check_finite_values(w, "sample_weight")
@@ -186,8 +185,13 @@ def rows_shape(shape: tuple[int, ...]) -> str:
 
 
 def batch_weights(w: Any, n: int, index: int, float_dtype: Any) -> np.ndarray:
-    w = to_numeric(w, "sample_weight", float_dtype).astype(float_dtype)
+    w = _per_example(to_numeric(w, "sample_weight", float_dtype).astype(float_dtype))
     if w.shape != (n,):
         raise ValueError(f"Batch {index} of the input has sample_weight of shape {w.shape} for {n} examples; "
                          f"it must be ({n},): one weight per example.")
     return w
+
+
+def _per_example(w: np.ndarray) -> np.ndarray:
+    # Keras's losses align (n, 1) weights with (n,) per-example losses: the same weights.
+    return w.reshape(-1) if w.ndim == 2 and w.shape[1] == 1 else w

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from mirrorax import _keras_env
+
 if TYPE_CHECKING:
     from mirrorax.strategy import MirroredStrategy
     from mirrorax.trainer import Trainer
@@ -54,8 +56,8 @@ def enter(strategy: MirroredStrategy) -> None:
             return
         _saved["init"] = JAXTrainer.__init__
         _saved["compile"] = KerasTrainer.compile
-        JAXTrainer.__init__ = _wrap(JAXTrainer.__init__)  # type: ignore[method-assign]
-        KerasTrainer.compile = _wrap(KerasTrainer.compile)  # type: ignore[method-assign]
+        JAXTrainer.__init__ = _wrap(JAXTrainer.__init__, "creating a model")  # type: ignore[method-assign]
+        KerasTrainer.compile = _wrap(KerasTrainer.compile, "compile")  # type: ignore[method-assign]
 
 
 def leave() -> None:
@@ -72,12 +74,14 @@ def leave() -> None:
         KerasTrainer.compile = _saved.pop("compile")  # type: ignore[method-assign]
 
 
-def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap(original: Callable[..., Any], what: str) -> Callable[..., Any]:
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
         from mirrorax.strategy import current_scope
 
         strategy = current_scope()  # this thread's scope; another thread's models stay plain Keras
+        if strategy is not None:
+            _keras_env.check_distribution(what)  # set after the scope opened: before the model is made
+        result = original(self, *args, **kwargs)
         if strategy is not None:
             _attach(self, strategy)
         return result
@@ -137,6 +141,7 @@ def trainer_of(model: Any) -> Trainer:
     shows it in the batch logs, where ``keras.callbacks.TerminateOnNaN`` stops training (the seed
     program's own guard). The Trainer's ``"raise"`` default would turn that program's stop into an
     exception; ``mx.Trainer(model, on_nonfinite="raise")`` remains the explicit way to get one."""
+    _keras_env.check_distribution("fit, evaluate or predict")
     strategy = strategy_of(model)
     key = (id(strategy), id(getattr(model, "optimizer", None)), id(getattr(model, "_compile_loss", None)),
            id(getattr(model, "_compile_metrics", None)), model.steps_per_execution)
@@ -245,7 +250,9 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
         # Keras runs whole executions: an epoch's steps_per_epoch rounds up to a multiple of them.
         per_execution = trainer.steps_per_execution
         steps_per_epoch = -(-steps_per_epoch // per_execution) * per_execution
-    trainer._plan_line = verbose != 0
+    # No plan line: Keras's fit prints none. What a user must know (the step will not fit a device's
+    # memory) still raises; mx.plan(model, x, y) prints the plan on request.
+    trainer._plan_line = False
     try:
         trainer.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=callbacks,
                     validation_data=validation_data, shuffle=shuffle, sample_weight=sample_weight,

@@ -92,7 +92,10 @@ class MirroredStrategy:
 
     Args:
       devices: the devices to use; ``None`` means every device of the job (``jax.devices()``). Devices
-        may be given as ``jax.Device`` objects or as integer ids.
+        may be given as ``jax.Device`` objects, integer ids or Keras's names (``"cpu:0"``, as
+        ``keras.distribution.list_devices()`` gives them), in a sequence or a numpy array; or as a
+        ``jax.sharding.Mesh`` or ``keras.distribution.DeviceMesh`` (its devices). An array or mesh with
+        more than one axis longer than 1 (model parallelism) is refused.
       shard: how the training state is laid out over the same devices (the maths, and so the result,
         is the same in every mode; what changes is the memory each device holds):
 
@@ -109,7 +112,8 @@ class MirroredStrategy:
         dispatching call ``i`` the host waits for call ``i - max_in_flight + 1``.
 
     Raises:
-      ValueError: ``devices`` is empty, has duplicates, or mixes platforms; ``shard`` is not a mode.
+      ValueError: ``devices`` is empty, has duplicates, mixes platforms or has several long axes; ``shard``
+        is not a mode.
 
     Example:
       >>> strategy = MirroredStrategy()
@@ -117,8 +121,8 @@ class MirroredStrategy:
       True
     """
 
-    def __init__(self, devices: Sequence[jax.Device | int] | None = None, *, shard: ShardMode = None,
-                 max_in_flight: int = 2) -> None:
+    def __init__(self, devices: Sequence[jax.Device | int | str] | np.ndarray | Mesh | Any | None = None, *,
+                 shard: ShardMode = None, max_in_flight: int = 2) -> None:
         from mirrorax.dispatch import InFlight
 
         if shard not in SHARD_MODES:
@@ -508,8 +512,9 @@ def current_scope() -> MirroredStrategy | None:
 
 @contextlib.contextmanager
 def _enter(strategy: MirroredStrategy) -> Iterator[MirroredStrategy]:
-    from mirrorax import keras_fit
+    from mirrorax import _keras_env, keras_fit
 
+    _keras_env.check_scope()  # Keras on another backend, a keras.distribution: said here, not at fit
     stack = getattr(_scope, "stack", None)
     if stack is None:
         stack = _scope.stack = []
@@ -522,12 +527,46 @@ def _enter(strategy: MirroredStrategy) -> Iterator[MirroredStrategy]:
         stack.pop()
 
 
-def _validate_devices(devices: Sequence[jax.Device | int] | None) -> tuple[jax.Device, ...]:
+def _device_list(devices: Any) -> Any:
+    """``devices`` as a flat sequence: a ``jax.sharding.Mesh``'s or Keras ``DeviceMesh``'s devices, a
+    numpy array of devices (keras.io's distribution guide passes ``mesh.devices``) with at most one
+    axis longer than 1."""
+    source = devices
+    if isinstance(devices, jax.sharding.Mesh) or (
+            hasattr(devices, "axis_names") and isinstance(getattr(devices, "devices", None), np.ndarray)):
+        devices = devices.devices  # a jax.sharding.Mesh, or keras.distribution.DeviceMesh
+    if not isinstance(devices, np.ndarray):
+        return devices
+    long_axes = [n for n in devices.shape if n > 1]
+    if len(long_axes) > 1:
+        names = getattr(source, "axis_names", None)
+        what = f"a mesh of shape {devices.shape}" + (f" with axes {tuple(names)}" if names else "")
+        raise ValueError(
+            f"devices is {what}: several axes of devices, as for model parallelism; MirroredStrategy "
+            f"replicates the model on a 1-D list of devices. Pass devices=mesh.devices.reshape(-1) (all "
+            f"{devices.size} devices as data-parallel replicas), or keep the mesh for "
+            "keras.distribution.ModelParallel with Keras's own fit.")
+    return list(devices.reshape(-1))
+
+
+def _by_name(name: str, all_devices: Sequence[jax.Device]) -> jax.Device:
+    """A device named as Keras names them (``keras.distribution.list_devices()``): ``"cpu:0"``."""
+    platform, _, index = name.partition(":")
+    for d in all_devices:
+        if d.platform == platform.lower() and str(d.id) == (index or "0"):
+            return d
+    raise ValueError(f"devices names {name!r}, which JAX does not have; available: "
+                     f"{[f'{d.platform}:{d.id}' for d in all_devices]}.")
+
+
+def _validate_devices(devices: Any) -> tuple[jax.Device, ...]:
     all_devices = jax.devices()
     if devices is None:
         return tuple(all_devices)
+    devices = _device_list(devices)
     if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence):
-        raise TypeError(f"devices must be a sequence of jax.Device (or device ids) or None; received "
+        raise TypeError(f"devices must be a sequence of jax.Device (or device ids, or names like 'cpu:0'), a numpy "
+                        f"array of them, a jax.sharding.Mesh, a keras.distribution.DeviceMesh or None; received "
                         f"{devices!r} (of type {type(devices).__name__}).")
     if len(devices) == 0:
         raise ValueError("devices=[] has no device. Pass None for every device, or e.g. jax.devices()[:2].")
@@ -539,9 +578,11 @@ def _validate_devices(devices: Sequence[jax.Device | int] | None) -> tuple[jax.D
                 raise ValueError(f"devices names device id {d}, which JAX does not have; available ids: "
                                  f"{sorted(by_id)}.")
             d = by_id[d]
+        elif isinstance(d, str):
+            d = _by_name(d, all_devices)
         elif not isinstance(d, jax.Device):
-            raise TypeError(f"devices must hold jax.Device objects or integer ids; received {d!r} "
-                            f"(of type {type(d).__name__}).")
+            raise TypeError(f"devices must hold jax.Device objects, integer ids or names like 'cpu:0'; received "
+                            f"{d!r} (of type {type(d).__name__}).")
         resolved.append(d)
     ids = [d.id for d in resolved]
     dupes = sorted({i for i in ids if ids.count(i) > 1})

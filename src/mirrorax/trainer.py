@@ -329,10 +329,12 @@ class Trainer:
         every = resume_lib.check_every(checkpoint_every)
         source = make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
                              check_finite=self._refuse_nonfinite)
-        source.require_targets("fit")
+        if self.adapter.needs_targets("fit"):
+            source.require_targets("fit")
         batch_size = self._batch_size(source, batch_size)
         val = validation_source(validation_data, float_dtype=self.adapter.float_dtype,
-                                check_finite=self._refuse_nonfinite)
+                                check_finite=self._refuse_nonfinite,
+                                targets=self.adapter.needs_targets("evaluate"))
         ckpt = None
         if checkpoint_dir is not None:
             from mirrorax.checkpoint import Checkpointer

@@ -178,4 +178,5 @@ class ArraySource:
             w = pick(self.w)
         mask = ones if valid is None else valid.astype(np.float32)
         y = jax.tree.map(pick, self.y) if with_targets else None
-        return Batch(jax.tree.map(pick, self.x), y, w, mask, shared_constant(np.float32(num_real)), num_real)
+        return Batch(jax.tree.map(pick, self.x), y, w, mask, shared_constant(np.float32(num_real)), num_real,
+                     weighted=self.w is not None)

@@ -26,9 +26,12 @@ import numpy as np
 if TYPE_CHECKING:
     from mirrorax.strategy import MirroredStrategy
 
-__all__ = ["Batch", "RealRows", "padded_batch_size", "row_counts", "take_rows", "stack"]
+__all__ = ["Batch", "RealRows", "padded_batch_size", "row_counts", "take_rows", "stack", "UNWEIGHTED"]
 
 PyTree = Any
+
+#: The key of :meth:`Batch.tree` present when the user gave no sample weights.
+UNWEIGHTED = "unweighted"
 
 
 @jax.tree_util.register_static
@@ -58,6 +61,8 @@ class Batch:
         (it then travels as a replicated scalar and spares the step a cross-device sum of the mask).
       rows: the same count as a Python int (a tuple per step when stacked), when the padding sits at the
         end of the global batch; ``None`` where only the devices know the count (per-process pipelines).
+      weighted: the user gave sample weights (or class weights). A model's own ``train_step`` then
+        gets ``(x, y, sample_weight)``, otherwise ``(x, y)``, as from Keras's own ``fit``.
     """
 
     x: PyTree
@@ -66,6 +71,7 @@ class Batch:
     mask: np.ndarray
     num_real: Any = None
     rows: int | tuple[int, ...] | None = None
+    weighted: bool = True
 
     def real_rows(self) -> RealRows | None:
         """The static count the step cuts the batch to, ``None`` when there is nothing to cut (every row
@@ -85,6 +91,10 @@ class Batch:
         rows = self.real_rows()
         if rows is not None:
             tree["rows"] = rows
+        if not self.weighted:
+            # A key without leaves: it changes the tree's structure, so a step traced for weighted
+            # batches is traced again for unweighted ones (what a custom train_step is given differs).
+            tree[UNWEIGHTED] = ()
         return tree
 
 
@@ -126,4 +136,4 @@ def stack(batches: list[Batch]) -> Batch:
     rows = tuple(b.rows for b in batches if isinstance(b.rows, int))  # (stacked batches each hold one)
     x, y, w, mask = stacked
     return Batch(x, y, w, mask, np.stack([b.num_real for b in batches]) if known else None,
-                 rows if len(rows) == len(batches) else None)
+                 rows if len(rows) == len(batches) else None, all(b.weighted for b in batches))

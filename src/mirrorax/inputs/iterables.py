@@ -95,9 +95,10 @@ class IterableSource:
 
     def sample(self, batch_size: int, strategy: MirroredStrategy, *, with_targets: bool = True) -> Batch:
         """The first item as an all-real :class:`Batch` (for building a model's variables)."""
-        x, y, _ = self.peek()
+        x, y, w = self.peek()
         n = row_counts(x)[0][1]
-        return Batch(x, y if with_targets else None, np.ones(n, np.float32), np.ones(n, np.float32))
+        return Batch(x, y if with_targets else None, np.ones(n, np.float32), np.ones(n, np.float32),
+                     weighted=w is not None)
 
     def check_targets(self, adapter: Any) -> None:
         """Refuses a first batch whose targets do not fit the model's outputs and loss (shapes). Labels
@@ -181,11 +182,13 @@ class IterableSource:
                 raise ValueError(f"The input yielded a batch of {n} rows, more than batch_size={batch_size}"
                                  f" ({rows} rows per {'process' if self.per_process else 'step'}). Pass "
                                  "batch_size equal to the largest batch the iterable yields.")
-            w = np.ones(n, self.float_dtype) if w is None else batch_weights(w, n, index, self.float_dtype)
+            weighted = w is not None
+            w = batch_weights(w, n, index, self.float_dtype) if weighted else np.ones(n, self.float_dtype)
             idx, valid = padding_index(n, padded, strategy, self.per_process)
             # A global item's padding sits at the end of the global batch: the step cuts it off (rows).
             template = Batch(take_rows(x, idx), take_rows(y, idx), w[idx], valid.astype(np.float32),
-                             None if self.per_process else np.float32(n), None if self.per_process else n)
+                             None if self.per_process else np.float32(n), None if self.per_process else n,
+                             weighted)
             yield template
 
 

@@ -38,9 +38,10 @@ def make_source(x: Any, y: Any = None, sample_weight: Any = None, *, float_dtype
     return IterableSource(x, float_dtype=float_dtype)
 
 
-def validation_source(validation_data: Any, *, float_dtype: Any = np.float32, check_finite: bool = True
-                      ) -> Source | None:
-    """The source of ``fit``'s ``validation_data`` (``None`` for none), targets required.
+def validation_source(validation_data: Any, *, float_dtype: Any = np.float32, check_finite: bool = True,
+                      targets: bool = True) -> Source | None:
+    """The source of ``fit``'s ``validation_data`` (``None`` for none), targets required unless the model
+    needs none (``targets=False``: ``(x_val,)`` is accepted too, as Keras unpacks it).
 
     Raises:
       ValueError: not ``(x_val, y_val)``, ``(x_val, y_val, sample_weight_val)`` nor an iterable of
@@ -53,7 +54,7 @@ def validation_source(validation_data: Any, *, float_dtype: Any = np.float32, ch
             not isinstance(validation_data[0], (tuple, list)):
         validation_data = tuple(validation_data)  # as Keras reads [x_val, y_val]
     if isinstance(validation_data, tuple) and validation_data and is_array_tree(validation_data[0]):
-        if len(validation_data) not in (2, 3):
+        if len(validation_data) not in ((1, 2, 3) if not targets else (2, 3)):
             raise ValueError(
                 f"validation_data must be (x_val, y_val), (x_val, y_val, sample_weight_val) or an iterable of "
                 f"(x, y) batches; received a tuple of {len(validation_data)} element(s) (of types "
@@ -65,7 +66,8 @@ def validation_source(validation_data: Any, *, float_dtype: Any = np.float32, ch
                          "alone. Pass validation_data=(x_val, y_val).")
     else:
         source = make_source(validation_data, float_dtype=float_dtype)
-    source.require_targets("validation_data")
+    if targets:
+        source.require_targets("validation_data")
     return source
 
 

@@ -122,4 +122,4 @@ def to_global(batch: Batch, strategy: MirroredStrategy, *, stacked: bool = False
     leaves, treedef = jax.tree.flatten(fresh)
     placed = put_rows(leaves, sharding, count, axis)
     out = {**jax.tree.unflatten(treedef, placed), **constants}
-    return Batch(out["x"], out["y"], out["sample_weight"], out["mask"], num_real, batch.rows)
+    return Batch(out["x"], out["y"], out["sample_weight"], out["mask"], num_real, batch.rows, batch.weighted)

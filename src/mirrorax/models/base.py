@@ -60,6 +60,11 @@ class ModelAdapter(abc.ABC):
     def check_inputs(self, x: PyTree) -> None:
         """Refuses inputs whose shape the model cannot take (``ValueError`` naming both shapes)."""
 
+    def needs_targets(self, what: str) -> bool:
+        """Whether ``what`` (``"fit"``, ``"evaluate"``) needs targets to compute the model's loss (a
+        Keras model whose losses are its own trains on inputs alone, as in Keras)."""
+        return True
+
     def sparse_targets(self, y: PyTree, check_shapes: bool = False) -> list[SparseTarget]:
         """The targets in ``y`` that hold integer class labels, with their class counts (after
         :meth:`build`; host or traced arrays).

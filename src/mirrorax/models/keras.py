@@ -134,17 +134,35 @@ class KerasAdapter(ModelAdapter):
         self._extras: dict[str, Any] = {}  # metrics-state slots of the custom steps' own logs
         self._tracing: str | None = None  # the step kind being traced (its custom logs go to batch logs)
 
+    def needs_targets(self, what: str) -> bool:
+        """As Keras's own ``fit`` / ``evaluate``: targets are needed only to feed a compiled loss through
+        Keras's own steps. A model compiled without a loss (its losses from ``add_loss``), one with its
+        own ``compute_loss``, or its own ``train_step`` (fit) / ``test_step`` (evaluate) takes inputs
+        alone."""
+        from keras.src.trainers.trainer import Trainer as KerasTrainer
+
+        model = self.model
+        if self.predict_only:
+            return True
+        if getattr(model, "_compile_loss", None) is None:
+            return False
+        if type(model).compute_loss is not KerasTrainer.compute_loss:
+            return False
+        return not self.custom["train_step" if what == "fit" else "test_step"]
+
     # -- building ----------------------------------------------------------------------------------
     def build(self, sample: dict[str, PyTree]) -> None:
         model = self.model
         y = sample.get("y")
-        if self._built == "full" or (self._built and y is None):
+        # Inputs alone build the whole model (metrics too) where the loss needs no targets.
+        full = y is not None or not self.needs_targets("fit")
+        if self._built == "full" or (self._built and not full):
             return
         if y is not None and self.predict_only:
             raise ValueError(f"The model {model.name!r} is not compiled, so mirrorax does not know what to "
                              "minimise. Call model.compile(optimizer='adam', loss='mse') first.")
         self.check_inputs(sample["x"])
-        if y is None:
+        if not full:
             # predict before any fit/evaluate: build the layers only (metrics need targets to build).
             if not all(layer.built for layer in model._flatten_layers()):
                 model(jax.tree.map(lambda a: np.asarray(a)[:1], sample["x"]), training=False)
@@ -166,9 +184,9 @@ class KerasAdapter(ModelAdapter):
         }
         model.reset_metrics()
         self._metrics_init = [np.asarray(v.value) for v in model.metrics_variables]
-        if y is not None and (self.custom["train_step"] or self.custom["test_step"]):
+        if full and (self.custom["train_step"] or self.custom["test_step"]):
             self._extras = self._find_extra_logs(sample)
-        self._built = "full" if y is not None else "layers"
+        self._built = "full" if full else "layers"
 
     def _find_extra_logs(self, sample: dict[str, PyTree]) -> dict[str, Any]:
         """Traces the custom steps abstractly once: which scalar logs they add to the metric results."""
@@ -355,18 +373,19 @@ class KerasAdapter(ModelAdapter):
             return
         if isinstance(x, dict):
             names = sorted(struct) if isinstance(struct, dict) else [getattr(t, "name", "?") for t in inputs]
+            # Keras takes its inputs by name from a dict holding more keys (unless its inputs are a dict).
             if len(inputs) == 1 and not isinstance(struct, dict):
-                if set(x) != set(names):
+                if not set(names) <= set(x):
                     raise ValueError(f"x is a dict with keys {sorted(x)}, but the model has one input (named "
                                      f"{names[0]!r}). Pass the array itself: fit(x[{next(iter(x))!r}], ...).")
-            elif set(x) != set(names):
+            elif not set(names) <= set(x) or (isinstance(struct, dict) and set(x) != set(names)):
                 raise ValueError(f"x is a dict with keys {sorted(x)}, but the model's inputs are {names}. Pass a "
                                  "dict with exactly those keys.")
             return
         if len(inputs) != 1 or not hasattr(x, "shape") or not hasattr(inputs[0], "shape"):
             return  # several inputs: Keras names the mismatch itself
         want, got = tuple(inputs[0].shape[1:]), tuple(x.shape[1:])
-        if not fits(got, want):
+        if not fits(_as_functional_adjusts(got, want), want):
             dims = ["any" if d is None else str(d) for d in want]
             example = "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
             raise ValueError(f"x has shape {shape_text(x.shape)} but the model takes inputs of shape "
@@ -553,6 +572,16 @@ def keep_layout(variable: Any, sharding: jax.sharding.Sharding | None) -> None:
     value = getattr(variable, "_value", None)
     if value is not None and not (isinstance(value, jax.Array) and value.is_deleted()):  # (donated: replaced next)
         variable._direct_assign(value)
+
+
+def _as_functional_adjusts(got: tuple[Any, ...], want: tuple[Any, ...]) -> tuple[Any, ...]:
+    """An input's per-example shape as a Keras functional model adjusts it to its ``keras.Input``
+    (``Functional._adjust_input_rank``): a trailing axis of 1 dropped, or added where the input ends in 1."""
+    if len(got) == len(want) + 1 and got[-1:] == (1,):
+        return got[:-1]
+    if len(got) == len(want) - 1 and want[-1:] == (1,):
+        return got + (1,)
+    return got
 
 
 def _local_replica(a: Any) -> Any:

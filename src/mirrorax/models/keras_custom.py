@@ -3,11 +3,15 @@
 When a model's class overrides one of them (the JAX backend's stateless signature:
 ``train_step(self, state, data) -> (logs, state)`` with ``state = (trainable_variables,
 non_trainable_variables, optimizer_variables, metrics_variables)``), the jitted step calls it on the
-padded global batch, as Keras's own loop would on one device. The override gets
-``data = (x, y, sample_weight)`` with ``sample_weight = user weight * mask * rows / real_rows``, the
-weights the adapter gives Keras's loss, so a ``compute_loss(..., sample_weight)`` in it is the mean over
-the real rows. While it is traced, the model's ``compute_metrics`` and loss tracker count real rows
-only (unless the class overrides ``compute_metrics`` too), so its metrics stay exact.
+global batch, as Keras's own loop would on one device. The override gets ``data`` packed as Keras's
+data adapters pack it (``keras.utils.pack_x_y_sample_weight``): ``x`` (``(x,)`` for a tuple or list of
+inputs) without targets, ``(x, y)`` without sample weights, ``(x, y, sample_weight)`` with them (or with
+``class_weight``), so ``x, y = data`` works where it works in Keras. Given weights arrive as
+``user weight * mask * rows / real_rows``, the weights the adapter gives Keras's loss: a
+``compute_loss(..., sample_weight)`` in it is the mean over the real rows. While it is traced, the
+model's ``compute_metrics`` and loss tracker count real rows only (unless the class overrides
+``compute_metrics`` too), so its metrics stay exact. (Without weights the override sees every row of the
+batch it is given: the rows of a short last batch must be real ones, not padding, for Keras's numbers.)
 
 Logs the override adds (``logs["my_metric"] = ...``, scalars) ride in the metrics state as two slots
 per name, ``~<kind>/<name>`` (the last value) and ``~<kind>/<name>#set``, and come back with the
@@ -23,10 +27,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from mirrorax.inputs.batch import UNWEIGHTED
 from mirrorax.models.base import real_count
 
 __all__ = ["overrides", "extra_slots", "call_train_step", "call_test_step", "call_predict_step",
-           "extra_logs", "store_logs", "EXTRA_PREFIX"]
+           "data_of", "pack_inputs", "extra_logs", "store_logs", "EXTRA_PREFIX"]
 
 EXTRA_PREFIX = "~"
 _SET = "#set"
@@ -116,12 +121,26 @@ def exact_metrics(model: Any, batch: dict[str, Any]) -> Iterator[None]:
             object.__delattr__(obj, name)
 
 
+def data_of(batch: dict[str, Any]) -> Any:
+    """A global batch as Keras's own ``fit`` / ``evaluate`` hands it to ``train_step`` / ``test_step``."""
+    if batch.get("y") is None:
+        return pack_inputs(batch["x"])
+    if UNWEIGHTED in batch:
+        return batch["x"], batch["y"]
+    return batch["x"], batch["y"], _weights(batch)
+
+
+def pack_inputs(x: Any) -> Any:
+    """Inputs alone as Keras packs them (``pack_x_y_sample_weight(x)``): a tuple or list wrapped in a
+    1-tuple, anything else as it is."""
+    return (x,) if isinstance(x, (tuple, list)) else x
+
+
 def call_train_step(model: Any, params: list, model_state: list, opt_vars: list, metrics: list,
                     batch: dict[str, Any]) -> tuple[dict[str, Any], tuple]:
     """The model's own ``train_step`` on a global batch: ``(logs, (params, model_state, opt, metrics))``."""
     with exact_metrics(model, batch):
-        logs, state = model.train_step((params, model_state, opt_vars, metrics),
-                                       (batch["x"], batch["y"], _weights(batch)))
+        logs, state = model.train_step((params, model_state, opt_vars, metrics), data_of(batch))
     return _check_logs(model, "train_step", logs), tuple(state)
 
 
@@ -129,13 +148,13 @@ def call_test_step(model: Any, params: list, model_state: list, metrics: list, b
                    ) -> tuple[dict[str, Any], tuple]:
     """The model's own ``test_step`` on a global batch: ``(logs, (params, model_state, metrics))``."""
     with exact_metrics(model, batch):
-        logs, state = model.test_step((params, model_state, metrics), (batch["x"], batch["y"], _weights(batch)))
+        logs, state = model.test_step((params, model_state, metrics), data_of(batch))
     return _check_logs(model, "test_step", logs), tuple(state)
 
 
 def call_predict_step(model: Any, params: list, model_state: list, x: Any) -> Any:
     """The model's own ``predict_step`` on a global batch of inputs: its outputs."""
-    outputs, _ = model.predict_step((params, model_state), (x,))
+    outputs, _ = model.predict_step((params, model_state), pack_inputs(x))
     return outputs
 
 
@@ -148,7 +167,9 @@ def _check_logs(model: Any, name: str, logs: Any) -> dict[str, Any]:
 
 def scalar_log_names(logs: dict[str, Any], known: set[str]) -> list[str]:
     """The names of ``logs`` (abstract values) that are scalars and not metric results."""
-    return [k for k, v in logs.items() if k not in known and tuple(getattr(v, "shape", jnp.shape(v))) == ()]
+    # A dict (a CompileMetrics' result, as keras.io's guide logs it) is no scalar: its metrics are in known.
+    return [k for k, v in logs.items() if k not in known and not isinstance(v, dict)
+            and tuple(getattr(v, "shape", jnp.shape(v))) == ()]
 
 
 def abstract(tree: Any) -> Any:

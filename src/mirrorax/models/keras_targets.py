@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-__all__ = ["output_spec", "loss_entries", "resolve", "check_target_shape", "fits", "shape_text"]
+__all__ = ["output_spec", "loss_entries", "resolve", "check_target_shape", "fits", "same_rank", "shape_text"]
 
 
 def output_spec(model: Any, x: Any, keras: Any) -> Any:
@@ -42,8 +42,15 @@ def loss_entries(model: Any, output_spec: Any, keras: Any) -> list[Any]:
     user = getattr(cl, "_user_loss", None)
     if user is None or isinstance(user, (dict, list, tuple)) or isinstance(output_spec, (dict, list, tuple)):
         return []
+    if isinstance(user, str) and user.lower() in ("crossentropy", "ce"):
+        return []  # Keras picks the loss from the targets it first sees: nothing to check before that
     loss = keras.losses.get(user) if isinstance(user, str) else user
     name = user if isinstance(user, str) else getattr(loss, "name", getattr(loss, "__name__", "loss"))
+    if not isinstance(loss, keras.losses.Loss):
+        # As Keras's compile wraps a loss function: the wrapper aligns the ranks of targets and outputs.
+        from keras.src.losses.losses import LossFunctionWrapper
+
+        loss = LossFunctionWrapper(loss, name=name)
     return [_LossEntry((), loss, name)]
 
 
@@ -83,7 +90,7 @@ def check_target_shape(name: str, y_t: Any, y_p: Any, entry: Any, fn: Any, keras
         raise ValueError(f"{what}; the loss {entry.name} takes integer class labels of shape "
                          f"{shape_text(y_p.shape[:-1])} (one label per output row).")
     if fn_name in _ONE_HOT_LOSSES:
-        if fits(t, p):
+        if fits(*same_rank(t, p)):
             return
         if (fits(t, p[:-1]) or fits(t, p[:-1] + (1,))) and classes != 1:
             raise ValueError(f"{what}: those look like integer class labels, but the loss {entry.name} takes "
@@ -107,6 +114,17 @@ def check_target_shape(name: str, y_t: Any, y_p: Any, entry: Any, fn: Any, keras
 
 def _output_name(entry: Any) -> str:
     return f" {entry.path[-1]!r}" if entry.path else ""
+
+
+def same_rank(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """Two per-example shapes as Keras's losses align them (``squeeze_or_expand_to_same_rank``): where
+    the ranks differ by one and the longer ends in 1, that axis is dropped (or, against a scalar per
+    example, added to the other)."""
+    if len(a) == len(b) + 1 and a[-1:] == (1,):
+        return (a, b + (1,)) if not b else (a[:-1], b)
+    if len(b) == len(a) + 1 and b[-1:] == (1,):
+        return (a + (1,), b) if not a else (a, b[:-1])
+    return a, b
 
 
 def fits(target: tuple[Any, ...], output: tuple[Any, ...]) -> bool:
