@@ -7,6 +7,7 @@ and compares its History, weights, evaluate and predict at rtol 1e-4. Programs l
 """
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ pytestmark = [pytest.mark.multi_device, pytest.mark.slow]
 _spec = importlib.util.spec_from_file_location("keras_io_run", Path(__file__).parent / "keras_io" / "run.py")
 assert _spec is not None and _spec.loader is not None
 run = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = run  # dataclasses look their module up there
 _spec.loader.exec_module(run)
 
 

@@ -5,13 +5,14 @@ Usage (from the repository root)::
     PYTHONPATH=$PWD/src python tests/keras_io/run.py                 # every program, then the table
     PYTHONPATH=$PWD/src python tests/keras_io/run.py vae_subclassing  # some of them
     PYTHONPATH=$PWD/src python tests/keras_io/run.py --list
+    PYTHONPATH=$PWD/src python tests/keras_io/run.py --no-shuffle NAME  # diagnosis: shuffle=False in both
 
 Each program is a module here (``tests/keras_io/<name>.py``) copied from keras-team/keras-io with its
 model-building and compile code verbatim; only its data (small, learnable, seeded synthetic arrays), its
 sizes and TF-only calls differ. It exposes ``program(strategy_scope) -> dict`` which builds and compiles
 its model inside ``with strategy_scope():`` and fits it as written (default ``shuffle=True``).
 
-Every program runs twice, each time in a fresh process with 4 simulated CPU devices and
+Every program runs twice, side by side, each in a fresh process with 4 simulated CPU devices and
 ``keras.utils.set_random_seed(SEED)``: plain Keras (``strategy_scope`` is a no-op) and under
 ``mx.MirroredStrategy(devices=jax.devices()[:4]).scope()``. Every number the program returns (History,
 weights, evaluate, predict) must agree: ``|scoped - plain| <= RTOL * |plain| + ATOL`` elementwise, with
@@ -45,12 +46,31 @@ RTOL = 1e-4
 # Weights that end near zero (a bias after two epochs) compare on their absolute difference: 1e-6 is
 # about eight float32 ulps of a weight of order 1, far below any training difference.
 ATOL = 1e-6
-TIMEOUT_S = 300
+TIMEOUT_S = 600
 _NO_SHUFFLE = "KERAS_IO_DIAGNOSE_NO_SHUFFLE"
 
 # Programs that cannot match yet, with the issue-17 item that breaks them. The lead empties this after
 # merging the fixes; a listed program that matches is reported as XPASS (and fails its pytest test).
-EXPECTED_FAILURES: dict[str, str] = {}
+_SHUFFLE = "issue 17 item 5 (Keras's shuffle order)"
+EXPECTED_FAILURES: dict[str, str] = {
+    "bidirectional_lstm_imdb": f"issue 17 item 3 ((n,) binary targets refused); then {_SHUFFLE}",
+    "collaborative_filtering": f"issue 17 item 6 (padding rows enter ops.tensordot over the batch); {_SHUFFLE}",
+    "custom_train_step_jax": ("NOT an issue-17 item: a custom train_step's logs hold CompileMetrics' dict "
+                              "({'mae': ...}); Keras flattens nested logs (pythonify_logs), mirrorax's "
+                              "keras_custom.store_logs raises TypeError float() ... not 'dict'"),
+    "custom_train_step_jax_lowlevel": ("issue 17 item 1 (train_step's data: mirrorax passes a sample_weight "
+                                       "where Keras passes None; Mean.update_state(loss, sample_weight) fails)"),
+    "endpoint_layer_pattern": "issue 17 item 2 (fit without y, the loss from add_loss)",
+    "functional_api_tickets": f"issue 17 item 4 (per-output losses with a short last batch); {_SHUFFLE}",
+    "preprocessing_normalization": _SHUFFLE,
+    "text_classification_transformer": f"{_SHUFFLE} (not yet confirmed with --no-shuffle)",
+    "timeseries_weather_lstm": _SHUFFLE,
+    "training_guide": _SHUFFLE,
+    "training_guide_endpoint": "issue 17 item 2 (fit without y, the loss from add_loss)",
+    "vae_subclassing": f"issue 17 item 6 (padding rows enter the KL term's ops.mean); {_SHUFFLE}",
+    "working_with_rnns": _SHUFFLE,
+    "writing_callbacks": _SHUFFLE,
+}
 
 
 def programs() -> list[str]:
