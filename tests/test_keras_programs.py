@@ -115,6 +115,15 @@ def test_custom_train_step_unpacking_x_y_gives_keras_numbers(n):
     _assert_same(_fit(_unpacks_two, None, x, y), _fit(_unpacks_two, n, x, y))
 
 
+def test_a_custom_step_weighing_its_loss_tracker_itself_keeps_keras_weights():
+    """keras.io's JAX guide updates the loss tracker with no sample_weight (each batch counts once) and
+    Keras's own step with the batch's row count; a short last batch (100 rows, batch 24) tells them apart."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(100, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1))).astype("float32")
+    _assert_same(_fit(_unpacks_two, None, x, y), _fit(_unpacks_two, 3, x, y))
+
+
 @pytest.mark.slow  # several fits and traces
 def test_custom_steps_get_data_packed_as_keras_packs_it():
     # (x, y) without weights, (x, y, sample_weight) with them or with class_weight: each traced anew

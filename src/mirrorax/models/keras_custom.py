@@ -109,8 +109,15 @@ def exact_metrics(model: Any, batch: dict[str, Any]) -> Iterator[None]:
     if tracker is not None:
         original = tracker.update_state
 
+        rows = mask.shape[0]
+
         def update_state(values, sample_weight=None):
-            return original(values, sample_weight=real_count(batch))
+            # Keras's own steps weigh the loss by the batch's row count (``x.shape[0]``), which counts any
+            # padding: that weight becomes the real count. A weight of the step's own (``None``: each
+            # batch counts once, as keras.io's JAX guide updates it) is Keras's, and stays.
+            if isinstance(sample_weight, int) and sample_weight == rows:
+                sample_weight = real_count(batch)
+            return original(values, sample_weight=sample_weight)
 
         object.__setattr__(tracker, "update_state", update_state)
         patched.append((tracker, "update_state"))
