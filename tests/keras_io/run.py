@@ -51,26 +51,7 @@ _NO_SHUFFLE = "KERAS_IO_DIAGNOSE_NO_SHUFFLE"
 
 # Programs that cannot match yet, with the issue-17 item that breaks them. The lead empties this after
 # merging the fixes; a listed program that matches is reported as XPASS (and fails its pytest test).
-_SHUFFLE = "issue 17 item 5 (Keras's shuffle order)"
-EXPECTED_FAILURES: dict[str, str] = {
-    "bidirectional_lstm_imdb": f"issue 17 item 3 ((n,) binary targets refused); then {_SHUFFLE}",
-    "collaborative_filtering": f"issue 17 item 6 (padding rows enter ops.tensordot over the batch); {_SHUFFLE}",
-    "custom_train_step_jax": ("NOT an issue-17 item: a custom train_step's logs hold CompileMetrics' dict "
-                              "({'mae': ...}); Keras flattens nested logs (pythonify_logs), mirrorax's "
-                              "keras_custom.store_logs raises TypeError float() ... not 'dict'"),
-    "custom_train_step_jax_lowlevel": ("issue 17 item 1 (train_step's data: mirrorax passes a sample_weight "
-                                       "where Keras passes None; Mean.update_state(loss, sample_weight) fails)"),
-    "endpoint_layer_pattern": "issue 17 item 2 (fit without y, the loss from add_loss)",
-    "functional_api_tickets": f"issue 17 item 4 (per-output losses with a short last batch); {_SHUFFLE}",
-    "preprocessing_normalization": _SHUFFLE,
-    "text_classification_transformer": f"{_SHUFFLE} (not yet confirmed with --no-shuffle)",
-    "timeseries_weather_lstm": _SHUFFLE,
-    "training_guide": _SHUFFLE,
-    "training_guide_endpoint": "issue 17 item 2 (fit without y, the loss from add_loss)",
-    "vae_subclassing": f"issue 17 item 6 (padding rows enter the KL term's ops.mean); {_SHUFFLE}",
-    "working_with_rnns": _SHUFFLE,
-    "writing_callbacks": _SHUFFLE,
-}
+EXPECTED_FAILURES: dict[str, str] = {}
 
 
 def programs() -> list[str]:
