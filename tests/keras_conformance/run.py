@@ -29,13 +29,17 @@ HERE = Path(__file__).resolve().parent
 EXCLUDED = ("remote_monitor_test.py", "swap_ema_weights_test.py", "tensorboard_test.py")  # TF or network
 
 # Tests that cannot pass under the scope by design, with the reason. Keyed by "file::Class::test".
-_SPARSE = ("sparse inputs (jax BCOO, scipy.sparse) are refused: mirrorax's input pipeline pads and shards "
-           "dense global batches")
+_SPARSE = ("sparse inputs (jax BCOO, scipy.sparse, tf.SparseTensor) are refused: mirrorax's input pipeline pads "
+           "and shards dense global batches")
 _DISTRIBUTION = ("a ModelParallel distribution set under the scope is refused with the way on: mirrorax would "
                  "replace its layout map with replicated variables (issue 17)")
 EXPECTED_FAILURES: dict[str, str] = {
     **{f"trainer_test.py::TestTrainer::test_{kind}_sparse_{lib}_graph": _SPARSE
-       for kind in ("fit", "evaluate", "predict") for lib in ("jax", "scipy")},
+       for kind in ("fit", "evaluate", "predict") for lib in ("jax", "scipy", "tf")},
+    "trainer_test.py::JAXTrainerCorrectnessTest::test_jit_fit_with_out_shardings_logic_distributed": (
+        "a keras.distribution.DataParallel opened inside the scope: the model is the scope's strategy's, its "
+        "variables laid out as that strategy lays them (one replicated NamedSharding on its devices), not "
+        "per variable on DataParallel's own mesh as the test asserts (issue 17)"),
     "orbax_checkpoint_test.py::OrbaxCheckpointTest::test_distributed_checkpoint_functionality": _DISTRIBUTION,
     "orbax_checkpoint_test.py::OrbaxCheckpointTest::test_distributed_checkpoint_resharding": _DISTRIBUTION,
 }
