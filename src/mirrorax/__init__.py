@@ -13,6 +13,7 @@ Example:
   >>> history = mx.Trainer(model).fit(x, y, batch_size=256, epochs=5)
 """
 
+from mirrorax._version import __version__ as __version__
 from mirrorax.cache import enable_compilation_cache as enable_compilation_cache
 from mirrorax.cluster import ClusterError as ClusterError
 from mirrorax.cluster import ClusterInfo as ClusterInfo
@@ -38,8 +39,6 @@ from mirrorax.train_state import TrainState as TrainState
 from mirrorax.trainer import History as History
 from mirrorax.trainer import NonFiniteLossError as NonFiniteLossError
 from mirrorax.trainer import Trainer as Trainer
-
-__version__ = "0.1.0"
 
 # The checkpoint layer imports Orbax and TensorStore (~25 MB of resident memory): loaded on first use.
 _LAZY = {"CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer"}

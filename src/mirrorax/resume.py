@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from mirrorax._version import __version__
 from mirrorax.inputs.batch import Batch
 from mirrorax.inputs.position import InputState
 from mirrorax.step import host_value
@@ -81,18 +82,12 @@ class Saver:
         step = int(host_value(state.step))
         meta = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "run": self.run,
                 "history": self.history.as_dict(), "sample_spec": self.spec,
-                "mirrorax_version": _version()}
+                "mirrorax_version": __version__}
         if batch_in_epoch and self.inputs is not None:
             position = self.inputs.state_at(batch_in_epoch)
             if position is not None:
                 meta["input_state"] = position
         self.ckpt.save(step, state, meta)
-
-
-def _version() -> str:
-    from mirrorax import __version__
-
-    return __version__
 
 
 def sample_spec(sample: Batch) -> dict[str, Any]:
