@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from mirrorax import _keras_env
+from mirrorax.models.base import attach_strategy, strategy_of
 
 if TYPE_CHECKING:
     from mirrorax.strategy import MirroredStrategy
@@ -35,11 +36,6 @@ _lock = threading.Lock()
 _open_scopes = 0
 _saved: dict[str, Any] = {}
 _ROUTED = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
-
-
-def strategy_of(model: Any) -> MirroredStrategy | None:
-    """The strategy ``model`` was created or compiled under, or ``None``."""
-    return model.__dict__.get("_mirrorax_strategy") if hasattr(model, "__dict__") else None
 
 
 def enter(strategy: MirroredStrategy) -> None:
@@ -97,7 +93,7 @@ def _attach(model: Any, strategy: MirroredStrategy) -> None:
     # A model is a layer mixed with a Trainer (keras.Model is one; Keras's own tests build others).
     if not (isinstance(model, KerasTrainer) and isinstance(model, keras.layers.Layer)):
         return
-    object.__setattr__(model, "_mirrorax_strategy", strategy)  # not a tracked Keras attribute
+    attach_strategy(model, strategy)
     _mirror_variables(model, strategy)
     for name in _ROUTED:
         # A method the model's class overrides itself stays the user's.

@@ -21,7 +21,7 @@ from mirrorax.train_state import TrainState
 
 PyTree = Any
 
-__all__ = ["ModelAdapter", "SparseTarget", "adapt", "real_count"]
+__all__ = ["ModelAdapter", "SparseTarget", "attach_strategy", "real_count", "strategy_of"]
 
 
 class SparseTarget(NamedTuple):
@@ -165,26 +165,16 @@ class ModelAdapter(abc.ABC):
         """Creates every variable from a host sample batch, before :meth:`initial_state`."""
 
 
-def adapt(model: Any, *, loss: Any = None, optimizer: Any = None, metrics: Any = None,
-          mixed_precision: str | None = None) -> ModelAdapter:
-    """The adapter for ``model``: a Keras 3 model or a :class:`mirrorax.FunctionalModel`.
+# A Keras model made or compiled under a strategy's scope carries its strategy here (not a tracked Keras
+# attribute): its own fit, evaluate and predict run on it, and mx.plan plans on it.
+_STRATEGY_ATTR = "_mirrorax_strategy"
 
-    Raises:
-      TypeError: ``model`` is of a kind mirrorax does not train.
-    """
-    from mirrorax.models.functional import FunctionalModel
 
-    if isinstance(model, ModelAdapter):
-        return model
-    if isinstance(model, FunctionalModel):
-        if mixed_precision is not None:
-            raise ValueError("mixed_precision applies to Keras models; a FunctionalModel chooses its own compute "
-                             "dtype inside apply_fn (cast params and inputs to bfloat16 there).")
-        return model.adapter(loss=loss, optimizer=optimizer, metrics=metrics)
-    mod = type(model).__module__
-    if mod.startswith("keras") or any(c.__module__.startswith("keras") for c in type(model).__mro__):
-        from mirrorax.models.keras import KerasAdapter
+def strategy_of(model: Any) -> Any:
+    """The strategy ``model`` was created or compiled under (see :func:`attach_strategy`), or ``None``."""
+    return model.__dict__.get(_STRATEGY_ATTR) if hasattr(model, "__dict__") else None
 
-        return KerasAdapter(model, loss=loss, optimizer=optimizer, metrics=metrics, mixed_precision=mixed_precision)
-    raise TypeError(f"Trainer takes a Keras 3 model or a mirrorax.FunctionalModel; received {model!r} (of type "
-                    f"{type(model).__name__}). Wrap plain JAX code as FunctionalModel(apply_fn, params, ...).")
+
+def attach_strategy(model: Any, strategy: Any) -> None:
+    """Records that ``model`` belongs to ``strategy`` (``mirrorax.keras_fit``, under ``strategy.scope()``)."""
+    object.__setattr__(model, _STRATEGY_ATTR, strategy)
