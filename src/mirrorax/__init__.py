@@ -22,8 +22,8 @@ from mirrorax.inputs.distributed import DistributedBatch as DistributedBatch
 from mirrorax.inputs.distributed import DistributedDataset as DistributedDataset
 from mirrorax.models.base import ModelAdapter as ModelAdapter
 from mirrorax.models.functional import FunctionalModel as FunctionalModel
-from mirrorax.plan import Plan as Plan
-from mirrorax.plan import plan as plan
+from mirrorax.planner import Plan as Plan
+from mirrorax.planner import plan as plan
 from mirrorax.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
 from mirrorax.preemption import Preempted as Preempted
 from mirrorax.replica import ReduceOp as ReduceOp

@@ -1,9 +1,11 @@
-"""The epoch loop's hooks: each per-step concern of ``Trainer.fit`` its own small unit.
+"""The loop's hooks: each per-step concern of ``fit``, ``evaluate`` and ``predict`` its own small unit.
 
-The epoch (``Trainer._run_epoch``) is a plain loop: dispatch a step, place the next batch, then ask each
-hook in turn what the step means for it, in the way levanter's ``Trainer`` runs its hooks. The hooks:
+The loop (:mod:`mirrorax.loop`) is plain: dispatch a step, place the next batch, push the step into the
+strategy's window, then ask each hook in turn what the step means for it, in the way levanter's
+``Trainer`` runs its hooks. The hooks:
 
 * :class:`BatchCallbacks`: Keras's ``on_train_batch_begin`` / ``on_train_batch_end``, once per execution;
+* :class:`TestBatchCallbacks`, :class:`PredictBatchCallbacks`: the same for ``evaluate`` and ``predict``;
 * :class:`HaltWatch`: a glance, twice a second, at a finished step's sticky "training froze" flag (a
   non-finite step under ``on_nonfinite="raise"``, a label outside the classes);
 * :class:`PreemptionStop`: on SIGTERM, the same step on every process: checkpoint and stop;
@@ -11,7 +13,7 @@ hook in turn what the step means for it, in the way levanter's ``Trainer`` runs 
 * :class:`ProgressHook`: the progress line.
 
 A hook sees the loop's :class:`EpochRun` (the state after the step, the window of steps in flight, the
-counts) and returns ``None`` to go on or an :class:`Outcome` that ends the epoch. Hooks that need the
+counts) and returns ``None`` to go on or an :class:`Outcome` that ends the loop. Hooks that need the
 devices to be done first (a checkpoint, a flag read) drain the window themselves; the others never wait.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,8 +37,8 @@ if TYPE_CHECKING:
     from mirrorax.progress import Progress
     from mirrorax.step import StepFunctions
 
-__all__ = ["Outcome", "EpochRun", "EpochHook", "BatchCallbacks", "HaltWatch", "PreemptionStop", "PeriodicSave",
-           "ProgressHook"]
+__all__ = ["Outcome", "EpochRun", "EpochHook", "BatchCallbacks", "TestBatchCallbacks", "PredictBatchCallbacks",
+           "HaltWatch", "PreemptionStop", "PeriodicSave", "ProgressHook"]
 
 PyTree = Any
 
@@ -43,37 +46,48 @@ PyTree = Any
 class Outcome(enum.Enum):
     """How an epoch ended early."""
 
-    STOP = "stop"  # a callback set model.stop_training
+    STOP = "stop"  # a callback set model.stop_training (stop_evaluating, stop_predicting)
     HALT = "halt"  # training froze: a non-finite step (on_nonfinite="raise") or a bad label
     PREEMPT = "preempt"  # SIGTERM: saved (where asked) and stopping on every process
 
 
 @dataclasses.dataclass
 class EpochRun:
-    """What the epoch loop knows after dispatching a step (the step itself may still be running).
+    """What the loop (an epoch, an evaluation, a prediction) knows after dispatching a step (the step
+    itself may still be running).
 
     Attributes:
       state: the training state after the step (on its way: reading it waits for the step).
-      window: the steps in flight; ``window.last_done`` is the newest finished step's ``aux``.
+      window: the strategy's window of steps in flight.
       start_batch: the epoch's first batch (non-zero when resuming mid-epoch).
       first_step: the state's step counter when the epoch started.
       total: batches in the epoch (``None``: until the data ends).
+      metrics: the metric accumulators an evaluation carries from step to step (``None`` otherwise).
       steps: steps done in this call (after the newest); before: steps done before the newest.
       samples: real examples trained on in this call.
       aux: the newest step's outputs besides the state (its logs and flags, device values).
       last: whether the newest step used the epoch's last batch.
+      last_done: the ``aux`` of this loop's newest finished step (``None`` before the first).
+      relook: a hook replaced the state: the loop looks its program up again.
     """
 
     state: PyTree
     window: InFlight
-    start_batch: int
-    first_step: int
-    total: int | None
+    start_batch: int = 0
+    first_step: int = 0
+    total: int | None = None
+    metrics: PyTree = None
     steps: int = 0
     before: int = 0
     samples: int = 0
     aux: Any = None
     last: bool = False
+    last_done: Any = None
+    relook: bool = False
+
+    def retire(self, aux: Any) -> None:
+        """The window's ``on_done`` for this loop's steps: ``aux`` is the newest finished step's."""
+        self.last_done = aux
 
     @property
     def in_epoch(self) -> int:
@@ -89,8 +103,9 @@ class EpochRun:
 class EpochHook:
     """One per-step concern of the epoch loop. Both methods do nothing unless overridden."""
 
-    def before_step(self, run: EpochRun) -> None:
-        """Called before a step is dispatched."""
+    def before_step(self, run: EpochRun) -> Outcome | None:
+        """Called before a step is dispatched; an outcome ends the loop before it."""
+        return None
 
     def after_step(self, run: EpochRun) -> Outcome | None:
         """Called after a step is dispatched and the next batch placed; an outcome ends the epoch."""
@@ -111,11 +126,11 @@ class BatchCallbacks(EpochHook):
         self.hooks, self.spe, self.end_hook, self.model = hooks, steps_per_execution, end_hook, model
         self.begin = hooks.listens["train_begin"]
         self.end = hooks.listens["train_end"]
-        self.changed = False  # the state was replaced by a callback: the loop looks its program up again
 
-    def before_step(self, run: EpochRun) -> None:
+    def before_step(self, run: EpochRun) -> Outcome | None:
         if self.begin and run.steps % self.spe == 0:
             self.hooks.call("on_train_batch_begin", run.start_batch + run.steps)
+        return None
 
     def after_step(self, run: EpochRun) -> Outcome | None:
         if not self.end or not (run.steps % self.spe == 0 or run.last):
@@ -123,8 +138,65 @@ class BatchCallbacks(EpochHook):
         # As Keras: an execution ends at begin + steps_per_execution - 1, a short last one too.
         index = run.start_batch + run.before - run.before % self.spe + self.spe - 1
         run.state = self.end_hook(index, run.aux["logs"], run.state)
-        self.changed = True
+        run.relook = True  # a callback may have placed new values
         return Outcome.STOP if getattr(self.model, "stop_training", False) else None
+
+
+class TestBatchCallbacks(EpochHook):
+    """Keras's ``on_test_batch_begin`` / ``on_test_batch_end`` in ``evaluate``, once per execution (a short
+    last one too), as Keras; a callback's ``model.stop_evaluating`` ends the evaluation.
+
+    Args:
+      hooks: the callbacks. steps_per_execution: steps per execution.
+      end_hook: ``(index, logs, run) -> state``: runs ``on_test_batch_end`` with the run's state and
+        metrics exposed to the model; returns the state to go on from.
+      model: the Keras model (its ``stop_evaluating`` flag) or any object.
+    """
+
+    def __init__(self, hooks: Callbacks, steps_per_execution: int,
+                 end_hook: Callable[[int, Any, EpochRun], PyTree], model: Any) -> None:
+        self.hooks, self.spe, self.end_hook, self.model = hooks, steps_per_execution, end_hook, model
+        self.begin = hooks.listens["test_begin"]
+        self.end = hooks.listens["test_end"]
+
+    def before_step(self, run: EpochRun) -> Outcome | None:
+        if self.begin and run.steps % self.spe == 0:
+            self.hooks.call("on_test_batch_begin", run.steps)
+        return None
+
+    def after_step(self, run: EpochRun) -> Outcome | None:
+        if not self.end or not (run.steps % self.spe == 0 or run.last):
+            return None
+        run.state = self.end_hook(run.before - run.before % self.spe + self.spe - 1, run.aux["logs"], run)
+        run.relook = True
+        return Outcome.STOP if getattr(self.model, "stop_evaluating", False) else None
+
+
+class PredictBatchCallbacks(EpochHook):
+    """Keras's ``on_predict_batch_begin`` in ``predict``, once per execution, and its ``model.stop_predicting``
+    (the outputs, and ``on_predict_batch_end`` with them, come as each step leaves the window: see
+    :mod:`mirrorax.loop`).
+
+    Keras calls ``on_predict_batch_end(k)`` before ``on_predict_batch_begin(k + 1)``: when both hooks
+    listen, the window is drained before each execution's begin hook, so that the order shows as Keras's.
+    """
+
+    def __init__(self, hooks: Callbacks, steps_per_execution: int, model: Any) -> None:
+        self.hooks, self.spe, self.model = hooks, steps_per_execution, model
+        self.begin = hooks.listens["predict_begin"]
+        self.end = hooks.listens["predict_end"]
+
+    def before_step(self, run: EpochRun) -> Outcome | None:
+        if self.begin and run.steps % self.spe == 0:
+            if self.end and run.steps:
+                run.window.drain()
+                if getattr(self.model, "stop_predicting", False):
+                    return Outcome.STOP
+            self.hooks.call("on_predict_batch_begin", run.steps)
+        return None
+
+    def after_step(self, run: EpochRun) -> Outcome | None:
+        return Outcome.STOP if getattr(self.model, "stop_predicting", False) else None
 
 
 class HaltWatch(EpochHook):
@@ -140,7 +212,7 @@ class HaltWatch(EpochHook):
         self.last_look = time.perf_counter()
 
     def after_step(self, run: EpochRun) -> Outcome | None:
-        done = run.window.last_done
+        done = run.last_done
         if done is None or time.perf_counter() - self.last_look <= self.interval:
             return None
         self.last_look = time.perf_counter()

@@ -246,16 +246,13 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
         # Keras runs whole executions: an epoch's steps_per_epoch rounds up to a multiple of them.
         per_execution = trainer.steps_per_execution
         steps_per_epoch = -(-steps_per_epoch // per_execution) * per_execution
-    # No plan line: Keras's fit prints none. What a user must know (the step will not fit a device's
-    # memory) still raises; mx.plan(model, x, y) prints the plan on request.
-    trainer._plan_line = False
-    try:
-        trainer.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=callbacks,
-                    validation_data=validation_data, shuffle=shuffle, sample_weight=sample_weight,
-                    initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-                    validation_batch_size=validation_batch_size, validation_freq=validation_freq)
-    finally:
-        trainer._plan_line = None
+    # verbose=0: Keras's own progress bar (a callback) speaks, and fit prints no plan line, as Keras's fit
+    # prints none. What a user must know (the step will not fit a device's memory) still raises;
+    # mx.plan(model, x, y) prints the plan on request.
+    trainer.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=callbacks,
+                validation_data=validation_data, shuffle=shuffle, sample_weight=sample_weight,
+                initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+                validation_batch_size=validation_batch_size, validation_freq=validation_freq)
     return self.history
 
 

@@ -1,9 +1,11 @@
-"""The jitted train / eval / predict steps, and the bounded window of steps in flight.
+"""The train / eval / predict steps, each a public ``strategy.jit`` function.
 
-A train step is a pure function ``(state, batch) -> (state, aux)`` jitted once over the global batch:
-state replicated (``NamedSharding(mesh, P())``) and donated, batch split over the batch axis. XLA's
-partitioner inserts the all-reduce of gradients and metric sums, so the numbers are the single-device
-numbers whatever the device count.
+A train step is a pure function ``(state, batch) -> (state, aux)`` compiled once over the global batch
+by :meth:`MirroredStrategy.jit` with known output layouts (``out_shardings=``): the state comes back in
+the layout it went in with (replicated, or split in the sharded modes) and is donated, the batch is
+split over the batch axis. XLA's partitioner inserts the all-reduce of gradients and metric sums, so the
+numbers are the single-device numbers whatever the device count. The loop (:mod:`mirrorax.loop`) calls
+each step's compiled ``program`` and pushes it into the strategy's dispatch window, as a custom loop can.
 
 A batch whose padding sits at its end carries its real row count statically (``batch["rows"]``, a
 :class:`~mirrorax.inputs.batch.RealRows`): every step first cuts it to those rows
@@ -39,14 +41,13 @@ import numpy as np
 
 from mirrorax import batch_sums
 from mirrorax.as_made import split_transposes
-from mirrorax.dispatch import InFlight, StrategyFunction, layout
+from mirrorax.dispatch import layout
 from mirrorax.inputs.batch import RealRows
 from mirrorax.models.base import ModelAdapter, real_count
 from mirrorax.strategy import MirroredStrategy
 from mirrorax.train_state import TrainState
 
-__all__ = ["StepFunctions", "InFlight", "NONFINITE_MODES", "NonFiniteMode", "host_value", "host_tree",
-           "real_rows_only"]
+__all__ = ["StepFunctions", "NONFINITE_MODES", "NonFiniteMode", "host_value", "host_tree", "real_rows_only"]
 
 PyTree = Any
 NonFiniteMode = Literal["raise", "skip", "ignore"]
@@ -130,8 +131,10 @@ class StepFunctions:
                              "step; the model overrides train_step, which sees the whole global batch. Use "
                              "accumulation_steps=1, or drop the train_step override.")
         rep = strategy.replicated
-        self.evaluate = jax.jit(self._eval_with_logs, donate_argnums=(1,), out_shardings=rep)
-        self.predict = jax.jit(self._predict_step, out_shardings=(strategy.batch_sharding, rep))
+        # Evaluation: the metrics donated and returned, all replicated; prediction: the outputs split as
+        # the batch is, the model state replicated.
+        self.evaluate = strategy.jit(self._eval_with_logs, donate_argnums=1, out_shardings=rep)
+        self.predict = strategy.jit(self._predict_step, out_shardings=(strategy.batch_sharding, rep))
         self._donate_args = (0,) if donate else ()
         self._check_labels = True
         self._variants: dict[bool, tuple[Any, Any]] = {}
@@ -148,22 +151,23 @@ class StepFunctions:
             self._check_labels = bool(on)
             self._select()
 
-    def _out(self, args: tuple[Any, ...]) -> Any:
+    def _out(self, state: Any, *_: Any) -> Any:
         """The train steps' output layouts: the state as it came in, the step's flags and logs replicated."""
         rep = self.strategy.replicated
-        return layout(args[0], rep), rep
+        return layout(state, rep), rep
 
     def _select(self) -> None:
         flag = self._check_labels
         if flag not in self._variants:
-            # strategy.jit's functions: the state comes back in the layout it went in with (replicated or
-            # sharded), the step's flags and logs replicated; the epoch loop keeps the dispatch bound.
-            # (Their layouts are known, so fn is traced once per signature, as Keras's own fit does.)
+            # The state comes back in the layout it went in with (replicated or sharded), the step's flags
+            # and logs replicated. (Their layouts are known, so fn is traced once per signature, as
+            # Keras's own fit does.)
+            jit = self.strategy.jit
             self._variants[flag] = (
-                StrategyFunction(self.strategy, functools.partial(self._train_with_logs, check_labels=flag),
-                                 donate_argnums=self._donate_args, bounded=False, out_shardings=self._out),
-                StrategyFunction(self.strategy, functools.partial(self._train_many_with_logs, check_labels=flag),
-                                 donate_argnums=self._donate_args, bounded=False, out_shardings=self._out))
+                jit(functools.partial(self._train_with_logs, check_labels=flag), donate_argnums=self._donate_args,
+                    out_shardings=self._out),
+                jit(functools.partial(self._train_many_with_logs, check_labels=flag),
+                    donate_argnums=self._donate_args, out_shardings=self._out))
         self.train, self.train_many = self._variants[flag]
 
     # -- pure functions --------------------------------------------------------------------------
@@ -303,15 +307,12 @@ class StepFunctions:
         return state, jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)
 
     def _eval_step(self, state: TrainState, metrics: PyTree, batch: dict[str, PyTree]):
-        # The mask's sum is the token the host waits on: the metrics themselves are donated onwards, and
-        # a host-sent count would come back as the input buffer itself, ready before the step ran.
-        # (The placed mask's: a cut batch's mask is a constant.)
-        token = jnp.sum(batch["mask"])
+        """The metrics after ``batch``, and its bad-label record (``None``: no integer-label targets)."""
         batch, rows = real_rows_only(batch, self.strategy.batch_sharding)
         with contextlib.nullcontext() if self._even(rows) else batch_sums.whole():
             labels = self._label_record(batch)
             metrics = self.adapter.evaluate(state, metrics, batch)
-        return metrics, (token if labels is None else (token, labels))
+        return metrics, labels
 
     def _label_record(self, batch: dict[str, PyTree]) -> jax.Array | None:
         """``int32[4]``: ``(1, target, row, value)`` for the first real row holding a label outside its
@@ -390,8 +391,8 @@ class StepFunctions:
 
     def _eval_with_logs(self, state: TrainState, metrics: PyTree, batch: dict[str, PyTree]):
         with self._split():
-            metrics, token = self._eval_step(state, metrics, batch)
-        return metrics, {"token": token, "logs": self.adapter.metric_logs(metrics)}
+            metrics, labels = self._eval_step(state, metrics, batch)
+        return metrics, {"labels": labels, "logs": self.adapter.metric_logs(metrics)}
 
     def _split(self) -> Any:
         """While a step is traced: where its batch is split, for sums packed into one all-reduce
@@ -431,13 +432,15 @@ class StepFunctions:
                              step=state.step * 0 + (bad_step - 1))
 
     def eval_watch(self) -> Callable[[Any], None]:
-        """An ``InFlight`` ``on_done`` for evaluation: raises on a batch holding a bad label."""
+        """An ``on_done`` for the evaluation steps' ``aux`` as they leave the dispatch window: raises on a
+        batch holding a bad label."""
         count = itertools.count(1)
 
-        def watch(token: Any) -> None:
+        def watch(aux: Any) -> None:
             index = next(count)
-            if isinstance(token, tuple) and host_value(token[1])[0]:
-                record = host_value(token[1])
+            labels = aux["labels"]
+            if labels is not None and host_value(labels)[0]:
+                record = host_value(labels)
                 raise ValueError(self._label_message(record, f"in row {int(record[2])} of batch {index} of the "
                                                      "evaluated data"))
         return watch
@@ -455,10 +458,8 @@ class StepFunctions:
 
     def compile_counts(self) -> dict[str, int]:
         """How many programs each step kind has compiled (one per placed shape and real row count)."""
-        counts = {"train": self.train.compile_count, "train_many": self.train_many.compile_count}
-        # (``_cache_size``: jax.jit's count of compiled signatures, which its public type does not declare)
-        return dict(counts, evaluate=getattr(self.evaluate, "_cache_size")(),  # noqa: B009
-                    predict=getattr(self.predict, "_cache_size")())  # noqa: B009
+        return {"train": self.train.compile_count, "train_many": self.train_many.compile_count,
+                "evaluate": self.evaluate.compile_count, "predict": self.predict.compile_count}
 
 
 def _same(tree: PyTree) -> PyTree:

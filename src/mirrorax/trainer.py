@@ -1,36 +1,36 @@
 """``Trainer``: fit / evaluate / predict a model on every device of a :class:`MirroredStrategy`.
 
-The loop never waits on the devices unless it must: batches are placed ahead on a background thread,
-steps are dispatched asynchronously with at most ``max_in_flight`` outstanding, and metric values come
-to the host only when shown (progress refresh, end of epoch).
+The Trainer is orchestration: it turns inputs into sources, runs fit's epochs, validation, checkpoints
+and callbacks in Keras's order, on three parts below it: the state on the devices
+(:mod:`mirrorax.device_state`), the compiled steps (:mod:`mirrorax.step`, public ``strategy.jit``
+functions) and the loop that dispatches them (:mod:`mirrorax.loop`), with at most the strategy's
+``max_in_flight`` steps outstanding; metric values come to the host only when shown.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any, Literal
 
-import jax
-
-from mirrorax import consistency, evaluation, preemption
-from mirrorax import epoch as epoch_lib
+from mirrorax import consistency, planner, preemption
 from mirrorax import resume as resume_lib
 from mirrorax._checks import check_int
+from mirrorax.device_state import DeviceState
 from mirrorax.hooks import Callbacks
 from mirrorax.input_checks import check_batch_size
-from mirrorax.inputs.batch import Batch
-from mirrorax.inputs.make import make_source, validation_source
-from mirrorax.inputs.prefetch import Prefetcher, device_batches
+from mirrorax.inputs.arrays import ArraySource
+from mirrorax.inputs.make import class_weights, is_array_tree, make_source, validation_source
+from mirrorax.inputs.placement import to_global
 from mirrorax.inputs.source import Source
-from mirrorax.inputs.streams import Stream, ran_out_of_data
+from mirrorax.inputs.streams import ran_out_of_data
+from mirrorax.loop import Loop, preempted
 from mirrorax.models import adapt
 from mirrorax.models.base import ModelAdapter
-from mirrorax.progress import Progress, resolve_verbose
+from mirrorax.progress import format_logs, resolve_verbose
 from mirrorax.results import History, NonFiniteLossError
-from mirrorax.step import InFlight, NonFiniteMode, StepFunctions, host_tree, host_value
+from mirrorax.step import NonFiniteMode, StepFunctions, host_tree, host_value
 from mirrorax.strategy import MirroredStrategy, get_strategy
 from mirrorax.train_state import TrainState
 
@@ -42,7 +42,10 @@ PyTree = Any
 class Trainer:
     """Trains a model with synchronous data parallelism over a :class:`MirroredStrategy`.
 
-    ``batch_size`` is always the *global* batch: N devices give the single-device result.
+    ``batch_size`` is always the *global* batch: N devices give the single-device result. The steps of
+    ``fit``, ``evaluate`` and ``predict`` go through the strategy's dispatch window: at most
+    ``MirroredStrategy(max_in_flight=k)`` of them are outstanding (2 by default: the host never waits for
+    the step it just dispatched).
 
     Args:
       model: a compiled Keras 3 model (JAX backend) or a :class:`mirrorax.FunctionalModel`.
@@ -53,7 +56,6 @@ class Trainer:
         overhead dominates (small models, many devices).
       accumulation_steps: split each global batch into this many micro-batches (gradient accumulation:
         the same update as the whole batch, with a fraction of the activation memory).
-      max_in_flight: dispatched steps allowed to be outstanding (>= 1; 2 overlaps host and devices).
       prefetch: batches placed on the devices ahead of the running step, on a background thread (0: place
         synchronously, between dispatches). ``"auto"``: 2 on accelerators, 0 on CPU devices, where the
         copy is a memcpy and a second Python thread only competes with XLA's for the cores (measured:
@@ -82,7 +84,7 @@ class Trainer:
 
     def __init__(self, model: Any, strategy: MirroredStrategy | None = None, *, loss: Any = None,
                  optimizer: Any = None, metrics: Any = None, steps_per_execution: int = 1,
-                 accumulation_steps: int = 1, max_in_flight: int = 2, prefetch: int | Literal["auto"] = "auto",
+                 accumulation_steps: int = 1, prefetch: int | Literal["auto"] = "auto",
                  on_nonfinite: NonFiniteMode = "raise", donate: bool = True,
                  mixed_precision: Literal["bfloat16", "float16"] | None = None) -> None:
         if strategy is not None and not isinstance(strategy, MirroredStrategy):
@@ -93,81 +95,43 @@ class Trainer:
             prefetch = 0 if (strategy or get_strategy()).devices[0].platform == "cpu" else 2
         for name, value, low in (("steps_per_execution", steps_per_execution, 1),
                                  ("accumulation_steps", accumulation_steps, 1),
-                                 ("max_in_flight", max_in_flight, 1), ("prefetch", prefetch, 0)):
+                                 ("prefetch", prefetch, 0)):
             check_int(name, value, low)
         self.strategy = strategy or get_strategy()
-        self.model = model
+        self._model = model
         self.adapter: ModelAdapter = adapt(model, loss=loss, optimizer=optimizer, metrics=metrics,
                                            mixed_precision=mixed_precision)
         self.steps_per_execution = steps_per_execution
         self.accumulation_steps = accumulation_steps
-        self.max_in_flight = max_in_flight
         self.prefetch = int(prefetch)  # "auto" is resolved above
         self.steps = StepFunctions(self.adapter, self.strategy, donate=donate, on_nonfinite=on_nonfinite,
                                    accumulation_steps=accumulation_steps)
-        self._state: TrainState | None = None
+        self.device_state = DeviceState(self.adapter, self.strategy)
+        self.loop = Loop(self.device_state, self.steps, model, prefetch=self.prefetch,
+                         steps_per_execution=steps_per_execution)
         self.stream: IO[str] = sys.stdout
         # NaN/inf in array inputs are refused up front unless non-finite steps are to be skipped or
         # ignored: then the user has chosen to train on past them.
         self._refuse_nonfinite = on_nonfinite == "raise"
-        # Whether fit prints the plan's summary line; None: when verbose. (model.fit under a scope runs
-        # this trainer with verbose=0 under Keras's own progress bar, and says here what its verbose was.)
-        self._plan_line: bool | None = None
 
     # -- state -------------------------------------------------------------------------------------
+    @property
+    def model(self) -> Any:
+        """The model trained (its callbacks' ``Callback.model``, its ``stop_training`` flag)."""
+        return self._model
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        self._model = model
+        self.loop.model = model
+
     @property
     def state(self) -> TrainState | None:
         """The training state on the devices, a :class:`mirrorax.TrainState` (``state.params``,
         ``state.model_state``, ``state.optimizer``, ``state.metrics``, ``state.step`` and the other
         counters; ``state["params"]`` reads the same), or ``None`` before the first fit, evaluate or
         predict."""
-        return self._state
-
-    @property
-    def _live_state(self) -> TrainState:
-        """The state, which fit, evaluate and predict build (:meth:`_ensure_state`) before any step."""
-        if self._state is None:
-            raise RuntimeError("The trainer has no state yet: it is built by the first fit/evaluate/predict.")
-        return self._state
-
-    def _place(self, tree: PyTree, *, from_host: bool = True) -> PyTree:
-        """Replicates ``tree`` onto the mesh in buffers of its own (:meth:`MirroredStrategy.replicate`).
-
-        ``from_host``: the values come from this process's model (initial weights, weights set by the
-        user), which may differ between processes: every replica then takes process 0's values.
-        ``False`` for values that are equal everywhere by construction (metric accumulators' zeros).
-        """
-        return self.strategy._replicate(tree, broadcast=from_host)
-
-    def _ensure_state(self, sample: Batch) -> None:
-        # Building is incremental: a predict-only start builds layers; targets later add metrics, whose
-        # accumulators are placed afresh for every epoch and evaluation anyway.
-        self.adapter.build(sample.tree())
-        if self._state is not None:
-            self._state = self._adopt_model_changes(self._state)
-            return
-        # Process 0's values on every process, laid out as the strategy says; the train steps return the
-        # state in the layout it went in with.
-        self._state = self._place_state(self._initial_host_state())
-
-    def _initial_host_state(self) -> TrainState:
-        """The model's values plus the engine's counters at zero, on the host (built model required)."""
-        return TrainState.create(**self.adapter.initial_state())
-
-    def state_layout(self, state: TrainState | dict[str, PyTree]) -> TrainState | dict[str, PyTree]:
-        """Where each leaf of a state (arrays or shapes) lives on the strategy's devices: a state of
-        ``NamedSharding``s (for a dict of some of its groups, a dict of theirs)."""
-        s = self.strategy
-        groups = state.as_dict() if isinstance(state, TrainState) else state
-        layouts = {k: s.state_layout(v, _SHARDED_GROUPS[k]) if k in _SHARDED_GROUPS
-                   else jax.tree.map(lambda _: s.replicated, v) for k, v in groups.items()}
-        return TrainState(**layouts) if isinstance(state, TrainState) else layouts
-
-    def _place_state(self, tree: TrainState | dict[str, PyTree], *, from_host: bool = True) -> Any:
-        """A state (or a dict of some of its groups) placed as the strategy lays it out (parameters and
-        optimizer state split over the devices in the sharded modes, everything else replicated), with
-        process 0's values; of the type given."""
-        return self.strategy.place(tree, self.state_layout(tree), broadcast=from_host)
+        return self.device_state.value
 
     @classmethod
     def load(cls, checkpoint_dir: str | os.PathLike[str], model: Any, strategy: MirroredStrategy | None = None,
@@ -199,72 +163,26 @@ class Trainer:
             meta = ckpt.read_meta()
             if meta is None or "sample_spec" not in meta:
                 raise CheckpointError(f"{ckpt.directory} holds no mirrorax checkpoint (steps: {ckpt.all_steps()}).")
-            trainer._ensure_state(resume_lib.sample_from_spec(meta["sample_spec"]))
-            restored = ckpt.restore_latest(trainer._abstract_state())
+            held = trainer.device_state
+            held.ensure(resume_lib.sample_from_spec(meta["sample_spec"]))
+            restored = ckpt.restore_latest(held.abstract())
             if restored is None:
                 raise CheckpointError(f"{ckpt.directory} holds no readable checkpoint.")
-            trainer._state = restored[1]
-        trainer._write_back()
+            held.value = restored[1]
+        held.write_back()
         return trainer
 
     def host_state(self) -> TrainState:
         """A host copy of the training state: a :class:`mirrorax.TrainState` of numpy arrays."""
-        if self._state is None:
+        if self.device_state.value is None:
             raise RuntimeError("The trainer has no state yet; call fit, evaluate or predict first.")
-        return host_tree(self._state)
-
-    def _write_back(self) -> None:
-        if self._state is not None:
-            self.adapter.write_back(self._state)
-
-    def _batch_hook(self, hooks: Callbacks, name: str, index: int, logs: Any, state: TrainState, *,
-                    exposed: TrainState | None = None) -> TrainState:
-        """Calls batch hook ``name`` while ``state`` is this trainer's (its evaluate / predict / state read
-        it) and ``exposed`` (default ``state``) is what Keras callbacks read through ``Callback.model``.
-        Returns ``state`` with what the callbacks changed on the model adopted."""
-        self.adapter.expose(state if exposed is None else exposed)
-        self._state = state
-        hooks.call(name, index, logs)
-        state = self._live_state
-        read = self.adapter.exposure_read()
-        if read or self.strategy.process_count > 1:  # the processes decide together
-            state = self._adopt_model_changes(state, model_has_values=read)
-        if read:
-            self.adapter.release()
-        return state
-
-    def _adopt_model_changes(self, state: TrainState, *, model_has_values: bool = True) -> TrainState:
-        """``state``, continuing from the model's values where they were replaced since they were lent
-        (``set_weights`` between fits or in a callback, Keras's own ``fit``): the model is the truth.
-
-        In a multi-process job every process must call this at the same point: they agree whether any
-        model changed, and then every replica takes process 0's model values (a change made on another
-        process only is overridden, never half-applied). ``model_has_values``: False mid-epoch when no
-        callback of this process read the model (its variables then hold nothing; the state stands in).
-        """
-        changed = model_has_values and self.adapter.model_changed()
-        if self.strategy.process_count > 1:
-            changed = consistency.any_process(changed)
-        if not changed:
-            return state
-        if not model_has_values:
-            values = {g: getattr(state, g) for g in self.adapter.written_groups}
-            return state.replace(**self._place_state(values))
-        state = state.replace(**self._place_state(self.adapter.model_values()))
-        # Lent again at once: a change made after this one (LearningRateScheduler at on_epoch_begin after
-        # ReduceLROnPlateau at on_epoch_end) is a change of the lent values too, and is adopted in turn.
-        self.adapter.write_back(state)
-        return state
+        return host_tree(self.device_state.value)
 
     # -- data helpers ------------------------------------------------------------------------------
     def _batch_size(self, source: Source, batch_size: int | None) -> int:
         if batch_size is None:
             return source.default_batch_size(self.strategy.process_count)
         return check_batch_size(batch_size)
-
-    def _device_batches(self, host: Iterator[Batch], group: int, per_process: bool
-                        ) -> Iterator[tuple[int, Batch]] | Prefetcher:
-        return device_batches(host, group, self.strategy, prefetch=self.prefetch, per_process=per_process)
 
     # -- fit ---------------------------------------------------------------------------------------
     def fit(self, x: Any, y: Any = None, *, batch_size: int | None = None, epochs: int = 1,
@@ -345,18 +263,20 @@ class Trainer:
                 type(callbacks).__name__ != "CallbackList":  # (Keras's fit under a scope passes its own list)
             callbacks = [callbacks]  # one callback, not in a list: as Keras's own fit takes it
         sample = source.sample(batch_size, self.strategy)
-        self._ensure_state(sample)
+        held = self.device_state
+        held.ensure(sample)
         for s in (source, val):  # shapes against the outputs, labels against the classes: before compiling
             if s is not None:
                 s.check_targets(self.adapter)
         # Labels the host has checked whole need no search and no guard in the step.
         self.steps.check_labels_in_step(not source.labels_checked)
-        consistency.check_replicas(self._state)  # multi-process: every process holds process 0's values
-        self._write_back()  # lent to the model: what callbacks change on it from here on is adopted
-        # The plan's line (verbose), and will it fit? (only where a device's memory is known): the step is
-        # compiled here, once, for the state just placed; step 1 runs that very program.
-        announce = mode if self._plan_line is None else self._plan_line
-        _plan_module().at_fit_start(self, sample, batch_size, announce=bool(announce) and self.strategy.is_primary)
+        consistency.check_replicas(held.value)  # multi-process: every process holds process 0's values
+        held.write_back()  # lent to the model: what callbacks change on it from here on is adopted
+        # The plan's line (verbose, on process 0; with steps_per_execution > 1 fit runs another program and
+        # says nothing), and will it fit? (only where a device's memory is known): the step is compiled
+        # here, once, for the state just placed; step 1 runs that very program.
+        planner.at_fit_start(self.steps, held, sample, batch_size, stream=self.stream,
+                             announce=bool(mode) and self.steps_per_execution == 1)
         history = History()
         stream = source.stream(batch_size, self.strategy, shuffle=shuffle, seed=seed,
                                ends_with_data=self._epochs_end_with_data, keras_order=self._keras_order)
@@ -376,9 +296,9 @@ class Trainer:
             watch.start()
             resumed = None
             if ckpt is not None:
-                resumed = resume_lib.resume(ckpt, self._abstract_state(), run, history)
+                resumed = resume_lib.resume(ckpt, held.abstract(), run, history)
                 if resumed is not None:
-                    self._state, start_epoch, start_batch, step, input_state = resumed
+                    held.value, start_epoch, start_batch, step, input_state = resumed
                     if mode:
                         self.stream.write(f"Resumed from checkpoint step {step} in {ckpt.directory} "
                                           f"(epoch {start_epoch + 1}, batch {start_batch}).\n")
@@ -394,42 +314,42 @@ class Trainer:
             first_epoch = start_epoch if self._keras_order else 0
             for epoch in range(start_epoch, epochs):
                 hooks.call("on_epoch_begin", epoch)
-                self._state = self._adopt_model_changes(self._live_state)  # e.g. a learning rate a callback set
+                held.adopt_callback_changes()  # e.g. a learning rate a callback set
                 position, count = stream.epoch_span(epoch - first_epoch, steps_per_epoch)
                 if inputs is not None and start_batch:
                     inputs.position(start_batch, input_state)
-                logs, progress, steps, samples = self._run_epoch(
-                    stream, position, count, epoch, epochs, mode, start_batch=start_batch,
+                logs, progress, steps, samples = self.loop.epoch(
+                    stream, position, count, epoch, epochs, mode, out=self.stream, start_batch=start_batch,
                     saver=saver, hooks=hooks, watch=watch, positioned=inputs is not None)
                 if self._epochs_end_with_data and steps_per_epoch and start_batch + steps < steps_per_epoch \
                         and not getattr(self.model, "stop_training", False):
                     ran_out_of_data()
                 start_batch = 0
-                self._write_back()  # Keras syncs the model before validation: on_test_begin may read it
+                held.write_back()  # Keras syncs the model before validation: on_test_begin may read it
                 if val is not None and should_validate(epoch):
-                    vlogs = evaluation.evaluate_source(self, val, validation_batch_size or batch_size,
-                                                       steps=validation_steps, hooks=hooks)
+                    vlogs = self.loop.evaluate(val, validation_batch_size or batch_size, steps=validation_steps,
+                                               hooks=hooks, warn_short=self._epochs_end_with_data)
                     logs.update({f"val_{k}": v for k, v in vlogs.items()})
                 sps = progress.finish(steps, samples, logs)
                 history.append(epoch, logs, sps)
                 if consistency.debug_checks():
-                    consistency.check_replicas(self._state)
+                    consistency.check_replicas(held.value)
                 if saver is not None:
-                    saver.save(self._state, epoch + 1, 0)
+                    saver.save(held.live, epoch + 1, 0)
                 hooks.call("on_epoch_end", epoch, logs)
                 training_logs = logs
-                self._state = self._adopt_model_changes(self._state)
+                held.adopt_callback_changes()
                 if getattr(self.model, "stop_training", False):
                     break
                 # One more look per epoch (the same on every process): a SIGTERM during the epoch's last
                 # batch or its validation stops here, after the epoch-end checkpoint.
                 if watch.reached():
-                    raise self._preempted(ckpt, epoch + 1, 0)
+                    raise preempted(held.value, ckpt, epoch + 1, 0)
         except preemption.Preempted as stop:
             stopped = stop
         finally:
             watch.close()
-            self._write_back()
+            held.write_back()
             self._finalize_optimizer(epochs)
             if ckpt is not None:
                 ckpt.close()
@@ -451,144 +371,6 @@ class Trainer:
             return
         optimizer.finalize_variable_values(self.model.trainable_weights)
 
-    def _adopt_callback_changes(self) -> None:
-        """After a hook that may change the lent model (``SwapEMAWeights`` at ``on_test_begin``): the state
-        takes the model's values, and lends them back so that a later change is seen too."""
-        self._state = self._adopt_model_changes(self._live_state)
-
-    def _preempted(self, ckpt: Any, epoch: int, batch: int) -> preemption.Preempted:
-        """The stop of every process on SIGTERM, once the checkpoint (if any) is started."""
-        step = int(host_value(self._state.step)) if self._state is not None else 0
-        code = preemption.PREEMPTED_EXIT_CODE
-        if ckpt is not None:
-            message = (f"mirrorax: preempted (SIGTERM): saved checkpoint step {step} (epoch {epoch + 1}, batch "
-                       f"{batch}) in {ckpt.directory}; exiting with status {code}. Run the same command again "
-                       "to resume from it.")
-        else:
-            message = (f"mirrorax: preempted (SIGTERM) at step {step}: no checkpoint_dir, so the work since fit "
-                       f"started is lost; exiting with status {code}. Pass fit(checkpoint_dir=...) to save on "
-                       "SIGTERM and resume from there.")
-        return preemption.Preempted(message, step=step, checkpoint_dir=None if ckpt is None else ckpt.directory)
-
-    def _abstract_state(self) -> TrainState:
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._state)
-
-    def _run_epoch(self, stream: Stream, position: int, steps_per_epoch: int | None, epoch: int, epochs: int,
-                   mode: int, *, start_batch: int = 0, saver: resume_lib.Saver | None = None,
-                   hooks: Callbacks | None, watch: preemption.Watch | None = None,
-                   positioned: bool = False) -> tuple[dict[str, float], Progress, int, int]:
-        """One epoch: dispatch each step, place the next batch, then run the loop's hooks
-        (:mod:`mirrorax.epoch`: batch callbacks, the halt watch, preemption, periodic saves, progress)."""
-        state = self._live_state
-        self.adapter.release()  # the model's variables let go of the buffers the first step donates
-        if not start_batch:  # (resuming mid-epoch keeps the checkpoint's accumulators: the logs stay exact)
-            state = state.replace(metrics=self._place(self.adapter.initial_metrics(state.metrics), from_host=False))
-        self._state = None  # donated below; restored when the epoch ends or fails
-        total = steps_per_epoch or stream.batches_per_pass
-        if positioned and start_batch:
-            # The input starts itself at start_batch (its own saved state, or replay): count from there.
-            host = stream.batches(position, steps_per_epoch and steps_per_epoch - start_batch, start=0)
-        else:
-            host = stream.batches(position, steps_per_epoch, start=start_batch)
-        run = epoch_lib.EpochRun(state, InFlight(self.max_in_flight), start_batch, int(host_value(state.step)), total)
-        progress = Progress(mode, total, epoch + 1, epochs,
-                            lambda: self.adapter.metric_results(host_tree(run.state.metrics)), stream=self.stream)
-        callbacks = None if hooks is None else epoch_lib.BatchCallbacks(
-            hooks, self.steps_per_execution, self._train_batch_end(hooks), self.model)
-        loop_hooks: list[epoch_lib.EpochHook] = [h for h in (
-            callbacks,
-            epoch_lib.HaltWatch(),
-            None if watch is None else epoch_lib.PreemptionStop(watch, saver, self.steps, epoch),
-            None if saver is None else epoch_lib.PeriodicSave(saver, self.steps, epoch),
-            epoch_lib.ProgressHook(progress)) if h is not None]
-        outcome = None
-        batches: Any = None
-        # (steps per call (0: one), real rows) -> the compiled step for this epoch's batches
-        programs: dict[tuple[int, Any], Any] = {}
-        try:
-            # As Keras: on_train_batch_begin(0), then the epoch's first batch is read, on this thread (not
-            # the prefetcher's): Keras's fit draws a pass's order there (inputs/keras_order.py), so what a
-            # callback draws from the same random state stays in step with it.
-            for hook in loop_hooks:
-                hook.before_step(run)
-            first = next(host, None)
-            host = itertools.chain([first], host) if first is not None else iter(())
-            batches = iter(self._device_batches(host, self.steps_per_execution, stream.per_process))
-            upcoming = next(batches, None)
-            began = True  # the hooks before the first step have run
-            while upcoming is not None and outcome is None:
-                k, batch = upcoming
-                if not began:
-                    for hook in loop_hooks:
-                        hook.before_step(run)
-                began = False
-                tree = batch.tree()
-                kind = (k, tree.get("rows"))
-                program = programs.get(kind)
-                if program is None:  # one placed shape, full or short of real rows: one lookup per kind
-                    program = programs[kind] = (self.steps.train_many if k else self.steps.train).program(
-                        run.state, tree)
-                (run.state, run.aux), done = program(run.state, tree)
-                # Place the next batch while this step and the previous one run, then wait for the
-                # previous one: the host's copy overlaps the devices' work instead of following it.
-                upcoming = next(batches, None)
-                run.window.push(run.aux, done)
-                run.before, run.steps = run.steps, run.steps + max(k, 1)
-                run.samples += stream.last_real(k)
-                run.last = upcoming is None
-                for hook in loop_hooks:
-                    outcome = hook.after_step(run)
-                    if outcome is not None:
-                        break
-                if callbacks is not None and callbacks.changed:
-                    programs.clear()  # a callback may have placed new values: look the signature up again
-                    callbacks.changed = False
-            run.window.drain()
-            progress.stop()
-            if outcome is epoch_lib.Outcome.PREEMPT:
-                self._state = run.state
-                raise self._preempted(None if saver is None else saver.ckpt, epoch, run.in_epoch)
-        finally:
-            if isinstance(batches, Prefetcher):
-                batches.close()
-            self.adapter.conceal()
-            self._state = run.state
-        return self._finish_epoch(run, outcome is epoch_lib.Outcome.HALT, epoch), progress, run.steps, run.samples
-
-    def _train_batch_end(self, hooks: Callbacks) -> Callable[[int, Any, TrainState], TrainState]:
-        """``on_train_batch_end`` with the state exposed to the model's callbacks; returns the state to go
-        on from (what a callback changed on the model adopted)."""
-        def end(index: int, logs: Any, state: TrainState) -> TrainState:
-            state = self._batch_hook(hooks, "on_train_batch_end", index, logs, state)
-            self._state = None  # donated by the next step
-            return state
-
-        return end
-
-    def _finish_epoch(self, run: epoch_lib.EpochRun, halted: bool, epoch: int) -> dict[str, float]:
-        """The epoch's logs, or the error a frozen epoch ends with (a bad label; a non-finite step under
-        ``on_nonfinite="raise"``), the state then set to train on from the last applied step."""
-        state = run.state
-        self._state, label_error = self.steps.take_bad_labels(state, epoch, run.start_batch - run.first_step)
-        if label_error is not None:
-            self._write_back()
-            raise label_error
-        if self.steps.on_nonfinite == "raise" and (halted or int(host_value(state.skipped))):
-            bad = int(host_value(state.nonfinite_step))
-            self._state = self.steps.clear_nonfinite(state, bad)
-            self._write_back()
-            raise NonFiniteLossError(
-                f"The loss became non-finite at step {bad} (epoch {epoch + 1}, batch "
-                f"{run.start_batch + bad - run.first_step} of the epoch). The update of that step was not applied: "
-                "the trainer, the model and any checkpoint hold the values from before it. Lower the learning rate, "
-                "check the inputs for NaN/inf, or pass Trainer(..., on_nonfinite='skip') to drop such steps.")
-        totals = host_tree(state.metrics)
-        logs = self.adapter.metric_results(totals)
-        self.adapter.keep_metrics(totals)
-        if self.steps.on_nonfinite == "skip":
-            logs["skipped_steps"] = float(host_value(state.skipped))
-        return logs
-
     # -- evaluate / predict ------------------------------------------------------------------------
     def evaluate(self, x: Any, y: Any = None, *, batch_size: int | None = None, sample_weight: Any = None,
                  verbose: int | str = 0, steps: int | None = None, callbacks: Any = None) -> dict[str, float]:
@@ -604,8 +386,18 @@ class Trainer:
           >>> trainer.evaluate(x_test, y_test, batch_size=256)
           {'accuracy': 0.97, 'loss': 0.09}
         """
-        return evaluation.evaluate(self, x, y, batch_size=batch_size, sample_weight=sample_weight, verbose=verbose,
-                                   steps=steps, callbacks=callbacks)
+        source = make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
+                             check_finite=self._refuse_nonfinite)
+        if self.adapter.needs_targets("evaluate"):
+            source.require_targets("evaluate")
+        batch_size = self._batch_size(source, batch_size)
+        if steps is not None:
+            check_int("steps", steps)
+        hooks = Callbacks(callbacks, self.model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
+        logs = self.loop.evaluate(source, batch_size, steps=steps, hooks=hooks, warn_short=self._epochs_end_with_data)
+        if self.strategy.is_primary and resolve_verbose(verbose, self.stream):
+            self.stream.write(f"evaluate - {format_logs(logs)}\n")
+        return logs
 
     def predict(self, x: Any, *, batch_size: int | None = None, verbose: int | str = 0, steps: int | None = None,
                 callbacks: Any = None) -> Any:
@@ -622,7 +414,15 @@ class Trainer:
           >>> probs.shape[0] == len(x_test)
           True
         """
-        return evaluation.predict(self, x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
+        if isinstance(x, tuple) and len(x) in (2, 3) and not is_array_tree(x):
+            x = x[0]
+        # NaN inputs are allowed here: they spoil only their own rows' outputs.
+        source = make_source(x, float_dtype=self.adapter.float_dtype, check_finite=False)
+        batch_size = self._batch_size(source, batch_size)
+        if steps is not None:
+            check_int("steps", steps)
+        hooks = Callbacks(callbacks, self.model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
+        return self.loop.predict(source, batch_size, steps=steps, hooks=hooks, warn_short=self._epochs_end_with_data)
 
     # -- one batch (Keras's *_on_batch) ------------------------------------------------------------
     def train_on_batch(self, x: Any, y: Any = None, *, sample_weight: Any = None, class_weight: Any = None
@@ -635,26 +435,39 @@ class Trainer:
         Example:
           >>> logs = trainer.train_on_batch(x[:64], y[:64])
         """
-        return evaluation.train_on_batch(self, x, y, sample_weight=sample_weight, class_weight=class_weight)
+        if class_weight is not None:
+            sample_weight = class_weights(y, class_weight, sample_weight)
+        source = ArraySource(x, y, sample_weight)
+        host = source.sample(source.num_examples, self.strategy)
+        held = self.device_state
+        held.ensure(host)
+        self.steps.check_labels_in_step(True)  # (the labels of a single batch are looked at in the step)
+        batch = to_global(host, self.strategy)
+        state = held.live.replace(metrics=held.fresh_metrics())
+        self.adapter.release()
+        held.value = None  # donated to the step
+        try:
+            state, _ = self.steps.train(state, batch.tree())
+        finally:
+            held.value = state
+        held.write_back()
+        if self.steps.on_nonfinite == "raise" and int(host_value(state.skipped)):
+            held.value = self.steps.clear_nonfinite(state, int(host_value(state.nonfinite_step)))
+            raise NonFiniteLossError("The loss of this batch is not finite; the update was not applied (the model "
+                                     "keeps its values). Check the batch for NaN/inf or lower the learning rate.")
+        totals = host_tree(state.metrics)
+        self.adapter.keep_metrics(totals)
+        return self.adapter.metric_results(totals)
 
     def test_on_batch(self, x: Any, y: Any = None, *, sample_weight: Any = None) -> dict[str, float]:
         """Loss and metrics of one batch in inference mode (Keras's ``test_on_batch``)."""
-        return evaluation.test_on_batch(self, x, y, sample_weight=sample_weight)
+        source = ArraySource(x, y, sample_weight)
+        return self.loop.evaluate(source, source.num_examples)
 
     def compile_counts(self) -> dict[str, int]:
         """Programs compiled per step kind: one per placed shape and real row count (a full batch and a
         short last batch: two)."""
         return self.steps.compile_counts()
-
-
-def _plan_module() -> Any:
-    import importlib
-
-    return importlib.import_module("mirrorax.plan")  # (mirrorax.plan the attribute is the function mx.plan)
-
-
-# The state groups the sharded modes split over the devices, and the role each has for the strategy.
-_SHARDED_GROUPS = {"params": "params", "optimizer": "optimizer"}
 
 
 def _validation_schedule(freq: Any) -> Callable[[int], bool]:

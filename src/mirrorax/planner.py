@@ -1,4 +1,4 @@
-"""``mx.plan``: what a training step will cost on each device, known before step 1.
+"""``mx.plan`` (this module: ``mirrorax.planner``): what a training step will cost on each device, known before step 1.
 
 The train step is compiled without running (``jit(...).lower(abstract args).compile()``, abstract arrays
 carry the strategy's layouts), and read: XLA's ``memory_analysis()`` (arguments, outputs, temporaries,
@@ -12,14 +12,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import IO, Any
 
 import jax
 import numpy as np
 
-__all__ = ["Plan", "plan", "parse_bytes"]
+from mirrorax.device_state import DeviceState
+from mirrorax.inputs.batch import Batch, RealRows, padded_batch_size
+from mirrorax.inputs.make import make_source
+from mirrorax.models import adapt
+from mirrorax.models.base import strategy_of
+from mirrorax.step import StepFunctions
+from mirrorax.strategy import MirroredStrategy, get_strategy
+
+__all__ = ["Plan", "plan", "plan_step", "at_fit_start", "parse_bytes"]
 
 # A collective's result: one array type, or a tuple of them (which may hold /*index=N*/ comments).
 _COLLECTIVE = re.compile(r"=\s*(\([^)]*\)|[a-z0-9]+\[[0-9,]*\][^ ]*)\s+"
@@ -142,8 +151,6 @@ def _collective_bytes(hlo: str) -> int:
 
 def _device_memory(devices: Sequence[jax.Device]) -> int | None:
     """``MIRRORAX_DEVICE_MEMORY`` (e.g. ``"24GB"``), else the device's own limit where JAX knows it."""
-    import os
-
     if os.environ.get("MIRRORAX_DEVICE_MEMORY"):
         return parse_bytes(os.environ["MIRRORAX_DEVICE_MEMORY"])
     try:
@@ -173,39 +180,55 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
     Example:
       >>> print(mx.plan(model, x_train[:1], y_train[:1], batch_size=256, device_memory="24GB"))
     """
-    from mirrorax.inputs.make import make_source
-    from mirrorax.keras_fit import strategy_of
-    from mirrorax.strategy import get_strategy
-    from mirrorax.trainer import Trainer
-
-    trainer = model_or_trainer if isinstance(model_or_trainer, Trainer) else None
+    held = _Steps.of(model_or_trainer)
+    model = held.model if held is not None else model_or_trainer
     # A Keras model made under a strategy's scope is planned on that strategy, as its fit runs.
-    base = strategy or (trainer.strategy if trainer is not None else strategy_of(model_or_trainer) or get_strategy())
-    if trainer is None or trainer.strategy is not base:
-        trainer = Trainer(trainer.model if trainer is not None else model_or_trainer, base)
+    base = strategy or (held.steps.strategy if held is not None else strategy_of(model) or get_strategy())
+    if held is None or held.steps.strategy is not base:
+        held = _Steps.build(model, base)
     memory = parse_bytes(device_memory) if device_memory is not None else _device_memory(base.devices)
-    source = make_source(x, y, float_dtype=trainer.adapter.float_dtype)
+    source = make_source(x, y, float_dtype=held.steps.adapter.float_dtype)
     # One row stands for the shapes: the plan is of a full global batch, not of a batch cut to that row.
-    sample = dataclasses.replace(source.sample(1, trainer.strategy), rows=None)
-    result = _plan_one(trainer, sample, batch_size, memory)
+    sample = dataclasses.replace(source.sample(1, base), rows=None)
+    result = plan_step(held.steps, held.device, sample, batch_size, memory)
     if memory is not None and search:
         for mode in MODES:
-            planner = _in_mode(trainer, mode)
-            result.largest_batch[mode] = _largest(lambda b, t=planner: _plan_one(t, sample, b).peak_bytes, memory,
-                                                  base.num_replicas_in_sync, batch_size)
+            other = held.in_mode(mode)
+            result.largest_batch[mode] = _largest(
+                lambda b, o=other: plan_step(o.steps, o.device, sample, b).peak_bytes, memory,
+                base.num_replicas_in_sync, batch_size)
     return result
 
 
-def _in_mode(trainer: Any, mode: Any) -> Any:
-    """``trainer`` itself when its strategy shards as ``mode``, else a trainer of the same model and devices
-    that does."""
-    from mirrorax.strategy import MirroredStrategy
-    from mirrorax.trainer import Trainer
+@dataclasses.dataclass
+class _Steps:
+    """A model's step functions and device state on one strategy: what a plan compiles and reads."""
 
-    s = trainer.strategy
-    if mode == s.shard:
-        return trainer
-    return Trainer(trainer.model, MirroredStrategy(devices=list(s.devices), shard=mode))
+    model: Any
+    steps: StepFunctions
+    device: DeviceState
+
+    @classmethod
+    def of(cls, obj: Any) -> _Steps | None:
+        """The step functions and device state ``obj`` holds (a :class:`mirrorax.Trainer`), else ``None``."""
+        steps, device = getattr(obj, "steps", None), getattr(obj, "device_state", None)
+        if isinstance(steps, StepFunctions) and isinstance(device, DeviceState):
+            return cls(obj.model, steps, device)
+        return None
+
+    @classmethod
+    def build(cls, model: Any, strategy: MirroredStrategy) -> _Steps:
+        """Fresh step functions and device state for ``model`` on ``strategy`` (a ``Trainer``'s defaults)."""
+        adapter = adapt(model)
+        return cls(model, StepFunctions(adapter, strategy), DeviceState(adapter, strategy))
+
+    def in_mode(self, mode: Any) -> _Steps:
+        """These steps when their strategy shards as ``mode``, else the same model's on the same devices
+        sharded so."""
+        s = self.steps.strategy
+        if mode == s.shard:
+            return self
+        return _Steps.build(self.model, MirroredStrategy(devices=list(s.devices), shard=mode))
 
 
 def _largest(peak: Any, memory: int, step: int, start: int) -> int | None:
@@ -254,26 +277,21 @@ def _largest(peak: Any, memory: int, step: int, start: int) -> int | None:
     return lo
 
 
-def _plan_one(trainer: Any, sample: Any, batch_size: int, memory: int | None = None) -> Plan:
-    """The plan of ``trainer``'s train step at ``batch_size`` (``sample``: a :class:`mirrorax.inputs.batch.Batch`
-    of the inputs, for their row shapes and dtypes).
+def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_size: int,
+              memory: int | None = None) -> Plan:
+    """The plan of the train step ``steps.train`` at ``batch_size`` (``sample``: a batch of the inputs,
+    for their row shapes and dtypes).
 
-    When the trainer already holds its state (``fit`` about to run), the step is lowered for that very
-    state, so the program compiled here is the one the first step runs: JAX's compilation cache hands
-    it over, and planning at ``fit`` start costs no second compile.
+    When ``device`` already holds the state (``fit`` about to run), the step is lowered for that very
+    state, so the program compiled here is the one the first step runs: the step function hands it over,
+    and planning at ``fit`` start costs no second compile. Otherwise the model is built for ``sample`` and
+    the state it would start from is planned.
     """
-    from mirrorax.inputs.batch import RealRows, padded_batch_size
-
-    s = trainer.strategy
-    if trainer.state is not None:
-        abstract = trainer._abstract_state()
-        layouts = jax.tree.map(lambda a: a.sharding, abstract)
-    else:
-        trainer.adapter.build(sample.tree())
-        host = trainer._initial_host_state()
-        layouts = trainer.state_layout(host)
-        abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=sh),
-                                host, layouts)
+    s = steps.strategy
+    if device.value is None:
+        steps.adapter.build(sample.tree())
+    abstract = device.abstract()
+    layouts = jax.tree.map(lambda a: a.sharding, abstract)
     padded = padded_batch_size(batch_size, s)
 
     def batch_spec(a: Any) -> Any:
@@ -286,7 +304,7 @@ def _plan_one(trainer: Any, sample: Any, batch_size: int, memory: int | None = N
         batch["num_real"] = jax.ShapeDtypeStruct((), np.float32, sharding=s.replicated)
     if isinstance(sample.rows, int) and sample.rows < padded:  # a first batch short of the global one: cut
         batch["rows"] = RealRows(sample.rows)
-    compiled = trainer.steps.train.lower(abstract, batch).compile()
+    compiled = steps.train.lower(abstract, batch).compile()
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -302,33 +320,33 @@ def _plan_one(trainer: Any, sample: Any, batch_size: int, memory: int | None = N
                 collective_bytes=_collective_bytes(compiled.as_text()), device_memory=memory)
 
 
-def at_fit_start(trainer: Any, sample: Any, batch_size: int, *, announce: bool) -> Plan | None:
-    """What ``fit`` does with the plan before step 1: prints its summary line (``announce``, on process 0)
+def at_fit_start(steps: StepFunctions, device: DeviceState, sample: Batch, batch_size: int, *, announce: bool,
+                 stream: IO[str]) -> Plan | None:
+    """What ``fit`` does with the plan before step 1: writes its summary line to ``stream`` (``announce``)
     and raises when the step will not fit the device's memory (known on accelerators, or from
     ``MIRRORAX_DEVICE_MEMORY``). Returns the plan, or ``None`` when neither was asked for.
 
-    The trainer's state must be in place: the program compiled here is then the one step 1 runs (no
-    second compile). With ``steps_per_execution > 1`` fit runs another program; the line is then left
-    out unless the memory check needs the plan anyway.
+    ``device`` must hold the state: the program compiled here is then the one step 1 runs (no second
+    compile). (With ``steps_per_execution > 1`` fit runs another program: its caller then announces
+    nothing, and the plan is made only where the memory check needs it.)
     """
-    memory = _device_memory(trainer.strategy.devices)
-    announce = announce and trainer.steps_per_execution == 1
+    memory = _device_memory(steps.strategy.devices)
     if memory is None and not announce:
         return None
-    here = _plan_one(trainer, sample, batch_size, memory)
+    here = plan_step(steps, device, sample, batch_size, memory)
     if announce:
-        trainer.stream.write(here.summary() + "\n")
+        stream.write(here.summary() + "\n")
     if memory is not None and not here.fits:
-        raise _does_not_fit(trainer, sample, batch_size, here, memory)
+        raise _does_not_fit(_Steps(None, steps, device), sample, batch_size, here, memory)
     return here
 
 
-def _does_not_fit(trainer: Any, sample: Any, batch_size: int, here: Plan, memory: int) -> MemoryError:
-    s = trainer.strategy
+def _does_not_fit(held: _Steps, sample: Batch, batch_size: int, here: Plan, memory: int) -> MemoryError:
+    s = held.steps.strategy
     options = [f"MirroredStrategy(shard={mode!r}) fits batch {batch_size}" for mode in MODES
-               if mode != s.shard and _plan_one(_in_mode(trainer, mode), sample, batch_size, memory).fits]
-    largest = _largest(lambda b: _plan_one(trainer, sample, b, memory).peak_bytes, memory, s.num_replicas_in_sync,
-                       batch_size)
+               if mode != s.shard and _fits(held.in_mode(mode), sample, batch_size, memory)]
+    largest = _largest(lambda b: plan_step(held.steps, held.device, sample, b, memory).peak_bytes, memory,
+                       s.num_replicas_in_sync, batch_size)
     if largest:
         options.append(f"with shard={s.shard!r}, a global batch of at most {largest} fits")
     return MemoryError(
@@ -337,3 +355,7 @@ def _does_not_fit(trainer: Any, sample: Any, batch_size: int, here: Plan, memory
         f"{_mib(memory)}. " + ("; ".join(options) + "." if options else "No mode fits even a batch of one per device: "
                                "the model is too large for these devices.")
         + " (mx.plan(model, x, y, batch_size=...) shows the whole plan.)")
+
+
+def _fits(held: _Steps, sample: Batch, batch_size: int, memory: int) -> bool:
+    return bool(plan_step(held.steps, held.device, sample, batch_size, memory).fits)

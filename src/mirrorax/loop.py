@@ -1,0 +1,366 @@
+"""One dispatched loop, shared by ``fit``'s epochs, ``evaluate`` and ``predict``.
+
+Each step is a program of :class:`~mirrorax.step.StepFunctions` (public ``strategy.jit`` functions),
+looked up once per kind of batch (its placed shape and real rows) and called directly; each call is
+pushed into the strategy's one dispatch window (``strategy.in_flight``), so ``MirroredStrategy(
+max_in_flight=k)`` bounds the Trainer's steps as it bounds a custom loop's. Per step the loop:
+dispatches, places the next batch while the devices work, pushes (waiting for the step ``k - 1``
+before), then asks its hooks (:mod:`mirrorax.epoch`) what the step means for them. Values come to the
+host only where a hook or the end of the loop needs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+from typing import IO, Any
+
+import jax
+import numpy as np
+
+from mirrorax import epoch as epoch_lib
+from mirrorax import preemption
+from mirrorax import resume as resume_lib
+from mirrorax.device_state import DeviceState
+from mirrorax.hooks import Callbacks
+from mirrorax.inputs.batch import Batch
+from mirrorax.inputs.prefetch import Prefetcher, device_batches
+from mirrorax.inputs.source import Source
+from mirrorax.inputs.streams import Stream, within_pass
+from mirrorax.progress import Progress
+from mirrorax.results import NonFiniteLossError
+from mirrorax.step import StepFunctions, host_tree, host_value
+from mirrorax.train_state import TrainState
+
+__all__ = ["Loop", "preempted"]
+
+PyTree = Any
+# (run, k, batch) -> (aux, ready): dispatches one step (k > 0: k stacked steps) and returns what the window
+# keeps for it and what to wait on.
+Dispatch = Callable[[epoch_lib.EpochRun, int, Batch], tuple[Any, Any]]
+
+
+class Loop:
+    """The loops of one model's training on one strategy.
+
+    Args:
+      device: the state on the devices (and the model it is lent to).
+      steps: the compiled steps.
+      model: the user's model (its ``stop_training`` / ``stop_evaluating`` / ``stop_predicting`` flags).
+      prefetch: batches placed ahead on a background thread (0: synchronously, between dispatches).
+      steps_per_execution: steps per dispatch in ``fit``; batch hooks once per execution everywhere.
+    """
+
+    def __init__(self, device: DeviceState, steps: StepFunctions, model: Any, *, prefetch: int,
+                 steps_per_execution: int) -> None:
+        self.device = device
+        self.steps = steps
+        self.strategy = steps.strategy
+        self.adapter = steps.adapter
+        self.model = model
+        self.prefetch = prefetch
+        self.steps_per_execution = steps_per_execution
+
+    def device_batches(self, host: Iterator[Batch], group: int, per_process: bool
+                       ) -> Iterator[tuple[int, Batch]] | Prefetcher:
+        """``host``'s batches placed on the devices (``group`` stacked per dispatch when > 1)."""
+        return device_batches(host, group, self.strategy, prefetch=self.prefetch, per_process=per_process)
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def run(self, run: epoch_lib.EpochRun, batches: Callable[[], Iterator[tuple[int, Batch]]], dispatch: Dispatch,
+            hooks: list[epoch_lib.EpochHook], *, on_done: Callable[[Any], None] | None = None,
+            count: Callable[[int], int] | None = None) -> epoch_lib.Outcome | None:
+        """Dispatches a step per batch of ``batches()`` until they end or a hook returns an outcome; then
+        waits for every step. Returns that outcome (``None``: the data ended).
+
+        The first step's ``before_step`` hooks run before ``batches()`` is called (Keras's fit calls
+        ``on_train_batch_begin(0)`` before it reads the epoch's first batch). ``on_done(aux)`` runs as
+        each step leaves the window; ``count(k)`` adds the examples of a dispatch to ``run.samples``.
+        """
+        window = run.window
+        outcome: epoch_lib.Outcome | None = None
+        placed: Any = None
+        failed = True
+        try:
+            for hook in hooks:
+                outcome = hook.before_step(run)
+                if outcome is not None:
+                    break
+            placed = batches()
+            upcoming = next(placed, None) if outcome is None else None
+            began = True  # the hooks before the first step have run
+            while upcoming is not None:
+                k, batch = upcoming
+                if not began:
+                    for hook in hooks:
+                        outcome = hook.before_step(run)
+                        if outcome is not None:
+                            break
+                    if outcome is not None:
+                        break
+                began = False
+                aux, ready = dispatch(run, k, batch)
+                # Place the next batch while this step and the previous one run, then wait for the
+                # previous one: the host's copy overlaps the devices' work instead of following it.
+                upcoming = next(placed, None)
+                window.push(aux, ready, on_done)
+                run.before, run.steps = run.steps, run.steps + max(k, 1)
+                if count is not None:
+                    run.samples += count(k)
+                run.last = upcoming is None
+                for hook in hooks:
+                    outcome = hook.after_step(run)
+                    if outcome is not None:
+                        break
+                if outcome is not None:
+                    break
+            window.drain()
+            failed = False
+        finally:
+            if isinstance(placed, Prefetcher):
+                placed.close()
+            if failed:  # the strategy's window outlives this loop: leave none of its steps in it
+                with contextlib.suppress(Exception):
+                    window.drain()
+        return outcome
+
+    # -- fit ---------------------------------------------------------------------------------------
+    def epoch(self, stream: Stream, position: int, steps_per_epoch: int | None, epoch: int, epochs: int, mode: int,
+              *, out: IO[str], start_batch: int = 0, saver: resume_lib.Saver | None = None,
+              hooks: Callbacks | None, watch: preemption.Watch | None = None,
+              positioned: bool = False) -> tuple[dict[str, float], Progress, int, int]:
+        """One epoch of ``fit``: its logs, its progress line, the steps and the examples it trained on.
+
+        The loop's hooks: batch callbacks, the halt watch, preemption, periodic saves, progress
+        (:mod:`mirrorax.epoch`). ``out``: where the progress goes."""
+        device, steps = self.device, self.steps
+        state = device.live
+        self.adapter.release()  # the model's variables let go of the buffers the first step donates
+        if not start_batch:  # (resuming mid-epoch keeps the checkpoint's accumulators: the logs stay exact)
+            state = state.replace(metrics=device.fresh_metrics(state.metrics))
+        device.value = None  # donated below; restored when the epoch ends or fails
+        total = steps_per_epoch or stream.batches_per_pass
+        if positioned and start_batch:
+            # The input starts itself at start_batch (its own saved state, or replay): count from there.
+            host = stream.batches(position, steps_per_epoch and steps_per_epoch - start_batch, start=0)
+        else:
+            host = stream.batches(position, steps_per_epoch, start=start_batch)
+        run = epoch_lib.EpochRun(state, self.strategy.in_flight, start_batch, int(host_value(state.step)), total)
+        progress = Progress(mode, total, epoch + 1, epochs,
+                            lambda: self.adapter.metric_results(host_tree(run.state.metrics)), stream=out)
+        callbacks = None if hooks is None else epoch_lib.BatchCallbacks(
+            hooks, self.steps_per_execution, self._train_batch_end(hooks), self.model)
+        loop_hooks: list[epoch_lib.EpochHook] = [h for h in (
+            callbacks,
+            epoch_lib.HaltWatch(),
+            None if watch is None else epoch_lib.PreemptionStop(watch, saver, steps, epoch),
+            None if saver is None else epoch_lib.PeriodicSave(saver, steps, epoch),
+            epoch_lib.ProgressHook(progress)) if h is not None]
+
+        def placed() -> Iterator[tuple[int, Batch]]:
+            # The epoch's first batch is read here, on this thread (not the prefetcher's): Keras's fit
+            # draws a pass's order there (inputs/keras_order.py), so what a callback draws from the same
+            # random state stays in step with it.
+            first = next(host, None)
+            rest = itertools.chain([first], host) if first is not None else iter(())
+            return iter(self.device_batches(rest, self.steps_per_execution, stream.per_process))
+
+        # (steps per call (0: one), real rows) -> the compiled step for this epoch's batches
+        programs: dict[tuple[int, Any], Any] = {}
+
+        def dispatch(run: epoch_lib.EpochRun, k: int, batch: Batch) -> tuple[Any, Any]:
+            tree = batch.tree()
+            if run.relook:  # a callback may have placed new values: look the signature up again
+                programs.clear()
+                run.relook = False
+            kind = (k, tree.get("rows"))
+            program = programs.get(kind)
+            if program is None:  # one placed shape, full or short of real rows: one lookup per kind
+                program = programs[kind] = (steps.train_many if k else steps.train).program(run.state, tree)
+            (run.state, run.aux), done = program(run.state, tree)
+            return run.aux, done
+
+        try:
+            outcome = self.run(run, placed, dispatch, loop_hooks, on_done=run.retire, count=stream.last_real)
+            progress.stop()
+            if outcome is epoch_lib.Outcome.PREEMPT:
+                device.value = run.state
+                raise preempted(run.state, None if saver is None else saver.ckpt, epoch, run.in_epoch)
+        finally:
+            self.adapter.conceal()
+            device.value = run.state
+        halted = outcome is epoch_lib.Outcome.HALT
+        return self._finish_epoch(run, halted, epoch), progress, run.steps, run.samples
+
+    def _train_batch_end(self, hooks: Callbacks) -> Callable[[int, Any, TrainState], TrainState]:
+        """``on_train_batch_end`` with the state exposed to the model's callbacks; returns the state to go
+        on from (what a callback changed on the model adopted)."""
+        device = self.device
+
+        def end(index: int, logs: Any, state: TrainState) -> TrainState:
+            state = device.batch_hook(hooks, "on_train_batch_end", index, logs, state)
+            device.value = None  # donated by the next step
+            return state
+
+        return end
+
+    def _finish_epoch(self, run: epoch_lib.EpochRun, halted: bool, epoch: int) -> dict[str, float]:
+        """The epoch's logs, or the error a frozen epoch ends with (a bad label; a non-finite step under
+        ``on_nonfinite="raise"``), the state then set to train on from the last applied step."""
+        device, steps, state = self.device, self.steps, run.state
+        device.value, label_error = steps.take_bad_labels(state, epoch, run.start_batch - run.first_step)
+        if label_error is not None:
+            device.write_back()
+            raise label_error
+        if steps.on_nonfinite == "raise" and (halted or int(host_value(state.skipped))):
+            bad = int(host_value(state.nonfinite_step))
+            device.value = steps.clear_nonfinite(state, bad)
+            device.write_back()
+            raise NonFiniteLossError(
+                f"The loss became non-finite at step {bad} (epoch {epoch + 1}, batch "
+                f"{run.start_batch + bad - run.first_step} of the epoch). The update of that step was not applied: "
+                "the trainer, the model and any checkpoint hold the values from before it. Lower the learning rate, "
+                "check the inputs for NaN/inf, or pass Trainer(..., on_nonfinite='skip') to drop such steps.")
+        totals = host_tree(state.metrics)
+        logs = self.adapter.metric_results(totals)
+        self.adapter.keep_metrics(totals)
+        if steps.on_nonfinite == "skip":
+            logs["skipped_steps"] = float(host_value(state.skipped))
+        return logs
+
+    # -- evaluate ----------------------------------------------------------------------------------
+    def evaluate(self, source: Source, batch_size: int, *, steps: int | None = None, hooks: Callbacks | None = None,
+                 warn_short: bool = False) -> dict[str, float]:
+        """Loss and metrics over ``source`` (at most ``steps`` batches, within one pass); ``hooks`` get
+        Keras's ``on_test_*`` calls (``fit`` passes its own for validation). ``warn_short``: Keras's
+        warning when ``steps`` asks for more batches than a pass has."""
+        device, fns = self.device, self.steps
+        device.ensure(source.sample(batch_size, self.strategy))
+        source.check_targets(self.adapter)
+        metrics = device.fresh_metrics()
+        stream = source.stream(batch_size, self.strategy)
+        within = within_pass(stream, steps, warn=warn_short)
+        if hooks is not None:
+            self.model.stop_evaluating = False  # as Keras: a test-batch callback may set it to stop early
+            hooks.call("on_test_begin")
+            device.adopt_callback_changes()
+        run = epoch_lib.EpochRun(device.live, self.strategy.in_flight, metrics=metrics)
+        loop_hooks: list[epoch_lib.EpochHook] = []
+        if hooks is not None:
+            def batch_end(index: int, logs: Any, run: epoch_lib.EpochRun) -> TrainState:
+                assert hooks is not None
+                return device.batch_hook(hooks, "on_test_batch_end", index, logs, run.state,
+                                         exposed=run.state.replace(metrics=run.metrics))
+
+            loop_hooks.append(epoch_lib.TestBatchCallbacks(hooks, self.steps_per_execution, batch_end, self.model))
+        programs: dict[Any, Any] = {}
+
+        def dispatch(run: epoch_lib.EpochRun, k: int, batch: Batch) -> tuple[Any, Any]:
+            tree = batch.tree()
+            if run.relook:
+                programs.clear()
+                run.relook = False
+            kind = tree.get("rows")
+            program = programs.get(kind)
+            if program is None:
+                program = programs[kind] = fns.evaluate.program(run.state, run.metrics, tree)
+            (run.metrics, run.aux), done = program(run.state, run.metrics, tree)
+            return run.aux, done
+
+        # As Keras's evaluate: the model's variables hold nothing while the loop runs (the metrics'
+        # totals are the loop's own); they are lent the values again at the end.
+        self.adapter.release()
+        try:
+            self.run(run, lambda: iter(self.device_batches(stream.batches(0, within), 1, stream.per_process)),
+                     dispatch, loop_hooks, on_done=fns.eval_watch())
+        finally:
+            self.adapter.conceal()
+            device.value = run.state
+            device.write_back()
+        totals = host_tree(run.metrics)
+        logs = self.adapter.metric_results(totals)
+        self.adapter.keep_metrics(totals)
+        if hooks is not None:
+            hooks.call("on_test_end", logs)
+            device.adopt_callback_changes()
+        return logs
+
+    # -- predict -----------------------------------------------------------------------------------
+    def predict(self, source: Source, batch_size: int, *, steps: int | None = None, hooks: Callbacks | None = None,
+                warn_short: bool = False) -> Any:
+        """The model's outputs for every row of ``source`` (at most ``steps`` batches, within one pass), as
+        numpy; ``hooks`` get Keras's ``on_predict_*`` calls."""
+        device, fns, model = self.device, self.steps, self.model
+        device.ensure(source.sample(batch_size, self.strategy, with_targets=False))
+        source.check_targets(self.adapter)  # the inputs' shapes (no targets here)
+        stream = source.stream(batch_size, self.strategy, with_targets=False)
+        within = within_pass(stream, steps, warn=warn_short)
+        outputs: list[Any] = []
+        end = hooks is not None and hooks.listens["predict_end"]
+        spe = self.steps_per_execution  # batch hooks once per execution, as Keras
+
+        def collect(item: tuple[Any, Any]) -> None:
+            if hooks is not None and getattr(model, "stop_predicting", False):
+                # Dispatched before a callback's stop was seen (the window runs ahead): Keras would not
+                # have run it, so neither its outputs nor its hooks count.
+                return
+            y, mask = item
+            mask_h = host_value(mask) > 0
+            outputs.append(jax.tree.map(lambda a: host_value(a)[mask_h], y))
+            if end and hooks is not None and len(outputs) % spe == 0:
+                hooks.call("on_predict_batch_end", len(outputs) - 1, {"outputs": _joined(outputs[-spe:])})
+
+        if hooks is not None:
+            model.stop_predicting = False  # as Keras: a predict-batch callback may set it to stop early
+            hooks.call("on_predict_begin")
+            device.adopt_callback_changes()
+        run = epoch_lib.EpochRun(device.live, self.strategy.in_flight)
+        loop_hooks: list[epoch_lib.EpochHook] = []
+        if hooks is not None:
+            loop_hooks.append(epoch_lib.PredictBatchCallbacks(hooks, spe, model))
+        programs: dict[Any, Any] = {}
+
+        def dispatch(run: epoch_lib.EpochRun, k: int, batch: Batch) -> tuple[Any, Any]:
+            rows = batch.real_rows()
+            program = programs.get(rows)
+            if program is None:
+                program = programs[rows] = fns.predict.program(run.state, batch.x, rows)
+            (y, model_state), done = program(run.state, batch.x, rows)
+            run.state = run.state.replace(model_state=model_state)
+            return (y, batch.mask), done
+
+        try:
+            self.run(run, lambda: iter(self.device_batches(stream.batches(0, within), 1, stream.per_process)),
+                     dispatch, loop_hooks, on_done=collect)
+        finally:
+            device.value = run.state
+        if end and hooks is not None and len(outputs) % spe:
+            n = len(outputs)
+            hooks.call("on_predict_batch_end", n - n % spe + spe - 1, {"outputs": _joined(outputs[-(n % spe):])})
+        if jax.tree.leaves(device.live.model_state):
+            device.write_back()  # the model's random streams moved on (Keras's predict syncs them back too)
+        if hooks is not None:
+            hooks.call("on_predict_end")
+            device.adopt_callback_changes()
+        return jax.tree.map(lambda *a: np.concatenate(a), *outputs)
+
+
+def preempted(state: TrainState | None, ckpt: Any, epoch: int, batch: int) -> preemption.Preempted:
+    """The stop of every process on SIGTERM, once the checkpoint (if any) is started."""
+    step = int(host_value(state.step)) if state is not None else 0
+    code = preemption.PREEMPTED_EXIT_CODE
+    if ckpt is not None:
+        message = (f"mirrorax: preempted (SIGTERM): saved checkpoint step {step} (epoch {epoch + 1}, batch "
+                   f"{batch}) in {ckpt.directory}; exiting with status {code}. Run the same command again "
+                   "to resume from it.")
+    else:
+        message = (f"mirrorax: preempted (SIGTERM) at step {step}: no checkpoint_dir, so the work since fit "
+                   f"started is lost; exiting with status {code}. Pass fit(checkpoint_dir=...) to save on "
+                   "SIGTERM and resume from there.")
+    return preemption.Preempted(message, step=step, checkpoint_dir=None if ckpt is None else ckpt.directory)
+
+
+def _joined(outputs: list[Any]) -> Any:
+    """Per-batch outputs of one execution as one batch (what Keras's ``on_predict_batch_end`` gets)."""
+    return outputs[0] if len(outputs) == 1 else jax.tree.map(lambda *a: np.concatenate(a), *outputs)
