@@ -57,7 +57,7 @@ def evaluate_source(trainer: Trainer, source: Source, batch_size: int, *, steps:
     source.check_targets(trainer.adapter)
     metrics = trainer._place(trainer.adapter.initial_metrics(), from_host=False)
     stream = source.stream(batch_size, trainer.strategy)
-    window = InFlight(trainer.max_in_flight, trainer.steps.eval_watch())
+    window, watch = InFlight(trainer.max_in_flight), trainer.steps.eval_watch()
     within = within_pass(stream, steps, warn=trainer._epochs_end_with_data)
     batches = trainer._device_batches(stream.batches(0, within), 1, stream.per_process)
     begin = hooks is not None and hooks.listens["test_begin"]
@@ -81,7 +81,7 @@ def evaluate_source(trainer: Trainer, source: Source, batch_size: int, *, steps:
             if begin and hooks is not None and i % spe == 0:
                 hooks.call("on_test_batch_begin", i)
             metrics, aux = trainer.steps.evaluate(trainer._live_state, metrics, batch.tree())
-            window.push(aux["token"])
+            window.push(aux["token"], on_done=watch)
             if end and hooks is not None and (i + 1) % spe == 0:
                 batch_end(i, aux["logs"])
                 if getattr(trainer.model, "stop_evaluating", False):
@@ -132,7 +132,7 @@ def predict(trainer: Trainer, x: Any, *, batch_size: int | None = None, verbose:
         if end and hooks is not None and len(outputs) % spe == 0:
             hooks.call("on_predict_batch_end", len(outputs) - 1, {"outputs": _joined(outputs[-spe:])})
 
-    window = InFlight(trainer.max_in_flight, collect)
+    window = InFlight(trainer.max_in_flight)
     within = within_pass(stream, steps, warn=trainer._epochs_end_with_data)
     batches = trainer._device_batches(stream.batches(0, within), 1, stream.per_process)
     if hooks is not None:
@@ -152,7 +152,7 @@ def predict(trainer: Trainer, x: Any, *, batch_size: int | None = None, verbose:
                 hooks.call("on_predict_batch_begin", i)
             y, model_state = trainer.steps.predict(trainer._live_state, batch.x, batch.real_rows())
             trainer._state = trainer._live_state.replace(model_state=model_state)
-            window.push((y, batch.mask))
+            window.push((y, batch.mask), on_done=collect)
             if hooks is not None and getattr(trainer.model, "stop_predicting", False):
                 break
         window.drain()

@@ -39,7 +39,7 @@ import numpy as np
 
 from mirrorax import batch_sums
 from mirrorax.as_made import split_transposes
-from mirrorax.dispatch import InFlight, StrategyFunction, layout
+from mirrorax.dispatch import InFlight, layout
 from mirrorax.inputs.batch import RealRows
 from mirrorax.models.base import ModelAdapter, real_count
 from mirrorax.strategy import MirroredStrategy
@@ -148,22 +148,23 @@ class StepFunctions:
             self._check_labels = bool(on)
             self._select()
 
-    def _out(self, args: tuple[Any, ...]) -> Any:
+    def _out(self, state: Any, *_: Any) -> Any:
         """The train steps' output layouts: the state as it came in, the step's flags and logs replicated."""
         rep = self.strategy.replicated
-        return layout(args[0], rep), rep
+        return layout(state, rep), rep
 
     def _select(self) -> None:
         flag = self._check_labels
         if flag not in self._variants:
             # strategy.jit's functions: the state comes back in the layout it went in with (replicated or
-            # sharded), the step's flags and logs replicated; the epoch loop keeps the dispatch bound.
-            # (Their layouts are known, so fn is traced once per signature, as Keras's own fit does.)
+            # sharded), the step's flags and logs replicated. (Their layouts are known, so fn is traced
+            # once per signature, as Keras's own fit does.)
+            jit = self.strategy.jit
             self._variants[flag] = (
-                StrategyFunction(self.strategy, functools.partial(self._train_with_logs, check_labels=flag),
-                                 donate_argnums=self._donate_args, bounded=False, out_shardings=self._out),
-                StrategyFunction(self.strategy, functools.partial(self._train_many_with_logs, check_labels=flag),
-                                 donate_argnums=self._donate_args, bounded=False, out_shardings=self._out))
+                jit(functools.partial(self._train_with_logs, check_labels=flag),
+                    donate_argnums=self._donate_args, out_shardings=self._out),
+                jit(functools.partial(self._train_many_with_logs, check_labels=flag),
+                    donate_argnums=self._donate_args, out_shardings=self._out))
         self.train, self.train_many = self._variants[flag]
 
     # -- pure functions --------------------------------------------------------------------------
