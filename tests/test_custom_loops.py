@@ -235,8 +235,8 @@ def test_dispatch_waits_for_the_previous_call_never_the_current(monkeypatch):
     real_block = jax.block_until_ready
     # Record what the host waits on, and still wait (steps with collectives must not pile up).
     monkeypatch.setattr(jax, "block_until_ready", lambda x: (waited.append(x), real_block(x))[1])
-    push = s._window.push
-    monkeypatch.setattr(s._window, "push", lambda token: (pushed.append(token), push(token))[1])
+    push = s.in_flight.push
+    monkeypatch.setattr(s.in_flight, "push", lambda token: (pushed.append(token), push(token))[1])
     step = _linear_step(s)
     params = s.replicate({"w": np.zeros(3, np.float32), "b": np.float32(0)})
     batch = next(iter(s.experimental_distribute_dataset(_linear_data(), batch_size=8)))

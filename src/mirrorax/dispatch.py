@@ -5,7 +5,7 @@ Both compile ``fn`` once per input signature (tree structure, shapes, dtypes, la
 for call ``i - max_in_flight + 1``, never for the call it just made. (Unbounded, the host queues steps
 without limit, which hides errors and, on multi-device CPU hosts, overruns XLA's collective rendezvous.)
 
-Where outputs live (``out_shardings``), decided when a signature is first seen:
+Where outputs live, unless the caller gives ``out_shardings``, is decided when a signature is first seen:
 
 1. an output (or a top-level element of a tuple/list output) with the structure, shapes and dtypes of
    an argument keeps that argument's layout (a state passed in and returned stays as it was placed);
@@ -43,40 +43,78 @@ PyTree = Any
 
 
 class InFlight:
-    """A bounded window of dispatched steps: after dispatching step ``i``, wait for step ``i - depth + 1``.
+    """The dispatch window: at most ``depth`` dispatched calls outstanding; after pushing call ``i``, the
+    host waits for call ``i - depth + 1``, never for the call it just pushed.
 
     JAX dispatches asynchronously; without a bound, the host can queue many steps, which both hides
     errors and (on multi-device CPU) overruns XLA's collective rendezvous. ``depth=2`` keeps one step
-    running while the next is queued: the host never waits for the step it just dispatched.
+    running while the next is queued. A strategy has one window (``strategy.in_flight``, of depth
+    ``max_in_flight``): its ``jit`` and ``run`` functions push each call into it, and a loop that calls a
+    :meth:`StrategyFunction.program` itself pushes there too, so one bound holds for every call.
 
     Args:
-      depth: steps allowed in flight (>= 1).
-      on_done: called with each step's ``aux`` (already computed) when it leaves the window.
+      depth: calls allowed in flight (>= 1).
+
+    Attributes:
+      last_done: the ``aux`` of the newest entry that left the window (``None`` before the first).
+
+    Example:
+      >>> program = step.program(state, batch)  # step = strategy.jit(...): one signature, many calls
+      >>> for batch in batches:
+      ...     (state, loss), done = program(state, batch)
+      ...     strategy.in_flight.push(loss, done, on_done=losses.append)
+      >>> strategy.in_flight.drain()
     """
 
-    def __init__(self, depth: int = 2, on_done: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, depth: int = 2) -> None:
         check_int("max_in_flight", depth)
-        self.depth = depth
-        self.on_done = on_done
-        self._queue: collections.deque[Any] = collections.deque()
+        self._depth = depth
+        self._queue: collections.deque[tuple[Any, Any, Callable[[Any], None] | None]] = collections.deque()
+        self._after: list[Callable[[], None]] = []
         self.last_done: Any = None
 
-    def push(self, aux: Any, ready: Any = None) -> None:
-        """Adds a dispatched step; ``ready`` (default: ``aux`` itself) is what to wait on, e.g. one
-        output of the step that is done exactly when the step is, cheaper to wait on than a tree."""
-        self._queue.append((aux, aux if ready is None else ready))
-        while len(self._queue) >= self.depth:
+    @property
+    def depth(self) -> int:
+        """Calls allowed in flight: the strategy's ``max_in_flight``."""
+        return self._depth
+
+    @property
+    def pending(self) -> int:
+        """Entries pushed and not yet retired (at most ``depth - 1`` between pushes)."""
+        return len(self._queue)
+
+    def push(self, aux: Any, ready: Any = None, on_done: Callable[[Any], None] | None = None) -> None:
+        """Adds a dispatched call, then waits for the oldest ones until fewer than ``depth`` are pending.
+
+        Args:
+          aux: what the entry stands for (e.g. the step's outputs); ``last_done`` once it retires.
+          ready: what to wait on (default: ``aux`` itself), e.g. the token of ``program(...)``, or one
+            output of the call that is done exactly when the call is: cheaper to wait on than a tree.
+          on_done: called as ``on_done(aux)`` when this entry retires (in push order, once).
+        """
+        self._queue.append((aux, aux if ready is None else ready, on_done))
+        if self._after:  # batches asked to be placed now, while the call just pushed runs
+            after, self._after = self._after, []
+            for fn in after:
+                fn()
+        while len(self._queue) >= self._depth:
             self._retire(*self._queue.popleft())
 
+    def after_dispatch(self, fn: Callable[[], None]) -> None:
+        """Calls ``fn()`` once, right after the next :meth:`push` (before that push waits): an input
+        iterator places its next batch there, so the host's copy overlaps the devices' work."""
+        self._after.append(fn)
+
     def drain(self) -> None:
+        """Waits for every pending entry, oldest first (their ``on_done`` run in order)."""
         while self._queue:
             self._retire(*self._queue.popleft())
 
-    def _retire(self, aux: Any, ready: Any) -> None:
+    def _retire(self, aux: Any, ready: Any, on_done: Callable[[Any], None] | None) -> None:
         jax.block_until_ready(ready)
         self.last_done = aux
-        if self.on_done is not None:
-            self.on_done(aux)
+        if on_done is not None:
+            on_done(aux)
 
 
 def _batch_axis_of(a: Any, axis_name: str) -> bool:
@@ -122,32 +160,57 @@ def _dtype(a: Any) -> Any:
     return a.dtype if isinstance(a, jax.ShapeDtypeStruct) else jnp.result_type(a)
 
 
+OutShardings = Any
+"""``out_shardings`` of :meth:`MirroredStrategy.jit`: ``None``, a sharding or pytree (prefix) of them, or a
+callable of the positional arguments giving one."""
+
+
+def check_out_shardings(out_shardings: OutShardings, *, received: str = "out_shardings") -> None:
+    """Raises ``TypeError`` unless ``out_shardings`` is ``None``, a callable, or a pytree of shardings."""
+    if out_shardings is None or callable(out_shardings):
+        return
+    bad = [leaf for leaf in jax.tree.leaves(out_shardings) if not isinstance(leaf, jax.sharding.Sharding)]
+    if bad:
+        raise TypeError(f"{received} must be None, a jax.sharding.Sharding (e.g. strategy.replicated), a pytree of "
+                        f"them matching the outputs (or a prefix of them), or a callable of the positional "
+                        f"arguments returning one; received a {type(out_shardings).__name__} holding "
+                        f"{bad[0]!r} (of type {type(bad[0]).__name__}). Use strategy.replicated, "
+                        "strategy.batch_sharding or strategy.state_sharding(...) for its leaves.")
+
+
 class StrategyFunction:
     """What ``strategy.jit(fn)`` and ``strategy.run``'s compiled form return: call it like ``fn``.
+
+    Every call pushes into the strategy's one dispatch window (``strategy.in_flight``), so at most
+    ``max_in_flight`` calls are outstanding. A loop calling one signature many times may take the
+    compiled :meth:`program` instead and push into the window itself.
 
     Args:
       strategy: the devices, layouts and the dispatch window.
       fn: the function (global view), or the per-replica function with ``per_replica=True``.
       donate_argnums: positional arguments whose buffers the call may reuse (e.g. the state).
       per_replica: run ``fn`` once per replica on its rows (``jax.shard_map``), as ``strategy.run``.
-      bounded: keep the strategy's dispatch bound. ``False`` for a caller that keeps its own window of
-        calls in flight (the ``Trainer``'s epoch loop, which reads each step's flags as it leaves).
-      out_shardings: a function of the arguments giving the outputs' layouts, for a caller that knows
-        them (the ``Trainer``: the state as it came in, the rest replicated). It spares the shape probe
-        that the rules above need, a second trace of ``fn`` per signature.
+      out_shardings: the outputs' layouts: ``None`` (the rules of this module's docstring), a sharding or
+        a pytree of them (a prefix of the outputs' tree, as ``jax.jit``'s), or a callable that takes the
+        positional arguments (abstract or concrete) and returns one. Known layouts spare the shape probe
+        that the rules need, a second trace of ``fn`` per signature.
     """
 
     def __init__(self, strategy: MirroredStrategy, fn: Callable[..., Any], *, donate_argnums: int | Sequence[int] = (),
-                 per_replica: bool = False, bounded: bool = True,
-                 out_shardings: Callable[[tuple[Any, ...]], PyTree] | None = None) -> None:
+                 per_replica: bool = False, out_shardings: OutShardings = None) -> None:
         if not callable(fn):
             raise TypeError(f"Expected a callable for fn. Received: {fn!r} (of type {type(fn).__name__}).")
+        check_out_shardings(out_shardings)
+        if per_replica and out_shardings is not None:
+            raise ValueError("out_shardings is for the global view (strategy.jit); strategy.run lays its outputs "
+                             f"out by what each replica returns. Received out_shardings={out_shardings!r} with "
+                             "per_replica=True: drop one of them.")
         self._strategy = strategy
+        self._window = strategy.in_flight
         self._fn = fn
         self._donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         self._per_replica = per_replica
-        self._bounded = bounded
-        self._out_for = out_shardings
+        self._out_shardings_arg = out_shardings
         # signature -> (jitted program, whether a call ran it: ``lower`` alone compiles for no call)
         self._compiled: dict[Any, tuple[Callable[..., Any], bool]] = {}
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
@@ -160,14 +223,25 @@ class StrategyFunction:
                             f"arguments only; received keyword(s) {sorted(kwargs)}. Pass them positionally, or bind "
                             "constants first: strategy.jit(functools.partial(fn, scale=2.0)).")
         out, token = self._for(args, called=True)(*args)
-        self._strategy._dispatched(token if self._bounded else None)
+        self._window.push(token)
         return out
 
     def program(self, *args: Any) -> Callable[..., tuple[Any, jax.Array]]:
-        """The compiled program for ``args``' signature, counted as called, for a loop that calls it many
-        times with arguments of that one signature (the ``Trainer``'s epoch: fixed batch shapes, the
-        state in its own layout) and keeps its own dispatch window. Calling it skips the per-call
-        signature lookup; it returns ``(outputs, token)``, the token ready exactly when the call is done."""
+        """The compiled program for ``args``' signature (counted as called), for a loop that calls it many
+        times with arguments of that one signature (fixed batch shapes, the state in its own layout).
+
+        Calling the program skips the per-call signature lookup and does not push into the window:
+        it returns ``(outputs, token)``, the token a scalar ready exactly when the call is done, and
+        the loop pushes it into ``strategy.in_flight`` itself, keeping the strategy's bound. Call it
+        only with arguments of the signature it was made for (same tree, shapes, dtypes, layouts).
+
+        Example:
+          >>> program = step.program(state, batch)
+          >>> for batch in batches:
+          ...     (state, loss), token = program(state, batch)
+          ...     strategy.in_flight.push(loss, token)
+          >>> strategy.in_flight.drain()
+        """
         return self._for(args, called=True)
 
     def lower(self, *args: Any) -> Any:
@@ -198,9 +272,11 @@ class StrategyFunction:
     def _build(self, args: tuple[Any, ...]) -> Any:
         s = self._strategy
         body = self._per_replica_body(args) if self._per_replica else self._fn
-        if self._out_for is not None and not self._per_replica:
-            out_shardings = self._out_for(args)
-        else:
+        given = self._out_shardings_arg
+        out_shardings = given(*args) if callable(given) else given
+        if callable(given) and out_shardings is not None:
+            check_out_shardings(out_shardings, received="out_shardings(*args)")
+        if out_shardings is None:  # the rules of this module's docstring
             out_shardings = self._out_shardings(args, jax.eval_shape(body, *args))
 
         def with_token(*a: Any) -> tuple[Any, jax.Array]:

@@ -21,10 +21,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mirrorax import cluster, consistency
+from mirrorax.dispatch import InFlight, OutShardings, StrategyFunction, check_out_shardings
 from mirrorax.replica import ReduceOp, resolve_op
 
 if TYPE_CHECKING:
-    from mirrorax.dispatch import StrategyFunction
     from mirrorax.inputs.distributed import DistributedDataset
     from mirrorax.inputs.iterables import PerProcessDataset
 
@@ -123,15 +123,12 @@ class MirroredStrategy:
 
     def __init__(self, devices: Sequence[jax.Device | int | str] | np.ndarray | Mesh | Any | None = None, *,
                  shard: ShardMode = None, max_in_flight: int = 2) -> None:
-        from mirrorax.dispatch import InFlight
-
         if shard not in SHARD_MODES:
             raise ValueError(f"shard must be one of {SHARD_MODES}: None (replicated), 'optimizer' (ZeRO-1: optimizer "
                              f"state split over the devices) or 'all' (ZeRO-3 / FSDP: parameters too); received "
                              f"{shard!r}.")
         self._shard = shard
         self._window = InFlight(max_in_flight)  # validates max_in_flight before anything starts
-        self._pending_placements: list[Any] = []
         self._run_functions: dict[Any, StrategyFunction] = {}
         cluster.maybe_initialize_from_env()
         self._devices = _validate_devices(devices)
@@ -196,6 +193,22 @@ class MirroredStrategy:
     def batch_sharding(self) -> NamedSharding:
         """``NamedSharding(mesh, P("batch"))``: the layout of every global batch (split on axis 0)."""
         return self._batch_sharding
+
+    @property
+    def max_in_flight(self) -> int:
+        """Calls allowed to be outstanding in :attr:`in_flight` (the ``max_in_flight`` argument)."""
+        return self._window.depth
+
+    @property
+    def in_flight(self) -> InFlight:
+        """The strategy's one dispatch window (:class:`mirrorax.dispatch.InFlight`).
+
+        Every call of a :meth:`jit` or :meth:`run` function is pushed into it: after dispatching call
+        ``i`` the host waits for call ``i - max_in_flight + 1``. A loop that calls a compiled
+        ``program`` itself (``strategy.jit(fn).program(*args)``) pushes its calls here too, with
+        ``push(aux, ready, on_done)``, and ``drain()`` s it where it needs every call done.
+        """
+        return self._window
 
     @property
     def shard(self) -> ShardMode:
@@ -318,30 +331,46 @@ class MirroredStrategy:
 
     distribute_dataset = experimental_distribute_dataset
 
-    def jit(self, fn: Callable[..., Any] | None = None, *, donate_argnums: int | Sequence[int] = ()) -> Any:
+    def jit(self, fn: Callable[..., Any] | None = None, *, donate_argnums: int | Sequence[int] = (),
+            out_shardings: OutShardings = None) -> Any:
         """``fn`` compiled for the global view on this strategy's devices; usable as a decorator.
 
         ``fn`` sees whole global batches; XLA partitions it over the batch axis and inserts the
         all-reduce. Compiled once per input signature. Replicated arguments stay replicated, batch
-        arguments stay split; an output shaped like an argument keeps its layout, batch-shaped outputs
-        stay split, the rest is replicated. At most ``max_in_flight`` calls are outstanding, without the
-        caller writing any waits.
+        arguments stay split. Every call is pushed into :attr:`in_flight`: at most ``max_in_flight`` calls
+        are outstanding, without the caller writing any waits.
 
         Args:
           fn: the step, e.g. ``step(state, batch) -> (state, loss)``.
           donate_argnums: arguments whose buffers the call may reuse (the state: no copy per step).
+          out_shardings: where the outputs live. ``None``: an output shaped like an argument keeps that
+            argument's layout, batch-shaped outputs stay split, the rest is replicated (found by tracing
+            ``fn`` once more per signature). Else a ``jax.sharding.Sharding`` or a pytree of them (a prefix
+            of the outputs' tree, as ``jax.jit`` takes), or a callable that takes the positional
+            arguments and returns one, called once per signature (the arguments may be
+            ``jax.ShapeDtypeStruct`` s there). A callable may return ``None`` for the default rules.
+
+        Returns:
+          A :class:`mirrorax.dispatch.StrategyFunction`: call it like ``fn``; ``.program(*args)`` gives the
+          compiled program of one signature for a loop that pushes into :attr:`in_flight` itself;
+          ``.lower(*args)`` gives ``jax.jit``'s lowering.
+
+        Raises:
+          TypeError: ``out_shardings`` is neither ``None``, a callable nor a pytree of shardings.
 
         Example:
           >>> @strategy.jit(donate_argnums=0)
           ... def step(state, batch):
           ...     loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
           ...     return update(state, grads), loss
+          >>> # layouts known ahead: the state keeps the one it came with, the loss is replicated
+          >>> step = strategy.jit(step_fn, donate_argnums=0, out_shardings=lambda state, batch: (
+          ...     jax.tree.map(lambda a: a.sharding, state), strategy.replicated))
         """
-        from mirrorax.dispatch import StrategyFunction
-
+        check_out_shardings(out_shardings)
         if fn is None:
-            return lambda f: StrategyFunction(self, f, donate_argnums=donate_argnums)
-        return StrategyFunction(self, fn, donate_argnums=donate_argnums)
+            return lambda f: StrategyFunction(self, f, donate_argnums=donate_argnums, out_shardings=out_shardings)
+        return StrategyFunction(self, fn, donate_argnums=donate_argnums, out_shardings=out_shardings)
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
         """Runs ``fn`` once per replica on that replica's rows (TF's ``strategy.run``).
@@ -365,8 +394,6 @@ class MirroredStrategy:
           >>> state, per_replica_loss = strategy.run(replica_step, args=(state, batch))
           >>> strategy.reduce("sum", per_replica_loss)
         """
-        from mirrorax.dispatch import StrategyFunction
-
         wrapped = self._run_functions.get(fn)
         if wrapped is None:
             wrapped = self._run_functions[fn] = StrategyFunction(
@@ -430,17 +457,6 @@ class MirroredStrategy:
                 return host
             return host.reshape((n, host.shape[0] // n) + host.shape[1:])
         return np.broadcast_to(host, (n,) + host.shape)
-
-    def _dispatched(self, token: Any) -> None:
-        """After a jit/run call is dispatched: place the batches iterators asked for, then keep the bound."""
-        pending, self._pending_placements = self._pending_placements, []
-        for it in pending:
-            it.prepare()
-        if token is not None:  # (None: the caller keeps its own bound)
-            self._window.push(token)
-
-    def _place_after_dispatch(self, iterator: Any) -> None:
-        self._pending_placements.append(iterator)
 
     def scope(self) -> contextlib.AbstractContextManager[MirroredStrategy]:
         """Makes this the strategy that :func:`get_strategy` and ``Trainer(model)`` use.

@@ -247,7 +247,7 @@ class _PlacingIterator:
             raise StopIteration
         if isinstance(ready, Exception):
             raise ready
-        self._strategy._place_after_dispatch(self)
+        self._strategy.in_flight.after_dispatch(self.prepare)
         return ready
 
 
