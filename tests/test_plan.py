@@ -1,6 +1,5 @@
 """``mx.plan``: the step's per-device cost, known before step 1 from compile-only programs."""
 
-import importlib
 import io
 import json
 import os
@@ -13,9 +12,9 @@ import numpy as np
 import pytest
 
 import mirrorax as mx
+from mirrorax import planner
 
 pytestmark = pytest.mark.multi_device
-plan_module = importlib.import_module("mirrorax.plan")
 
 
 def _model(width=256):
@@ -75,10 +74,10 @@ def test_largest_batch_search_and_fit_refuses_a_step_that_does_not_fit(monkeypat
 
 
 def test_parse_bytes():
-    assert plan_module.parse_bytes("24GB") == 24 * 10**9
-    assert plan_module.parse_bytes("512MiB") == 512 * 2**20
+    assert planner.parse_bytes("24GB") == 24 * 10**9
+    assert planner.parse_bytes("512MiB") == 512 * 2**20
     with pytest.raises(ValueError, match="24GB"):
-        plan_module.parse_bytes("lots")
+        planner.parse_bytes("lots")
 
 
 class _Compiles:
