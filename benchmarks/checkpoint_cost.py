@@ -73,7 +73,7 @@ def _child(devices: int, modes: list[str], rounds: int, hidden: int, directory: 
             model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
         trainer = mx.Trainer(model, strategy)
         trainer.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=1, verbose=0)
-        state = trainer._state
+        state = trainer.state
         state_mib = sum(a.nbytes for a in jax.tree.leaves(state)) / 2**20
 
         where = tempfile.mkdtemp(prefix=f"ckpt_cost_{devices}_{mode}_", dir=directory)
