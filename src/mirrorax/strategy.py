@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mirrorax import cluster, consistency
+from mirrorax._host import host_value
 from mirrorax.dispatch import InFlight, OutShardings, StrategyFunction, check_out_shardings
 from mirrorax.replica import ReduceOp, resolve_op
 
@@ -271,7 +272,7 @@ class MirroredStrategy:
             if isinstance(a, jax.Array) and a.sharding == sharding:
                 return a
             if isinstance(a, jax.Array) and not a.is_fully_addressable:
-                a = a.addressable_data(0) if a.is_fully_replicated else _host_array(a)
+                a = a.addressable_data(0) if a.is_fully_replicated else host_value(a)
             a = np.asarray(a)
             return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
 
@@ -451,7 +452,7 @@ class MirroredStrategy:
         n = self.num_replicas_in_sync
         spec = getattr(v.sharding, "spec", None) if isinstance(v, jax.Array) and v.ndim else None
         split = spec is not None and len(spec) > 0 and spec[0] == BATCH_AXIS
-        host = _host_array(v)
+        host = host_value(v)
         if split:
             if host.shape[0] == n and host.ndim == 1:
                 return host
@@ -610,14 +611,3 @@ def _validate_devices(devices: Any) -> tuple[jax.Device, ...]:
         raise ValueError(f"devices mixes platforms {platforms}; one strategy runs on one platform. "
                          f"Pick the devices of one, e.g. jax.devices({platforms[0]!r}).")
     return tuple(resolved)
-
-
-def _host_array(v: Any) -> np.ndarray:
-    """The whole value of ``v`` on this host (gathered from the other processes where needed)."""
-    if isinstance(v, jax.Array) and not v.is_fully_addressable:
-        if v.is_fully_replicated:
-            return np.asarray(v.addressable_data(0))
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(v, tiled=True))
-    return np.asarray(v)
