@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from mirrorax._host import host_value
+from mirrorax.cluster import coordination_client
 
 __all__ = ["broadcast_from_primary", "any_process", "check_replicas", "ReplicaMismatchError", "debug_checks"]
 
@@ -87,9 +88,7 @@ def any_process(flag: bool, timeout_s: float = 300.0) -> bool:
     """
     if jax.process_count() == 1:
         return bool(flag)
-    from mirrorax.cluster import _client
-
-    client = _client()
+    client = coordination_client()
     pid, n = jax.process_index(), jax.process_count()
     if client is None:  # a JAX whose client moved: a device collective (waits for the dispatched steps)
         from jax.experimental import multihost_utils
