@@ -41,7 +41,9 @@ from typing import Any
 
 import jax
 
-from mirrorax import _discovery, _failure, _output
+import mirrorax._discovery as _discovery
+import mirrorax._failure as _failure
+import mirrorax._output as _output
 from mirrorax._checks import check_int
 from mirrorax._discovery import ClusterError, ClusterInfo, accelerators_present, job_from_env, private_jax
 from mirrorax.preemption import PREEMPTED_EXIT_CODE  # (kept here too: mx.cluster.PREEMPTED_EXIT_CODE)

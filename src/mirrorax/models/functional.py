@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mirrorax import batch_sums
+import mirrorax.batch_sums as batch_sums
 from mirrorax._host import host_value
 from mirrorax.models.base import ModelAdapter, SparseTarget, real_count
 
