@@ -13,6 +13,8 @@ Example:
   >>> history = mx.Trainer(model).fit(x, y, batch_size=256, epochs=5)
 """
 
+# keras_fit is imported for what importing it does: strategy.scope() then routes the Keras models made in it.
+from mirrorax import keras_fit  # noqa: F401
 from mirrorax.cache import enable_compilation_cache as enable_compilation_cache
 from mirrorax.cluster import ClusterError as ClusterError
 from mirrorax.cluster import ClusterInfo as ClusterInfo

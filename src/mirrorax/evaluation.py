@@ -53,10 +53,10 @@ def evaluate_source(trainer: Trainer, source: Source, batch_size: int, *, steps:
                     hooks: Callbacks | None = None) -> dict[str, float]:
     """Loss and metrics over ``source`` (at most ``steps`` batches, within one pass); ``hooks`` get
     Keras's ``on_test_*`` calls (``fit`` passes its own for validation)."""
-    trainer._ensure_state(source.sample(batch_size, trainer.strategy))
+    trainer._ensure_state(source.sample(batch_size, trainer.strategy.batch_mesh))
     source.check_targets(trainer.adapter)
     metrics = trainer._place(trainer.adapter.initial_metrics(), from_host=False)
-    stream = source.stream(batch_size, trainer.strategy)
+    stream = source.stream(batch_size, trainer.strategy.batch_mesh)
     window, watch = InFlight(trainer.max_in_flight), trainer.steps.eval_watch()
     within = within_pass(stream, steps, warn=trainer._epochs_end_with_data)
     batches = trainer._device_batches(stream.batches(0, within), 1, stream.per_process)
@@ -111,11 +111,11 @@ def predict(trainer: Trainer, x: Any, *, batch_size: int | None = None, verbose:
     # NaN inputs are allowed here: they spoil only their own rows' outputs.
     source = make_source(x, float_dtype=trainer.adapter.float_dtype, check_finite=False)
     batch_size = trainer._batch_size(source, batch_size)
-    trainer._ensure_state(source.sample(batch_size, trainer.strategy, with_targets=False))
+    trainer._ensure_state(source.sample(batch_size, trainer.strategy.batch_mesh, with_targets=False))
     source.check_targets(trainer.adapter)  # the inputs' shapes (no targets here)
     if steps is not None:
         check_int("steps", steps)
-    stream = source.stream(batch_size, trainer.strategy, with_targets=False)
+    stream = source.stream(batch_size, trainer.strategy.batch_mesh, with_targets=False)
     outputs: list[Any] = []
     hooks = Callbacks(callbacks, trainer.model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
     end = hooks is not None and hooks.listens["predict_end"]
@@ -177,10 +177,10 @@ def train_on_batch(trainer: Trainer, x: Any, y: Any = None, *, sample_weight: An
         sample_weight = class_weights(y, class_weight, sample_weight)
     source = ArraySource(x, y, sample_weight)
     batch_size = source.num_examples
-    host = source.sample(batch_size, trainer.strategy)
+    host = source.sample(batch_size, trainer.strategy.batch_mesh)
     trainer._ensure_state(host)
     trainer.steps.check_labels_in_step(True)  # (the labels of a single batch are looked at in the step)
-    batch = to_global(host, trainer.strategy)
+    batch = to_global(host, trainer.strategy.batch_mesh)
     state = trainer._live_state.replace(metrics=trainer._place(trainer.adapter.initial_metrics(), from_host=False))
     trainer.adapter.release()
     trainer._state = None

@@ -186,7 +186,7 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
     memory = parse_bytes(device_memory) if device_memory is not None else _device_memory(base.devices)
     source = make_source(x, y, float_dtype=trainer.adapter.float_dtype)
     # One row stands for the shapes: the plan is of a full global batch, not of a batch cut to that row.
-    sample = dataclasses.replace(source.sample(1, trainer.strategy), rows=None)
+    sample = dataclasses.replace(source.sample(1, trainer.strategy.batch_mesh), rows=None)
     result = _plan_one(trainer, sample, batch_size, memory)
     if memory is not None and search:
         for mode in MODES:

@@ -263,7 +263,7 @@ class Trainer:
 
     def _device_batches(self, host: Iterator[Batch], group: int, per_process: bool
                         ) -> Iterator[tuple[int, Batch]] | Prefetcher:
-        return device_batches(host, group, self.strategy, prefetch=self.prefetch, per_process=per_process)
+        return device_batches(host, group, self.strategy.batch_mesh, prefetch=self.prefetch, per_process=per_process)
 
     # -- fit ---------------------------------------------------------------------------------------
     def fit(self, x: Any, y: Any = None, *, batch_size: int | None = None, epochs: int = 1,
@@ -343,7 +343,7 @@ class Trainer:
         if callbacks is not None and not isinstance(callbacks, (list, tuple)) and \
                 type(callbacks).__name__ != "CallbackList":  # (Keras's fit under a scope passes its own list)
             callbacks = [callbacks]  # one callback, not in a list: as Keras's own fit takes it
-        sample = source.sample(batch_size, self.strategy)
+        sample = source.sample(batch_size, self.strategy.batch_mesh)
         self._ensure_state(sample)
         for s in (source, val):  # shapes against the outputs, labels against the classes: before compiling
             if s is not None:
@@ -357,7 +357,7 @@ class Trainer:
         announce = mode if self._plan_line is None else self._plan_line
         _plan_module().at_fit_start(self, sample, batch_size, announce=bool(announce) and self.strategy.is_primary)
         history = History()
-        stream = source.stream(batch_size, self.strategy, shuffle=shuffle, seed=seed,
+        stream = source.stream(batch_size, self.strategy.batch_mesh, shuffle=shuffle, seed=seed,
                                ends_with_data=self._epochs_end_with_data, keras_order=self._keras_order)
         per_epoch = steps_per_epoch or stream.batches_per_pass
         hooks = Callbacks(callbacks, self.model, epochs=epochs, steps=per_epoch, verbose=0 if not mode else mode)
