@@ -19,6 +19,7 @@ from mirrorax.cache import enable_compilation_cache as enable_compilation_cache
 from mirrorax.cluster import ClusterError as ClusterError
 from mirrorax.cluster import ClusterInfo as ClusterInfo
 from mirrorax.cluster import initialize as initialize
+from mirrorax.consistency import ReplicaMismatchError as ReplicaMismatchError
 from mirrorax.inputs.distributed import DistributedBatch as DistributedBatch
 from mirrorax.inputs.distributed import DistributedDataset as DistributedDataset
 from mirrorax.models.base import ModelAdapter as ModelAdapter
@@ -75,6 +76,7 @@ __all__ = [
     "Preempted",
     "ReduceOp",
     "ReplicaContext",
+    "ReplicaMismatchError",
     "TrainState",
     "Trainer",
     "compute_average_loss",
