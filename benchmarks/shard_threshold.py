@@ -1,5 +1,5 @@
 """Where sharding a variable stops paying: the train step's time with every variable split over the devices
-(``shard="optimizer"`` / ``"all"``, :data:`mirrorax.strategy.SHARD_MIN_SIZE` lowered to 0) against
+(``shard="optimizer"`` / ``"all"``, :data:`mirrorax.mesh.SHARD_MIN_SIZE` lowered to 0) against
 replication, for variables of one size at a time.
 
 A model of ``--variables`` variables of ``size`` elements each (each used once, so the step's compute is
@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     import optax
 
     import mirrorax as mx
-    from mirrorax import strategy as strategy_lib
+    from mirrorax import mesh as mesh_lib
 
-    strategy_lib.SHARD_MIN_SIZE = 0  # every variable is split: the size alone decides
+    mesh_lib.SHARD_MIN_SIZE = 0  # every variable is split: the size alone decides
     width = 128
     rng = np.random.default_rng(0)
     x = rng.normal(size=(args.batch * args.steps, width)).astype(np.float32)

@@ -74,17 +74,17 @@ def test_devices_duplicates_and_empty():
 
 
 def test_devices_mixed_platforms(monkeypatch):
-    from mirrorax import strategy as strategy_mod
+    from mirrorax import mesh as mesh_mod
 
     class FakeDevice:
         def __init__(self, i, platform):
             self.id, self.platform = i, platform
 
     fakes = [FakeDevice(0, "cpu"), FakeDevice(1, "gpu")]
-    monkeypatch.setattr(strategy_mod.jax, "devices", lambda *a: fakes)
-    monkeypatch.setattr(strategy_mod.jax, "Device", FakeDevice)
+    monkeypatch.setattr(mesh_mod.jax, "devices", lambda *a: fakes)
+    monkeypatch.setattr(mesh_mod.jax, "Device", FakeDevice)
     with pytest.raises(ValueError, match=r"mixes platforms \['cpu', 'gpu'\]"):
-        strategy_mod._validate_devices(fakes)
+        mesh_mod.validate_devices(fakes)
 
 
 @pytest.mark.slow  # starts a process

@@ -14,6 +14,7 @@ import time
 import pytest
 from mp_scripts.procs import ROOT, clean_env, launcher, python, run_all
 
+from mirrorax import _discovery
 from mirrorax import launch as launch_lib
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]
@@ -247,7 +248,7 @@ def test_a_preempted_group_is_restarted_under_max_restarts():
 
 def test_cpu_devices_refused_on_a_machine_with_accelerators(tmp_path, monkeypatch):
     (tmp_path / "nvidia0").write_text("")
-    monkeypatch.setattr(launch_lib, "ACCELERATOR_PATTERNS", [str(tmp_path / "nvidia[0-9]*")])
+    monkeypatch.setattr(_discovery, "ACCELERATOR_PATTERNS", [str(tmp_path / "nvidia[0-9]*")])
     with pytest.raises(ValueError, match="this machine has accelerators .*nvidia0.*Drop the flag"):
         launch_lib.launch(["python", "-c", "pass"], 2, cpu_devices_per_proc=2)
     assert launch_lib.launch(["python", "-c", "pass"], 1, env=clean_env(), out=io.StringIO()) == 0

@@ -13,11 +13,14 @@ Example:
   >>> history = mx.Trainer(model).fit(x, y, batch_size=256, epochs=5)
 """
 
+# keras_fit is imported for what importing it does: strategy.scope() then routes the Keras models made in it.
+from mirrorax import keras_fit  # noqa: F401
 from mirrorax._version import __version__ as __version__
 from mirrorax.cache import enable_compilation_cache as enable_compilation_cache
 from mirrorax.cluster import ClusterError as ClusterError
 from mirrorax.cluster import ClusterInfo as ClusterInfo
 from mirrorax.cluster import initialize as initialize
+from mirrorax.consistency import ReplicaMismatchError as ReplicaMismatchError
 from mirrorax.inputs.distributed import DistributedBatch as DistributedBatch
 from mirrorax.inputs.distributed import DistributedDataset as DistributedDataset
 from mirrorax.models.base import ModelAdapter as ModelAdapter
@@ -72,6 +75,7 @@ __all__ = [
     "Preempted",
     "ReduceOp",
     "ReplicaContext",
+    "ReplicaMismatchError",
     "TrainState",
     "Trainer",
     "compute_average_loss",

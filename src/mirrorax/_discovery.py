@@ -8,6 +8,7 @@ coordinator address is the one ``jax.distributed.initialize()`` would derive.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import importlib.util
 import json
 import os
@@ -16,7 +17,16 @@ from typing import Any
 
 from mirrorax._checks import check_int
 
-__all__ = ["ClusterError", "ClusterInfo", "job_from_env", "make_info", "split_address", "private_jax"]
+__all__ = ["ClusterError", "ClusterInfo", "job_from_env", "make_info", "split_address", "private_jax",
+           "accelerators_present"]
+
+# Device files of accelerators, checked without starting JAX (tests point this elsewhere).
+ACCELERATOR_PATTERNS = ["/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/kfd", "/dev/vfio/[0-9]*"]
+
+
+def accelerators_present() -> list[str]:
+    """Device files of GPUs/TPUs on this machine (cheap: no JAX, no driver calls)."""
+    return sorted(path for pattern in ACCELERATOR_PATTERNS for path in glob.glob(pattern))
 
 _OURS = ("MIRRORAX_COORDINATOR", "MIRRORAX_NUM_PROCESSES", "MIRRORAX_PROCESS_ID")
 # Variables that say "this process is one task of several" to the schedulers JAX detects.

@@ -21,7 +21,7 @@ import threading
 import types
 from typing import Any
 
-from mirrorax import _output
+import mirrorax._output as _output
 
 __all__ = ["install", "uninstall", "die", "FAILURE_KEY", "POLL_SECONDS"]
 

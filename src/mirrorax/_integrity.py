@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["HostDigest", "all_finite", "digest", "path_str", "to_host"]
+from mirrorax._host import host_value, local_copy
+
+__all__ = ["HostDigest", "all_finite", "digest", "path_str"]
 
 PyTree = Any
 
@@ -71,20 +73,6 @@ def _digest_leaves(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
     return jnp.stack([c for c, _ in pairs]), jnp.stack([f for _, f in pairs])
 
 
-def _one_copy(x: Any) -> Any:
-    """One device's copy of a replicated array (the digest is the same; 1/n of the work), else ``x``."""
-    if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 and x.is_fully_replicated:
-        return x.addressable_data(0)
-    return x
-
-
-def to_host(x: Any) -> np.ndarray:
-    """A small, replicated result as numpy, also when other processes hold some of its devices."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        x = x.addressable_data(0)
-    return np.asarray(x)
-
-
 def path_str(path: tuple[Any, ...]) -> str:
     """``('trainable', 'sequential/dense/kernel')`` -> ``'trainable/sequential/dense/kernel'``."""
     parts = []
@@ -104,7 +92,7 @@ def digest(tree: PyTree) -> tuple[dict[str, list[int]], list[str]]:
     if not flat:
         return {}, []
     paths = [path_str(p) for p, _ in flat]
-    leaves = [_one_copy(x) if isinstance(x, jax.Array) else jnp.asarray(x) for _, x in flat]
+    leaves = [local_copy(x) if isinstance(x, jax.Array) else jnp.asarray(x) for _, x in flat]
     # One jitted call per set of devices: a jit cannot mix arrays committed to different devices.
     groups: dict[frozenset[Any], list[int]] = {}
     for i, leaf in enumerate(leaves):
@@ -113,7 +101,7 @@ def digest(tree: PyTree) -> tuple[dict[str, list[int]], list[str]]:
     finite: list[bool] = [True] * len(leaves)
     for members in groups.values():
         sums, ok = _digest_leaves([leaves[i] for i in members])
-        for i, row, flag in zip(members, to_host(sums).tolist(), to_host(ok).tolist()):
+        for i, row, flag in zip(members, host_value(sums).tolist(), host_value(ok).tolist()):
             checksums[i], finite[i] = [int(v) for v in row], bool(flag)
     return dict(zip(paths, checksums)), [p for p, f in zip(paths, finite) if not f]
 

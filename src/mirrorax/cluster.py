@@ -41,19 +41,17 @@ from typing import Any
 
 import jax
 
-from mirrorax import _discovery, _failure, _output
+import mirrorax._discovery as _discovery
+import mirrorax._failure as _failure
+import mirrorax._output as _output
 from mirrorax._checks import check_int
-from mirrorax._discovery import ClusterError, ClusterInfo, job_from_env, private_jax
+from mirrorax._discovery import ClusterError, ClusterInfo, accelerators_present, job_from_env, private_jax
+from mirrorax.preemption import PREEMPTED_EXIT_CODE  # (kept here too: mx.cluster.PREEMPTED_EXIT_CODE)
 
 __all__ = ["ClusterInfo", "ClusterError", "initialize", "maybe_initialize_from_env", "is_initialized",
            "job_from_env", "process_index", "process_count", "cluster_info", "resolve_bind_address",
-           "PREEMPTED_EXIT_CODE"]
+           "PREEMPTED_EXIT_CODE", "coordination_client"]
 
-# The exit status of a process that stopped because it was asked to (SIGTERM: preemption, eviction,
-# `scancel`), after saving what it needs to resume: "preempted, requeue me". 128 + SIGTERM, the status
-# a shell reports for a process that SIGTERM ended. `mirrorax launch` returns it when every process
-# did, and restarts the group on it under --max-restarts.
-PREEMPTED_EXIT_CODE = 143
 DEFAULT_INIT_TIMEOUT = 60
 DEFAULT_HEARTBEAT_TIMEOUT = 30
 DEFAULT_SHUTDOWN_TIMEOUT = 300
@@ -193,7 +191,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         _connect(info, initialization_timeout, shutdown_timeout_seconds, bind)
         _info = info
         _quiet_collectives(info)
-        client = _client()
+        client = coordination_client()
         if client is None:
             _warn_once("client", f"jax {jax.__version__} has no jax._src.distributed.global_state.client (a "
                        "private object that mirrorax relies on, tested with jax 0.10): the processes do not "
@@ -441,8 +439,6 @@ def _quiet_collectives(info: ClusterInfo) -> None:
     """Drops gloo's connection lines from this process's stdout (:mod:`mirrorax._output`), unless the
     launcher does it (``MIRRORAX_LAUNCHED``), the user wants them, or this is not a CPU job (only the
     CPU collectives are gloo's, and accelerator jobs should keep a plain stdout)."""
-    from mirrorax.launch import accelerators_present
-
     if (info.num_processes > 1 and not os.environ.get("MIRRORAX_LAUNCHED") and not _output.verbose()
             # jax.config's options are attributes made at run time; its stub lists none of them.
             and ((jax.config.jax_platforms or "").strip() == "cpu"  # type: ignore[attr-defined]
@@ -450,9 +446,10 @@ def _quiet_collectives(info: ClusterInfo) -> None:
         _output.install()
 
 
-def _client() -> Any | None:
-    """The connected ``DistributedRuntimeClient`` (``jax.distributed`` does not export it); ``None`` on a
-    JAX where it moved."""
+def coordination_client() -> Any | None:
+    """The connected ``DistributedRuntimeClient`` of JAX's coordination service (its key-value store:
+    ``key_value_set``, ``blocking_key_value_get``, ``key_value_delete``); ``None`` before
+    :func:`initialize`, or on a JAX where it moved (``jax.distributed`` does not export it)."""
     return getattr(getattr(private_jax("distributed"), "global_state", None), "client", None)
 
 

@@ -23,6 +23,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from mirrorax._host import host_value
+from mirrorax.cluster import coordination_client
+
 __all__ = ["broadcast_from_primary", "any_process", "check_replicas", "ReplicaMismatchError", "debug_checks"]
 
 PyTree = Any
@@ -37,11 +40,9 @@ def debug_checks() -> bool:
     return os.environ.get("MIRRORAX_DEBUG", "") not in ("", "0", "false", "False")
 
 
-def _host_copy(a: Any) -> np.ndarray:
-    """This process's copy of ``a`` as numpy (one copy of a replicated array; no cross-process gather)."""
-    if isinstance(a, jax.Array) and not a.is_fully_addressable:
-        a = a.addressable_data(0)
-    a = np.asarray(a)
+def _contiguous_host_copy(a: Any) -> np.ndarray:
+    """``a`` as C-contiguous numpy (its raw bytes are sent as they lie)."""
+    a = host_value(a)
     return a if a.flags.c_contiguous else a.copy(order="C")  # (np.ascontiguousarray makes a 0-d array 1-d)
 
 
@@ -60,7 +61,7 @@ def broadcast_from_primary(tree: PyTree) -> PyTree:
     from jax.experimental import multihost_utils
 
     leaves, treedef = jax.tree.flatten(tree)
-    host = [_host_copy(a) for a in leaves]
+    host = [_contiguous_host_copy(a) for a in leaves]
     raw = np.concatenate([h.reshape(-1).view(np.uint8) for h in host] + [np.zeros(0, np.uint8)])
     padded = np.zeros(-(-raw.size // 4) * 4 or 4, np.uint8)
     padded[:raw.size] = raw
@@ -87,9 +88,7 @@ def any_process(flag: bool, timeout_s: float = 300.0) -> bool:
     """
     if jax.process_count() == 1:
         return bool(flag)
-    from mirrorax.cluster import _client
-
-    client = _client()
+    client = coordination_client()
     pid, n = jax.process_index(), jax.process_count()
     if client is None:  # a JAX whose client moved: a device collective (waits for the dispatched steps)
         from jax.experimental import multihost_utils

@@ -35,7 +35,7 @@ from mirrorax._checks import check_int
 from mirrorax.replica import ReplicaContext, replica_scope, varies_over
 
 if TYPE_CHECKING:
-    from mirrorax.strategy import MirroredStrategy
+    from mirrorax.mesh import BatchMesh
 
 __all__ = ["StrategyFunction", "InFlight"]
 
@@ -186,7 +186,8 @@ class StrategyFunction:
     compiled :meth:`program` instead and push into the window itself.
 
     Args:
-      strategy: the devices, layouts and the dispatch window.
+      mesh: the devices and layouts (``strategy.batch_mesh``).
+      window: the dispatch window every call is pushed into (``strategy.in_flight``).
       fn: the function (global view), or the per-replica function with ``per_replica=True``.
       donate_argnums: positional arguments whose buffers the call may reuse (e.g. the state).
       per_replica: run ``fn`` once per replica on its rows (``jax.shard_map``), as ``strategy.run``.
@@ -196,8 +197,9 @@ class StrategyFunction:
         that the rules need, a second trace of ``fn`` per signature.
     """
 
-    def __init__(self, strategy: MirroredStrategy, fn: Callable[..., Any], *, donate_argnums: int | Sequence[int] = (),
-                 per_replica: bool = False, out_shardings: OutShardings = None) -> None:
+    def __init__(self, mesh: BatchMesh, window: InFlight, fn: Callable[..., Any], *,
+                 donate_argnums: int | Sequence[int] = (), per_replica: bool = False,
+                 out_shardings: OutShardings = None) -> None:
         if not callable(fn):
             raise TypeError(f"Expected a callable for fn. Received: {fn!r} (of type {type(fn).__name__}).")
         check_out_shardings(out_shardings)
@@ -205,8 +207,8 @@ class StrategyFunction:
             raise ValueError("out_shardings is for the global view (strategy.jit); strategy.run lays its outputs "
                              f"out by what each replica returns. Received out_shardings={out_shardings!r} with "
                              "per_replica=True: drop one of them.")
-        self._strategy = strategy
-        self._window = strategy.in_flight
+        self._mesh = mesh
+        self._window = window
         self._fn = fn
         self._donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         self._per_replica = per_replica
@@ -270,7 +272,7 @@ class StrategyFunction:
         return self._build(args)
 
     def _build(self, args: tuple[Any, ...]) -> Any:
-        s = self._strategy
+        s = self._mesh
         body = self._per_replica_body(args) if self._per_replica else self._fn
         given = self._out_shardings_arg
         out_shardings = given(*args) if callable(given) else given
@@ -287,7 +289,7 @@ class StrategyFunction:
         return jax.jit(with_token, donate_argnums=self._donate, out_shardings=(out_shardings, s.replicated))
 
     def _out_shardings(self, args: tuple[Any, ...], out_shape: PyTree) -> PyTree:
-        s = self._strategy
+        s = self._mesh
         axis = s.batch_axis
         batch_rows = {a.shape[0] for a in jax.tree.leaves(args) if _batch_axis_of(a, axis) and a.ndim}
 
@@ -319,7 +321,7 @@ class StrategyFunction:
 
     # -- per replica (strategy.run) -----------------------------------------------------------------
     def _per_replica_body(self, args: tuple[Any, ...]) -> Callable[..., Any]:
-        s = self._strategy
+        s = self._mesh
         axis = s.batch_axis
         in_specs = jax.tree.map(lambda a: P(axis) if _batch_axis_of(a, axis) else P(), args)
         fn = self._fn
@@ -350,7 +352,7 @@ class StrategyFunction:
         return jax.shard_map(body, mesh=s.mesh, in_specs=in_specs, out_specs=out_specs)
 
     def _per_replica_shardings(self, out_shape: PyTree, like_arg: Callable[[PyTree], PyTree | None]) -> PyTree:
-        s = self._strategy
+        s = self._mesh
         leaves, treedef = jax.tree.flatten(out_shape)
         shardings = [s.batch_sharding if f else s.replicated for f in self._flags]
         default = jax.tree.unflatten(treedef, shardings)

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mirrorax._host import host_value
 from mirrorax.dispatch import InFlight
-from mirrorax.step import host_value
 
 if TYPE_CHECKING:
     from mirrorax import preemption

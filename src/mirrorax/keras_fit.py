@@ -25,9 +25,9 @@ import numpy as np
 
 from mirrorax import _keras_env
 from mirrorax.models.base import attach_strategy, strategy_of
+from mirrorax.strategy import MirroredStrategy, on_scope
 
 if TYPE_CHECKING:
-    from mirrorax.strategy import MirroredStrategy
     from mirrorax.trainer import Trainer
 
 __all__ = ["strategy_of", "trainer_of", "enter", "leave"]
@@ -68,6 +68,19 @@ def leave() -> None:
 
         JAXTrainer.__init__ = _saved.pop("init")  # type: ignore[method-assign]
         KerasTrainer.compile = _saved.pop("compile")  # type: ignore[method-assign]
+
+
+def _check_scope(strategy: MirroredStrategy) -> None:
+    _keras_env.check_scope()  # Keras on another backend, a keras.distribution: said at scope(), not at fit
+
+
+def _leave(strategy: MirroredStrategy) -> None:
+    leave()
+
+
+# The strategy does not import this module (it is above it): a scope opening tells it through these.
+on_scope(_check_scope)
+on_scope(enter, _leave)  # models made or compiled in the scope belong to it
 
 
 def _wrap(original: Callable[..., Any], what: str) -> Callable[..., Any]:

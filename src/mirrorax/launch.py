@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import os
 import re
 import signal
@@ -31,8 +30,9 @@ from collections.abc import Mapping, Sequence, Set
 from typing import IO, Any
 
 from mirrorax._checks import check_int
+from mirrorax._discovery import accelerators_present
 from mirrorax._output import ChatterFilter, verbose
-from mirrorax.cluster import PREEMPTED_EXIT_CODE
+from mirrorax.preemption import PREEMPTED_EXIT_CODE
 
 __all__ = ["add_parser", "run", "launch", "main"]
 
@@ -47,8 +47,6 @@ _NAMED = re.compile(r"mirrorax: process (\d+) of \d+ failed \(")
 # What a process prints when it dies only because a peer it was exchanging data with went away (gloo
 # aborts the survivor within milliseconds of a SIGKILLed peer, often inside the same poll interval).
 _PEER_LOST = re.compile(r"gloo::|[Cc]onnection (closed|reset) by peer|collective mismatch|Broken pipe")
-# Device files of accelerators, checked without starting JAX (tests point this elsewhere).
-ACCELERATOR_PATTERNS = ["/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/kfd", "/dev/vfio/[0-9]*"]
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -162,11 +160,6 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
             if attempt < max_restarts:
                 group.say(f"restarting the group of {nprocs} (restart {attempt + 1} of {max_restarts})")
     return code
-
-
-def accelerators_present() -> list[str]:
-    """Device files of GPUs/TPUs on this machine (cheap: no JAX, no driver calls)."""
-    return sorted(path for pattern in ACCELERATOR_PATTERNS for path in glob.glob(pattern))
 
 
 def free_port() -> int:

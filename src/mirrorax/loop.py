@@ -22,6 +22,7 @@ import numpy as np
 from mirrorax import epoch as epoch_lib
 from mirrorax import preemption
 from mirrorax import resume as resume_lib
+from mirrorax._host import host_tree, host_value
 from mirrorax.device_state import DeviceState
 from mirrorax.hooks import Callbacks
 from mirrorax.inputs.batch import Batch
@@ -30,7 +31,7 @@ from mirrorax.inputs.source import Source
 from mirrorax.inputs.streams import Stream, within_pass
 from mirrorax.progress import Progress
 from mirrorax.results import NonFiniteLossError
-from mirrorax.step import StepFunctions, host_tree, host_value
+from mirrorax.step import StepFunctions
 from mirrorax.train_state import TrainState
 
 __all__ = ["Loop", "preempted"]
@@ -65,7 +66,7 @@ class Loop:
     def device_batches(self, host: Iterator[Batch], group: int, per_process: bool
                        ) -> Iterator[tuple[int, Batch]] | Prefetcher:
         """``host``'s batches placed on the devices (``group`` stacked per dispatch when > 1)."""
-        return device_batches(host, group, self.strategy, prefetch=self.prefetch, per_process=per_process)
+        return device_batches(host, group, self.strategy.batch_mesh, prefetch=self.prefetch, per_process=per_process)
 
     # -- the loop ------------------------------------------------------------------------------------
     def run(self, run: epoch_lib.EpochRun, batches: Callable[[], Iterator[tuple[int, Batch]]], dispatch: Dispatch,
@@ -236,10 +237,10 @@ class Loop:
         Keras's ``on_test_*`` calls (``fit`` passes its own for validation). ``warn_short``: Keras's
         warning when ``steps`` asks for more batches than a pass has."""
         device, fns = self.device, self.steps
-        device.ensure(source.sample(batch_size, self.strategy))
+        device.ensure(source.sample(batch_size, self.strategy.batch_mesh))
         source.check_targets(self.adapter)
         metrics = device.fresh_metrics()
-        stream = source.stream(batch_size, self.strategy)
+        stream = source.stream(batch_size, self.strategy.batch_mesh)
         within = within_pass(stream, steps, warn=warn_short)
         if hooks is not None:
             self.model.stop_evaluating = False  # as Keras: a test-batch callback may set it to stop early
@@ -292,9 +293,9 @@ class Loop:
         """The model's outputs for every row of ``source`` (at most ``steps`` batches, within one pass), as
         numpy; ``hooks`` get Keras's ``on_predict_*`` calls."""
         device, fns, model = self.device, self.steps, self.model
-        device.ensure(source.sample(batch_size, self.strategy, with_targets=False))
+        device.ensure(source.sample(batch_size, self.strategy.batch_mesh, with_targets=False))
         source.check_targets(self.adapter)  # the inputs' shapes (no targets here)
-        stream = source.stream(batch_size, self.strategy, with_targets=False)
+        stream = source.stream(batch_size, self.strategy.batch_mesh, with_targets=False)
         within = within_pass(stream, steps, warn=warn_short)
         outputs: list[Any] = []
         end = hooks is not None and hooks.listens["predict_end"]

@@ -189,7 +189,7 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
     memory = parse_bytes(device_memory) if device_memory is not None else _device_memory(base.devices)
     source = make_source(x, y, float_dtype=held.steps.adapter.float_dtype)
     # One row stands for the shapes: the plan is of a full global batch, not of a batch cut to that row.
-    sample = dataclasses.replace(source.sample(1, base), rows=None)
+    sample = dataclasses.replace(source.sample(1, base.batch_mesh), rows=None)
     result = plan_step(held.steps, held.device, sample, batch_size, memory)
     if memory is not None and search:
         for mode in MODES:
@@ -292,7 +292,7 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
         steps.adapter.build(sample.tree())
     abstract = device.abstract()
     layouts = jax.tree.map(lambda a: a.sharding, abstract)
-    padded = padded_batch_size(batch_size, s)
+    padded = padded_batch_size(batch_size, s.batch_mesh)
 
     def batch_spec(a: Any) -> Any:
         a = np.asarray(a)

@@ -34,7 +34,12 @@ import warnings
 from types import FrameType
 from typing import Any
 
-from mirrorax.cluster import PREEMPTED_EXIT_CODE  # 128 + SIGTERM: "preempted, requeue"
+#: The exit status of a process that stopped because it was asked to (SIGTERM: preemption, eviction,
+#: ``scancel``), after saving what it needs to resume: "preempted, requeue me". 128 + SIGTERM, the status
+#: a shell reports for a process that SIGTERM ended. ``mirrorax launch`` returns it when every process
+#: did, and restarts the group on it under ``--max-restarts``. (This module is the ground floor that
+#: ``launch`` and ``cluster`` both read it from: it imports no JAX at import time.)
+PREEMPTED_EXIT_CODE = 143
 
 __all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "Watch", "announce"]
 

@@ -15,10 +15,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from mirrorax._host import host_value
 from mirrorax._version import __version__
 from mirrorax.inputs.batch import Batch
 from mirrorax.inputs.position import InputState
-from mirrorax.step import host_value
 from mirrorax.train_state import TrainState
 
 __all__ = ["Saver", "Resumed", "resume", "sample_spec", "sample_from_spec", "check_every"]

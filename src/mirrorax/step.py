@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mirrorax import batch_sums
+from mirrorax._host import host_tree, host_value
 from mirrorax.as_made import split_transposes
 from mirrorax.dispatch import layout
 from mirrorax.inputs.batch import RealRows
@@ -464,29 +465,3 @@ class StepFunctions:
 
 def _same(tree: PyTree) -> PyTree:
     return tree
-
-
-def _one_copy(a: Any) -> Any:
-    """This process's first copy of a replicated array (no transfer of the others), else ``a``."""
-    if isinstance(a, jax.Array) and a.is_fully_replicated and len(a.sharding.device_set) > 1:
-        return a.addressable_shards[0].data
-    return a
-
-
-def host_value(a: Any) -> np.ndarray:
-    """A host copy of a replicated (or fully addressable) array, on any process count."""
-    a = _one_copy(a)
-    if isinstance(a, jax.Array) and not a.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-    return np.asarray(a)
-
-
-def host_tree(tree: PyTree) -> PyTree:
-    """Host copies of a tree of arrays as :func:`host_value` makes them, in one batched transfer (not
-    one wait per leaf)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    local = [_one_copy(a) for a in leaves]
-    out = [host_value(a) if isinstance(a, jax.Array) and not a.is_fully_addressable else a for a in local]
-    return jax.tree.unflatten(treedef, [np.asarray(a) for a in jax.device_get(out)])

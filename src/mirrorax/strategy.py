@@ -1,86 +1,43 @@
-"""``MirroredStrategy``: the devices a job trains on, and how values are laid out on them.
+"""``MirroredStrategy``: the devices a job trains on (a :class:`mirrorax.mesh.BatchMesh`) and the public API.
 
 A strategy is a one-axis :class:`jax.sharding.Mesh` (axis ``"batch"``) over every device of the job.
 Variables are replicated (``NamedSharding(mesh, P())``); every global batch is split over the batch axis
 (``NamedSharding(mesh, P("batch"))``). The train step is written once for the global batch and jitted
 with these shardings, so XLA inserts the cross-device reduction of gradients and metrics itself.
+
+This module stands on the mesh (:mod:`mirrorax.mesh`), the dispatch window (:mod:`mirrorax.dispatch`) and
+the inputs (:mod:`mirrorax.inputs`); nothing below imports it back. What happens when a scope opens
+beyond making the strategy current (e.g. ``keras_fit`` routing Keras models) is registered from above
+with :func:`on_scope`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from mirrorax import cluster, consistency
+import mirrorax.cluster as cluster
+from mirrorax._host import host_value
 from mirrorax.dispatch import InFlight, OutShardings, StrategyFunction, check_out_shardings
+from mirrorax.inputs.distributed import DistributedDataset
+from mirrorax.inputs.iterables import PerProcessDataset
+from mirrorax.inputs.source import InputContext
+from mirrorax.mesh import BATCH_AXIS, SHARD_MIN_SIZE, BatchMesh, ShardMode, check_shard
 from mirrorax.replica import ReduceOp, resolve_op
 
-if TYPE_CHECKING:
-    from mirrorax.inputs.distributed import DistributedDataset
-    from mirrorax.inputs.iterables import PerProcessDataset
+__all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "InputContext", "get_strategy", "current_scope",
+           "on_scope", "SHARD_MIN_SIZE"]
 
-__all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "InputContext", "get_strategy"]
-
-BATCH_AXIS = "batch"
-
-ShardMode = Literal["optimizer", "all"] | None
-SHARD_MODES: tuple[ShardMode, ...] = (None, "optimizer", "all")
-_SHARDED_ROLES = {"optimizer": ("optimizer",), "all": ("params", "optimizer")}
-#: Variables with fewer elements stay replicated in the sharded modes: their collectives' fixed cost is
-#: more than splitting saves (a 128x128 kernel is 64 KiB in float32). Measured at 8 devices with
-#: ``benchmarks/shard_threshold.py``: splitting is 1.1-1.6x slower below this size, at parity
-#: ("optimizer") or faster ("all") from it (docs/plan.md has the numbers).
-SHARD_MIN_SIZE = 16384
+ScopeHook = Callable[["MirroredStrategy"], None]
 
 _scope = threading.local()
-
-
-@dataclasses.dataclass(frozen=True)
-class InputContext:
-    """What a per-process input pipeline needs to know (``tf.distribute.InputContext``'s meaning).
-
-    Attributes:
-      num_input_pipelines: how many pipelines feed the job (one per process).
-      input_pipeline_id: this pipeline's index, ``0 <= id < num_input_pipelines``.
-      num_replicas_in_sync: the global device count.
-    """
-
-    num_input_pipelines: int = 1
-    input_pipeline_id: int = 0
-    num_replicas_in_sync: int = 1
-
-    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
-        """The batch size of one replica (device) for a global batch of ``global_batch_size``.
-
-        Raises:
-          ValueError: ``global_batch_size`` does not divide by the replica count.
-
-        Example:
-          >>> InputContext(2, 0, 8).get_per_replica_batch_size(256)
-          32
-        """
-        if global_batch_size % self.num_replicas_in_sync:
-            raise ValueError(
-                f"global_batch_size={global_batch_size} does not divide by num_replicas_in_sync="
-                f"{self.num_replicas_in_sync}. Use a multiple of {self.num_replicas_in_sync}.")
-        return global_batch_size // self.num_replicas_in_sync
-
-    def get_per_pipeline_batch_size(self, global_batch_size: int) -> int:
-        """Rows of each global batch that this pipeline produces (``global / num_input_pipelines``)."""
-        if global_batch_size % self.num_input_pipelines:
-            raise ValueError(
-                f"global_batch_size={global_batch_size} does not divide by num_input_pipelines="
-                f"{self.num_input_pipelines}. Use a multiple of {self.num_input_pipelines}.")
-        return global_batch_size // self.num_input_pipelines
+_scope_hooks: list[tuple[ScopeHook, ScopeHook | None]] = []
 
 
 class MirroredStrategy:
@@ -123,76 +80,63 @@ class MirroredStrategy:
 
     def __init__(self, devices: Sequence[jax.Device | int | str] | np.ndarray | Mesh | Any | None = None, *,
                  shard: ShardMode = None, max_in_flight: int = 2) -> None:
-        if shard not in SHARD_MODES:
-            raise ValueError(f"shard must be one of {SHARD_MODES}: None (replicated), 'optimizer' (ZeRO-1: optimizer "
-                             f"state split over the devices) or 'all' (ZeRO-3 / FSDP: parameters too); received "
-                             f"{shard!r}.")
-        self._shard = shard
+        check_shard(shard)
         self._window = InFlight(max_in_flight)  # validates max_in_flight before anything starts
         self._run_functions: dict[Any, StrategyFunction] = {}
-        cluster.maybe_initialize_from_env()
-        self._devices = _validate_devices(devices)
-        self._mesh = jax.make_mesh((len(self._devices),), (BATCH_AXIS,),
-                                   axis_types=(jax.sharding.AxisType.Auto,), devices=self._devices)
-        self._replicated = NamedSharding(self._mesh, P())
-        self._batch_sharding = NamedSharding(self._mesh, P(BATCH_AXIS))
-        self._stacked_batch_sharding = NamedSharding(self._mesh, P(None, BATCH_AXIS))  # steps_per_execution
-        local = [d for d in self._devices if d.process_index == jax.process_index()]
-        self._local_devices = tuple(local)
-        counts: dict[int, int] = {}
-        for d in self._devices:
-            counts[d.process_index] = counts.get(d.process_index, 0) + 1
-        if len(set(counts.values())) > 1:
-            raise ValueError(f"Every process must contribute the same number of devices; received "
-                             f"{dict(sorted(counts.items()))} (process -> devices). Pass devices=None or an "
-                             "equal share per process.")
-        self._processes = tuple(sorted(counts))
+        cluster.maybe_initialize_from_env()  # before JAX lists the devices: a job's devices span its processes
+        self._layout = BatchMesh(devices, shard=shard)
 
     # -- what users read -------------------------------------------------------------------------
     @property
+    def batch_mesh(self) -> BatchMesh:
+        """The :class:`mirrorax.mesh.BatchMesh` this strategy stands on: its devices and every layout
+        (what the inputs and the dispatch of steps are written against)."""
+        return self._layout
+
+    @property
     def mesh(self) -> Mesh:
         """The one-axis ``jax.sharding.Mesh`` (axis ``"batch"``) this strategy trains on."""
-        return self._mesh
+        return self._layout.mesh
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:
         """Every device of the strategy, in mesh order."""
-        return self._devices
+        return self._layout.devices
 
     @property
     def local_devices(self) -> tuple[jax.Device, ...]:
         """This process's devices of the strategy."""
-        return self._local_devices
+        return self._layout.local_devices
 
     @property
     def num_replicas_in_sync(self) -> int:
         """The global device count: how many slices each global batch is split into."""
-        return len(self._devices)
+        return self._layout.num_replicas_in_sync
 
     @property
     def process_index(self) -> int:
         """This process's position among the strategy's processes (0 speaks: progress, files)."""
-        return self._processes.index(jax.process_index())
+        return self._layout.process_index
 
     @property
     def process_count(self) -> int:
         """How many processes feed the strategy."""
-        return len(self._processes)
+        return self._layout.process_count
 
     @property
     def is_primary(self) -> bool:
         """True on the process that prints and writes files (process 0)."""
-        return self.process_index == 0
+        return self._layout.is_primary
 
     @property
     def replicated(self) -> NamedSharding:
         """``NamedSharding(mesh, P())``: the layout of variables and optimizer state."""
-        return self._replicated
+        return self._layout.replicated
 
     @property
     def batch_sharding(self) -> NamedSharding:
         """``NamedSharding(mesh, P("batch"))``: the layout of every global batch (split on axis 0)."""
-        return self._batch_sharding
+        return self._layout.batch_sharding
 
     @property
     def max_in_flight(self) -> int:
@@ -213,7 +157,7 @@ class MirroredStrategy:
     @property
     def shard(self) -> ShardMode:
         """The state layout mode: ``None`` (replicated), ``"optimizer"`` or ``"all"``."""
-        return self._shard
+        return self._layout.shard
 
     def state_sharding(self, shape: Sequence[int], role: str) -> NamedSharding:
         """Where a state variable of ``shape`` lives: split over the batch axis on its largest axis that
@@ -224,58 +168,18 @@ class MirroredStrategy:
           >>> MirroredStrategy(shard="all").state_sharding((1024, 512), "params").spec  # on 8 devices
           PartitionSpec('batch', None)
         """
-        if self._shard is None or role not in _SHARDED_ROLES[self._shard] or math.prod(shape) < SHARD_MIN_SIZE:
-            return self._replicated
-        n = self.num_replicas_in_sync
-        axes = [i for i, d in enumerate(shape) if d % n == 0 and d >= n]
-        if n == 1 or not axes:
-            return self._replicated
-        axis = max(axes, key=lambda i: (shape[i], -i))
-        spec: list[str | None] = [None] * len(shape)
-        spec[axis] = BATCH_AXIS
-        return NamedSharding(self._mesh, P(*spec))
+        return self._layout.state_sharding(shape, role)
 
     def state_layout(self, tree: Any, role: str) -> Any:
         """:meth:`state_sharding` for every leaf of ``tree`` (a tree of arrays or shapes)."""
-        return jax.tree.map(lambda a: self.state_sharding(np.shape(a), role), tree)
+        return self._layout.state_layout(tree, role)
 
     def place(self, tree: Any, shardings: Any, *, broadcast: bool = True) -> Any:
         """``tree`` placed with ``shardings`` (a matching tree of ``NamedSharding``), in buffers of its own.
 
         ``broadcast``: on several processes every process takes process 0's values (see :meth:`replicate`).
         """
-        if broadcast and self.process_count > 1:
-            tree = consistency.broadcast_from_primary(tree)
-        leaves, treedef = jax.tree.flatten(tree)
-        targets = treedef.flatten_up_to(shardings)  # type: ignore[attr-defined]  # jaxlib has no PyTreeDef stub
-        on_device = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
-        if self.process_count == 1 and on_device:
-            # Device to devices, no host copy. device_put(..., may_alias=False) still reuses the source's
-            # buffer for the mesh's copy on the source's device (jax 0.10), so copy on that device first.
-            own = jax.device_put([leaves[i] for i in on_device], [leaves[i].sharding for i in on_device],
-                                 may_alias=False)
-            for i, a in zip(on_device, jax.device_put(own, [targets[i] for i in on_device])):
-                leaves[i] = a
-
-        if self.process_count == 1:
-            # Host values to devices in one transfer (one call per leaf costs ~3x the host time), copied
-            # (may_alias=False: a donated step must not free the caller's memory).
-            on_host = [i for i, a in enumerate(leaves) if not isinstance(a, jax.Array)]
-            if on_host:
-                placed = jax.device_put([np.asarray(leaves[i]) for i in on_host], [targets[i] for i in on_host],
-                                        may_alias=False)
-                for i, a in zip(on_host, placed):
-                    leaves[i] = a
-
-        def put(a: Any, sharding: NamedSharding) -> jax.Array:
-            if isinstance(a, jax.Array) and a.sharding == sharding:
-                return a
-            if isinstance(a, jax.Array) and not a.is_fully_addressable:
-                a = a.addressable_data(0) if a.is_fully_replicated else _host_array(a)
-            a = np.asarray(a)
-            return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
-
-        return jax.tree.unflatten(treedef, [put(a, t) for a, t in zip(leaves, targets)])
+        return self._layout.place(tree, shardings, broadcast=broadcast)
 
     @property
     def batch_axis(self) -> str:
@@ -299,10 +203,11 @@ class MirroredStrategy:
         Example:
           >>> state = strategy.replicate({"params": params, "opt": optimizer.init(params)})
         """
-        return self._replicate(tree, broadcast=True)
+        return self._layout.replicate(tree)
 
     def _replicate(self, tree: Any, *, broadcast: bool) -> Any:
-        return self.place(tree, jax.tree.map(lambda _: self._replicated, tree), broadcast=broadcast)
+        # (the Trainer's until it calls batch_mesh.replicate(tree, broadcast=False) itself)
+        return self._layout.replicate(tree, broadcast=broadcast)
 
     def experimental_distribute_dataset(self, data: Any, *, batch_size: int | None = None, shuffle: bool = False,
                                         seed: int = 0) -> DistributedDataset:
@@ -325,9 +230,8 @@ class MirroredStrategy:
           >>> for batch in dist:
           ...     state, loss = step(state, batch)
         """
-        from mirrorax.inputs.distributed import DistributedDataset
-
-        return DistributedDataset(self, data, batch_size=batch_size, shuffle=shuffle, seed=seed)
+        return DistributedDataset(self._layout, data, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                                  window=self._window)
 
     distribute_dataset = experimental_distribute_dataset
 
@@ -369,8 +273,10 @@ class MirroredStrategy:
         """
         check_out_shardings(out_shardings)
         if fn is None:
-            return lambda f: StrategyFunction(self, f, donate_argnums=donate_argnums, out_shardings=out_shardings)
-        return StrategyFunction(self, fn, donate_argnums=donate_argnums, out_shardings=out_shardings)
+            return lambda f: StrategyFunction(self._layout, self._window, f, donate_argnums=donate_argnums,
+                                              out_shardings=out_shardings)
+        return StrategyFunction(self._layout, self._window, fn, donate_argnums=donate_argnums,
+                                out_shardings=out_shardings)
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
         """Runs ``fn`` once per replica on that replica's rows (TF's ``strategy.run``).
@@ -397,7 +303,7 @@ class MirroredStrategy:
         wrapped = self._run_functions.get(fn)
         if wrapped is None:
             wrapped = self._run_functions[fn] = StrategyFunction(
-                self, lambda a, k: fn(*a, **k), per_replica=True)
+                self._layout, self._window, lambda a, k: fn(*a, **k), per_replica=True)
         return wrapped(tuple(args), dict(kwargs or {}))
 
     def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
@@ -451,7 +357,7 @@ class MirroredStrategy:
         n = self.num_replicas_in_sync
         spec = getattr(v.sharding, "spec", None) if isinstance(v, jax.Array) and v.ndim else None
         split = spec is not None and len(spec) > 0 and spec[0] == BATCH_AXIS
-        host = _host_array(v)
+        host = host_value(v)
         if split:
             if host.shape[0] == n and host.ndim == 1:
                 return host
@@ -490,12 +396,10 @@ class MirroredStrategy:
           ...     return [(np.zeros((rows, 4)), np.zeros((rows,)))]
           >>> ds = MirroredStrategy().distribute_datasets_from_function(fn)
         """
-        from mirrorax.inputs.iterables import PerProcessDataset
-
         return PerProcessDataset(dataset_fn(self.input_context()), self.input_context())
 
     def __repr__(self) -> str:
-        kinds = sorted({d.platform for d in self._devices})
+        kinds = sorted({d.platform for d in self.devices})
         return (f"MirroredStrategy(num_replicas_in_sync={self.num_replicas_in_sync}, "
                 f"processes={self.process_count}, platform={','.join(kinds)})")
 
@@ -526,98 +430,36 @@ def current_scope() -> MirroredStrategy | None:
     return stack[-1] if stack else None
 
 
+def on_scope(enter: ScopeHook, leave: ScopeHook | None = None) -> None:
+    """Registers ``enter(strategy)``, called each time a strategy's :meth:`~MirroredStrategy.scope` opens
+    (the strategy already current), and ``leave(strategy)``, called when it closes (still current).
+
+    For the layers above the strategy, which the strategy does not import: ``keras_fit`` registers the
+    Keras checks and the routing of models made in a scope when it is imported (``import mirrorax``
+    does). Hooks run in registration order on entry, in reverse order on exit; an ``enter`` that raises
+    closes the scope again (the ``leave`` of the hooks already entered run) and ``scope()`` raises it.
+    Registering the same pair twice has no effect.
+    """
+    if (enter, leave) not in _scope_hooks:
+        _scope_hooks.append((enter, leave))
+
+
 @contextlib.contextmanager
 def _enter(strategy: MirroredStrategy) -> Iterator[MirroredStrategy]:
-    from mirrorax import _keras_env, keras_fit
-
-    _keras_env.check_scope()  # Keras on another backend, a keras.distribution: said here, not at fit
     stack = getattr(_scope, "stack", None)
     if stack is None:
         stack = _scope.stack = []
     stack.append(strategy)
-    keras_fit.enter(strategy)  # models made or compiled in the scope belong to it (see keras_fit)
+    entered: list[ScopeHook | None] = []
     try:
+        for enter, leave in list(_scope_hooks):
+            enter(strategy)
+            entered.append(leave)
         yield strategy
     finally:
-        keras_fit.leave()
-        stack.pop()
-
-
-def _device_list(devices: Any) -> Any:
-    """``devices`` as a flat sequence: a ``jax.sharding.Mesh``'s or Keras ``DeviceMesh``'s devices, a
-    numpy array of devices (keras.io's distribution guide passes ``mesh.devices``) with at most one
-    axis longer than 1."""
-    source = devices
-    if isinstance(devices, jax.sharding.Mesh) or (
-            hasattr(devices, "axis_names") and isinstance(getattr(devices, "devices", None), np.ndarray)):
-        devices = devices.devices  # a jax.sharding.Mesh, or keras.distribution.DeviceMesh
-    if not isinstance(devices, np.ndarray):
-        return devices
-    long_axes = [n for n in devices.shape if n > 1]
-    if len(long_axes) > 1:
-        names = getattr(source, "axis_names", None)
-        what = f"a mesh of shape {devices.shape}" + (f" with axes {tuple(names)}" if names else "")
-        raise ValueError(
-            f"devices is {what}: several axes of devices, as for model parallelism; MirroredStrategy "
-            f"replicates the model on a 1-D list of devices. Pass devices=mesh.devices.reshape(-1) (all "
-            f"{devices.size} devices as data-parallel replicas), or keep the mesh for "
-            "keras.distribution.ModelParallel with Keras's own fit.")
-    return list(devices.reshape(-1))
-
-
-def _by_name(name: str, all_devices: Sequence[jax.Device]) -> jax.Device:
-    """A device named as Keras names them (``keras.distribution.list_devices()``): ``"cpu:0"``."""
-    platform, _, index = name.partition(":")
-    for d in all_devices:
-        if d.platform == platform.lower() and str(d.id) == (index or "0"):
-            return d
-    raise ValueError(f"devices names {name!r}, which JAX does not have; available: "
-                     f"{[f'{d.platform}:{d.id}' for d in all_devices]}.")
-
-
-def _validate_devices(devices: Any) -> tuple[jax.Device, ...]:
-    all_devices = jax.devices()
-    if devices is None:
-        return tuple(all_devices)
-    devices = _device_list(devices)
-    if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence):
-        raise TypeError(f"devices must be a sequence of jax.Device (or device ids, or names like 'cpu:0'), a numpy "
-                        f"array of them, a jax.sharding.Mesh, a keras.distribution.DeviceMesh or None; received "
-                        f"{devices!r} (of type {type(devices).__name__}).")
-    if len(devices) == 0:
-        raise ValueError("devices=[] has no device. Pass None for every device, or e.g. jax.devices()[:2].")
-    by_id = {d.id: d for d in all_devices}
-    resolved = []
-    for d in devices:
-        if isinstance(d, int) and not isinstance(d, bool):
-            if d not in by_id:
-                raise ValueError(f"devices names device id {d}, which JAX does not have; available ids: "
-                                 f"{sorted(by_id)}.")
-            d = by_id[d]
-        elif isinstance(d, str):
-            d = _by_name(d, all_devices)
-        elif not isinstance(d, jax.Device):
-            raise TypeError(f"devices must hold jax.Device objects, integer ids or names like 'cpu:0'; received "
-                            f"{d!r} (of type {type(d).__name__}).")
-        resolved.append(d)
-    ids = [d.id for d in resolved]
-    dupes = sorted({i for i in ids if ids.count(i) > 1})
-    if dupes:
-        raise ValueError(f"devices lists device(s) {dupes} more than once (received ids {ids}). "
-                         "Give each device once.")
-    platforms = sorted({d.platform for d in resolved})
-    if len(platforms) > 1:
-        raise ValueError(f"devices mixes platforms {platforms}; one strategy runs on one platform. "
-                         f"Pick the devices of one, e.g. jax.devices({platforms[0]!r}).")
-    return tuple(resolved)
-
-
-def _host_array(v: Any) -> np.ndarray:
-    """The whole value of ``v`` on this host (gathered from the other processes where needed)."""
-    if isinstance(v, jax.Array) and not v.is_fully_addressable:
-        if v.is_fully_replicated:
-            return np.asarray(v.addressable_data(0))
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(v, tiled=True))
-    return np.asarray(v)
+        try:
+            for leave in reversed(entered):
+                if leave is not None:
+                    leave(strategy)
+        finally:
+            stack.pop()

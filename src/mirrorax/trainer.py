@@ -17,6 +17,7 @@ from typing import IO, Any, Literal
 from mirrorax import consistency, planner, preemption
 from mirrorax import resume as resume_lib
 from mirrorax._checks import check_int
+from mirrorax._host import host_tree, host_value
 from mirrorax.device_state import DeviceState
 from mirrorax.hooks import Callbacks
 from mirrorax.input_checks import check_batch_size
@@ -30,7 +31,7 @@ from mirrorax.models import adapt
 from mirrorax.models.base import ModelAdapter
 from mirrorax.progress import format_logs, resolve_verbose
 from mirrorax.results import History, NonFiniteLossError
-from mirrorax.step import NonFiniteMode, StepFunctions, host_tree, host_value
+from mirrorax.step import NonFiniteMode, StepFunctions
 from mirrorax.strategy import MirroredStrategy, get_strategy
 from mirrorax.train_state import TrainState
 
@@ -262,7 +263,7 @@ class Trainer:
         if callbacks is not None and not isinstance(callbacks, (list, tuple)) and \
                 type(callbacks).__name__ != "CallbackList":  # (Keras's fit under a scope passes its own list)
             callbacks = [callbacks]  # one callback, not in a list: as Keras's own fit takes it
-        sample = source.sample(batch_size, self.strategy)
+        sample = source.sample(batch_size, self.strategy.batch_mesh)
         held = self.device_state
         held.ensure(sample)
         for s in (source, val):  # shapes against the outputs, labels against the classes: before compiling
@@ -278,7 +279,7 @@ class Trainer:
         planner.at_fit_start(self.steps, held, sample, batch_size, stream=self.stream,
                              announce=bool(mode) and self.steps_per_execution == 1)
         history = History()
-        stream = source.stream(batch_size, self.strategy, shuffle=shuffle, seed=seed,
+        stream = source.stream(batch_size, self.strategy.batch_mesh, shuffle=shuffle, seed=seed,
                                ends_with_data=self._epochs_end_with_data, keras_order=self._keras_order)
         per_epoch = steps_per_epoch or stream.batches_per_pass
         hooks = Callbacks(callbacks, self.model, epochs=epochs, steps=per_epoch, verbose=0 if not mode else mode)
@@ -438,11 +439,11 @@ class Trainer:
         if class_weight is not None:
             sample_weight = class_weights(y, class_weight, sample_weight)
         source = ArraySource(x, y, sample_weight)
-        host = source.sample(source.num_examples, self.strategy)
+        host = source.sample(source.num_examples, self.strategy.batch_mesh)
         held = self.device_state
         held.ensure(host)
         self.steps.check_labels_in_step(True)  # (the labels of a single batch are looked at in the step)
-        batch = to_global(host, self.strategy)
+        batch = to_global(host, self.strategy.batch_mesh)
         state = held.live.replace(metrics=held.fresh_metrics())
         self.adapter.release()
         held.value = None  # donated to the step

@@ -16,15 +16,16 @@ import numpy as np
 
 from mirrorax.input_checks import check_finite_values, check_labels, check_weights, leaves, tree_numeric
 from mirrorax.inputs.batch import Batch, padded_batch_size, row_counts
+from mirrorax.inputs.keras_order import pass_order
 from mirrorax.inputs.placement import shared_constant
 from mirrorax.inputs.source import no_targets
-from mirrorax.inputs.streams import ArrayStream
+from mirrorax.inputs.streams import Stream
 
 if TYPE_CHECKING:
     from mirrorax.inputs.position import InputState
-    from mirrorax.strategy import MirroredStrategy
+    from mirrorax.mesh import BatchMesh
 
-__all__ = ["ArraySource"]
+__all__ = ["ArraySource", "ArrayStream"]
 
 PyTree = Any
 
@@ -110,17 +111,17 @@ class ArraySource:
                       "an iterator or generator, e.g. iter(batches))")
         raise no_targets(what, given)
 
-    def sample(self, batch_size: int, strategy: MirroredStrategy, *, with_targets: bool = True) -> Batch:
+    def sample(self, batch_size: int, mesh: BatchMesh, *, with_targets: bool = True) -> Batch:
         """This process's rows of the first batch of an unshuffled pass."""
-        return next(self.batches(batch_size, strategy, shuffle=False, seed=0, pass_index=0,
+        return next(self.batches(batch_size, mesh, shuffle=False, seed=0, pass_index=0,
                                  with_targets=with_targets))
 
-    def stream(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: Any = False, seed: int = 0,
+    def stream(self, batch_size: int, mesh: BatchMesh, *, shuffle: Any = False, seed: int = 0,
                with_targets: bool = True, ends_with_data: bool = False, keras_order: bool = False) -> ArrayStream:
         """One endless stream of passes, pass ``k`` in the order of ``(seed, k)`` when ``shuffle``; with
         ``keras_order``, in the order Keras's ``fit`` draws when the pass starts (``shuffle`` as Keras's:
         also ``"batch"``)."""
-        return ArrayStream(self, batch_size, strategy, shuffle, seed, with_targets=with_targets,
+        return ArrayStream(self, batch_size, mesh, shuffle, seed, with_targets=with_targets,
                            ends_with_data=ends_with_data, keras_order=keras_order)
 
     def track_position(self, process_count: int) -> InputState | None:
@@ -142,7 +143,7 @@ class ArraySource:
                                    for start in range(0, n, batch_size)])
         return rng.permutation(self.num_examples)
 
-    def batches(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: bool | str, seed: int,
+    def batches(self, batch_size: int, mesh: BatchMesh, *, shuffle: bool | str, seed: int,
                 pass_index: int, start: int = 0, with_targets: bool = True,
                 order: np.ndarray | None = None) -> Iterator[Batch]:
         """This process's rows of each global batch of pass ``pass_index``, from batch ``start`` on
@@ -151,9 +152,9 @@ class ArraySource:
             order = self.order(shuffle, seed, pass_index, batch_size)
         else:
             shuffle = True  # rows are taken through the order
-        padded = padded_batch_size(batch_size, strategy)
-        local = padded // strategy.process_count
-        lo = strategy.process_index * local
+        padded = padded_batch_size(batch_size, mesh)
+        local = padded // mesh.process_count
+        lo = mesh.process_index * local
         ones = shared_constant(np.ones(local, np.float32))
         for b in range(start, self.batches_per_pass(batch_size)):
             first = b * batch_size
@@ -180,3 +181,44 @@ class ArraySource:
         y = jax.tree.map(pick, self.y) if with_targets else None
         return Batch(jax.tree.map(pick, self.x), y, w, mask, shared_constant(np.float32(num_real)), num_real,
                      weighted=self.w is not None)
+
+
+class ArrayStream(Stream):
+    """Global batches from an :class:`ArraySource` as one endless stream of passes."""
+
+    batches_per_pass: int
+
+    def __init__(self, source: ArraySource, batch_size: int, mesh: BatchMesh,
+                 shuffle: Any, seed: int, with_targets: bool = True, ends_with_data: bool = False,
+                 keras_order: bool = False) -> None:
+        self.source, self.batch_size, self.mesh = source, batch_size, mesh
+        self.shuffle, self.seed, self.with_targets = shuffle, seed, with_targets
+        super().__init__(ends_with_data)
+        self.batches_per_pass = source.batches_per_pass(batch_size)
+        self.keras_order = keras_order
+        self._drawn: dict[int, np.ndarray | None] = {}  # Keras's order of the pass being read
+
+    def _order(self, pass_index: int) -> np.ndarray | None:
+        """The order of pass ``pass_index``: ``None`` for ``(seed, pass)``'s; Keras's, drawn the first time
+        the pass is read (when Keras draws it) and kept while it is read."""
+        if not self.keras_order:
+            return None
+        if pass_index not in self._drawn:
+            self._drawn = {pass_index: pass_order(self.shuffle, self.source.num_examples, self.batch_size)}
+        return self._drawn[pass_index]
+
+    def batches(self, position: int, count: int | None, start: int = 0) -> Iterator[Batch]:
+        """Batches ``start..count`` (default: to the end of the pass) of the epoch at stream ``position``."""
+        n = self.source.num_examples
+        end = position + count if count else (position // self.batches_per_pass + 1) * self.batches_per_pass
+        position += start
+        while position < end:
+            pass_index, start = divmod(position, self.batches_per_pass)
+            for b in self.source.batches(self.batch_size, self.mesh, shuffle=self.shuffle, seed=self.seed,
+                                         pass_index=pass_index, start=start, with_targets=self.with_targets,
+                                         order=self._order(pass_index)):
+                self._reals.append(min(self.batch_size, n - (position % self.batches_per_pass) * self.batch_size))
+                yield b
+                position += 1
+                if position >= end:
+                    return

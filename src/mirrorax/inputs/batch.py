@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 if TYPE_CHECKING:
-    from mirrorax.strategy import MirroredStrategy
+    from mirrorax.mesh import BatchMesh
 
 __all__ = ["Batch", "RealRows", "padded_batch_size", "row_counts", "take_rows", "stack", "UNWEIGHTED"]
 
@@ -98,9 +98,9 @@ class Batch:
         return tree
 
 
-def padded_batch_size(batch_size: int, strategy: MirroredStrategy) -> int:
+def padded_batch_size(batch_size: int, mesh: BatchMesh) -> int:
     """``batch_size`` rounded up to a multiple of the device count (the shape every step sees)."""
-    n = strategy.num_replicas_in_sync
+    n = mesh.num_replicas_in_sync
     return math.ceil(batch_size / n) * n
 
 

@@ -32,7 +32,8 @@ from mirrorax.inputs.iterables import PerProcessDataset, agreed_items, empty_lik
 from mirrorax.inputs.placement import cached_put, is_shared, put_rows, shared_constant
 
 if TYPE_CHECKING:
-    from mirrorax.strategy import MirroredStrategy
+    from mirrorax.dispatch import InFlight
+    from mirrorax.mesh import BatchMesh
 
 __all__ = ["DistributedBatch", "DistributedDataset"]
 
@@ -82,17 +83,26 @@ def _rows(tree: PyTree, what: str) -> int:
 
 
 class DistributedDataset:
-    """Global batches of ``data`` for a strategy (see :meth:`MirroredStrategy.experimental_distribute_dataset`).
+    """Global batches of ``data`` on a mesh (see :meth:`MirroredStrategy.experimental_distribute_dataset`).
 
     Each ``iter()`` is one pass (an epoch): arrays are cut into global batches of ``batch_size`` (pass
     ``k`` shuffled by ``(seed, k)`` when ``shuffle``: an order that depends on neither the device nor
     the process count); an iterable yields one global batch per item (a short item is padded).
     ``len()`` is the number of batches per pass when known.
+
+    Args:
+      mesh: the devices and layouts (``strategy.batch_mesh``).
+      data: arrays (a tuple/dict of them), an iterable of global batches, or a ``PerProcessDataset``.
+      batch_size: the global batch, required for arrays.
+      shuffle, seed: arrays only: pass ``k`` in the order drawn from ``(seed, k)``.
+      window: the dispatch window (``strategy.in_flight``) after whose next push the next batch is
+        placed; ``None`` places each batch when it is asked for.
     """
 
-    def __init__(self, strategy: MirroredStrategy, data: Any, *, batch_size: int | None = None,
-                 shuffle: bool = False, seed: int = 0) -> None:
-        self._strategy = strategy
+    def __init__(self, mesh: BatchMesh, data: Any, *, batch_size: int | None = None,
+                 shuffle: bool = False, seed: int = 0, window: InFlight | None = None) -> None:
+        self._mesh = mesh
+        self._window = window
         self._shuffle, self._seed = bool(shuffle), int(seed)
         self._passes = 0
         self._per_process = isinstance(data, PerProcessDataset)
@@ -128,7 +138,7 @@ class DistributedDataset:
 
     def padded_rows(self, batch_size: int) -> int:
         """Rows of every placed batch: ``batch_size`` rounded up to a multiple of the device count."""
-        return padded_batch_size(batch_size, self._strategy)
+        return padded_batch_size(batch_size, self._mesh)
 
     def __len__(self) -> int:
         if self._source is not None:
@@ -141,15 +151,15 @@ class DistributedDataset:
         pass_index = self._passes
         self._passes += 1
         host = self._array_batches(pass_index) if self._source is not None else self._iterable_batches()
-        return _PlacingIterator(self._strategy, host, self._place)
+        return _PlacingIterator(host, self._place, self._window)
 
     def _array_batches(self, pass_index: int) -> Iterator[Batch]:
         assert self._source is not None and self._batch_size is not None
-        return self._source.batches(self._batch_size, self._strategy, shuffle=self._shuffle, seed=self._seed,
+        return self._source.batches(self._batch_size, self._mesh, shuffle=self._shuffle, seed=self._seed,
                                     pass_index=pass_index, with_targets=False)
 
     def _iterable_batches(self) -> Iterator[Batch]:
-        s = self._strategy
+        s = self._mesh
         known = not (self._per_process and s.process_count > 1)  # per-process: only the devices know the count
         template: Batch | None = None
         ones: np.ndarray | None = None
@@ -184,7 +194,7 @@ class DistributedDataset:
 
     # -- placement ---------------------------------------------------------------------------------
     def _place(self, host: Batch) -> DistributedBatch:
-        s = self._strategy
+        s = self._mesh
         sharding = s.batch_sharding
         leaves, treedef = jax.tree.flatten(host.x)
         if is_shared(host.mask):  # a full batch: its mask was placed once
@@ -200,7 +210,7 @@ class DistributedDataset:
         return DistributedBatch(jax.tree.unflatten(treedef, placed), mask, num_real)
 
     def _put_rows(self, a: np.ndarray) -> jax.Array:
-        s = self._strategy
+        s = self._mesh
         return put_rows([a], s.batch_sharding, s.process_count)[0]
 
     def __repr__(self) -> str:
@@ -214,12 +224,13 @@ def _sum_mask(mask: jax.Array) -> jax.Array:
 
 
 class _PlacingIterator:
-    """Yields placed batches; places the next one right after the strategy's next dispatch."""
+    """Yields placed batches; places the next one right after the window's next push (the next dispatched
+    step), or when asked for without a window."""
 
     _END = object()
 
-    def __init__(self, strategy: MirroredStrategy, host: Iterator[Batch], place: Any) -> None:
-        self._strategy, self._host, self._place = strategy, host, place
+    def __init__(self, host: Iterator[Batch], place: Any, window: InFlight | None) -> None:
+        self._host, self._place, self._window = host, place, window
         self._ready: Any = None
 
     def _next_placed(self) -> Any:
@@ -231,7 +242,7 @@ class _PlacingIterator:
             return e
 
     def prepare(self) -> None:
-        """Places the next batch now (the strategy calls this after dispatching a step)."""
+        """Places the next batch now (the window calls this after the next dispatch)."""
         if self._ready is None:
             self._ready = self._next_placed()
 
@@ -247,7 +258,8 @@ class _PlacingIterator:
             raise StopIteration
         if isinstance(ready, Exception):
             raise ready
-        self._strategy.in_flight.after_dispatch(self.prepare)
+        if self._window is not None:
+            self._window.after_dispatch(self.prepare)
         return ready
 
 

@@ -19,12 +19,13 @@ from mirrorax.input_checks import batch_weights, leaves, rows_shape, tree_numeri
 from mirrorax.inputs.batch import Batch, padded_batch_size, row_counts, take_rows
 from mirrorax.inputs.position import InputState
 from mirrorax.inputs.source import no_targets
-from mirrorax.inputs.streams import IterStream
+from mirrorax.inputs.streams import Stream, len_or_none
 
 if TYPE_CHECKING:
-    from mirrorax.strategy import InputContext, MirroredStrategy
+    from mirrorax.inputs.source import InputContext
+    from mirrorax.mesh import BatchMesh
 
-__all__ = ["IterableSource", "PerProcessDataset", "agreed_items", "padding_index", "empty_like"]
+__all__ = ["IterableSource", "IterStream", "PerProcessDataset", "agreed_items", "padding_index", "empty_like"]
 
 PyTree = Any
 
@@ -93,7 +94,7 @@ class IterableSource:
         if self.peek()[1] is None:
             raise no_targets(what, "batches of x alone")
 
-    def sample(self, batch_size: int, strategy: MirroredStrategy, *, with_targets: bool = True) -> Batch:
+    def sample(self, batch_size: int, mesh: BatchMesh, *, with_targets: bool = True) -> Batch:
         """The first item as an all-real :class:`Batch` (for building a model's variables)."""
         x, y, w = self.peek()
         n = row_counts(x)[0][1]
@@ -135,11 +136,11 @@ class IterableSource:
                                  f"{dtype_w}. Every batch must have the same dtypes; cast in the input pipeline "
                                  f"(e.g. .astype('{dtype_w}')).")
 
-    def stream(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: Any = False, seed: int = 0,
+    def stream(self, batch_size: int, mesh: BatchMesh, *, shuffle: Any = False, seed: int = 0,
                with_targets: bool = True, ends_with_data: bool = False, keras_order: bool = False) -> IterStream:
         """One iteration per epoch (a one-shot iterator continues across epochs). ``shuffle``, ``seed`` and
         ``keras_order`` do not apply: an iterable yields batches in its own order."""
-        return IterStream(self, batch_size, strategy, with_targets=with_targets, ends_with_data=ends_with_data)
+        return IterStream(self, batch_size, mesh, with_targets=with_targets, ends_with_data=ends_with_data)
 
     def track_position(self, process_count: int) -> InputState | None:
         """Wraps the iterable in place in an :class:`InputState`; ``None`` where positions are left to
@@ -155,16 +156,16 @@ class IterableSource:
         x, _, _ = self.peek()
         return row_counts(x)[0][1]
 
-    def batches(self, batch_size: int, strategy: MirroredStrategy, *, with_targets: bool = True,
+    def batches(self, batch_size: int, mesh: BatchMesh, *, with_targets: bool = True,
                 skip: int = 0) -> Iterator[Batch]:
-        padded = padded_batch_size(batch_size, strategy)
-        rows = padded // strategy.process_count if self.per_process else padded
+        padded = padded_batch_size(batch_size, mesh)
+        rows = padded // mesh.process_count if self.per_process else padded
         it = self._iter()
         for _ in range(skip):
             next(it, None)
         template = None
         index = skip  # 1-based, as the user counts batches
-        for item in agreed_items(it, strategy, self.per_process):
+        for item in agreed_items(it, mesh, self.per_process):
             index += 1
             if item is None:
                 yield empty_like(template, "epoch")
@@ -184,7 +185,7 @@ class IterableSource:
                                  "batch_size equal to the largest batch the iterable yields.")
             weighted = w is not None
             w = batch_weights(w, n, index, self.float_dtype) if weighted else np.ones(n, self.float_dtype)
-            idx, valid = padding_index(n, padded, strategy, self.per_process)
+            idx, valid = padding_index(n, padded, mesh, self.per_process)
             # A global item's padding sits at the end of the global batch: the step cuts it off (rows).
             template = Batch(take_rows(x, idx), take_rows(y, idx), w[idx], valid.astype(np.float32),
                              None if self.per_process else np.float32(n), None if self.per_process else n,
@@ -192,10 +193,10 @@ class IterableSource:
             yield template
 
 
-def agreed_items(it: Iterator[Any], strategy: MirroredStrategy, per_process: bool) -> Iterator[Any]:
+def agreed_items(it: Iterator[Any], mesh: BatchMesh, per_process: bool) -> Iterator[Any]:
     """The items of ``it`` until it ends; for the per-process pipelines of a multi-process job, until every
     process's ends, ``None`` standing for each batch this process lacks while another still has data."""
-    multi_per_process = per_process and strategy.process_count > 1
+    multi_per_process = per_process and mesh.process_count > 1
     while True:
         item = next(it, None)
         if multi_per_process:
@@ -210,16 +211,16 @@ def agreed_items(it: Iterator[Any], strategy: MirroredStrategy, per_process: boo
         yield item
 
 
-def padding_index(n: int, padded: int, strategy: MirroredStrategy, per_process: bool) -> tuple[np.ndarray,
+def padding_index(n: int, padded: int, mesh: BatchMesh, per_process: bool) -> tuple[np.ndarray,
                                                                                                 np.ndarray]:
     """Which of an item's ``n`` rows fills each of this process's rows of a batch of ``padded`` rows (a
     padding row copies row 0), and which rows are real. A per-process item is this process's share; a
     global one is cut, each process taking its own rows."""
-    if not per_process and strategy.process_count > 1:
-        local = padded // strategy.process_count
-        slot = np.arange(strategy.process_index * local, (strategy.process_index + 1) * local)
+    if not per_process and mesh.process_count > 1:
+        local = padded // mesh.process_count
+        slot = np.arange(mesh.process_index * local, (mesh.process_index + 1) * local)
     else:
-        slot = np.arange(padded // strategy.process_count if per_process else padded)
+        slot = np.arange(padded // mesh.process_count if per_process else padded)
     valid = slot < n
     return np.where(valid, np.minimum(slot, n - 1), 0), valid
 
@@ -247,3 +248,49 @@ def _split(item: Any) -> tuple[Any, Any, Any]:
     if isinstance(item, list) and len(item) in (2, 3) and not isinstance(item[0], (int, float)):
         return _split(tuple(item))
     return item, None, None
+
+
+class IterStream(Stream):
+    """Global batches from an :class:`IterableSource`; an epoch is one iteration (or ``count`` batches)."""
+
+    def __init__(self, source: IterableSource, batch_size: int, mesh: BatchMesh,
+                 with_targets: bool = True, ends_with_data: bool = False) -> None:
+        self.source, self.batch_size, self.mesh = source, batch_size, mesh
+        self.with_targets = with_targets
+        self.per_process = source.per_process
+        super().__init__(ends_with_data)
+        self.batches_per_pass = len_or_none(source.iterable)
+        self._continuing: Iterator[Batch] | None = None
+        self._seen = 0  # batches taken from _continuing (a sized iterable under Keras's steps_per_epoch)
+
+    def batches(self, position: int, count: int | None, start: int = 0) -> Iterator[Batch]:
+        """The epoch's batches from batch ``start`` on (a resumed epoch skips what it already trained)."""
+        it: Iterator[Batch]
+        one_shot = isinstance(self.source.iterable, Iterator)
+        # A one-shot iterator (a generator) continues across epochs, as in Keras; so does any iterable
+        # under Keras's steps_per_epoch, until an iteration ends.
+        continuing = one_shot or bool(self.ends_with_data and count)
+        if continuing:
+            if self._continuing is None:
+                self._continuing = self.source.batches(self.batch_size, self.mesh,
+                                                       with_targets=self.with_targets)
+            it = self._continuing
+        else:
+            it = self.source.batches(self.batch_size, self.mesh, with_targets=self.with_targets)
+        if start:
+            it = itertools.islice(it, start, None)
+        taken = 0
+        for i, b in enumerate(it, start=start):
+            self._reals.append(int(b.mask.sum()) * max(self.mesh.process_count, 1))
+            yield b
+            taken += 1
+            if count and i + 1 >= count:
+                break
+        else:
+            if not one_shot:
+                self._continuing, self._seen = None, 0  # the iteration ended: the next epoch starts anew
+            return
+        if continuing and not one_shot and self.batches_per_pass:
+            self._seen += taken
+            if self._seen >= self.batches_per_pass:  # a sized iterable's pass is done (Keras's rule)
+                self._continuing, self._seen = None, 0

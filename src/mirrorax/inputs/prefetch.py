@@ -13,7 +13,7 @@ from mirrorax.inputs.batch import Batch, stack
 from mirrorax.inputs.placement import to_global
 
 if TYPE_CHECKING:
-    from mirrorax.strategy import MirroredStrategy
+    from mirrorax.mesh import BatchMesh
 
 __all__ = ["Prefetcher", "device_batches"]
 
@@ -28,17 +28,17 @@ class Prefetcher:
 
     _END = object()
 
-    def __init__(self, batches: Iterator[tuple[Any, Batch]], strategy: MirroredStrategy, depth: int = 2) -> None:
+    def __init__(self, batches: Iterator[tuple[Any, Batch]], mesh: BatchMesh, depth: int = 2) -> None:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(batches, strategy), daemon=True,
+        self._thread = threading.Thread(target=self._run, args=(batches, mesh), daemon=True,
                                         name="mirrorax-prefetch")
         self._thread.start()
 
-    def _run(self, batches: Iterator[tuple[Any, Batch]], strategy: MirroredStrategy) -> None:
+    def _run(self, batches: Iterator[tuple[Any, Batch]], mesh: BatchMesh) -> None:
         try:
             for tag, b in batches:
-                if not self._put((tag, to_global(b, strategy, stacked=tag > 0))):
+                if not self._put((tag, to_global(b, mesh, stacked=tag > 0))):
                     return
             self._put(self._END)
         except BaseException as e:  # re-raised on the consuming thread
@@ -71,7 +71,7 @@ class Prefetcher:
         self._thread.join(timeout=5)
 
 
-def device_batches(host: Iterator[Batch], group: int, strategy: MirroredStrategy, *, prefetch: int,
+def device_batches(host: Iterator[Batch], group: int, mesh: BatchMesh, *, prefetch: int,
                    per_process: bool) -> Iterator[tuple[int, Batch]] | Prefetcher:
     """``host``'s batches on the devices as ``(k, batch)`` pairs: ``k == 0`` for one step's batch,
     ``k == group`` for ``group`` batches stacked for one dispatch (``steps_per_execution``; the tail
@@ -95,6 +95,6 @@ def device_batches(host: Iterator[Batch], group: int, strategy: MirroredStrategy
                     yield 0, b
                 return
 
-    if prefetch == 0 or (per_process and strategy.process_count > 1):
-        return ((k, to_global(b, strategy, stacked=k > 0)) for k, b in grouped())
-    return Prefetcher(grouped(), strategy, depth=prefetch)
+    if prefetch == 0 or (per_process and mesh.process_count > 1):
+        return ((k, to_global(b, mesh, stacked=k > 0)) for k, b in grouped())
+    return Prefetcher(grouped(), mesh, depth=prefetch)

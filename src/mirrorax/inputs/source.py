@@ -7,15 +7,56 @@ behind :class:`Source`; the trainer never asks which kind it holds.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from mirrorax.inputs.batch import Batch
     from mirrorax.inputs.position import InputState
     from mirrorax.inputs.streams import Stream
-    from mirrorax.strategy import MirroredStrategy
+    from mirrorax.mesh import BatchMesh
 
-__all__ = ["Source", "no_targets"]
+__all__ = ["InputContext", "Source", "no_targets"]
+
+
+@dataclasses.dataclass(frozen=True)
+class InputContext:
+    """What a per-process input pipeline needs to know (``tf.distribute.InputContext``'s meaning).
+
+    Attributes:
+      num_input_pipelines: how many pipelines feed the job (one per process).
+      input_pipeline_id: this pipeline's index, ``0 <= id < num_input_pipelines``.
+      num_replicas_in_sync: the global device count.
+    """
+
+    num_input_pipelines: int = 1
+    input_pipeline_id: int = 0
+    num_replicas_in_sync: int = 1
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """The batch size of one replica (device) for a global batch of ``global_batch_size``.
+
+        Raises:
+          ValueError: ``global_batch_size`` does not divide by the replica count.
+
+        Example:
+          >>> InputContext(2, 0, 8).get_per_replica_batch_size(256)
+          32
+        """
+        if global_batch_size % self.num_replicas_in_sync:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} does not divide by num_replicas_in_sync="
+                f"{self.num_replicas_in_sync}. Use a multiple of {self.num_replicas_in_sync}.")
+        return global_batch_size // self.num_replicas_in_sync
+
+    def get_per_pipeline_batch_size(self, global_batch_size: int) -> int:
+        """Rows of each global batch that this pipeline produces (``global / num_input_pipelines``)."""
+        if global_batch_size % self.num_input_pipelines:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} does not divide by num_input_pipelines="
+                f"{self.num_input_pipelines}. Use a multiple of {self.num_input_pipelines}.")
+        return global_batch_size // self.num_input_pipelines
+
 
 
 class Source(Protocol):
@@ -47,11 +88,11 @@ class Source(Protocol):
         """Refuses inputs and targets that do not fit the model, before anything is compiled."""
         ...
 
-    def sample(self, batch_size: int, strategy: MirroredStrategy, *, with_targets: bool = True) -> Batch:
+    def sample(self, batch_size: int, mesh: BatchMesh, *, with_targets: bool = True) -> Batch:
         """One batch of this process's rows, all real (for building a model's variables)."""
         ...
 
-    def stream(self, batch_size: int, strategy: MirroredStrategy, *, shuffle: Any = False, seed: int = 0,
+    def stream(self, batch_size: int, mesh: BatchMesh, *, shuffle: Any = False, seed: int = 0,
                with_targets: bool = True, ends_with_data: bool = False, keras_order: bool = False) -> Stream:
         """The stream of this source's global batches of ``batch_size``: which batches each epoch takes.
 

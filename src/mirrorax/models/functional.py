@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mirrorax import batch_sums
+import mirrorax.batch_sums as batch_sums
+from mirrorax._host import host_value
 from mirrorax.models.base import ModelAdapter, SparseTarget, real_count
 
 __all__ = ["FunctionalModel"]
@@ -228,8 +229,6 @@ class _FunctionalAdapter(ModelAdapter):
                 for n, m in metrics.items()}
 
     def write_back(self, state):
-        from mirrorax.step import host_value
-
         self.model.params = jax.tree.map(host_value, state.params)
         if self.stateful:
             self.model.model_state = jax.tree.map(host_value, state.model_state)

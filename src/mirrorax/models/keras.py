@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mirrorax._host import host_value
 from mirrorax.models import keras_custom, keras_metrics
 from mirrorax.models.base import ModelAdapter, SparseTarget, real_count
 from mirrorax.models.keras_targets import check_target_shape, fits, loss_entries, output_spec, resolve, shape_text
@@ -226,8 +227,6 @@ class KerasAdapter(ModelAdapter):
         if previous is not None and any(keras_metrics.resets_itself(m) for m in metrics):
             # A metric with its own reset_state (one that keeps counting across epochs): Keras resets
             # the variables in place, so the reset starts from the values they hold.
-            from mirrorax.step import host_value
-
             refs = self.model.metrics_variables
             for v, a in zip(refs, self._unpack("metrics", previous)):
                 v.assign(np.asarray(host_value(a)))

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mirrorax import batch_sums
+import mirrorax.batch_sums as batch_sums
 from mirrorax.models.base import real_count
 
 __all__ = ["update", "update_compile_metrics", "all_metrics", "resets_itself", "compiled_metric_args"]

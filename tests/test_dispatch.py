@@ -1,0 +1,177 @@
+"""The strategy's one dispatch window (``strategy.in_flight``) and ``strategy.jit``'s public options."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mirrorax as mx
+from mirrorax.dispatch import InFlight
+
+pytestmark = pytest.mark.multi_device
+
+
+def _recording_pending(monkeypatch, s: mx.MirroredStrategy) -> list[int]:
+    """Instruments ``s``'s window: the number of entries pending right after each push."""
+    window = s.in_flight
+    pending: list[int] = []
+    push = window.push
+
+    def recorded(*args, **kwargs):
+        push(*args, **kwargs)
+        pending.append(window.pending)
+
+    monkeypatch.setattr(window, "push", recorded)
+    return pending
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_max_in_flight_bounds_jit_and_run(monkeypatch, k):
+    # Element-wise functions only: no collective, so k=3 steps queued cannot strain XLA's CPU rendezvous.
+    s = mx.MirroredStrategy(devices=jax.devices()[:2], max_in_flight=k)
+    assert s.max_in_flight == k and s.in_flight.depth == k
+    pending = _recording_pending(monkeypatch, s)
+    double = s.jit(lambda a: a * 2)
+    a = s.replicate(np.ones(4, np.float32))
+    x = jax.device_put(np.arange(8, dtype=np.float32), s.batch_sharding)
+
+    def halve(v):
+        return v / 2
+
+    for i in range(6):
+        if i % 2:
+            x = s.run(halve, args=(x,))
+        else:
+            a = double(a)
+        # after each push at most k-1 are pending; fewer only while the window fills up
+        assert pending == [min(j + 1, k - 1) for j in range(i + 1)]
+    s.in_flight.drain()
+    assert s.in_flight.pending == 0
+    np.testing.assert_array_equal(np.asarray(a), np.full(4, 8.0, np.float32))
+    np.testing.assert_array_equal(np.asarray(x), np.arange(8, dtype=np.float32) / 8)
+
+
+def test_program_pushed_by_its_loop_keeps_the_bound_and_on_done_order(monkeypatch):
+    s = mx.MirroredStrategy(devices=jax.devices()[:2], max_in_flight=2)
+    pending = _recording_pending(monkeypatch, s)
+    step = s.jit(lambda a, b: (a + b, jnp.sum(b)), donate_argnums=0)
+    a = s.replicate(np.zeros(3, np.float32))
+    b = s.replicate(np.ones(3, np.float32))
+    program = step.program(a, b)
+    done: list[float] = []
+    for i in range(4):
+        (a, total), token = program(a, b)
+        # the entry retires only after the next push: its on_done has not run yet
+        s.in_flight.push(i, token, on_done=lambda i, total=total: done.append((i, float(total))))
+        assert done == [(j, 3.0) for j in range(i)]
+        assert s.in_flight.last_done == (i - 1 if i else None)
+    s.in_flight.drain()
+    assert done == [(j, 3.0) for j in range(4)]  # in push order, once each
+    assert pending == [1, 1, 1, 1]
+    assert step.compile_count == 1
+    np.testing.assert_array_equal(np.asarray(a), np.full(3, 4.0, np.float32))
+
+
+def test_on_done_runs_once_per_entry_in_order(monkeypatch):
+    waited: list[object] = []
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: waited.append(x))
+    window = InFlight(3)
+    calls: list[tuple[str, int]] = []
+    for i in range(5):
+        window.push(i, ready=("ready", i), on_done=lambda aux: calls.append(("a", aux)))
+        window.push(10 + i)  # no on_done: retires silently
+    assert calls == [("a", i) for i in range(4)]  # entry 4 and 14 are still pending
+    window.drain()
+    window.drain()  # nothing left: no second call
+    assert calls == [("a", i) for i in range(5)]
+    assert waited[0] == ("ready", 0) and waited[1] == 10  # ``ready`` is waited on, else ``aux`` itself
+    assert window.last_done == 14
+
+
+def test_after_dispatch_runs_once_after_the_next_push(monkeypatch):
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: None)
+    window = InFlight(2)
+    seen: list[int] = []
+    window.after_dispatch(lambda: seen.append(window.pending))
+    assert seen == []
+    window.push("a")
+    assert seen == [1]  # ran after the push appended, before the window waited
+    window.push("b")
+    assert seen == [1]
+
+
+def test_distributed_batches_are_placed_after_the_next_dispatch(monkeypatch):
+    s = mx.MirroredStrategy(devices=jax.devices()[:2])
+    x = np.arange(24, dtype=np.float32).reshape(12, 2)
+    asked, placed = [], []
+    after = s.in_flight.after_dispatch
+
+    def recorded(fn):
+        asked.append(fn)
+        after(lambda: (placed.append(fn), fn())[1])
+
+    monkeypatch.setattr(s.in_flight, "after_dispatch", recorded)
+    f = s.jit(lambda batch: jnp.sum(batch.data[0] * batch.mask[:, None]))
+    totals = []
+    for i, batch in enumerate(s.experimental_distribute_dataset((x,), batch_size=4)):
+        assert len(asked) == i + 1 and len(placed) == i  # the next batch waits for this one's dispatch
+        totals.append(f(batch))
+        assert len(placed) == i + 1
+    s.in_flight.drain()
+    np.testing.assert_allclose([float(t) for t in totals], [x[i:i + 4].sum() for i in (0, 4, 8)])
+
+
+def test_jit_out_shardings_tree_and_callable():
+    s = mx.MirroredStrategy(devices=jax.devices()[:4])
+    split_cols = NamedSharding(s.mesh, P(None, "batch"))
+    a = s.replicate(np.arange(32, dtype=np.float32).reshape(4, 8))
+
+    def fn(a):
+        return a * 2, {"sum": jnp.sum(a), "rows": a[:, :4] + 1}
+
+    # without out_shardings: the output shaped like ``a`` keeps its (replicated) layout
+    assert jax.tree.leaves(s.jit(fn)(a))[0].sharding == s.replicated
+
+    tree = (split_cols, {"sum": s.replicated, "rows": s.batch_sharding})
+    out = s.jit(fn, out_shardings=tree)(a)
+    assert out[0].sharding.spec == P(None, "batch")
+    assert out[1]["sum"].sharding.spec == P()
+    assert out[1]["rows"].sharding.spec == P("batch")
+    np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(a) * 2)
+
+    seen = []
+
+    def layouts(arg):
+        seen.append(arg.shape)
+        return s.batch_sharding, {"sum": s.replicated, "rows": split_cols}
+
+    g = s.jit(fn, out_shardings=layouts)
+    for _ in range(2):
+        out = g(a)
+    assert seen == [(4, 8)]  # called once per signature, with the positional arguments
+    assert out[0].sharding.spec == P("batch")
+    assert out[1]["sum"].sharding.spec == P()
+    assert out[1]["rows"].sharding.spec == P(None, "batch")
+    np.testing.assert_array_equal(np.asarray(out[1]["rows"]), np.asarray(a)[:, :4] + 1)
+    # a single sharding is a prefix of every output
+    assert s.jit(lambda a: (a, a + 1), out_shardings=split_cols)(a)[1].sharding == split_cols
+
+    # a callable returning None keeps the default rules
+    h = s.jit(fn, out_shardings=lambda a: None)
+    assert h(a)[1]["rows"].sharding == s.replicated
+    s.in_flight.drain()
+
+
+def test_jit_out_shardings_refused_with_the_fix():
+    s = mx.MirroredStrategy(devices=jax.devices()[:2])
+    with pytest.raises(TypeError, match=r"out_shardings must be None.*holding P\(\).*strategy.replicated"):
+        s.jit(lambda a: a, out_shardings=(P(),))
+    with pytest.raises(TypeError, match="out_shardings must be None"):
+        s.jit(out_shardings={"a": "replicated"})
+    bad = s.jit(lambda a: a, out_shardings=lambda a: [P()])
+    with pytest.raises(TypeError, match=r"out_shardings\(\*args\) must be None"):
+        bad(s.replicate(np.ones(2, np.float32)))

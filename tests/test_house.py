@@ -1,0 +1,157 @@
+"""The package's import structure, read from the code: floors, no circle, no private reach-in.
+
+Every import counts (module level, inside functions and under ``TYPE_CHECKING``), as in
+``shared/tools/house.py``: each one is a dependency a reader must hold in mind. ``FLOORS`` lists the
+modules already rebuilt into the house, bottom floor first; the list grows until it is the package.
+Within the listed modules an import may only go to the same floor or one below, never up, the graph
+has no circle, and no module reaches into another module's private members.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "src" / "mirrorax"
+
+#: Bottom floor first. A module may import modules of its own floor (no circle) or of a floor below.
+FLOORS: list[tuple[str, ...]] = [
+    ("_checks", "_host", "_output", "_discovery", "_failure", "_integrity", "_keras_env", "preemption",
+     "replica", "batch_sums", "input_checks", "results"),
+    ("cluster", "launch"),
+    ("consistency",),
+    ("mesh",),
+    ("dispatch",),
+    ("inputs", "inputs.source", "inputs.batch", "inputs.position", "inputs.keras_order", "inputs.streams",
+     "inputs.placement", "inputs.prefetch", "inputs.arrays", "inputs.iterables", "inputs.make",
+     "inputs.distributed"),
+    ("strategy",),
+]
+FLOOR = {f"mirrorax.{m}": i for i, floor in enumerate(FLOORS) for m in floor}
+#: Names whose private members belong to another module's object (as the house tool reads them).
+OWNERS = ("strategy", "trainer", "adapter", "source", "stream", "state", "saver", "checkpointer", "mesh",
+          "window")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for f in ROOT.rglob("*.py"):
+        name = ".".join(f.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__")
+        out[name] = f
+    return out
+
+
+def scan(name: str, text: str, modules: set[str]) -> tuple[set[str], list[str]]:
+    """The package modules that module ``name`` imports, and its reaches into private members."""
+
+    def target(dotted: str) -> str:
+        while dotted and dotted not in modules:
+            dotted = dotted.rpartition(".")[0]
+        return dotted
+
+    imports: set[str] = set()
+    reaches: list[str] = []
+    aliases: set[str] = set()  # names bound to a package module here (``import mirrorax.cluster as cluster``)
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "mirrorax":
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if full in modules:
+                    imports.add(full)
+                    aliases.add(a.asname or a.name)
+                    continue
+                imports.add(target(node.module))
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    reaches.append(f"{name}:{node.lineno} imports {full}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "mirrorax":
+                    imports.add(target(a.name))
+                    if a.asname:
+                        aliases.add(a.asname)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = ast.unparse(node.value)
+            if base in ("self", "cls"):
+                continue
+            if base in aliases or any(k in base.lower() for k in OWNERS):
+                reaches.append(f"{name}:{node.lineno} reaches {base}.{node.attr}")
+    imports.discard(name)
+    imports.discard("")
+    return imports, reaches
+
+
+@pytest.fixture(scope="module")
+def house() -> dict[str, tuple[set[str], list[str]]]:
+    modules = _modules()
+    names = set(modules)
+    return {m: scan(m, f.read_text(), names) for m, f in modules.items()}
+
+
+def test_every_listed_module_exists(house):
+    assert set(FLOOR) <= set(house), sorted(set(FLOOR) - set(house))
+
+
+def test_no_import_runs_up_a_floor_or_out_of_the_rebuilt_house(house):
+    def where(t: str) -> str:
+        return f"floor {FLOOR[t]}" if t in FLOOR else "not rebuilt yet"
+
+    wrong = [f"{m} (floor {FLOOR[m]}) imports {t} ({where(t)})"
+             for m in FLOOR for t in sorted(house[m][0]) if t not in FLOOR or FLOOR[t] > FLOOR[m]]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_circle_among_the_rebuilt_modules(house):
+    graph = {m: sorted(t for t in house[m][0] if t in FLOOR) for m in FLOOR}
+    assert find_circle(graph) is None, find_circle(graph)
+
+
+def test_no_private_reach_in(house):
+    reaches = [r for m in FLOOR for r in house[m][1]]
+    assert not reaches, "\n".join(reaches)
+
+
+def find_circle(graph: dict[str, list[str]]) -> list[str] | None:
+    """One circle of ``graph`` (as the modules along it), or ``None``."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(v: str) -> list[str] | None:
+        state[v] = 1
+        path.append(v)
+        for w in graph.get(v, ()):
+            if state.get(w) == 1:
+                return path[path.index(w):] + [w]
+            if w not in state:
+                found = visit(w)
+                if found:
+                    return found
+        state[v] = 2
+        path.pop()
+        return None
+
+    for v in graph:
+        if v not in state:
+            found = visit(v)
+            if found:
+                return found
+    return None
+
+
+def test_the_scan_sees_what_it_checks():
+    # The checks above can fail: a circle, a private import, a reach through a module alias or an owner.
+    assert find_circle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
+    assert find_circle({"a": ["b"], "b": []}) is None
+    modules = {"mirrorax", "mirrorax.cluster", "mirrorax.mesh"}
+    imports, reaches = scan("mirrorax.mesh", (
+        "import mirrorax.cluster as cluster\n"
+        "from mirrorax.cluster import _client\n"
+        "def f(strategy):\n"
+        "    if TYPE_CHECKING: from mirrorax import mesh\n"
+        "    return cluster._state, strategy._window, self._own\n"), modules)
+    assert imports == {"mirrorax.cluster"}
+    assert [r.split(" ", 1)[1] for r in reaches] == [
+        "imports mirrorax.cluster._client", "reaches cluster._state", "reaches strategy._window"]
