@@ -52,7 +52,7 @@ def _child(devices: int, modes: list[str], rounds: int, hidden: int, directory: 
     import mirrorax as mx
     from mirrorax import resume, zoo
     from mirrorax.checkpoint import Checkpointer
-    from mirrorax.trainer import History
+    from mirrorax.results import History
 
     rng = np.random.default_rng(0)
     x = rng.random((64, 784), dtype=np.float32)

@@ -34,13 +34,13 @@ from mirrorax.replica import ReplicaContext as ReplicaContext
 from mirrorax.replica import compute_average_loss as compute_average_loss
 from mirrorax.replica import get_replica_context as get_replica_context
 from mirrorax.replica import masked_mean as masked_mean
+from mirrorax.results import History as History
+from mirrorax.results import NonFiniteLossError as NonFiniteLossError
 from mirrorax.strategy import InputContext as InputContext
 from mirrorax.strategy import MirroredStrategy as MirroredStrategy
 from mirrorax.strategy import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from mirrorax.strategy import get_strategy as get_strategy
 from mirrorax.train_state import TrainState as TrainState
-from mirrorax.trainer import History as History
-from mirrorax.trainer import NonFiniteLossError as NonFiniteLossError
 from mirrorax.trainer import Trainer as Trainer
 
 # The checkpoint layer imports Orbax and TensorStore (~25 MB of resident memory): loaded on first use.

@@ -5,7 +5,7 @@ strategy's window, then ask each hook in turn what the step means for it, in the
 ``Trainer`` runs its hooks. The hooks:
 
 * :class:`BatchCallbacks`: Keras's ``on_train_batch_begin`` / ``on_train_batch_end``, once per execution;
-* :class:`TestBatchCallbacks`, :class:`PredictBatchCallbacks`: the same for ``evaluate`` and ``predict``;
+* :class:`EvalBatchCallbacks`, :class:`PredictBatchCallbacks`: the same for ``evaluate`` and ``predict``;
 * :class:`HaltWatch`: a glance, twice a second, at a finished step's sticky "training froze" flag (a
   non-finite step under ``on_nonfinite="raise"``, a label outside the classes);
 * :class:`PreemptionStop`: on SIGTERM, the same step on every process: checkpoint and stop;
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from mirrorax.progress import Progress
     from mirrorax.step import StepFunctions
 
-__all__ = ["Outcome", "EpochRun", "EpochHook", "BatchCallbacks", "TestBatchCallbacks", "PredictBatchCallbacks",
+__all__ = ["Outcome", "EpochRun", "EpochHook", "BatchCallbacks", "EvalBatchCallbacks", "PredictBatchCallbacks",
            "HaltWatch", "PreemptionStop", "PeriodicSave", "ProgressHook"]
 
 PyTree = Any
@@ -142,7 +142,7 @@ class BatchCallbacks(EpochHook):
         return Outcome.STOP if getattr(self.model, "stop_training", False) else None
 
 
-class TestBatchCallbacks(EpochHook):
+class EvalBatchCallbacks(EpochHook):
     """Keras's ``on_test_batch_begin`` / ``on_test_batch_end`` in ``evaluate``, once per execution (a short
     last one too), as Keras; a callback's ``model.stop_evaluating`` ends the evaluation.
 

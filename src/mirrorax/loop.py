@@ -254,7 +254,7 @@ class Loop:
                 return device.batch_hook(hooks, "on_test_batch_end", index, logs, run.state,
                                          exposed=run.state.replace(metrics=run.metrics))
 
-            loop_hooks.append(epoch_lib.TestBatchCallbacks(hooks, self.steps_per_execution, batch_end, self.model))
+            loop_hooks.append(epoch_lib.EvalBatchCallbacks(hooks, self.steps_per_execution, batch_end, self.model))
         programs: dict[Any, Any] = {}
 
         def dispatch(run: epoch_lib.EpochRun, k: int, batch: Batch) -> tuple[Any, Any]:

@@ -35,7 +35,7 @@ from mirrorax.step import NonFiniteMode, StepFunctions
 from mirrorax.strategy import MirroredStrategy, get_strategy
 from mirrorax.train_state import TrainState
 
-__all__ = ["Trainer", "History", "NonFiniteLossError"]
+__all__ = ["Trainer"]
 
 PyTree = Any
 
@@ -160,11 +160,11 @@ class Trainer:
             raise CheckpointError(f"No checkpoint directory {os.fspath(checkpoint_dir)!r}. Pass the checkpoint_dir "
                                   "that fit(checkpoint_dir=...) wrote.")
         trainer = cls(model, strategy, **trainer_kwargs)
+        held = trainer.device_state
         with Checkpointer(checkpoint_dir, keep=None) as ckpt:
             meta = ckpt.read_meta()
             if meta is None or "sample_spec" not in meta:
                 raise CheckpointError(f"{ckpt.directory} holds no mirrorax checkpoint (steps: {ckpt.all_steps()}).")
-            held = trainer.device_state
             held.ensure(resume_lib.sample_from_spec(meta["sample_spec"]))
             restored = ckpt.restore_latest(held.abstract())
             if restored is None:
