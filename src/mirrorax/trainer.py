@@ -26,7 +26,8 @@ from mirrorax.inputs.make import make_source, validation_source
 from mirrorax.inputs.prefetch import Prefetcher, device_batches
 from mirrorax.inputs.source import Source
 from mirrorax.inputs.streams import Stream, ran_out_of_data
-from mirrorax.models.base import ModelAdapter, adapt
+from mirrorax.models.adapters import adapt
+from mirrorax.models.base import ModelAdapter
 from mirrorax.progress import Progress, resolve_verbose
 from mirrorax.results import History, NonFiniteLossError
 from mirrorax.step import InFlight, NonFiniteMode, StepFunctions, host_tree, host_value

@@ -21,7 +21,7 @@ from mirrorax.train_state import TrainState
 
 PyTree = Any
 
-__all__ = ["ModelAdapter", "SparseTarget", "adapt", "real_count"]
+__all__ = ["ModelAdapter", "SparseTarget", "real_count"]
 
 
 class SparseTarget(NamedTuple):
@@ -163,28 +163,3 @@ class ModelAdapter(abc.ABC):
 
     def build(self, sample: dict[str, PyTree]) -> None:
         """Creates every variable from a host sample batch, before :meth:`initial_state`."""
-
-
-def adapt(model: Any, *, loss: Any = None, optimizer: Any = None, metrics: Any = None,
-          mixed_precision: str | None = None) -> ModelAdapter:
-    """The adapter for ``model``: a Keras 3 model or a :class:`mirrorax.FunctionalModel`.
-
-    Raises:
-      TypeError: ``model`` is of a kind mirrorax does not train.
-    """
-    from mirrorax.models.functional import FunctionalModel
-
-    if isinstance(model, ModelAdapter):
-        return model
-    if isinstance(model, FunctionalModel):
-        if mixed_precision is not None:
-            raise ValueError("mixed_precision applies to Keras models; a FunctionalModel chooses its own compute "
-                             "dtype inside apply_fn (cast params and inputs to bfloat16 there).")
-        return model.adapter(loss=loss, optimizer=optimizer, metrics=metrics)
-    mod = type(model).__module__
-    if mod.startswith("keras") or any(c.__module__.startswith("keras") for c in type(model).__mro__):
-        from mirrorax.models.keras import KerasAdapter
-
-        return KerasAdapter(model, loss=loss, optimizer=optimizer, metrics=metrics, mixed_precision=mixed_precision)
-    raise TypeError(f"Trainer takes a Keras 3 model or a mirrorax.FunctionalModel; received {model!r} (of type "
-                    f"{type(model).__name__}). Wrap plain JAX code as FunctionalModel(apply_fn, params, ...).")
