@@ -123,6 +123,10 @@ def test_distributed_batches_are_placed_after_the_next_dispatch(monkeypatch):
         assert len(placed) == i + 1
     s.in_flight.drain()
     np.testing.assert_allclose([float(t) for t in totals], [x[i:i + 4].sum() for i in (0, 4, 8)])
+    # batches read without any dispatch in between: one request waits in the window, not one per batch
+    asked.clear()
+    assert len(list(s.experimental_distribute_dataset((x,), batch_size=4))) == 3
+    assert len(asked) == 1
 
 
 def test_jit_out_shardings_tree_and_callable():

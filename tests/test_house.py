@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "src" / "mirrorax"
 #: Bottom floor first. A module may import modules of its own floor (no circle) or of a floor below.
 FLOORS: list[tuple[str, ...]] = [
     ("_checks", "_host", "_output", "_discovery", "_failure", "_integrity", "_keras_env", "preemption",
-     "replica", "batch_sums", "input_checks", "results"),
+     "replica", "batch_sums", "input_checks", "results", "train_state"),
     ("cluster", "launch"),
     ("consistency",),
     ("mesh",),
@@ -27,6 +27,8 @@ FLOORS: list[tuple[str, ...]] = [
     ("inputs", "inputs.source", "inputs.batch", "inputs.position", "inputs.keras_order", "inputs.streams",
      "inputs.placement", "inputs.prefetch", "inputs.arrays", "inputs.iterables", "inputs.make",
      "inputs.distributed"),
+    ("models", "models.base", "models.keras_targets", "models.keras_metrics", "models.keras_custom",
+     "models.functional", "models.keras", "models.adapters"),
     ("strategy",),
 ]
 FLOOR = {f"mirrorax.{m}": i for i, floor in enumerate(FLOORS) for m in floor}

@@ -23,7 +23,7 @@ import numpy as np
 from mirrorax.device_state import DeviceState
 from mirrorax.inputs.batch import Batch, RealRows, padded_batch_size
 from mirrorax.inputs.make import make_source
-from mirrorax.models import adapt
+from mirrorax.models.adapters import adapt
 from mirrorax.models.base import strategy_of
 from mirrorax.step import StepFunctions
 from mirrorax.strategy import MirroredStrategy, get_strategy

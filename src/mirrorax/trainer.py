@@ -27,7 +27,7 @@ from mirrorax.inputs.placement import to_global
 from mirrorax.inputs.source import Source
 from mirrorax.inputs.streams import ran_out_of_data
 from mirrorax.loop import Loop, preempted
-from mirrorax.models import adapt
+from mirrorax.models.adapters import adapt
 from mirrorax.models.base import ModelAdapter
 from mirrorax.progress import format_logs, resolve_verbose
 from mirrorax.results import History, NonFiniteLossError

@@ -232,6 +232,7 @@ class _PlacingIterator:
     def __init__(self, host: Iterator[Batch], place: Any, window: InFlight | None) -> None:
         self._host, self._place, self._window = host, place, window
         self._ready: Any = None
+        self._asked = False  # prepare() waits in the window: asked once, however many next() come first
 
     def _next_placed(self) -> Any:
         try:
@@ -243,6 +244,7 @@ class _PlacingIterator:
 
     def prepare(self) -> None:
         """Places the next batch now (the window calls this after the next dispatch)."""
+        self._asked = False
         if self._ready is None:
             self._ready = self._next_placed()
 
@@ -258,7 +260,8 @@ class _PlacingIterator:
             raise StopIteration
         if isinstance(ready, Exception):
             raise ready
-        if self._window is not None:
+        if self._window is not None and not self._asked:
+            self._asked = True
             self._window.after_dispatch(self.prepare)
         return ready
 

@@ -1,0 +1,36 @@
+"""Which adapter a model gets: a Keras 3 model or a :class:`mirrorax.FunctionalModel`.
+
+Above the adapters it chooses between (``base`` knows none of them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mirrorax.models.base import ModelAdapter
+from mirrorax.models.functional import FunctionalModel
+
+__all__ = ["adapt"]
+
+
+def adapt(model: Any, *, loss: Any = None, optimizer: Any = None, metrics: Any = None,
+          mixed_precision: str | None = None) -> ModelAdapter:
+    """The adapter for ``model``: a Keras 3 model or a :class:`mirrorax.FunctionalModel`.
+
+    Raises:
+      TypeError: ``model`` is of a kind mirrorax does not train.
+    """
+    if isinstance(model, ModelAdapter):
+        return model
+    if isinstance(model, FunctionalModel):
+        if mixed_precision is not None:
+            raise ValueError("mixed_precision applies to Keras models; a FunctionalModel chooses its own compute "
+                             "dtype inside apply_fn (cast params and inputs to bfloat16 there).")
+        return model.adapter(loss=loss, optimizer=optimizer, metrics=metrics)
+    mod = type(model).__module__
+    if mod.startswith("keras") or any(c.__module__.startswith("keras") for c in type(model).__mro__):
+        from mirrorax.models.keras import KerasAdapter
+
+        return KerasAdapter(model, loss=loss, optimizer=optimizer, metrics=metrics, mixed_precision=mixed_precision)
+    raise TypeError(f"Trainer takes a Keras 3 model or a mirrorax.FunctionalModel; received {model!r} (of type "
+                    f"{type(model).__name__}). Wrap plain JAX code as FunctionalModel(apply_fn, params, ...).")
