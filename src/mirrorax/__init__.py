@@ -13,6 +13,8 @@ Example:
   >>> history = mx.Trainer(model).fit(x, y, batch_size=256, epochs=5)
 """
 
+from typing import TYPE_CHECKING
+
 from mirrorax.cache import enable_compilation_cache as enable_compilation_cache
 from mirrorax.cluster import ClusterError as ClusterError
 from mirrorax.cluster import ClusterInfo as ClusterInfo
@@ -40,6 +42,12 @@ from mirrorax.trainer import NonFiniteLossError as NonFiniteLossError
 from mirrorax.trainer import Trainer as Trainer
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # loaded on first use (below); imported here for type checkers and the API reference
+    from mirrorax.checkpoint import Checkpointer as Checkpointer
+    from mirrorax.checkpoint import CheckpointError as CheckpointError
+    from mirrorax.checkpoint import CheckpointMismatchError as CheckpointMismatchError
+    from mirrorax.checkpoint import CheckpointWarning as CheckpointWarning
 
 # The checkpoint layer imports Orbax and TensorStore (~25 MB of resident memory): loaded on first use.
 _LAZY = {"CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer"}
