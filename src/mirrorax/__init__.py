@@ -13,6 +13,8 @@ Example:
   >>> history = mx.Trainer(model).fit(x, y, batch_size=256, epochs=5)
 """
 
+from typing import TYPE_CHECKING
+
 # keras_fit is imported for what importing it does: strategy.scope() then routes the Keras models made in it.
 from mirrorax import keras_fit  # noqa: F401
 from mirrorax._version import __version__ as __version__
@@ -42,6 +44,12 @@ from mirrorax.strategy import MultiWorkerMirroredStrategy as MultiWorkerMirrored
 from mirrorax.strategy import get_strategy as get_strategy
 from mirrorax.train_state import TrainState as TrainState
 from mirrorax.trainer import Trainer as Trainer
+
+if TYPE_CHECKING:  # loaded on first use (below); imported here for type checkers and the API reference
+    from mirrorax.checkpoint import Checkpointer as Checkpointer
+    from mirrorax.checkpoint import CheckpointError as CheckpointError
+    from mirrorax.checkpoint import CheckpointMismatchError as CheckpointMismatchError
+    from mirrorax.checkpoint import CheckpointWarning as CheckpointWarning
 
 # The checkpoint layer imports Orbax and TensorStore (~25 MB of resident memory): loaded on first use.
 _LAZY = {"CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer"}
