@@ -4,7 +4,10 @@ Simulated devices are configured here, once, before anything imports JAX's backe
 8 CPU devices, and a test that wants fewer builds its strategy from ``jax.devices()[:n]``.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ["JAX_NUM_CPU_DEVICES"] = "8"
@@ -16,6 +19,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # still but is not numerics-neutral: the same float64 comparison then differed by up to 1.2e-8.
 _FAST_COMPILE = "--xla_llvm_disable_expensive_passes=true"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+# Many tests compile the same small programs (the same model, data and device count), and every job a
+# test starts compiles what its neighbours already did (a reference run, the killed run, the resume).
+# JAX's persistent compilation cache, one folder per pytest session, lets each program compile once:
+# a hit loads the executable XLA built for the same program and options, so no number changes. Set in
+# the environment, so that the processes tests start (jobs, the CLI, the launcher) share it too.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="mirrorax-test-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # Keras prints a progress bar per fit call otherwise; the tests check outputs, not bars.
 
 import jax  # noqa: E402

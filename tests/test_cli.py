@@ -12,7 +12,9 @@ pytestmark = [pytest.mark.multi_device, pytest.mark.slow]
 
 
 def _run(args, tmp_path, timeout=300):
-    env = dict(os.environ, MIRRORAX_CACHE_DIR=str(tmp_path / "xla"), PYTHONUNBUFFERED="1")
+    # The CLI turns on its compilation cache in MIRRORAX_CACHE_DIR: the session's (tests/conftest.py).
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path / "xla")
+    env = dict(os.environ, MIRRORAX_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
     env.pop("JAX_NUM_CPU_DEVICES", None)
     return subprocess.run([sys.executable, "-m", "mirrorax.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)

@@ -82,21 +82,28 @@ def test_parse_bytes():
 
 
 class _Compiles:
-    """Counts XLA compilations (JAX's backend-compile events) while active."""
+    """Counts the programs XLA builds while active: JAX's backend compiles, and the loads from its
+    persistent compilation cache that stand in for one (tests/conftest.py turns the cache on)."""
 
     def __init__(self):
         self.count = 0
 
-    def _listen(self, event, duration, **kwargs):
+    def _listen_duration(self, event, duration, **kwargs):
         if event.endswith("backend_compile_duration"):
             self.count += 1
 
+    def _listen(self, event, **kwargs):
+        if event == "/jax/compilation_cache/cache_hits":
+            self.count += 1
+
     def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        jax.monitoring.register_event_duration_secs_listener(self._listen_duration)
+        jax.monitoring.register_event_listener(self._listen)
         return self
 
     def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listen)
+        jax.monitoring.unregister_event_duration_listener(self._listen_duration)
+        jax.monitoring.unregister_event_listener(self._listen)
 
 
 @pytest.mark.slow  # a plan and a fit per verbosity
