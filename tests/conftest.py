@@ -35,14 +35,25 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+import gc  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+def pytest_collection_finish(session):
+    """Moves everything alive once the test modules are imported (JAX, Keras, their modules: about 280,000
+    objects) out of the garbage collector's reach: a full collection then walks only what the tests made
+    since, about 0.3 s less per test. Nothing frozen is garbage: it is what the imports keep alive."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
 def _fresh_keras_state():
     """Every test starts with Keras's default names and seeds, so two tests never share layer names.
 
-    One full garbage collection per test (after it), not two: each took about 0.28 s late in a run.
+    One full garbage collection per test (after it), not two, so that no test sees the arrays of the one
+    before (``jax.live_arrays()``); ``pytest_collection_finish`` keeps it cheap.
     """
     import keras
 
