@@ -14,7 +14,7 @@ os.environ["JAX_NUM_CPU_DEVICES"] = "8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Compiling dominates the suite's time (each test compiles its own small steps), and much of a CPU
 # compile is LLVM optimising the generated code. This flag skips LLVM's expensive passes; the HLO program
-# and its float results stay as they are (checked: tests/scripts/float64_fit.py, Keras's float64 fit
+# and its float results stay as they are (checked: tests/jobs/float64_fit.py, Keras's float64 fit
 # against the Trainer's, stays within 1.2e-16 with it). --xla_backend_optimization_level=0 was faster
 # still but is not numerics-neutral: the same float64 comparison then differed by up to 1.2e-8.
 _FAST_COMPILE = "--xla_llvm_disable_expensive_passes=true"

@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 import pytest
-from mp_scripts.procs import clean_env, free_port, launcher, python, run_all
+from jobs.procs import clean_env, free_port, launcher, python, run_all
 
 from mirrorax import _discovery, cluster
 
@@ -253,7 +253,7 @@ def test_the_port_check_probes_the_address_to_be_bound():
 def test_under_the_launcher_the_coordinator_listens_on_loopback_only_and_gloo_is_quiet():
     port = free_port()
     codes, outs, _ = run_all([launcher("--nprocs", "2", "--cpu-devices-per-proc", "2", "--port", str(port),
-                                       "--", *python("tests/mp_scripts/psum.py"))],
+                                       "--", *python("tests/jobs/psum.py"))],
                              [clean_env(MP_LISTENERS="1")], timeout=80)
     assert codes == [0], outs
     line = next(x for x in outs[0].splitlines() if "LISTENERS" in x)
@@ -323,7 +323,7 @@ def test_initialize_twice_is_a_clear_error():
 @pytest.mark.timeout(60)
 def test_coordinator_that_never_answers_names_the_address():
     port = free_port()
-    codes, outs, times = run_all([python("tests/mp_scripts/psum.py")],
+    codes, outs, times = run_all([python("tests/jobs/psum.py")],
                                  [_ours(port, 2, 1, MIRRORAX_INIT_TIMEOUT="3")], timeout=50)
     assert codes[0] == 1 and times[0] < 20, (codes, times, outs)
     assert f"could not reach the coordinator at 127.0.0.1:{port} within 3 s" in outs[0], outs[0]
@@ -336,7 +336,7 @@ def test_port_in_use_is_a_clear_error():
         taken.bind(("", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        codes, outs, _ = run_all([python("tests/mp_scripts/psum.py")], [_ours(port, 2, 0)], timeout=50)
+        codes, outs, _ = run_all([python("tests/jobs/psum.py")], [_ours(port, 2, 0)], timeout=50)
     assert codes[0] == 1 and f"port {port} is in use" in outs[0], outs[0]
 
 
@@ -344,7 +344,7 @@ def test_port_in_use_is_a_clear_error():
 @pytest.mark.timeout(60)
 def test_processes_that_disagree_on_the_count_fail_clearly():
     port = free_port()
-    codes, outs, _ = run_all([python("tests/mp_scripts/psum.py")] * 2,
+    codes, outs, _ = run_all([python("tests/jobs/psum.py")] * 2,
                              [_ours(port, 2, 0), _ours(port, 3, 1)], timeout=50)
     assert codes == [1, 1], (codes, outs)
     assert "disagree on the job's size" in outs[0] + outs[1], outs
@@ -354,7 +354,7 @@ def test_processes_that_disagree_on_the_count_fail_clearly():
 @pytest.mark.timeout(60)
 def test_a_process_that_never_comes_ends_the_wait():
     port = free_port()
-    codes, outs, times = run_all([python("tests/mp_scripts/psum.py")] * 2,
+    codes, outs, times = run_all([python("tests/jobs/psum.py")] * 2,
                                  [_ours(port, 3, 0, MIRRORAX_INIT_TIMEOUT="4"),
                                   _ours(port, 3, 1, MIRRORAX_INIT_TIMEOUT="4")], timeout=50)
     assert all(c not in (0, -999) for c in codes) and max(times) < 30, (codes, times, outs)
@@ -375,7 +375,7 @@ def test_two_real_processes_from_fake_slurm_variables():
     envs = [clean_env(SLURM_JOB_ID="77", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
                       SLURM_PROCID=str(i), SLURM_LOCALID=str(i), SLURM_STEP_NUM_NODES="1",
                       JAX_COORDINATOR_PORT=str(port), MIRRORAX_CPU_DEVICES="2") for i in range(2)]
-    codes, outs, _ = run_all([python("tests/mp_scripts/psum.py")] * 2, envs, timeout=80)
+    codes, outs, _ = run_all([python("tests/jobs/psum.py")] * 2, envs, timeout=80)
     _psum_ok(codes, outs)
 
 
@@ -385,5 +385,5 @@ def test_two_real_processes_from_tf_config():
     workers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
     envs = [clean_env(TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}),
                       MIRRORAX_CPU_DEVICES="2") for i in range(2)]
-    codes, outs, _ = run_all([python("tests/mp_scripts/psum.py")] * 2, envs, timeout=80)
+    codes, outs, _ = run_all([python("tests/jobs/psum.py")] * 2, envs, timeout=80)
     _psum_ok(codes, outs)

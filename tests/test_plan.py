@@ -152,14 +152,14 @@ def test_model_fit_under_a_scope_prints_no_plan_line(capsys):
         assert "plan:" not in out, out
 
 
-_MEMORY_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "plan_memory.py")
+_MEMORY_SCRIPT = os.path.join(os.path.dirname(__file__), "jobs", "plan_memory.py")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shard", ["none", "optimizer", "all"])
 def test_planned_peak_is_within_20_percent_of_the_process_growth(shard):
     """On CPU the 4 simulated devices share one process: fit grows it by 4 x the plan's per-device peak,
-    less the model's own copy of the weights that fit takes over (tests/scripts/plan_memory.py)."""
+    less the model's own copy of the weights that fit takes over (tests/jobs/plan_memory.py)."""
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
     env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("JAX_NUM_CPU_DEVICES", None)
