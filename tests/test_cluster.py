@@ -13,15 +13,12 @@ import sys
 import textwrap
 
 import pytest
-from mp_scripts.procs import clean_env, free_port, launcher, python, run_all
+from jobs.procs import clean_env, free_port, launcher, python, run_all
 
 from mirrorax import _discovery, cluster
 
 JOB_PREFIXES = ("MIRRORAX_", "TF_CONFIG", "SLURM_", "OMPI_", "JAX_COORDINATOR", "JAX_LOCAL_DEVICE_IDS",
                 "KUBERNETES_SERVICE_HOST")
-
-
-pytestmark = pytest.mark.slow  # starts processes
 
 
 @pytest.fixture
@@ -199,6 +196,7 @@ def test_without_jax_detectors_a_detection_method_is_a_clear_error(env, without)
         cluster._resolve(None, None, None, None, "mpi4py", 5)
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.timeout(60)
 def test_without_the_distributed_client_a_job_still_joins_with_a_warning():
     port = free_port()
@@ -248,12 +246,13 @@ def test_the_port_check_probes_the_address_to_be_bound():
         cluster._check_port_free("192.0.2.1:1234", "h0:1234")  # not an address of this host
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.multi_process
 @pytest.mark.timeout(90)
 def test_under_the_launcher_the_coordinator_listens_on_loopback_only_and_gloo_is_quiet():
     port = free_port()
     codes, outs, _ = run_all([launcher("--nprocs", "2", "--cpu-devices-per-proc", "2", "--port", str(port),
-                                       "--", *python("tests/mp_scripts/psum.py"))],
+                                       "--", *python("tests/jobs/psum.py"))],
                              [clean_env(MP_LISTENERS="1")], timeout=80)
     assert codes == [0], outs
     line = next(x for x in outs[0].splitlines() if "LISTENERS" in x)
@@ -273,6 +272,7 @@ def _ours(port: int, n: int, i: int, **extra: str) -> dict[str, str]:
                      MIRRORAX_PROCESS_ID=str(i), MIRRORAX_CPU_DEVICES="2", **extra)
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.timeout(60)
 def test_no_job_does_not_start_the_backend():
     code, out, _ = run_all([_snippet("""
@@ -284,6 +284,7 @@ def test_no_job_does_not_start_the_backend():
     assert code == [0] and "OK" in out[0], out[0]
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.timeout(60)
 def test_initialize_after_backend_started_is_a_clear_error():
     codes, outs, _ = run_all([_snippet("""
@@ -296,6 +297,7 @@ def test_initialize_after_backend_started_is_a_clear_error():
     assert "ERR" in outs[0] and "before JAX starts its backend" in outs[0], outs[0]
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.timeout(60)
 def test_env_job_after_backend_started_is_a_clear_error():
     codes, outs, _ = run_all([_snippet("""
@@ -305,6 +307,7 @@ def test_env_job_after_backend_started_is_a_clear_error():
     assert codes[0] != 0 and "describes a job of 2 processes" in outs[0], outs[0]
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.timeout(60)
 def test_initialize_twice_is_a_clear_error():
     port = free_port()
@@ -319,16 +322,18 @@ def test_initialize_twice_is_a_clear_error():
     assert "ERR This process already joined a job as process 0 of 1" in outs[0], outs[0]
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.multi_process
 @pytest.mark.timeout(60)
 def test_coordinator_that_never_answers_names_the_address():
     port = free_port()
-    codes, outs, times = run_all([python("tests/mp_scripts/psum.py")],
+    codes, outs, times = run_all([python("tests/jobs/psum.py")],
                                  [_ours(port, 2, 1, MIRRORAX_INIT_TIMEOUT="3")], timeout=50)
     assert codes[0] == 1 and times[0] < 20, (codes, times, outs)
     assert f"could not reach the coordinator at 127.0.0.1:{port} within 3 s" in outs[0], outs[0]
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.multi_process
 @pytest.mark.timeout(60)
 def test_port_in_use_is_a_clear_error():
@@ -336,25 +341,27 @@ def test_port_in_use_is_a_clear_error():
         taken.bind(("", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        codes, outs, _ = run_all([python("tests/mp_scripts/psum.py")], [_ours(port, 2, 0)], timeout=50)
+        codes, outs, _ = run_all([python("tests/jobs/psum.py")], [_ours(port, 2, 0)], timeout=50)
     assert codes[0] == 1 and f"port {port} is in use" in outs[0], outs[0]
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.multi_process
 @pytest.mark.timeout(60)
 def test_processes_that_disagree_on_the_count_fail_clearly():
     port = free_port()
-    codes, outs, _ = run_all([python("tests/mp_scripts/psum.py")] * 2,
+    codes, outs, _ = run_all([python("tests/jobs/psum.py")] * 2,
                              [_ours(port, 2, 0), _ours(port, 3, 1)], timeout=50)
     assert codes == [1, 1], (codes, outs)
     assert "disagree on the job's size" in outs[0] + outs[1], outs
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.multi_process
 @pytest.mark.timeout(60)
 def test_a_process_that_never_comes_ends_the_wait():
     port = free_port()
-    codes, outs, times = run_all([python("tests/mp_scripts/psum.py")] * 2,
+    codes, outs, times = run_all([python("tests/jobs/psum.py")] * 2,
                                  [_ours(port, 3, 0, MIRRORAX_INIT_TIMEOUT="4"),
                                   _ours(port, 3, 1, MIRRORAX_INIT_TIMEOUT="4")], timeout=50)
     assert all(c not in (0, -999) for c in codes) and max(times) < 30, (codes, times, outs)
@@ -367,6 +374,7 @@ def _psum_ok(codes, outs, n=2):
         assert f"RESULT {i} {n} {2 * n} {float(sum(range(2 * n)))} joined=True" in out, out
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.multi_process
 @pytest.mark.timeout(90)
 def test_two_real_processes_from_fake_slurm_variables():
@@ -375,15 +383,16 @@ def test_two_real_processes_from_fake_slurm_variables():
     envs = [clean_env(SLURM_JOB_ID="77", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
                       SLURM_PROCID=str(i), SLURM_LOCALID=str(i), SLURM_STEP_NUM_NODES="1",
                       JAX_COORDINATOR_PORT=str(port), MIRRORAX_CPU_DEVICES="2") for i in range(2)]
-    codes, outs, _ = run_all([python("tests/mp_scripts/psum.py")] * 2, envs, timeout=80)
+    codes, outs, _ = run_all([python("tests/jobs/psum.py")] * 2, envs, timeout=80)
     _psum_ok(codes, outs)
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.multi_process
 @pytest.mark.timeout(90)
 def test_two_real_processes_from_tf_config():
     workers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
     envs = [clean_env(TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}),
                       MIRRORAX_CPU_DEVICES="2") for i in range(2)]
-    codes, outs, _ = run_all([python("tests/mp_scripts/psum.py")] * 2, envs, timeout=80)
+    codes, outs, _ = run_all([python("tests/jobs/psum.py")] * 2, envs, timeout=80)
     _psum_ok(codes, outs)

@@ -1,7 +1,7 @@
 """float64 models train in float64: every factor of the loss (inputs, weights, mask, counts) in the model's
 type, so the Trainer equals Keras's own float64 fit to float64 precision on any device count.
 
-x64 is a process-wide JAX setting, so the comparison runs in a child process (tests/scripts/float64_fit.py)
+x64 is a process-wide JAX setting, so the comparison runs in a child process (tests/jobs/float64_fit.py)
 and never leaks into the other tests. Measured: <= 1.2e-16 (1 and 4 devices, 1 and 3 SGD steps, a
 classifier and a regressor, a FunctionalModel); before the float64 path the same runs differed by
 1.8e-9 to 1.5e-8 (float32 inputs and loss weights).
@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = [pytest.mark.multi_device, pytest.mark.slow]
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "float64_fit.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "jobs", "float64_fit.py")
 
 
 @pytest.fixture(scope="module")

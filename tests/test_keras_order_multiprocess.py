@@ -7,8 +7,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from mp_scripts import keras_order
-from mp_scripts.procs import clean_env, launcher, python, run_all
+from jobs import keras_order
+from jobs.procs import clean_env, launcher, python, run_all
 
 import mirrorax as mx
 
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.multi_process, pytest.mark.slow]
 @pytest.mark.timeout(300)
 def test_processes_with_other_numpy_states_train_on_process_0s_order(tmp_path):
     cmd = launcher("--nprocs", "2", "--cpu-devices-per-proc", "2", "--failure-timeout", "20", "--",
-                   *python("tests/mp_scripts/keras_order.py"))
+                   *python("tests/jobs/keras_order.py"))
     codes, outs, _ = run_all([cmd], [clean_env(MP_OUT=str(tmp_path))], timeout=240)
     assert codes[0] == 0, outs[0]
     ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]

@@ -12,7 +12,7 @@ import textwrap
 import time
 
 import pytest
-from mp_scripts.procs import ROOT, clean_env, launcher, python, run_all
+from jobs.procs import ROOT, clean_env, launcher, python, run_all
 
 from mirrorax import _discovery
 from mirrorax import launch as launch_lib

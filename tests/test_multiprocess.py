@@ -17,15 +17,15 @@ import time
 import jax
 import numpy as np
 import pytest
-from mp_scripts import train_dense, train_unseeded
-from mp_scripts.procs import clean_env, free_port, launcher, python, run_all
+from jobs import train_dense, train_unseeded
+from jobs.procs import clean_env, free_port, launcher, python, run_all
 
 import mirrorax as mx
 
 pytestmark = [pytest.mark.multi_process, pytest.mark.slow]
 
 RTOL, ATOL = 1e-5, 1e-6
-SCRIPT = "tests/mp_scripts/train_dense.py"
+SCRIPT = "tests/jobs/train_dense.py"
 
 
 def _launch_2x2(tmp_path, timeout: float = 150, script: str = SCRIPT, **env: str):
@@ -125,7 +125,7 @@ def test_unseeded_model_trains_as_one_state_from_process_0s_weights(tmp_path):
     """Each process draws other initial weights and sets other weights between fits: every replica
     must hold process 0's values (broadcast), or the all-reduce averages the gradients of different
     models. The result equals one process of 4 devices started from process 0's values."""
-    code, out, _ = _launch_2x2(tmp_path, script="tests/mp_scripts/train_unseeded.py")
+    code, out, _ = _launch_2x2(tmp_path, script="tests/jobs/train_unseeded.py")
     assert code == 0, out
     ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
     n = len([k for k in ranks[0] if k.startswith("init_")])
@@ -147,7 +147,7 @@ def test_launcher_says_that_a_frozen_rank_stopped_answering(frozen):
     """A SIGSTOPped rank (Ctrl-Z, a debugger, a stuck host) neither exits nor answers: the heartbeat
     (10 s here) makes the other abort, and the launcher names the frozen rank, not the one that aborted."""
     cmd = launcher("--nprocs", "2", "--cpu-devices-per-proc", "2", "--failure-timeout", "20", "--",
-                   *python("tests/mp_scripts/psum.py"))
+                   *python("tests/jobs/psum.py"))
     codes, outs, times = run_all([cmd], [clean_env(MP_FAIL=f"stop:{frozen}", MP_FAIL_STEP="3")], timeout=100)
     out = outs[0]
     report = out[out.index("mirrorax launch: rank"):]

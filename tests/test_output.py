@@ -9,7 +9,7 @@ import textwrap
 import time
 
 import pytest
-from mp_scripts.procs import ROOT, clean_env, free_port, python, run_all
+from jobs.procs import ROOT, clean_env, free_port, python, run_all
 
 from mirrorax._output import ChatterFilter
 
@@ -95,7 +95,7 @@ def _direct(n: int, **env: str):
     port = free_port()
     envs = [clean_env(MIRRORAX_COORDINATOR=f"127.0.0.1:{port}", MIRRORAX_NUM_PROCESSES=str(n),
                       MIRRORAX_PROCESS_ID=str(i), MIRRORAX_CPU_DEVICES="2", **env) for i in range(n)]
-    return run_all([python("tests/mp_scripts/psum.py")] * n, envs, timeout=80)
+    return run_all([python("tests/jobs/psum.py")] * n, envs, timeout=80)
 
 
 @pytest.mark.multi_process

@@ -81,21 +81,28 @@ def test_parse_bytes():
 
 
 class _Compiles:
-    """Counts XLA compilations (JAX's backend-compile events) while active."""
+    """Counts the programs XLA builds while active: JAX's backend compiles, and the loads from its
+    persistent compilation cache that stand in for one (tests/conftest.py turns the cache on)."""
 
     def __init__(self):
         self.count = 0
 
-    def _listen(self, event, duration, **kwargs):
+    def _listen_duration(self, event, duration, **kwargs):
         if event.endswith("backend_compile_duration"):
             self.count += 1
 
+    def _listen(self, event, **kwargs):
+        if event == "/jax/compilation_cache/cache_hits":
+            self.count += 1
+
     def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        jax.monitoring.register_event_duration_secs_listener(self._listen_duration)
+        jax.monitoring.register_event_listener(self._listen)
         return self
 
     def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listen)
+        jax.monitoring.unregister_event_duration_listener(self._listen_duration)
+        jax.monitoring.unregister_event_listener(self._listen)
 
 
 @pytest.mark.slow  # a plan and a fit per verbosity
@@ -144,14 +151,14 @@ def test_model_fit_under_a_scope_prints_no_plan_line(capsys):
         assert "plan:" not in out, out
 
 
-_MEMORY_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "plan_memory.py")
+_MEMORY_SCRIPT = os.path.join(os.path.dirname(__file__), "jobs", "plan_memory.py")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shard", ["none", "optimizer", "all"])
 def test_planned_peak_is_within_20_percent_of_the_process_growth(shard):
     """On CPU the 4 simulated devices share one process: fit grows it by 4 x the plan's per-device peak,
-    less the model's own copy of the weights that fit takes over (tests/scripts/plan_memory.py)."""
+    less the model's own copy of the weights that fit takes over (tests/jobs/plan_memory.py)."""
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
     env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("JAX_NUM_CPU_DEVICES", None)

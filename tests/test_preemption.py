@@ -28,17 +28,17 @@ import time
 
 import numpy as np
 import pytest
-from mp_scripts.procs import clean_env, free_port, python, run_all
+from jobs.procs import clean_env, free_port, python, run_all
 
 import mirrorax as mx
 from mirrorax import preemption
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "train_preempt.py")
-MP_SCRIPT = "tests/mp_scripts/train_preempt.py"
+SCRIPT = os.path.join(os.path.dirname(__file__), "jobs", "train_ckpt.py")
+MP_SCRIPT = "tests/jobs/train_preempt.py"
 RTOL, ATOL = 1e-5, 1e-6
-ROWS, BATCH, EPOCHS = 200, 32, 3  # the script's data: 7 batches per epoch
+ROWS, BATCH, EPOCHS = 200, 32, 3  # the job's data and defaults: 7 batches per epoch
 
-pytestmark = [pytest.mark.multi_device, pytest.mark.slow]
+pytestmark = pytest.mark.multi_device
 
 
 def _run(args, timeout=240):
@@ -47,20 +47,26 @@ def _run(args, timeout=240):
     return out.stdout + out.stderr
 
 
-def _run_and_signal(args, after_steps, sig=signal.SIGTERM, timeout=240, ready=lambda: True):
-    """Runs the script, sends ``sig`` after ``after_steps`` steps (and once ``ready()``); returns
-    (status, output, seconds from the signal to the exit)."""
-    proc = subprocess.Popen(python(SCRIPT, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=clean_env())
+def _run_and_signal(tmp_path, args, after_steps, sig=signal.SIGTERM, timeout=240, ready=lambda: True):
+    """Runs the job until it holds after step ``after_steps`` (its handshake), sends ``sig`` once
+    ``ready()``, then lets it go on; returns (status, output, seconds from the signal to the exit)."""
+    go = tmp_path / "go"
+    proc = subprocess.Popen(python(SCRIPT, *args, "--hold-at", str(after_steps), "--go", str(go)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env())
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
     seen, sent = [], None
     try:
         for line in proc.stdout:
             seen.append(line)
-            if sent is None and sum(s.startswith("STEP") for s in seen) >= after_steps and ready():
+            if line.startswith("HOLD"):
+                deadline = time.monotonic() + 60
+                while not ready():
+                    assert time.monotonic() < deadline, "".join(seen)
+                    time.sleep(0.01)
                 proc.send_signal(sig)
                 sent = time.monotonic()
+                go.touch()
         proc.wait(timeout=60)
     finally:
         timer.cancel()
@@ -68,21 +74,29 @@ def _run_and_signal(args, after_steps, sig=signal.SIGTERM, timeout=240, ready=la
     return proc.returncode, "".join(seen), time.monotonic() - sent
 
 
-def _reference(inputs: str) -> dict[str, np.ndarray]:
-    """The uninterrupted run of the script, in this process (2 devices, as the script)."""
+@pytest.fixture(scope="module")
+def uninterrupted():
+    """The job run through once, in this process (2 devices, as the job), per kind of input."""
     from helpers import dense, flat_digits, strategy
 
-    x, y, _, _ = flat_digits(ROWS)
-    with strategy(2).scope():
-        model = dense()
-    if inputs == "grain":
-        data = (_grain_loader(x, y)[0],)
-        kwargs = {}
-    else:
-        data, kwargs = (x, y), {"shuffle": True, "seed": 5}
-    hist = mx.Trainer(model).fit(*data, batch_size=BATCH, epochs=EPOCHS, verbose=0, **kwargs)
-    out = {f"arr_{i}": w for i, w in enumerate(model.get_weights())}
-    return dict(out, loss=np.array(hist.history["loss"]), accuracy=np.array(hist.history["accuracy"]))
+    runs: dict[str, dict[str, np.ndarray]] = {}
+
+    def run(inputs: str) -> dict[str, np.ndarray]:
+        if inputs not in runs:
+            x, y, _, _ = flat_digits(ROWS)
+            with strategy(2).scope():
+                model = dense()
+            if inputs == "grain":
+                data = (_grain_loader(x, y)[0],)
+                kwargs = {}
+            else:
+                data, kwargs = (x, y), {"shuffle": True, "seed": 5}
+            hist = mx.Trainer(model).fit(*data, batch_size=BATCH, epochs=EPOCHS, verbose=0, **kwargs)
+            out = {f"arr_{i}": w for i, w in enumerate(model.get_weights())}
+            runs[inputs] = dict(out, loss=np.array(hist.history["loss"]), accuracy=np.array(hist.history["accuracy"]))
+        return runs[inputs]
+
+    return run
 
 
 def _grain_loader(x, y):
@@ -126,19 +140,19 @@ def _resumed_at(out: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("inputs, sig", [("arrays", "SIGTERM"), ("grain", "SIGTERM"), ("grain", "SIGKILL")])
-def test_stopped_mid_epoch_the_rerun_resumes_exactly(tmp_path, inputs, sig):
+def test_stopped_mid_epoch_the_rerun_resumes_exactly(tmp_path, inputs, sig, uninterrupted):
     """SIGTERM: fit saves where it stops and exits 143. SIGKILL: the resume starts from the newest
     periodic checkpoint (every 3 steps), which also holds grain's state."""
     ckpt, got = tmp_path / "ckpt", tmp_path / "got.npz"
     every = ["--every", "3"] if sig == "SIGKILL" else []
-    # The signal after 10 of 21 steps (epoch 2, batch 3); the sleep keeps the run going meanwhile.
+    # The signal after 10 of 21 steps (epoch 2, batch 3), where the job holds until it is sent.
     # SIGKILL waits for the periodic checkpoint of step 9 (epoch 2, batch 2) to be on disk.
     ready = (lambda: (ckpt / "9").is_dir()) if sig == "SIGKILL" else (lambda: True)
-    code, out, seconds = _run_and_signal([str(ckpt), str(tmp_path / "never.npz"), "--input", inputs,
-                                          "--sleep", "0.3" if every else "0.1", *every], 10, getattr(signal, sig),
-                                         ready=ready)
+    code, out, seconds = _run_and_signal(tmp_path, [str(ckpt), str(tmp_path / "never.npz"), "--input", inputs,
+                                                    *every], 10, getattr(signal, sig), ready=ready)
     assert not (tmp_path / "never.npz").exists()
     if sig == "SIGTERM":
         print(f"SIGTERM to exit: {seconds:.2f} s")
@@ -154,7 +168,7 @@ def test_stopped_mid_epoch_the_rerun_resumes_exactly(tmp_path, inputs, sig):
     epoch, batch = _resumed_at(out)
     assert epoch == 2 and 0 < batch < 7, out  # mid-epoch
     result = dict(np.load(got))
-    _assert_same(result, _reference(inputs))
+    _assert_same(result, uninterrupted(inputs))
     if inputs == "grain":
         # First batch once (fit sizes the model with it), the rest of the resumed epoch, then whole
         # epochs: the records trained on before the stop are not read again.
@@ -162,9 +176,10 @@ def test_stopped_mid_epoch_the_rerun_resumes_exactly(tmp_path, inputs, sig):
             (int(result["reads"]), batch)
 
 
+@pytest.mark.slow  # starts a process
 @pytest.mark.timeout(120)
 def test_sigterm_without_checkpoint_dir_ends_promptly_and_says_how_to_keep_the_work(tmp_path):
-    code, out, seconds = _run_and_signal(["-", str(tmp_path / "never.npz"), "--sleep", "0.1"], 3)
+    code, out, seconds = _run_and_signal(tmp_path, ["-", str(tmp_path / "never.npz")], 3)
     assert code == 143, out
     assert "mirrorax: preempted (SIGTERM) at step" in out and "the work since fit started is lost" in out, out
     assert "checkpoint_dir" in out, out
@@ -297,12 +312,14 @@ def _two_processes(tmp_path, timeout: float, **env: str):
 
 
 @pytest.mark.multi_process
+@pytest.mark.slow  # starts processes
 @pytest.mark.timeout(300)
 def test_two_processes_sigterm_to_one_stops_both_at_one_step_and_the_rerun_resumes_exactly(tmp_path):
     from helpers import strategy
-    from mp_scripts import train_dense
+    from jobs import train_dense
 
-    # Process 1 alone gets SIGTERM after its step 10 of 28 (epoch 2, batch 3), on the first run only.
+    # Process 1 alone gets SIGTERM after its step 10 of 28 (epoch 2, batch 3), on the first run only;
+    # its steps are spaced (MP_SLEEP, first run only) so that the stop falls mid-run.
     job = {"MP_TERM": "1:10", "MP_SLEEP": "0.25", "MP_EPOCHS": "4", "MP_MEASURE": "1"}
     codes, outs, _ = _two_processes(tmp_path, 120, **job)
     ended = time.time()

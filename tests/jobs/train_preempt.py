@@ -3,8 +3,9 @@
 Run by tests/test_preemption.py as 2 processes started by hand (as a scheduler would start them).
 Environment: ``MP_OUT`` (``rank<R>.npz`` with the final weights and history goes there), ``MP_CKPT``
 (the checkpoint directory), ``MP_TERM=R:S`` (process R sends itself SIGTERM after its step S, on the
-first run only: when the checkpoint directory is still empty), ``MP_SLEEP`` (seconds per step, so that
-the stop falls mid-run), ``MP_EPOCHS``.
+first run only: when the checkpoint directory is still empty), ``MP_SLEEP`` (seconds per step of the first
+run, so that the stop falls mid-run: the notice reaches the other process some steps later; the rerun goes
+at full speed), ``MP_EPOCHS``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from mp_scripts import train_dense  # noqa: E402
+from jobs import train_dense  # noqa: E402
 
 
 class Steps:
@@ -48,7 +49,7 @@ if __name__ == "__main__":
     x, y = train_dense.data()
     model = train_dense._model(strategy)
     trainer = mx.Trainer(model, strategy=strategy)
-    steps = Steps(strategy.process_index, term, float(os.environ.get("MP_SLEEP", "0")))
+    steps = Steps(strategy.process_index, term, float(os.environ.get("MP_SLEEP", "0")) if first_run else 0.0)
     history = trainer.fit(x, y, batch_size=train_dense.BATCH, epochs=int(os.environ.get("MP_EPOCHS", "3")),
                           shuffle=True, seed=3, verbose=2, callbacks=[steps], checkpoint_dir=ckpt)
     out = {f"w{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}

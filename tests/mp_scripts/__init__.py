@@ -1,1 +1,0 @@
-"""Scripts that the multi-process tests run as separate processes, and helpers to start them."""
