@@ -204,7 +204,7 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
 class _Steps:
     """A model's step functions and device state on one strategy: what a plan compiles and reads."""
 
-    model: Any
+    model: Any  # what in_mode builds another strategy's steps for
     steps: StepFunctions
     device: DeviceState
 
@@ -320,8 +320,8 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
                 collective_bytes=_collective_bytes(compiled.as_text()), device_memory=memory)
 
 
-def at_fit_start(steps: StepFunctions, device: DeviceState, sample: Batch, batch_size: int, *, announce: bool,
-                 stream: IO[str]) -> Plan | None:
+def at_fit_start(model: Any, steps: StepFunctions, device: DeviceState, sample: Batch, batch_size: int, *,
+                 announce: bool, stream: IO[str]) -> Plan | None:
     """What ``fit`` does with the plan before step 1: writes its summary line to ``stream`` (``announce``)
     and raises when the step will not fit the device's memory (known on accelerators, or from
     ``MIRRORAX_DEVICE_MEMORY``). Returns the plan, or ``None`` when neither was asked for.
@@ -337,7 +337,7 @@ def at_fit_start(steps: StepFunctions, device: DeviceState, sample: Batch, batch
     if announce:
         stream.write(here.summary() + "\n")
     if memory is not None and not here.fits:
-        raise _does_not_fit(_Steps(None, steps, device), sample, batch_size, here, memory)
+        raise _does_not_fit(_Steps(model, steps, device), sample, batch_size, here, memory)
     return here
 
 

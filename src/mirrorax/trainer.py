@@ -276,7 +276,7 @@ class Trainer:
         # The plan's line (verbose, on process 0; with steps_per_execution > 1 fit runs another program and
         # says nothing), and will it fit? (only where a device's memory is known): the step is compiled
         # here, once, for the state just placed; step 1 runs that very program.
-        planner.at_fit_start(self.steps, held, sample, batch_size, stream=self.stream,
+        planner.at_fit_start(self.model, self.steps, held, sample, batch_size, stream=self.stream,
                              announce=bool(mode) and self.steps_per_execution == 1)
         history = History()
         stream = source.stream(batch_size, self.strategy.batch_mesh, shuffle=shuffle, seed=seed,
