@@ -84,23 +84,11 @@ class Loop:
         placed: Any = None
         failed = True
         try:
-            for hook in hooks:
-                outcome = hook.before_step(run)
-                if outcome is not None:
-                    break
+            outcome = _before_step(hooks, run)
             placed = batches()
             upcoming = next(placed, None) if outcome is None else None
-            began = True  # the hooks before the first step have run
             while upcoming is not None:
                 k, batch = upcoming
-                if not began:
-                    for hook in hooks:
-                        outcome = hook.before_step(run)
-                        if outcome is not None:
-                            break
-                    if outcome is not None:
-                        break
-                began = False
                 aux, ready = dispatch(run, k, batch)
                 # Place the next batch while this step and the previous one run, then wait for the
                 # previous one: the host's copy overlaps the devices' work instead of following it.
@@ -110,10 +98,9 @@ class Loop:
                 if count is not None:
                     run.samples += count(k)
                 run.last = upcoming is None
-                for hook in hooks:
-                    outcome = hook.after_step(run)
-                    if outcome is not None:
-                        break
+                outcome = _after_step(hooks, run)
+                if outcome is None and upcoming is not None:
+                    outcome = _before_step(hooks, run)  # the next step's, once this one's are done
                 if outcome is not None:
                     break
             window.drain()
@@ -365,3 +352,21 @@ def preempted(state: TrainState | None, ckpt: Any, epoch: int, batch: int) -> pr
 def _joined(outputs: list[Any]) -> Any:
     """Per-batch outputs of one execution as one batch (what Keras's ``on_predict_batch_end`` gets)."""
     return outputs[0] if len(outputs) == 1 else jax.tree.map(lambda *a: np.concatenate(a), *outputs)
+
+
+def _before_step(hooks: list[epoch_lib.EpochHook], run: epoch_lib.EpochRun) -> epoch_lib.Outcome | None:
+    """Each hook's ``before_step`` in order, up to the first that ends the loop; that outcome, else ``None``."""
+    for hook in hooks:
+        outcome = hook.before_step(run)
+        if outcome is not None:
+            return outcome
+    return None
+
+
+def _after_step(hooks: list[epoch_lib.EpochHook], run: epoch_lib.EpochRun) -> epoch_lib.Outcome | None:
+    """Each hook's ``after_step`` in order, up to the first that ends the loop; that outcome, else ``None``."""
+    for hook in hooks:
+        outcome = hook.after_step(run)
+        if outcome is not None:
+            return outcome
+    return None
