@@ -78,9 +78,7 @@ class DeviceState:
     def fresh_metrics(self, previous: PyTree | None = None) -> PyTree:
         """The metric accumulators at their reset values, replicated (equal on every process by
         construction: no broadcast)."""
-        zeros = self.adapter.initial_metrics(previous)
-        s = self.strategy
-        return s.place(zeros, jax.tree.map(lambda _: s.replicated, zeros), broadcast=False)
+        return self.strategy.batch_mesh.replicate(self.adapter.initial_metrics(previous), broadcast=False)
 
     def initial_host(self) -> TrainState:
         """The model's values plus the engine's counters at zero, on the host (built model required)."""

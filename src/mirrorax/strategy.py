@@ -205,10 +205,6 @@ class MirroredStrategy:
         """
         return self._layout.replicate(tree)
 
-    def _replicate(self, tree: Any, *, broadcast: bool) -> Any:
-        # (the Trainer's until it calls batch_mesh.replicate(tree, broadcast=False) itself)
-        return self._layout.replicate(tree, broadcast=broadcast)
-
     def experimental_distribute_dataset(self, data: Any, *, batch_size: int | None = None, shuffle: bool = False,
                                         seed: int = 0) -> DistributedDataset:
         """Global batches of ``data``, split over the devices, as :class:`mirrorax.DistributedBatch` es.
