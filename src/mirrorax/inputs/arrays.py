@@ -50,7 +50,8 @@ class ArraySource:
     def __init__(self, x: PyTree, y: PyTree = None, sample_weight: Any = None, *, float_dtype: Any = np.float32,
                  check_finite: bool = True) -> None:
         if x is None:
-            raise ValueError("x is None; pass the inputs as an array (or a tuple/dict of arrays).")
+            raise ValueError(f"Expected x: an array, or a tuple/dict of arrays. Received: x={x!r}. Pass the "
+                             "inputs as x (and the targets as y).")
         float_dtype = np.dtype(float_dtype)
         self.x = tree_numeric(x, "x", float_dtype)
         self.y = tree_numeric(y, "y", float_dtype)
@@ -66,7 +67,8 @@ class ArraySource:
                              "Pass arrays with one row per example.")
         self.num_examples = sizes.pop()
         if self.num_examples == 0:
-            raise ValueError("The input is empty (0 examples). Pass at least one example.")
+            raise ValueError(f"The input is empty: received 0 examples "
+                             f"({', '.join(f'{n}: {rows} rows' for n, rows in lengths)}). Pass at least one example.")
         if check_finite:
             for name, a in leaves(self.x, "x") + leaves(self.y, "y"):
                 check_finite_values(a, name)

@@ -76,7 +76,8 @@ def _tree(data: Any, what: str) -> PyTree:
 def _rows(tree: PyTree, what: str) -> int:
     lengths = {jax.tree_util.keystr(p): a.shape[0] for p, a in jax.tree_util.tree_flatten_with_path(tree)[0]}
     if not lengths:
-        raise ValueError(f"{what} holds no array.")
+        raise ValueError(f"{what} must hold at least one array; received {tree!r}, which holds none. "
+                         "Pass e.g. (x, y) or {'x': x}.")
     if len(set(lengths.values())) > 1:
         raise ValueError(f"Every array of {what} must have the same number of rows; received {lengths}.")
     return next(iter(lengths.values()))
@@ -110,20 +111,25 @@ class DistributedDataset:
         if _is_arrays(data):
             if batch_size is None:
                 raise ValueError("batch_size is required when data holds arrays: it is the global batch "
-                                 "(over all devices and processes), e.g. batch_size=256.")
+                                 f"(over all devices and processes). Received: batch_size={batch_size!r}. "
+                                 "Pass e.g. batch_size=256.")
             arrays = _tree(data, "data")
             self._n = _rows(arrays, "data")
             if self._n == 0:
-                raise ValueError("data is empty (0 rows).")
+                raise ValueError(f"data is empty: received arrays of shapes "
+                                 f"{[tuple(a.shape) for a in jax.tree.leaves(arrays)]} (0 rows). Pass at least "
+                                 "one row.")
             self._source = ArraySource.of_rows(arrays, self._n)
             self._iterable = None
         else:
             if shuffle:
-                raise ValueError("shuffle=True applies to arrays; an iterable yields batches in its own order "
-                                 "(shuffle it at its source, e.g. tf.data's shuffle or a DataLoader's).")
+                raise ValueError(f"shuffle=True applies to arrays; received shuffle={shuffle!r} with data of type "
+                                 f"{type(data).__name__}, which yields batches in its own order. Pass "
+                                 "shuffle=False and shuffle at the source (e.g. tf.data's shuffle or a DataLoader's).")
             if not isinstance(data, Iterable) or isinstance(data, (str, bytes)):
                 raise TypeError("data must be an iterable of global batches or a tuple/dict of arrays; received "
-                                f"{type(data).__name__}.")
+                                f"{data!r:.80} (of type {type(data).__name__}). Pass e.g. (x, y) with "
+                                "batch_size=..., or a tf.data.Dataset of global batches.")
             self._n, self._iterable = 0, data
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
                                        or batch_size < 1):

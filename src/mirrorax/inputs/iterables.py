@@ -63,7 +63,9 @@ class IterableSource:
             try:
                 raw = next(it)
             except StopIteration:
-                raise ValueError("The input iterable yielded no batch. Pass a non-empty dataset.") from None
+                raise ValueError(f"The input iterable yielded no batch: received an empty "
+                                 f"{type(self.iterable).__name__}. Pass a non-empty dataset (a generator "
+                                 "or iterator is spent after one pass: pass a fresh one).") from None
             x, y, w = _split(raw)
             self._first = (tree_numeric(x, "x", self.float_dtype), tree_numeric(y, "y", self.float_dtype), w)
             if it is self.iterable or isinstance(self.iterable, Iterator):

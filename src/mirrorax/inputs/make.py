@@ -34,7 +34,7 @@ def make_source(x: Any, y: Any = None, sample_weight: Any = None, *, float_dtype
                          f"{type(sample_weight).__name__} too. Yield (x, y) or (x, y, sample_weight) instead.")
     if not isinstance(x, Iterable) or isinstance(x, (str, bytes)):
         raise TypeError(f"x must be an array, a tuple/list/dict of arrays, or an iterable of batches; "
-                        f"received {type(x).__name__}.")
+                        f"received {x!r:.80} (of type {type(x).__name__}). Pass e.g. np.asarray(x).")
     return IterableSource(x, float_dtype=float_dtype)
 
 
@@ -88,10 +88,13 @@ def _looks_iterable_dataset(x: Any) -> bool:
 def class_weights(y: Any, class_weight: Any, sample_weight: Any) -> np.ndarray:
     """Per-example weights from ``{class: weight}`` (Keras's rule: the label, or the argmax of one-hot)."""
     if sample_weight is not None:
-        raise ValueError("Pass sample_weight or class_weight, not both (as Keras): received both. Multiply the "
-                         "class weights into sample_weight yourself to use them together.")
+        raise ValueError("Pass sample_weight or class_weight, not both (as Keras); received both: "
+                         f"class_weight={class_weight!r:.80} and a sample_weight of type "
+                         f"{type(sample_weight).__name__}. Multiply the class weights into sample_weight "
+                         "yourself to use them together.")
     if not isinstance(class_weight, dict):
-        raise TypeError(f"class_weight must be a dict {{class index: weight}}; received {type(class_weight).__name__}.")
+        raise TypeError(f"class_weight must be a dict {{class index: weight}}; received {class_weight!r:.80} "
+                        f"(of type {type(class_weight).__name__}). Pass e.g. class_weight={{0: 1.0, 1: 5.0}}.")
     labels = np.asarray(y)
     if labels.ndim > 1 and labels.shape[-1] > 1:
         labels = labels.argmax(axis=-1)
