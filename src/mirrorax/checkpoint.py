@@ -293,7 +293,8 @@ class Checkpointer:
         state = _stored(state)
         if not isinstance(meta, Mapping):
             raise TypeError(
-                f"Expected meta to be a dict of JSON values. Received: {type(meta).__name__}."
+                f"Expected meta to be a dict of JSON values. Received: meta={meta!r:.80} (of type "
+                f"{type(meta).__name__}). Pass e.g. meta={{'epoch': 3}}."
             )
         clean_meta = _json_clean(meta, "")
         # Orbax writes the newest steps after waiting for the previous save, so the listing is

@@ -54,7 +54,8 @@ class DeviceState:
     def live(self) -> TrainState:
         """The state, which fit, evaluate and predict build (:meth:`ensure`) before any step."""
         if self.value is None:
-            raise RuntimeError("The trainer has no state yet: it is built by the first fit/evaluate/predict.")
+            raise RuntimeError("The trainer has no state yet: it is built by the first fit/evaluate/predict. "
+                               "Call one of them first, or make the trainer with Trainer.load(checkpoint_dir, model).")
         return self.value
 
     # -- layout and placement ------------------------------------------------------------------------

@@ -280,7 +280,8 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: int | None = 
                         callbacks=callbacks, return_dict=return_dict, **kwargs)
     kwargs.pop("_use_cached_eval_dataset", None)
     if kwargs:
-        raise ValueError(f"Arguments not recognized: {kwargs}")
+        raise ValueError(f"Arguments not recognized: {kwargs}. evaluate takes x, y, batch_size, verbose, "
+                         "sample_weight, steps, callbacks and return_dict (as Keras's Model.evaluate).")
     import keras
 
     from mirrorax import hooks as hooks_lib

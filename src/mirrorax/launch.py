@@ -131,7 +131,7 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
     """
     cmd = list(cmd)
     if not cmd:
-        raise ValueError("No command to launch. Put it after --, e.g. "
+        raise ValueError(f"No command to launch: received cmd={cmd!r}. Put it after --, e.g. "
                          "mirrorax launch --nprocs 2 -- python train.py")
     for name, value, low in (("nprocs", nprocs, 1), ("max_restarts", max_restarts, 0)):
         check_int(name, value, low)

@@ -271,7 +271,8 @@ def validate_devices(devices: Any) -> tuple[jax.Device, ...]:
                         f"array of them, a jax.sharding.Mesh, a keras.distribution.DeviceMesh or None; received "
                         f"{devices!r} (of type {type(devices).__name__}).")
     if len(devices) == 0:
-        raise ValueError("devices=[] has no device. Pass None for every device, or e.g. jax.devices()[:2].")
+        raise ValueError(f"devices={devices!r} has no device. Pass None for every device, or e.g. "
+                         "jax.devices()[:2].")
     by_id = {d.id: d for d in all_devices}
     resolved = []
     for d in devices:

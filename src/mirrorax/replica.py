@@ -150,7 +150,9 @@ def _batch_fields(batch: Any) -> tuple[Any, Any]:
         return batch.mask, batch.num_real
     except AttributeError:
         raise TypeError(f"Expected an mx.DistributedBatch (from strategy.experimental_distribute_dataset), whose "
-                        f"mask and num_real say which rows are real. Received: {type(batch).__name__}.") from None
+                        f"mask and num_real say which rows are real. Received: {batch!r:.80} (of type "
+                        f"{type(batch).__name__}). Iterate over strategy.experimental_distribute_dataset(data, "
+                        "batch_size=...) and pass its batches.") from None
 
 
 def _per_row(values: Any, rows: int, what: str) -> Any:

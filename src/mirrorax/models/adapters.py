@@ -24,8 +24,9 @@ def adapt(model: Any, *, loss: Any = None, optimizer: Any = None, metrics: Any =
         return model
     if isinstance(model, FunctionalModel):
         if mixed_precision is not None:
-            raise ValueError("mixed_precision applies to Keras models; a FunctionalModel chooses its own compute "
-                             "dtype inside apply_fn (cast params and inputs to bfloat16 there).")
+            raise ValueError(f"mixed_precision applies to Keras models; received mixed_precision={mixed_precision!r} "
+                             "with a FunctionalModel, which chooses its own compute dtype inside apply_fn. Drop "
+                             "mixed_precision and cast params and inputs to bfloat16 in apply_fn.")
         return model.adapter(loss=loss, optimizer=optimizer, metrics=metrics)
     mod = type(model).__module__
     if mod.startswith("keras") or any(c.__module__.startswith("keras") for c in type(model).__mro__):

@@ -75,7 +75,8 @@ class FunctionalModel:
     def __init__(self, apply_fn: Callable[..., Any], params: PyTree, *, loss: Any, optimizer: Any,
                  metrics: Any = (), model_state: PyTree = None) -> None:
         if not callable(apply_fn):
-            raise TypeError(f"apply_fn must be callable; received {type(apply_fn).__name__}.")
+            raise TypeError(f"apply_fn must be callable; received {apply_fn!r:.80} (of type "
+                            f"{type(apply_fn).__name__}). Pass a function apply_fn(params, x) -> outputs.")
         self.apply_fn = apply_fn
         self.params = jax.tree.map(np.asarray, params)
         self.model_state = None if model_state is None else jax.tree.map(np.asarray, model_state)

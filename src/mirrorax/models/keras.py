@@ -88,7 +88,8 @@ class KerasAdapter(ModelAdapter):
         from keras.src.trainers.trainer import Trainer as KerasTrainer
 
         if not (isinstance(model, KerasTrainer) and isinstance(model, keras.layers.Layer)):  # keras.Model is both
-            raise TypeError(f"Expected a keras.Model; received {type(model).__name__}.")
+            raise TypeError(f"Expected a keras.Model; received {model!r:.80} (of type {type(model).__name__}). "
+                            "Build it with keras.Sequential, the functional API or a keras.Model subclass.")
         self.model = model
         self.optax = None
         if optimizer is not None and _is_optax(optimizer):
@@ -130,8 +131,8 @@ class KerasAdapter(ModelAdapter):
         self.custom = {k: keras_custom.overrides(model, k) for k in ("train_step", "test_step", "predict_step")}
         if self.custom["train_step"] and self.optax is not None:
             raise ValueError(f"{type(model).__name__} overrides train_step, which applies the model's Keras "
-                             "optimizer itself; received an optax optimizer. Compile the model with a Keras "
-                             "optimizer, or drop the train_step override.")
+                             f"optimizer itself; received an optax optimizer ({type(self.optax).__name__}). "
+                             "Compile the model with a Keras optimizer, or drop the train_step override.")
         self._extras: dict[str, Any] = {}  # metrics-state slots of the custom steps' own logs
         self._tracing: str | None = None  # the step kind being traced (its custom logs go to batch logs)
 
@@ -623,7 +624,7 @@ def _set_mixed_precision(model: Any, kind: str, keras: Any, *, optax: bool) -> N
             layer.dtype_policy = f"mixed_{kind}"
     if kind == "float16":
         if optax:
-            raise ValueError("mixed_precision='float16' needs loss scaling, which mirrorax does through a Keras "
+            raise ValueError(f"mixed_precision={kind!r} needs loss scaling, which mirrorax does through a Keras "
                              "optimizer; received an optax optimizer. Use mixed_precision='bfloat16' (no loss "
                              "scaling needed) or a Keras optimizer.")
         if not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
