@@ -65,6 +65,8 @@ class Trainer:
       donate: donate the state buffers to each train step (no copy of the state per step).
       mixed_precision: ``"bfloat16"`` (bf16 compute, float32 variables) or ``"float16"`` (also dynamic
         loss scaling), for Keras models; ``None`` keeps the model's own dtype policy.
+      max_in_flight: not the Trainer's: a value raises ``TypeError`` naming the strategy's
+        ``MirroredStrategy(max_in_flight=k)``, which bounds the trainer's steps.
 
     Example:
       >>> strategy = mx.MirroredStrategy()
@@ -87,7 +89,13 @@ class Trainer:
                  optimizer: Any = None, metrics: Any = None, steps_per_execution: int = 1,
                  accumulation_steps: int = 1, prefetch: int | Literal["auto"] = "auto",
                  on_nonfinite: NonFiniteMode = "raise", donate: bool = True,
-                 mixed_precision: Literal["bfloat16", "float16"] | None = None) -> None:
+                 mixed_precision: Literal["bfloat16", "float16"] | None = None,
+                 max_in_flight: None = None) -> None:
+        if max_in_flight is not None:
+            raise TypeError(f"Trainer takes no max_in_flight; received max_in_flight={max_in_flight!r}. The dispatch "
+                            "bound is the strategy's, shared by fit, evaluate, predict, strategy.jit and "
+                            f"strategy.run: pass mx.MirroredStrategy(max_in_flight={max_in_flight!r}) as the "
+                            "Trainer's strategy.")
         if strategy is not None and not isinstance(strategy, MirroredStrategy):
             raise TypeError(f"strategy must be a mirrorax.MirroredStrategy; received {strategy!r} (of type "
                             f"{type(strategy).__name__}). Pass e.g. mx.MirroredStrategy() (every device) or "
