@@ -28,11 +28,11 @@ from mirrorax.dispatch import InFlight, OutShardings, StrategyFunction, check_ou
 from mirrorax.inputs.distributed import DistributedDataset
 from mirrorax.inputs.iterables import PerProcessDataset
 from mirrorax.inputs.source import InputContext
-from mirrorax.mesh import BATCH_AXIS, SHARD_MIN_SIZE, BatchMesh, ShardMode, check_shard
+from mirrorax.mesh import BATCH_AXIS, BatchMesh, ShardMode, check_shard
 from mirrorax.replica import ReduceOp, resolve_op
 
 __all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "InputContext", "get_strategy", "current_scope",
-           "on_scope", "SHARD_MIN_SIZE"]
+           "on_scope"]
 
 ScopeHook = Callable[["MirroredStrategy"], None]
 
@@ -63,7 +63,7 @@ class MirroredStrategy:
         * ``"all"``: the parameters are split too, gathered for compute and never stored whole: ZeRO-3 /
           FSDP.
 
-        A variable with fewer than :data:`SHARD_MIN_SIZE` elements, or no axis that divides by the
+        A variable with fewer than :data:`mirrorax.mesh.SHARD_MIN_SIZE` elements, or no axis that divides by the
         device count, stays replicated; so does non-trainable state (BatchNorm statistics).
       max_in_flight: calls of :meth:`jit` / :meth:`run` functions allowed to be outstanding (>= 1): after
         dispatching call ``i`` the host waits for call ``i - max_in_flight + 1``.
@@ -162,7 +162,7 @@ class MirroredStrategy:
     def state_sharding(self, shape: Sequence[int], role: str) -> NamedSharding:
         """Where a state variable of ``shape`` lives: split over the batch axis on its largest axis that
         divides by the device count, when the mode shards its ``role`` (``"params"`` or ``"optimizer"``)
-        and it has at least :data:`SHARD_MIN_SIZE` elements; replicated otherwise.
+        and it has at least :data:`mirrorax.mesh.SHARD_MIN_SIZE` elements; replicated otherwise.
 
         Example:
           >>> MirroredStrategy(shard="all").state_sharding((1024, 512), "params").spec  # on 8 devices
