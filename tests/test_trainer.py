@@ -1,6 +1,7 @@
 """The Trainer's own API (``mirrorax.trainer``): what its constructor refuses, and what ``fit``, ``evaluate``,
 ``predict``, ``*_on_batch`` and ``host_state`` return. A tiny Keras model on 2 devices, fit once per module;
-the engine's guarantees (equivalence, the window, checkpoints) have their own test files."""
+the engine's guarantees (equivalence, the window, checkpoints, short batches) have their own test files.
+Every call here takes batches of 16 rows, so that the few programs the fit compiled serve the rest."""
 
 import jax
 import keras
@@ -10,7 +11,7 @@ from helpers import strategy
 
 import mirrorax as mx
 
-ROWS, FEATURES, CLASSES = 40, 4, 3
+ROWS, FEATURES, CLASSES, BATCH = 32, 4, 3, 16
 
 
 def _model() -> keras.Model:
@@ -30,9 +31,10 @@ class Fitted:
     def __init__(self) -> None:
         self.x, self.y = _data()
         self.trainer = mx.Trainer(_model(), strategy(2))
-        # 40 rows in batches of 16: two full batches and a short one per epoch.
-        self.history = self.trainer.fit(self.x, self.y, batch_size=16, epochs=2, shuffle=False, verbose=0,
-                                        validation_data=(self.x[:8], self.y[:8]))
+        self.history = self.trainer.fit(self.x, self.y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                                        validation_data=(self.x[:BATCH], self.y[:BATCH]))
+        # Read before any test trains on: the validation data scored with the weights the fit ended on.
+        self.validation_after_fit = self.trainer.test_on_batch(self.x[:BATCH], self.y[:BATCH])
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +79,21 @@ def test_fit_returns_a_keras_like_history(fitted):
     assert repr(h) == "History(epochs=2, keys=['loss', 'accuracy', 'val_loss', 'val_accuracy'])"
 
 
-def test_evaluate_returns_floats_and_agrees_with_one_batch(fitted):
-    t = fitted.trainer
-    logs = t.evaluate(fitted.x, fitted.y, batch_size=20)
+def test_evaluate_returns_floats_and_agrees_with_its_batches(fitted):
+    t, x, y = fitted.trainer, fitted.x, fitted.y
+    logs = t.evaluate(x, y, batch_size=BATCH)
     assert set(logs) == {"loss", "accuracy"} and all(isinstance(v, float) for v in logs.values())
-    whole = t.test_on_batch(fitted.x, fitted.y)  # the same rows as one batch: the same exact sums
-    np.testing.assert_allclose([whole["loss"], whole["accuracy"]], [logs["loss"], logs["accuracy"]], rtol=1e-5)
+    # Exact sums over the rows: two equal batches average to the whole.
+    halves = [t.test_on_batch(x[i:i + BATCH], y[i:i + BATCH]) for i in (0, BATCH)]
+    for k in logs:
+        np.testing.assert_allclose(logs[k], np.mean([h[k] for h in halves]), rtol=1e-5)
+    # The validation data scored after the fit gives the last epoch's val_ metrics.
+    last = {k: fitted.history.history[f"val_{k}"][-1] for k in logs}
+    np.testing.assert_allclose([fitted.validation_after_fit[k] for k in logs], [last[k] for k in logs], rtol=1e-6)
 
 
 def test_predict_returns_every_row_in_order(fitted):
-    out = fitted.trainer.predict(fitted.x, batch_size=20)
+    out = fitted.trainer.predict(fitted.x, batch_size=BATCH)
     assert isinstance(out, np.ndarray) and out.shape == (ROWS, CLASSES)
     # The model holds the trained values (written back): its own call gives the same rows.
     np.testing.assert_allclose(out, np.asarray(fitted.trainer.model(fitted.x)), rtol=1e-5, atol=1e-6)
@@ -95,7 +102,7 @@ def test_predict_returns_every_row_in_order(fitted):
 def test_train_on_batch_is_one_step_and_host_state_is_numpy(fitted):
     t = fitted.trainer
     before = int(t.host_state().step)
-    logs = t.train_on_batch(fitted.x[:16], fitted.y[:16])
+    logs = t.train_on_batch(fitted.x[:BATCH], fitted.y[:BATCH])
     assert set(logs) == {"loss", "accuracy"} and all(isinstance(v, float) for v in logs.values())
     state = t.host_state()
     assert isinstance(state, mx.TrainState) and int(state.step) == before + 1
