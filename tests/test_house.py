@@ -24,7 +24,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("cluster", "launch"),
     ("consistency",),
     ("mesh",),
-    ("dispatch",),
+    ("dispatch", "stateful"),
     ("inputs", "inputs.source", "inputs.batch", "inputs.position", "inputs.keras_order", "inputs.streams",
      "inputs.placement", "inputs.prefetch", "inputs.arrays", "inputs.iterables", "inputs.make",
      "inputs.distributed"),

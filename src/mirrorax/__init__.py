@@ -37,6 +37,8 @@ from mirrorax.replica import compute_average_loss as compute_average_loss
 from mirrorax.replica import get_replica_context as get_replica_context
 from mirrorax.replica import masked_mean as masked_mean
 from mirrorax.results import History as History
+from mirrorax.stateful import grad as grad
+from mirrorax.stateful import value_and_grad as value_and_grad
 from mirrorax.results import NonFiniteLossError as NonFiniteLossError
 from mirrorax.strategy import InputContext as InputContext
 from mirrorax.strategy import MirroredStrategy as MirroredStrategy
@@ -90,7 +92,9 @@ __all__ = [
     "enable_compilation_cache",
     "get_replica_context",
     "get_strategy",
+    "grad",
     "initialize",
     "masked_mean",
     "plan",
+    "value_and_grad",
 ]
