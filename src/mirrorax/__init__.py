@@ -36,10 +36,11 @@ from mirrorax.replica import ReplicaContext as ReplicaContext
 from mirrorax.replica import compute_average_loss as compute_average_loss
 from mirrorax.replica import get_replica_context as get_replica_context
 from mirrorax.replica import masked_mean as masked_mean
+from mirrorax.replica import scale_regularization_loss as scale_regularization_loss
 from mirrorax.results import History as History
+from mirrorax.results import NonFiniteLossError as NonFiniteLossError
 from mirrorax.stateful import grad as grad
 from mirrorax.stateful import value_and_grad as value_and_grad
-from mirrorax.results import NonFiniteLossError as NonFiniteLossError
 from mirrorax.strategy import InputContext as InputContext
 from mirrorax.strategy import MirroredStrategy as MirroredStrategy
 from mirrorax.strategy import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
@@ -96,5 +97,6 @@ __all__ = [
     "initialize",
     "masked_mean",
     "plan",
+    "scale_regularization_loss",
     "value_and_grad",
 ]

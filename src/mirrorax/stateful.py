@@ -30,6 +30,7 @@ respect to Keras variables (TF's ``GradientTape.gradient(loss, model.trainable_v
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -39,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mirrorax.dispatch import InFlight, OutShardings, StrategyFunction
-from mirrorax.replica import get_replica_context, varies_over
+from mirrorax.replica import batch_scope, find_batch, get_replica_context, varies_over
 
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh
@@ -144,7 +145,15 @@ class StatefulFunction:
         check_not_tf_function(fn, where)
         self._mesh = mesh
         self._window = window
-        self._fn = fn
+
+        user_fn = fn
+
+        @functools.wraps(user_fn)
+        def with_batch(*args: Any) -> Any:  # the step's batch, for compute_average_loss in TF's form
+            with batch_scope(find_batch(args)):
+                return user_fn(*args)
+
+        self._fn = fn = with_batch
         self._per_replica = per_replica
         self._where = where
         self._donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)

@@ -325,7 +325,8 @@ class MirroredStrategy:
         With ``axis``, each replica's value is also reduced along that axis (e.g. ``axis=0`` over examples).
 
         Args:
-          op: ``"sum"``, ``"mean"`` or ``"max"`` (or :class:`mirrorax.ReduceOp`).
+          op: ``"sum"``, ``"mean"`` or ``"max"`` (any case: TF's ``"SUM"``), :class:`mirrorax.ReduceOp`, or
+            ``tf.distribute.ReduceOp.SUM`` / ``MEAN``.
           value: the pytree to reduce.
           axis: an axis of each replica's value to reduce too, or ``None``.
 
@@ -360,6 +361,21 @@ class MirroredStrategy:
             return np.concatenate(list(per), axis=axis)
 
         return jax.tree.map(one, value)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """This process's replicas' values of ``value`` (a pytree), one host-numpy tree per local replica,
+        in mesh order (TF's ``strategy.experimental_local_results``).
+
+        A per-replica value (from :meth:`run`) gives each replica's own scalar or rows; a replicated one
+        gives the same value once per replica.
+
+        Example:
+          >>> per_replica_loss = strategy.run(train_step, args=(batch,))
+          >>> strategy.experimental_local_results(per_replica_loss)   # (loss of replica 0, of replica 1, ...)
+        """
+        mine = [i for i, d in enumerate(self.devices) if d in set(self.local_devices)]
+        per = jax.tree.map(self._per_replica_values, value)
+        return tuple(jax.tree.map(lambda p, i=i: p[i], per) for i in mine)
 
     def _per_replica_values(self, v: Any) -> np.ndarray:
         """``(num_replicas, ...)``: each replica's value of ``v``."""
