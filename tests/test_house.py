@@ -33,7 +33,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("strategy",),
     ("step",),
     ("device_state",),
-    ("checkpoint",),
+    ("checkpoint", "object_checkpoint"),
     ("resume",),
     ("epoch",),
     ("planner", "loop"),

@@ -53,12 +53,17 @@ if TYPE_CHECKING:  # loaded on first use (below); imported here for type checker
     from mirrorax.checkpoint import CheckpointError as CheckpointError
     from mirrorax.checkpoint import CheckpointMismatchError as CheckpointMismatchError
     from mirrorax.checkpoint import CheckpointWarning as CheckpointWarning
+    from mirrorax.object_checkpoint import Checkpoint as Checkpoint
 
 # The checkpoint layer imports Orbax and TensorStore (~25 MB of resident memory): loaded on first use.
-_LAZY = {"CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer"}
+_LAZY = {"Checkpoint", "CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer"}
 
 
 def __getattr__(name: str):  # PEP 562
+    if name == "Checkpoint":
+        from mirrorax import object_checkpoint
+
+        return object_checkpoint.Checkpoint
     if name in _LAZY:
         from mirrorax import checkpoint
 
@@ -66,6 +71,7 @@ def __getattr__(name: str):  # PEP 562
     raise AttributeError(f"module 'mirrorax' has no attribute {name!r}")
 
 __all__ = [
+    "Checkpoint",
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointWarning",

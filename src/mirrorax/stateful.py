@@ -67,6 +67,7 @@ def _tracking_scope() -> Any:
     global _SCOPE_CLASS
     if _SCOPE_CLASS is None:
         keras = _keras()
+        from keras.src.backend.common import global_state  # the scope's own switch: no public accessor
 
         class TrackingScope(keras.StatelessScope):  # type: ignore[misc, name-defined]
             def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -76,7 +77,17 @@ def _tracking_scope() -> Any:
 
             def get_current_value(self, variable: Any) -> Any:
                 self.touched.setdefault(id(variable), variable)
-                return super().get_current_value(variable)
+                value = super().get_current_value(variable)
+                if value is None:
+                    # Not mapped (a variable the first trace creates or meets): its own value, read as the
+                    # enclosing scope sees it. Keras reads some values through this method alone
+                    # (regularization losses), where None would fail.
+                    global_state.set_global_attribute("stateless_scope", self.original_scope)
+                    try:
+                        value = variable.value
+                    finally:
+                        global_state.set_global_attribute("stateless_scope", self)
+                return value
 
             def add_update(self, update: Any) -> None:
                 variable = update[0]
@@ -237,8 +248,8 @@ class StatefulFunction:
             new = []
             for v, old in zip(assigned, (values[position[id(v)]] for v in assigned)):
                 value = jnp.asarray(scope.get_current_value(v), dtype=old.dtype)
-                if per_replica and varies_over(value, axis):
-                    value = _one_value(v, old, value)
+                if per_replica:
+                    value = _one_value(v, old, value, varies_over(value, axis))
                 new.append(value)
             return out, new
 
@@ -268,13 +279,20 @@ class StatefulFunction:
         return values
 
 
-def _one_value(variable: Any, old: Any, value: Any) -> Any:
-    """A variable's per-replica new values made one, by its ``aggregation`` (TF's rule)."""
+def _one_value(variable: Any, old: Any, value: Any, varies: bool) -> Any:
+    """A variable's per-replica new value made one, by its ``aggregation`` (TF's rule).
+
+    ``"sum"`` (a metric's total and count) counts every replica's change, even one that does not vary
+    over the replicas (a count of rows per replica); the others leave an unvarying value as it is.
+    """
     ctx = get_replica_context()
     assert ctx is not None  # only called per replica
     aggregation = getattr(variable, "aggregation", "none")
-    if aggregation == "sum":  # every replica's change counts: a metric's total and count
-        return old + ctx.all_reduce("sum", value - old)
+    if aggregation == "sum":
+        delta = value - old
+        return old + (ctx.all_reduce("sum", delta) if varies else ctx.num_replicas_in_sync * delta)
+    if not varies:
+        return value
     if aggregation == "only_first_replica":
         first = ctx.replica_id_in_sync_group == 0
         return ctx.all_reduce("sum", jnp.where(first, value, jnp.zeros_like(value)))
@@ -283,8 +301,7 @@ def _one_value(variable: Any, old: Any, value: Any) -> Any:
 
 
 # -- gradients with the model as an object ----------------------------------------------------------------
-def value_and_grad(fn: Callable[..., Any], variables: Sequence[Any], *, has_aux: bool = False
-                   ) -> Callable[..., Any]:
+def value_and_grad(fn: Callable[..., Any], variables: Any, *, has_aux: bool = False) -> Callable[..., Any]:
     """``fn`` and its gradient with respect to Keras ``variables`` (TF's ``GradientTape``, as a function).
 
     ``fn`` computes a loss with the Keras objects themselves (``model(x, training=True)``,
@@ -299,14 +316,17 @@ def value_and_grad(fn: Callable[..., Any], variables: Sequence[Any], *, has_aux:
     Args:
       fn: the loss function; called with the arguments given to the returned function. Returns a
         scalar, or ``(scalar, aux)`` with ``has_aux=True``.
-      variables: Keras variables (e.g. ``model.trainable_variables``).
+      variables: Keras variables (e.g. ``model.trainable_variables``), or a model or layer: its
+        ``trainable_variables`` when called. A model that has not been built yet (a ``Sequential``
+        without an ``Input``) is built by a first run of ``fn``, as TF's tape sees the variables that
+        the first call creates.
       has_aux: ``fn`` returns ``(loss, aux)``; the result is then ``((loss, aux), grads)``.
 
     Returns:
       A function of ``fn``'s arguments returning ``(loss, grads)`` (``((loss, aux), grads)``).
 
     Raises:
-      TypeError: ``variables`` holds something that is not a Keras variable.
+      TypeError: ``variables`` holds something that is not a Keras variable, or is empty.
 
     Example:
       >>> def loss_fn():
@@ -315,25 +335,37 @@ def value_and_grad(fn: Callable[..., Any], variables: Sequence[Any], *, has_aux:
       >>> (loss, predictions), grads = mx.value_and_grad(loss_fn, model.trainable_variables, has_aux=True)()
       >>> optimizer.apply_gradients(zip(grads, model.trainable_variables))
     """
-    variables = list(variables)
-    bad = [v for v in variables if not _is_variable(v)]
-    if bad:
-        raise TypeError(f"mx.value_and_grad differentiates with respect to Keras variables (e.g. "
-                        f"model.trainable_variables). Received {bad[0]!r} (of type {type(bad[0]).__name__}). For "
-                        "arrays, use jax.value_and_grad(fn)(arrays).")
+    owner = variables if hasattr(variables, "trainable_variables") else None
+    if owner is None:
+        variables = list(variables)
+        bad = [v for v in variables if not _is_variable(v)]
+        if bad or not variables:
+            raise TypeError(
+                "mx.value_and_grad differentiates with respect to Keras variables (e.g. "
+                "model.trainable_variables) or a model's. Received "
+                + (f"{bad[0]!r} (of type {type(bad[0]).__name__}). For arrays, use jax.value_and_grad(fn)(arrays)."
+                   if bad else "no variable: a model that is not built yet has none. Pass the model itself, "
+                   "mx.value_and_grad(fn, model), and its first call builds it."))
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         outer = _current_scope()
-        current = [v.value for v in variables]
         scope_class = _tracking_scope()
-
+        if owner is not None and not owner.trainable_variables:
+            with scope_class(collect_losses=True, initialize_variables=False) as scratch:  # builds the model
+                if outer is not None:
+                    scratch.state_mapping.update(outer.state_mapping)
+                fn(*args, **kwargs)
+            if outer is None:
+                _initialize_created_variables()
+        targets = list(owner.trainable_variables) if owner is not None else variables
+        current = [v.value for v in targets]
         touched: dict[int, Any] = {}
 
         def inner(values: list[Any]) -> Any:
             with scope_class(collect_losses=True, initialize_variables=False) as scope:
                 if outer is not None:  # what the step assigned so far, and the step's own inputs
                     scope.state_mapping.update(outer.state_mapping)
-                for v, value in zip(variables, values):
+                for v, value in zip(targets, values):
                     scope.state_mapping[id(v)] = value
                 result = fn(*args, **kwargs)
             touched.update(scope.touched)
@@ -355,7 +387,7 @@ def value_and_grad(fn: Callable[..., Any], variables: Sequence[Any], *, has_aux:
     return wrapped
 
 
-def grad(fn: Callable[..., Any], variables: Sequence[Any], *, has_aux: bool = False) -> Callable[..., Any]:
+def grad(fn: Callable[..., Any], variables: Any, *, has_aux: bool = False) -> Callable[..., Any]:
     """The gradient of ``fn`` with respect to Keras ``variables``: :func:`value_and_grad` without the value
     (``(grads, aux)`` with ``has_aux=True``).
 
