@@ -213,3 +213,36 @@ def test_keras_variable_argument_names_the_fix():
     model, _, _, _ = _objects()
     with pytest.raises(TypeError, match=r"Keras variable at args\[0\]\[0\].*\[v.value for v in"):
         s.jit(lambda ws: ws[0] * 2)(model.trainable_variables)
+
+
+def test_checkpoint_by_object_restores_on_another_device_count(tmp_path):
+    s, model, optimizer, accuracy = _train(3, "run", epochs=1)
+    step = keras.Variable(7, dtype="int32")
+    path = mx.Checkpoint(model=model, optimizer=optimizer, step=step).save(tmp_path / "ckpt")
+    assert path.endswith("1")
+    # a fresh program's objects (never called, never stepped) on 1 device: built from the checkpoint
+    keras.utils.set_random_seed(2)
+    new_model = keras.Sequential([keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+    new_optimizer, new_step = keras.optimizers.SGD(0.1, momentum=0.9), keras.Variable(0, dtype="int32")
+    # TF's lookup finds it: the state file names the prefix
+    tf = pytest.importorskip("tensorflow")
+    latest = tf.train.latest_checkpoint(str(tmp_path))
+    mx.Checkpoint(model=new_model, optimizer=new_optimizer, step=new_step).restore(latest)
+    for a, b in zip(model.variables + optimizer.variables, new_model.variables + new_optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))
+    assert int(new_step.value) == 7 and int(new_optimizer.iterations.value) == 4
+    # and trains on from there on 1 device
+    one = strategy(1)
+    batch = next(iter(one.experimental_distribute_dataset((X, Y), batch_size=10)))
+    one.jit(lambda b: new_optimizer.apply_gradients(zip(mx.grad(
+        lambda: mx.compute_average_loss(keras.losses.sparse_categorical_crossentropy(b[1], new_model(b[0]),
+                                                                                     from_logits=True)),
+        new_model)(), new_model.trainable_variables)))(batch)
+    assert int(new_optimizer.iterations.value) == 5
+
+
+def test_checkpoint_names_a_wrong_argument(tmp_path):
+    with pytest.raises(TypeError, match=r"mx.Checkpoint\(step=...\).*keras.Variable\(0"):
+        mx.Checkpoint(step=3)
+    with pytest.raises(mx.CheckpointError, match="received None"):
+        mx.Checkpoint(step=keras.Variable(0)).restore(None)

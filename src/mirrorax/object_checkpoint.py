@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from mirrorax.checkpoint import CheckpointError, Checkpointer
+from mirrorax.checkpoint import Checkpointer, CheckpointError
 
 __all__ = ["Checkpoint"]
 

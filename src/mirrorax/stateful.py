@@ -162,7 +162,9 @@ class StatefulFunction:
         @functools.wraps(user_fn)
         def with_batch(*args: Any) -> Any:  # the step's batch, for compute_average_loss in TF's form
             with batch_scope(find_batch(args)):
-                return user_fn(*args)
+                out = user_fn(*args)
+            # a Keras variable returned (apply_gradients returns the step counter) comes back as its value
+            return jax.tree.map(lambda x: x.value if _is_variable(x) else x, out, is_leaf=_is_variable)
 
         self._fn = fn = with_batch
         self._per_replica = per_replica
