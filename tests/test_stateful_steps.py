@@ -207,6 +207,13 @@ def test_tf_function_step_names_the_fix():
     with pytest.raises(TypeError, match="Remove @tf.function"):
         s.jit(train_step)
 
+    @tf.function
+    def distributed_step(x):  # the decorator left on the function that calls strategy.run
+        return s.run(lambda v: v * 2, args=(np.ones(2, np.float32),))
+
+    with pytest.raises(TypeError, match="left on the function that calls it.*Remove @tf.function"):
+        distributed_step(tf.constant(1.0))
+
 
 def test_keras_variable_argument_names_the_fix():
     s = strategy(1)

@@ -198,6 +198,12 @@ class StatefulFunction:
         return self._plain.program(*args)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tf = sys.modules.get("tensorflow")
+        if tf is not None and tf.inside_function():
+            raise TypeError(f"{self._where} was called while TensorFlow traces a tf.function (a @tf.function left on "
+                            "the function that calls it, e.g. distributed_train_step). TensorFlow would run the "
+                            "step once while tracing and keep its result as a constant. Remove @tf.function: "
+                            f"{self._where} compiles the step with XLA itself.")
         if kwargs:
             return self._plain(*args, **kwargs)  # raises, naming the fix
         entry = self._entry(args)
