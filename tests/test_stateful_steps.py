@@ -253,3 +253,19 @@ def test_checkpoint_names_a_wrong_argument(tmp_path):
         mx.Checkpoint(step=3)
     with pytest.raises(mx.CheckpointError, match="received None"):
         mx.Checkpoint(step=keras.Variable(0)).restore(None)
+
+
+def test_metric_counts_every_replicas_rows_per_replica():
+    """A metric's count grows by each replica's rows (a value equal on every replica): all are counted."""
+    s = strategy(3)
+    mean = keras.metrics.Mean()
+    batch = next(iter(s.experimental_distribute_dataset((X[:6],), batch_size=6)))
+
+    def step(inputs):
+        (images,) = inputs
+        mean.update_state(images[:, 0])  # no sample_weight: count += 2 rows on each replica
+        return jnp.zeros(())
+
+    s.run(step, args=(batch,))
+    assert float(mean.count.value) == 6.0
+    np.testing.assert_allclose(float(mean.result()), X[:6, 0].mean(), rtol=1e-6)
