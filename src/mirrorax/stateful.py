@@ -173,6 +173,7 @@ class StatefulFunction:
         self._out_shardings = out_shardings
         self._plain = StrategyFunction(mesh, window, fn, donate_argnums=donate_argnums, per_replica=per_replica,
                                        out_shardings=out_shardings)
+        functools.update_wrapper(self, user_fn)  # type: ignore[arg-type]
         # input shapes -> (variables read, variables assigned, the compiled stateful function) or None
         self._state: dict[Any, tuple[list[Any], list[Any], StrategyFunction] | None] = {}
 
