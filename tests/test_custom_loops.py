@@ -379,3 +379,48 @@ def test_errors_say_what_was_received():
     step = s.jit(lambda a, scale=1.0: a * scale)
     with pytest.raises(TypeError, match=r"positional arguments only; received keyword\(s\) \['scale'\]"):
         step(np.ones(2, np.float32), scale=2.0)
+
+
+# -- TF's tutorial, ported with its Keras objects (examples/tf_custom_training.py) ----------------------
+def _changed_lines(original: str, port: str) -> list[str]:
+    """The lines a port changes (replaced, removed or added), beyond imports and the strategy line."""
+    import difflib
+
+    def body(text: str) -> list[str]:
+        return text.split("# fmt: off\n", 1)[1].splitlines()
+
+    def counted(line: str) -> bool:
+        s = line.strip()
+        return bool(s) and not (s.startswith(("import ", "from ", "os.environ.setdefault("))
+                                or "MirroredStrategy(" in s)
+
+    a, b = body(original), body(port)
+    changed = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag != "equal":
+            old, new = [x for x in a[i1:i2] if counted(x)], [x for x in b[j1:j2] if counted(x)]
+            changed += (old + new)[:max(len(old), len(new))]
+    return changed
+
+
+def test_tf_custom_training_port_changes_at_most_10_lines():
+    changed = _changed_lines((EXAMPLES / "tf_custom_training_tf.py").read_text(),
+                             (EXAMPLES / "tf_custom_training.py").read_text())
+    assert 0 < len(changed) <= 10, changed
+    # the count sees a change: one more edited line is counted
+    port = (EXAMPLES / "tf_custom_training.py").read_text().replace("EPOCHS = epochs", "EPOCHS = epochs + 0")
+    assert len(_changed_lines((EXAMPLES / "tf_custom_training_tf.py").read_text(), port)) == len(changed) + 1
+
+
+@pytest.mark.slow  # the tutorial's convnet trained for 2 epochs on two device counts
+def test_tf_custom_training_equals_one_device(tmp_path):
+    tutorial = _example("tf_custom_training")
+    one = tutorial.main(devices=jax.devices()[:1], global_batch_size=192, checkpoint_dir=str(tmp_path / "one"))
+    three = tutorial.main(devices=jax.devices()[:3], global_batch_size=192, checkpoint_dir=str(tmp_path / "three"))
+    _assert_trees_close(one["weights"], three["weights"], atol=1e-5)
+    for key in ("train_loss", "train_accuracy", "test_loss", "test_accuracy"):
+        np.testing.assert_allclose(one[key], three[key], rtol=1e-5, err_msg=key)
+    assert one["train_loss"][1] < one["train_loss"][0]
+    for run in (one, three):  # restored from the last epoch's checkpoint into a new model: the same model
+        _assert_trees_close(run["weights"], run["restored_weights"], atol=0)
+        assert run["eval_accuracy"] == pytest.approx(run["test_accuracy"][-1], abs=1e-7)

@@ -36,8 +36,11 @@ from mirrorax.replica import ReplicaContext as ReplicaContext
 from mirrorax.replica import compute_average_loss as compute_average_loss
 from mirrorax.replica import get_replica_context as get_replica_context
 from mirrorax.replica import masked_mean as masked_mean
+from mirrorax.replica import scale_regularization_loss as scale_regularization_loss
 from mirrorax.results import History as History
 from mirrorax.results import NonFiniteLossError as NonFiniteLossError
+from mirrorax.stateful import grad as grad
+from mirrorax.stateful import value_and_grad as value_and_grad
 from mirrorax.strategy import InputContext as InputContext
 from mirrorax.strategy import MirroredStrategy as MirroredStrategy
 from mirrorax.strategy import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
@@ -50,12 +53,17 @@ if TYPE_CHECKING:  # loaded on first use (below); imported here for type checker
     from mirrorax.checkpoint import CheckpointError as CheckpointError
     from mirrorax.checkpoint import CheckpointMismatchError as CheckpointMismatchError
     from mirrorax.checkpoint import CheckpointWarning as CheckpointWarning
+    from mirrorax.object_checkpoint import Checkpoint as Checkpoint
 
 # The checkpoint layer imports Orbax and TensorStore (~25 MB of resident memory): loaded on first use.
-_LAZY = {"CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer"}
+_LAZY = {"Checkpoint", "CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer"}
 
 
 def __getattr__(name: str):  # PEP 562
+    if name == "Checkpoint":
+        from mirrorax import object_checkpoint
+
+        return object_checkpoint.Checkpoint
     if name in _LAZY:
         from mirrorax import checkpoint
 
@@ -63,6 +71,7 @@ def __getattr__(name: str):  # PEP 562
     raise AttributeError(f"module 'mirrorax' has no attribute {name!r}")
 
 __all__ = [
+    "Checkpoint",
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointWarning",
@@ -90,7 +99,10 @@ __all__ = [
     "enable_compilation_cache",
     "get_replica_context",
     "get_strategy",
+    "grad",
     "initialize",
     "masked_mean",
     "plan",
+    "scale_regularization_loss",
+    "value_and_grad",
 ]

@@ -252,6 +252,14 @@ class StrategyFunction:
         shardings; a later call with arrays like them runs the same program."""
         return self._for(args).lower(*args)
 
+    def trace(self, *args: Any) -> None:
+        """Traces ``fn`` once with ``args``' shapes, as a call would (per replica: inside ``jax.shard_map``
+        and the replica context), compiling nothing; e.g. to learn what ``fn`` touches."""
+        if self._per_replica:
+            self._per_replica_body(args)  # traces fn once (which outputs vary over the replicas)
+        else:
+            jax.eval_shape(self._fn, *args)
+
     def _for(self, args: tuple[Any, ...], called: bool = False) -> Any:
         """The jitted program for ``args``' signature, built the first time it is seen."""
         leaves, treedef = jax.tree.flatten(args)

@@ -23,7 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ReduceOp", "ReplicaContext", "get_replica_context", "compute_average_loss", "masked_mean"]
+__all__ = ["ReduceOp", "ReplicaContext", "get_replica_context", "compute_average_loss", "masked_mean",
+           "scale_regularization_loss", "batch_scope", "find_batch"]
 
 PyTree = Any
 
@@ -37,8 +38,9 @@ class ReduceOp(enum.StrEnum):
 
 
 def resolve_op(op: Any, allowed: tuple[str, ...] = ("sum", "mean", "max")) -> str:
-    """``op`` as one of ``allowed`` (a :class:`ReduceOp` or its string, case-insensitive)."""
-    value = op.value if isinstance(op, ReduceOp) else op
+    """``op`` as one of ``allowed``: a :class:`ReduceOp`, a ``tf.distribute.ReduceOp`` or another enum
+    member, or its string (``"sum"``, TF's ``"SUM"``: case-insensitive)."""
+    value = op.value if isinstance(op, enum.Enum) else op
     if isinstance(value, str) and value.lower() in allowed:
         return value.lower()
     raise ValueError(f"Expected a reduce op among {list(allowed)} (or mx.ReduceOp.SUM/MEAN"
@@ -145,6 +147,35 @@ def replica_scope(context: ReplicaContext) -> Iterator[ReplicaContext]:
         stack.pop()
 
 
+def _is_batch(x: Any) -> bool:
+    return hasattr(x, "mask") and hasattr(x, "num_real") and hasattr(x, "data")
+
+
+def find_batch(args: Any) -> Any:
+    """The one :class:`mirrorax.DistributedBatch` among ``args`` (any pytree), or ``None`` (none, or several)."""
+    found = [leaf for leaf in jax.tree.leaves(args, is_leaf=_is_batch) if _is_batch(leaf)]
+    return found[0] if len(found) == 1 else None
+
+
+@contextlib.contextmanager
+def batch_scope(batch: Any) -> Iterator[None]:
+    """Makes ``batch`` the step's batch while it traces: :func:`compute_average_loss` without a batch
+    argument (TF's form) finds its mask here."""
+    stack = getattr(_local, "batches", None)
+    if stack is None:
+        stack = _local.batches = []
+    stack.append(batch)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _current_batch() -> Any:
+    stack = getattr(_local, "batches", None)
+    return stack[-1] if stack else None
+
+
 def _batch_fields(batch: Any) -> tuple[Any, Any]:
     try:
         return batch.mask, batch.num_real
@@ -164,7 +195,8 @@ def _per_row(values: Any, rows: int, what: str) -> Any:
     return values.reshape(rows, -1).mean(axis=1) if values.ndim > 1 else values
 
 
-def compute_average_loss(per_example_loss: Any, batch: Any, *, sample_weight: Any = None) -> jax.Array:
+def compute_average_loss(per_example_loss: Any, batch: Any = None, *, sample_weight: Any = None,
+                         global_batch_size: int | None = None) -> jax.Array:
     """The mean of ``per_example_loss`` over the real rows of the *global* batch (padding masked out).
 
     ``sum(loss * mask * sample_weight) / batch.num_real``: in the global view (``strategy.jit``) the mean
@@ -174,18 +206,37 @@ def compute_average_loss(per_example_loss: Any, batch: Any, *, sample_weight: An
     with more than one value per example (e.g. per time step) is first averaged over those axes. The
     result has the loss's dtype (float64 stays float64).
 
+    TF's form works too: ``compute_average_loss(per_example_loss, global_batch_size=B)`` divides the
+    real rows' sum by ``B``, as ``tf.nn.compute_average_loss`` does (a short last batch is then divided by
+    the full ``B``, as in TF). Without ``batch``, the step's one ``DistributedBatch`` argument (found while
+    ``strategy.jit`` / ``strategy.run`` trace the step) gives the mask, when its rows are the loss's rows.
+
     Args:
       per_example_loss: one loss per row of ``batch`` (shape ``(rows, ...)``).
-      batch: the :class:`mirrorax.DistributedBatch` the loss was computed on.
+      batch: the :class:`mirrorax.DistributedBatch` the loss was computed on; ``None``: the step's batch.
       sample_weight: optional per-row weights (still divided by the count of real rows, as Keras and
         TF do for ``sum_over_batch_size``).
+      global_batch_size: TF's divisor. ``None``: the real rows of the global batch (``batch.num_real``);
+        without any batch, the loss's rows times the replica count (TF's default).
 
     Example:
       >>> def loss_fn(params, batch):
       ...     x, y = batch.data
       ...     return mx.compute_average_loss(cross_entropy(y, apply(params, x)), batch)
+      >>> mx.compute_average_loss(per_example_loss, global_batch_size=GLOBAL_BATCH_SIZE)  # TF's form
     """
-    mask, num_real = _batch_fields(batch)
+    rows = jnp.shape(per_example_loss)[0] if jnp.ndim(per_example_loss) else 0
+    if batch is None:
+        batch = _current_batch()
+        if batch is not None and (jnp.ndim(batch.mask) != 1 or batch.mask.shape[0] != rows):
+            batch = None  # the step's batch is not what this loss was computed on
+    if batch is None and global_batch_size is None:
+        ctx = get_replica_context()
+        global_batch_size = rows * (ctx.num_replicas_in_sync if ctx is not None else 1)
+    if batch is not None:
+        mask, num_real = _batch_fields(batch)
+    else:
+        mask, num_real = jnp.ones((rows,), jnp.float32), None
     per_row = _per_row(per_example_loss, mask.shape[0], "per_example_loss")
     dtype = per_row.dtype
     weight = mask.astype(dtype)
@@ -193,7 +244,23 @@ def compute_average_loss(per_example_loss: Any, batch: Any, *, sample_weight: An
         weight = weight * jnp.asarray(sample_weight).astype(dtype).reshape(mask.shape[0])
     # where, not a product alone: a NaN/inf in a padding row (a copy of a real row) must not leak.
     total = jnp.sum(jnp.where(mask > 0, per_row * weight, jnp.zeros((), dtype)))
-    return total / jnp.maximum(jnp.asarray(num_real).astype(dtype), jnp.ones((), dtype))
+    count = num_real if global_batch_size is None else global_batch_size
+    return total / jnp.maximum(jnp.asarray(count).astype(dtype), jnp.ones((), dtype))
+
+
+def scale_regularization_loss(regularization_loss: Any) -> jax.Array:
+    """``tf.nn.scale_regularization_loss``: the sum of ``regularization_loss`` (a scalar or a list, e.g.
+    ``model.losses``) divided by the replica count inside ``strategy.run``, as is outside it.
+
+    Each replica adds its share, because the replicas' gradients are summed: the total is then added once.
+
+    Example:
+      >>> loss = mx.compute_average_loss(per_example_loss) + mx.scale_regularization_loss(model.losses)
+    """
+    terms = list(regularization_loss) if isinstance(regularization_loss, (list, tuple)) else [regularization_loss]
+    total = sum((jnp.asarray(t) for t in terms), jnp.zeros((), jnp.float32))
+    ctx = get_replica_context()
+    return total / ctx.num_replicas_in_sync if ctx is not None else total
 
 
 def masked_mean(values: Any, batch: Any) -> jax.Array:

@@ -134,8 +134,10 @@ class StepFunctions:
         rep = strategy.replicated
         # Evaluation: the metrics donated and returned, all replicated; prediction: the outputs split as
         # the batch is, the model state replicated.
-        self.evaluate = strategy.jit(self._eval_with_logs, donate_argnums=1, out_shardings=rep)
-        self.predict = strategy.jit(self._predict_step, out_shardings=(strategy.batch_sharding, rep))
+        # (stateful=False: the whole state is explicit; no trace to look for Keras variables)
+        self.evaluate = strategy.jit(self._eval_with_logs, donate_argnums=1, out_shardings=rep, stateful=False)
+        self.predict = strategy.jit(self._predict_step, out_shardings=(strategy.batch_sharding, rep),
+                                    stateful=False)
         self._donate_args = (0,) if donate else ()
         self._check_labels = True
         self._variants: dict[bool, tuple[Any, Any]] = {}
@@ -166,9 +168,9 @@ class StepFunctions:
             jit = self.strategy.jit
             self._variants[flag] = (
                 jit(functools.partial(self._train_with_logs, check_labels=flag), donate_argnums=self._donate_args,
-                    out_shardings=self._out),
+                    out_shardings=self._out, stateful=False),
                 jit(functools.partial(self._train_many_with_logs, check_labels=flag),
-                    donate_argnums=self._donate_args, out_shardings=self._out))
+                    donate_argnums=self._donate_args, out_shardings=self._out, stateful=False))
         self.train, self.train_many = self._variants[flag]
 
     # -- pure functions --------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from mirrorax.inputs.iterables import PerProcessDataset
 from mirrorax.inputs.source import InputContext
 from mirrorax.mesh import BATCH_AXIS, BatchMesh, ShardMode, check_shard
 from mirrorax.replica import ReduceOp, resolve_op
+from mirrorax.stateful import StatefulFunction, check_not_tf_function
 
 __all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "InputContext", "get_strategy", "current_scope",
            "on_scope"]
@@ -82,7 +83,7 @@ class MirroredStrategy:
                  shard: ShardMode = None, max_in_flight: int = 2) -> None:
         check_shard(shard)
         self._window = InFlight(max_in_flight)  # validates max_in_flight before anything starts
-        self._run_functions: dict[Any, StrategyFunction] = {}
+        self._run_functions: dict[Any, StatefulFunction] = {}
         cluster.maybe_initialize_from_env()  # before JAX lists the devices: a job's devices span its processes
         self._layout = BatchMesh(devices, shard=shard)
 
@@ -232,7 +233,7 @@ class MirroredStrategy:
     distribute_dataset = experimental_distribute_dataset
 
     def jit(self, fn: Callable[..., Any] | None = None, *, donate_argnums: int | Sequence[int] = (),
-            out_shardings: OutShardings = None) -> Any:
+            out_shardings: OutShardings = None, stateful: bool = True) -> Any:
         """``fn`` compiled for the global view on this strategy's devices; usable as a decorator.
 
         ``fn`` sees whole global batches; XLA partitions it over the batch axis and inserts the
@@ -249,14 +250,20 @@ class MirroredStrategy:
             of the outputs' tree, as ``jax.jit`` takes), or a callable that takes the positional
             arguments and returns one, called once per signature (the arguments may be
             ``jax.ShapeDtypeStruct`` s there). A callable may return ``None`` for the default rules.
+          stateful: let ``fn`` read and assign Keras variables (``model(x)``, ``optimizer.apply_gradients``,
+            ``metric.update_state``): found by tracing ``fn`` once per signature, passed in as values and
+            written back after each call, kept on the devices (:mod:`mirrorax.stateful`). ``False`` skips
+            that trace, for a step whose whole state is explicit.
 
         Returns:
-          A :class:`mirrorax.dispatch.StrategyFunction`: call it like ``fn``; ``.program(*args)`` gives the
-          compiled program of one signature for a loop that pushes into :attr:`in_flight` itself;
-          ``.lower(*args)`` gives ``jax.jit``'s lowering.
+          A :class:`mirrorax.dispatch.StrategyFunction` (``stateful=False``) or a
+          :class:`mirrorax.stateful.StatefulFunction`: call it like ``fn``; ``.program(*args)`` gives the
+          compiled program of one signature (of a step that touches no Keras variable) for a loop that
+          pushes into :attr:`in_flight` itself; ``.lower(*args)`` gives ``jax.jit``'s lowering.
 
         Raises:
-          TypeError: ``out_shardings`` is neither ``None``, a callable nor a pytree of shardings.
+          TypeError: ``out_shardings`` is neither ``None``, a callable nor a pytree of shardings; ``fn`` is
+            a ``tf.function`` (a call with a Keras variable as an argument raises one too).
 
         Example:
           >>> @strategy.jit(donate_argnums=0)
@@ -268,11 +275,16 @@ class MirroredStrategy:
           ...     jax.tree.map(lambda a: a.sharding, state), strategy.replicated))
         """
         check_out_shardings(out_shardings)
-        if fn is None:
-            return lambda f: StrategyFunction(self._layout, self._window, f, donate_argnums=donate_argnums,
-                                              out_shardings=out_shardings)
-        return StrategyFunction(self._layout, self._window, fn, donate_argnums=donate_argnums,
-                                out_shardings=out_shardings)
+
+        def make(f: Callable[..., Any]) -> StrategyFunction | StatefulFunction:
+            if stateful:
+                return StatefulFunction(self._layout, self._window, f, donate_argnums=donate_argnums,
+                                        out_shardings=out_shardings)
+            check_not_tf_function(f, "strategy.jit")
+            return StrategyFunction(self._layout, self._window, f, donate_argnums=donate_argnums,
+                                    out_shardings=out_shardings)
+
+        return make if fn is None else make(fn)
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
         """Runs ``fn`` once per replica on that replica's rows (TF's ``strategy.run``).
@@ -298,8 +310,9 @@ class MirroredStrategy:
         """
         wrapped = self._run_functions.get(fn)
         if wrapped is None:
-            wrapped = self._run_functions[fn] = StrategyFunction(
-                self._layout, self._window, lambda a, k: fn(*a, **k), per_replica=True)
+            check_not_tf_function(fn, "strategy.run")
+            wrapped = self._run_functions[fn] = StatefulFunction(
+                self._layout, self._window, lambda a, k: fn(*a, **k), per_replica=True, where="strategy.run")
         return wrapped(tuple(args), dict(kwargs or {}))
 
     def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
@@ -312,7 +325,8 @@ class MirroredStrategy:
         With ``axis``, each replica's value is also reduced along that axis (e.g. ``axis=0`` over examples).
 
         Args:
-          op: ``"sum"``, ``"mean"`` or ``"max"`` (or :class:`mirrorax.ReduceOp`).
+          op: ``"sum"``, ``"mean"`` or ``"max"`` (any case: TF's ``"SUM"``), :class:`mirrorax.ReduceOp`, or
+            ``tf.distribute.ReduceOp.SUM`` / ``MEAN``.
           value: the pytree to reduce.
           axis: an axis of each replica's value to reduce too, or ``None``.
 
@@ -347,6 +361,21 @@ class MirroredStrategy:
             return np.concatenate(list(per), axis=axis)
 
         return jax.tree.map(one, value)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """This process's replicas' values of ``value`` (a pytree), one host-numpy tree per local replica,
+        in mesh order (TF's ``strategy.experimental_local_results``).
+
+        A per-replica value (from :meth:`run`) gives each replica's own scalar or rows; a replicated one
+        gives the same value once per replica.
+
+        Example:
+          >>> per_replica_loss = strategy.run(train_step, args=(batch,))
+          >>> strategy.experimental_local_results(per_replica_loss)   # (loss of replica 0, of replica 1, ...)
+        """
+        mine = [i for i, d in enumerate(self.devices) if d in set(self.local_devices)]
+        per = jax.tree.map(self._per_replica_values, value)
+        return tuple(jax.tree.map(lambda p, i=i: p[i], per) for i in mine)
 
     def _per_replica_values(self, v: Any) -> np.ndarray:
         """``(num_replicas, ...)``: each replica's value of ``v``."""

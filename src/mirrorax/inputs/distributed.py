@@ -21,7 +21,7 @@ step: the host's copy overlaps the devices' work, without a second thread.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -40,19 +40,46 @@ __all__ = ["DistributedBatch", "DistributedDataset"]
 PyTree = Any
 
 
-class DistributedBatch(NamedTuple):
-    """One global batch on the devices.
+class DistributedBatch:
+    """One global batch on the devices; unpacks as its data does (``images, labels = batch``), as TF's do.
 
     Attributes:
       data: the item's own structure (e.g. ``(x, y)``) as global ``jax.Array`` s split over the batch axis,
         every leaf with the same fixed number of rows (the global batch rounded up to the device count).
       mask: float32 ``(rows,)``: 1.0 for a real example, 0.0 for a padding row.
       num_real: a replicated float32 scalar: the real examples of the whole global batch.
+
+    Iterating, indexing and ``len`` go to ``data``, so a TF step's ``images, labels = inputs`` works;
+    the batch itself (a pytree of ``data``, ``mask`` and ``num_real``) is what
+    :func:`mirrorax.compute_average_loss` takes to leave the padding out.
     """
 
-    data: PyTree
-    mask: jax.Array
-    num_real: jax.Array
+    __slots__ = ("data", "mask", "num_real")
+
+    def __init__(self, data: PyTree, mask: jax.Array, num_real: jax.Array) -> None:
+        self.data = data
+        self.mask = mask
+        self.num_real = num_real
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.data)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.data[index]
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __repr__(self) -> str:
+        return f"DistributedBatch(data={self.data!r}, mask={self.mask!r}, num_real={self.num_real!r})"
+
+
+jax.tree_util.register_pytree_with_keys(
+    DistributedBatch,
+    lambda b: (((jax.tree_util.GetAttrKey("data"), b.data), (jax.tree_util.GetAttrKey("mask"), b.mask),
+                (jax.tree_util.GetAttrKey("num_real"), b.num_real)), None),
+    lambda _, children: DistributedBatch(*children),
+    flatten_func=lambda b: ((b.data, b.mask, b.num_real), None))
 
 
 def _numeric(a: Any, what: str) -> np.ndarray:

@@ -1,0 +1,412 @@
+"""Steps that use Keras objects as TF users write them: ``model(x)``, ``optimizer.apply_gradients``, metrics.
+
+A step given to ``strategy.jit`` or ``strategy.run`` may read and assign Keras variables (a model's
+weights, an optimizer's slots, a metric's totals, a seed generator's state) instead of taking and returning
+them. Keras 3's JAX trainer threads such state the same way:
+
+1. **Which variables.** The step is traced once per input signature inside a recording
+   ``keras.StatelessScope``: every variable it reads or assigns is the step's state. What the step
+   touches is what it needs, whatever path reaches it (a global, a closure, an attribute of an
+   argument, a function it calls), with no registry to keep, and a step that touches none compiles
+   exactly as before (the stateless forms are untouched). Variables the step creates while tracing
+   (an optimizer's slots on its first ``apply``) are created there and initialised once it ends.
+2. **The program.** The real trace takes those variables' values as explicit inputs (mapped with
+   ``keras.StatelessScope(state_mapping=...)``), collects their assignments and returns the new values
+   as outputs, replicated on the strategy's devices.
+3. **Write-back.** After the call each assigned variable holds its new value: a ``jax.Array`` on the
+   devices (never copied to the host), so ``metric.result()``, ``model.predict`` or ``save_weights``
+   outside the step see it, and the next call takes it as its input.
+
+Per replica (``strategy.run``) a variable's new value may differ between the replicas (a metric's
+total over the replica's rows, a BatchNormalization statistic). It is made one value again by the
+variable's ``aggregation``, as TF's distributed variables are: ``"sum"`` (Keras metrics) adds every
+replica's change, ``"only_first_replica"`` (an optimizer's step counter) takes replica 0's value, and
+``"mean"`` / ``"none"`` take the mean over the replicas. Gradients need no such rule: the gradient of a
+replicated value comes out summed over the replicas.
+
+:func:`value_and_grad` and :func:`grad` differentiate a loss written with the model as an object with
+respect to Keras variables (TF's ``GradientTape.gradient(loss, model.trainable_variables)``).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mirrorax.dispatch import InFlight, OutShardings, StrategyFunction
+from mirrorax.replica import batch_scope, find_batch, get_replica_context, varies_over
+
+if TYPE_CHECKING:
+    from mirrorax.mesh import BatchMesh
+
+__all__ = ["StatefulFunction", "value_and_grad", "grad", "check_not_tf_function", "check_no_variables"]
+
+PyTree = Any
+_SCOPE_CLASS: Any = None
+
+
+def _keras() -> Any:
+    import keras
+
+    return keras
+
+
+def _is_variable(x: Any) -> bool:
+    keras = sys.modules.get("keras")
+    return keras is not None and isinstance(x, keras.Variable)
+
+
+def _tracking_scope() -> Any:
+    """A ``keras.StatelessScope`` that records the variables read from it and assigned in it."""
+    global _SCOPE_CLASS
+    if _SCOPE_CLASS is None:
+        keras = _keras()
+        from keras.src.backend.common import global_state  # the scope's own switch: no public accessor
+
+        class TrackingScope(keras.StatelessScope):  # type: ignore[misc, name-defined]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                self.touched: dict[int, Any] = {}
+                self.assigned: dict[int, Any] = {}
+
+            def get_current_value(self, variable: Any) -> Any:
+                self.touched.setdefault(id(variable), variable)
+                value = super().get_current_value(variable)
+                if value is None:
+                    # Not mapped (a variable the first trace creates or meets): its own value, read as the
+                    # enclosing scope sees it. Keras reads some values through this method alone
+                    # (regularization losses), where None would fail.
+                    global_state.set_global_attribute("stateless_scope", self.original_scope)
+                    try:
+                        value = variable.value
+                    finally:
+                        global_state.set_global_attribute("stateless_scope", self)
+                return value
+
+            def add_update(self, update: Any) -> None:
+                variable = update[0]
+                self.touched.setdefault(id(variable), variable)
+                self.assigned.setdefault(id(variable), variable)
+                super().add_update(update)
+
+        _SCOPE_CLASS = TrackingScope
+    return _SCOPE_CLASS
+
+
+def _current_scope() -> Any:
+    keras = sys.modules.get("keras")
+    if keras is None:
+        return None
+    from keras.src.backend.common.stateless_scope import get_stateless_scope  # no public accessor
+
+    return get_stateless_scope()
+
+
+def _initialize_created_variables() -> None:
+    # Variables created while tracing (an optimizer's slots on its first apply) wait uninitialised;
+    # leaving an outermost StatelessScope initialises them, here outside any trace.
+    with _keras().StatelessScope():
+        pass
+
+
+def check_not_tf_function(fn: Any, where: str) -> None:
+    """Raises ``TypeError`` if ``fn`` is a TensorFlow ``tf.function`` (a decorator left on a ported step)."""
+    if type(fn).__module__.startswith("tensorflow.") and hasattr(fn, "python_function"):
+        name = getattr(fn.python_function, "__name__", "fn")
+        raise TypeError(
+            f"{where} received {name}, a TensorFlow tf.function (type {type(fn).__name__}). TensorFlow would trace "
+            f"it into a TF graph that JAX cannot run. Remove @tf.function from {name}: {where} compiles it with "
+            "XLA itself (pass the plain Python function).")
+
+
+def check_no_variables(args: Any, where: str) -> None:
+    """Raises ``TypeError`` naming the fix if ``args`` holds a Keras variable (JAX wants arrays)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_variable)[0]:
+        if _is_variable(leaf):
+            raise TypeError(
+                f"{where} received a Keras variable at args{jax.tree_util.keystr(path)} ({leaf.path}), where JAX "
+                "expects arrays. Either leave the variables out of the arguments and use the Keras objects in the "
+                "step (model(x), optimizer.apply_gradients, metric.update_state: their state is threaded for you), "
+                "or pass the values: [v.value for v in model.trainable_variables].")
+
+
+def _shape_key(args: tuple[Any, ...]) -> Any:
+    leaves, treedef = jax.tree.flatten(args)
+    return treedef, tuple((np.shape(a), getattr(a, "dtype", type(a))) for a in leaves)
+
+
+class StatefulFunction:
+    """``strategy.jit(fn)`` / ``strategy.run``'s function: a :class:`~mirrorax.dispatch.StrategyFunction`
+    that also threads the Keras variables ``fn`` reads or assigns (see the module's docstring).
+
+    Called like ``fn``. Per input signature ``fn`` is traced once to find its variables; a step that
+    touches none runs as the plain :class:`~mirrorax.dispatch.StrategyFunction` (no extra input or
+    output). Every call pushes into the strategy's window, as a plain one does.
+    """
+
+    def __init__(self, mesh: BatchMesh, window: InFlight, fn: Callable[..., Any], *,
+                 donate_argnums: int | Sequence[int] = (), per_replica: bool = False,
+                 out_shardings: OutShardings = None, where: str = "strategy.jit") -> None:
+        check_not_tf_function(fn, where)
+        self._mesh = mesh
+        self._window = window
+
+        user_fn = fn
+
+        @functools.wraps(user_fn)
+        def with_batch(*args: Any) -> Any:  # the step's batch, for compute_average_loss in TF's form
+            with batch_scope(find_batch(args)):
+                out = user_fn(*args)
+            # a Keras variable returned (apply_gradients returns the step counter) comes back as its value
+            return jax.tree.map(lambda x: x.value if _is_variable(x) else x, out, is_leaf=_is_variable)
+
+        self._fn = fn = with_batch
+        self._per_replica = per_replica
+        self._where = where
+        self._donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        self._out_shardings = out_shardings
+        self._plain = StrategyFunction(mesh, window, fn, donate_argnums=donate_argnums, per_replica=per_replica,
+                                       out_shardings=out_shardings)
+        functools.update_wrapper(self, user_fn)  # type: ignore[arg-type]
+        # input shapes -> (variables read, variables assigned, the compiled stateful function) or None
+        self._state: dict[Any, tuple[list[Any], list[Any], StrategyFunction] | None] = {}
+
+    @property
+    def compile_count(self) -> int:
+        """How many signatures were compiled (one per distinct input shape/layout)."""
+        return self._plain.compile_count + sum(e[2].compile_count for e in self._state.values() if e is not None)
+
+    def lower(self, *args: Any) -> Any:
+        """``jax.jit(...).lower`` of the program a call with ``args`` runs (the variables' values first)."""
+        entry = self._entry(args)
+        if entry is None:
+            return self._plain.lower(*args)
+        return entry[2].lower(self._values(entry[0]), *args)
+
+    def program(self, *args: Any) -> Any:
+        """The compiled program of a step that touches no Keras variable (see
+        :meth:`mirrorax.dispatch.StrategyFunction.program`); a stateful step is called as a function."""
+        if self._entry(args) is not None:
+            raise TypeError(f"{getattr(self._fn, '__name__', 'fn')} reads or assigns Keras variables: call it as a "
+                            "function (it writes the new values back after each call). program() is for steps whose "
+                            "state is an explicit argument.")
+        return self._plain.program(*args)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tf = sys.modules.get("tensorflow")
+        if tf is not None and tf.inside_function():
+            raise TypeError(f"{self._where} was called while TensorFlow traces a tf.function (a @tf.function left on "
+                            "the function that calls it, e.g. distributed_train_step). TensorFlow would run the "
+                            "step once while tracing and keep its result as a constant. Remove @tf.function: "
+                            f"{self._where} compiles the step with XLA itself.")
+        if kwargs:
+            return self._plain(*args, **kwargs)  # raises, naming the fix
+        entry = self._entry(args)
+        if entry is None:
+            return self._plain(*args)
+        variables, assigned, stateful = entry
+        out, new = stateful(self._values(variables), *args)
+        for v, value in zip(assigned, new):
+            v.assign(value)
+        return out
+
+    # -- building -------------------------------------------------------------------------------------
+    def _entry(self, args: tuple[Any, ...]) -> tuple[list[Any], list[Any], StrategyFunction] | None:
+        key = _shape_key(args)
+        if key in self._state:
+            return self._state[key]
+        check_no_variables(args, self._where)
+        entry = self._state[key] = self._discover(args)
+        return entry
+
+    def _discover(self, args: tuple[Any, ...]) -> tuple[list[Any], list[Any], StrategyFunction] | None:
+        if "keras" not in sys.modules:
+            return None  # no Keras variable can exist without Keras imported
+        scope_class = _tracking_scope()
+        found: dict[str, Any] = {}
+        fn = self._fn
+
+        def probe(*a: Any) -> Any:
+            with scope_class(collect_losses=True, initialize_variables=False) as scope:
+                out = fn(*a)
+            found["touched"], found["assigned"] = list(scope.touched.values()), list(scope.assigned.values())
+            return out
+
+        StrategyFunction(self._mesh, self._window, probe, per_replica=self._per_replica).trace(*args)
+        _initialize_created_variables()
+        variables, assigned = found["touched"], found["assigned"]
+        if not variables:
+            return None
+        # (the window is not involved: the stateful function pushes its calls as the plain one would)
+        return variables, assigned, self._stateful(variables, assigned)
+
+    def _stateful(self, variables: list[Any], assigned: list[Any]) -> StrategyFunction:
+        fn, scope_class, axis, per_replica = self._fn, _tracking_scope(), self._mesh.batch_axis, self._per_replica
+        position = {id(v): i for i, v in enumerate(variables)}  # by identity: a variable's == is element-wise
+
+        def stateful(values: list[Any], *args: Any) -> Any:
+            with scope_class(state_mapping=list(zip(variables, values)), collect_losses=True,
+                             initialize_variables=False) as scope:
+                out = fn(*args)
+            new = []
+            for v, old in zip(assigned, (values[position[id(v)]] for v in assigned)):
+                value = jnp.asarray(scope.get_current_value(v), dtype=old.dtype)
+                if per_replica:
+                    value = _one_value(v, old, value, varies_over(value, axis))
+                new.append(value)
+            return out, new
+
+        rep = self._mesh.replicated
+        given = self._out_shardings
+        donate = tuple(i + 1 for i in self._donate)
+        if given is None:
+            out_shardings: OutShardings = None
+        else:
+            def out_shardings(values: Any, *args: Any) -> Any:
+                user = given(*args) if callable(given) else given
+                return None if user is None else (user, [rep] * len(assigned))
+        return StrategyFunction(self._mesh, self._window, stateful, donate_argnums=donate, per_replica=per_replica,
+                                out_shardings=out_shardings)
+
+    def _values(self, variables: list[Any]) -> list[Any]:
+        """The variables' values, each replicated on the strategy's devices (placed, and written back, once)."""
+        rep = self._mesh.replicated
+        values = [v.value for v in variables]
+        stray = [i for i, a in enumerate(values) if not (isinstance(a, jax.Array) and (a.sharding is rep
+                                                                                        or a.sharding == rep))]
+        if stray:
+            placed = self._mesh.replicate([values[i] for i in stray])
+            for i, a in zip(stray, placed):
+                variables[i].assign(a)
+                values[i] = a
+        return values
+
+
+def _one_value(variable: Any, old: Any, value: Any, varies: bool) -> Any:
+    """A variable's per-replica new value made one, by its ``aggregation`` (TF's rule).
+
+    ``"sum"`` (a metric's total and count) counts every replica's change, even one that does not vary
+    over the replicas (a count of rows per replica); the others leave an unvarying value as it is.
+    """
+    ctx = get_replica_context()
+    assert ctx is not None  # only called per replica
+    aggregation = getattr(variable, "aggregation", "none")
+    if aggregation == "sum":
+        delta = value - old
+        return old + (ctx.all_reduce("sum", delta) if varies else ctx.num_replicas_in_sync * delta)
+    if not varies:
+        return value
+    if aggregation == "only_first_replica":
+        first = ctx.replica_id_in_sync_group == 0
+        return ctx.all_reduce("sum", jnp.where(first, value, jnp.zeros_like(value)))
+    mean = ctx.all_reduce("mean", value)
+    return mean.astype(value.dtype) if jnp.issubdtype(value.dtype, jnp.integer) else mean
+
+
+# -- gradients with the model as an object ----------------------------------------------------------------
+def value_and_grad(fn: Callable[..., Any], variables: Any, *, has_aux: bool = False) -> Callable[..., Any]:
+    """``fn`` and its gradient with respect to Keras ``variables`` (TF's ``GradientTape``, as a function).
+
+    ``fn`` computes a loss with the Keras objects themselves (``model(x, training=True)``,
+    ``model.losses``); it is called once, with the variables' current values traced, and the gradient
+    has one array per variable, in order: ``zip(grads, variables)`` goes to
+    ``optimizer.apply_gradients``. Assignments made inside ``fn`` (BatchNormalization statistics, a
+    seed generator, a metric) take effect as they would without the gradient. Inside ``strategy.run``
+    the gradient of the (replicated) variables comes out summed over the replicas, as TF's
+    ``apply_gradients`` sums them: with :func:`mirrorax.compute_average_loss` it is the gradient of the
+    global batch's mean.
+
+    Args:
+      fn: the loss function; called with the arguments given to the returned function. Returns a
+        scalar, or ``(scalar, aux)`` with ``has_aux=True``.
+      variables: Keras variables (e.g. ``model.trainable_variables``), or a model or layer: its
+        ``trainable_variables`` when called. A model that has not been built yet (a ``Sequential``
+        without an ``Input``) is built by a first run of ``fn``, as TF's tape sees the variables that
+        the first call creates.
+      has_aux: ``fn`` returns ``(loss, aux)``; the result is then ``((loss, aux), grads)``.
+
+    Returns:
+      A function of ``fn``'s arguments returning ``(loss, grads)`` (``((loss, aux), grads)``).
+
+    Raises:
+      TypeError: ``variables`` holds something that is not a Keras variable, or is empty.
+
+    Example:
+      >>> def loss_fn():
+      ...     predictions = model(images, training=True)
+      ...     return compute_loss(labels, predictions, model.losses), predictions
+      >>> (loss, predictions), grads = mx.value_and_grad(loss_fn, model.trainable_variables, has_aux=True)()
+      >>> optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    """
+    owner = variables if hasattr(variables, "trainable_variables") else None
+    if owner is None:
+        variables = list(variables)
+        bad = [v for v in variables if not _is_variable(v)]
+        if bad or not variables:
+            raise TypeError(
+                "mx.value_and_grad differentiates with respect to Keras variables (e.g. "
+                "model.trainable_variables) or a model's. Received "
+                + (f"{bad[0]!r} (of type {type(bad[0]).__name__}). For arrays, use jax.value_and_grad(fn)(arrays)."
+                   if bad else "no variable: a model that is not built yet has none. Pass the model itself, "
+                   "mx.value_and_grad(fn, model), and its first call builds it."))
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        outer = _current_scope()
+        scope_class = _tracking_scope()
+        if owner is not None and not owner.trainable_variables:
+            with scope_class(collect_losses=True, initialize_variables=False) as scratch:  # builds the model
+                if outer is not None:
+                    scratch.state_mapping.update(outer.state_mapping)
+                fn(*args, **kwargs)
+            if outer is None:
+                _initialize_created_variables()
+        targets = list(owner.trainable_variables) if owner is not None else variables
+        current = [v.value for v in targets]
+        touched: dict[int, Any] = {}
+
+        def inner(values: list[Any]) -> Any:
+            with scope_class(collect_losses=True, initialize_variables=False) as scope:
+                if outer is not None:  # what the step assigned so far, and the step's own inputs
+                    scope.state_mapping.update(outer.state_mapping)
+                for v, value in zip(targets, values):
+                    scope.state_mapping[id(v)] = value
+                result = fn(*args, **kwargs)
+            touched.update(scope.touched)
+            loss, aux = result if has_aux else (result, None)
+            updates = [(v, scope.state_mapping[id(v)]) for v in scope.assigned.values()]
+            return loss, (aux, updates)
+
+        (loss, (aux, updates)), grads = jax.value_and_grad(inner, has_aux=True)(current)
+        if outer is not None and hasattr(outer, "touched"):  # a stateful step's scope: its state includes these
+            for key, v in touched.items():
+                outer.touched.setdefault(key, v)
+        for v, value in updates:
+            if outer is not None:
+                outer.add_update((v, value))
+            else:
+                v.assign(value)
+        return ((loss, aux) if has_aux else loss), grads
+
+    return wrapped
+
+
+def grad(fn: Callable[..., Any], variables: Any, *, has_aux: bool = False) -> Callable[..., Any]:
+    """The gradient of ``fn`` with respect to Keras ``variables``: :func:`value_and_grad` without the value
+    (``(grads, aux)`` with ``has_aux=True``).
+
+    Example:
+      >>> grads = mx.grad(lambda: loss_object(labels, model(images, training=True)), model.trainable_variables)()
+    """
+    vg = value_and_grad(fn, variables, has_aux=has_aux)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        value, grads = vg(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+
+    return wrapped
