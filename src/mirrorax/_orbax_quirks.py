@@ -17,6 +17,7 @@ __all__ = [
     "close_abandoned_writes",
     "dropping_orbax_read_errors_of_abandoned_reads",
     "drain_abandoned_reads",
+    "stop_tensorstore_metric_leak",
 ]
 
 _ABANDONED_READ = "_read_array_index_and_device_put"  # orbax/_src/serialization/serialization.py
@@ -138,3 +139,23 @@ def close_abandoned_writes() -> None:
                 obj.close()
             except Exception:  # noqa: BLE001, S110 - the save already failed and was reported
                 pass
+
+
+def stop_tensorstore_metric_leak() -> None:
+    """Stops Orbax from polling TensorStore's metrics, whose Python binding leaks at every call.
+
+    ``tensorstore.experimental_collect_matching_metrics`` keeps about 7 KB of Python objects per call
+    (measured: 14 MB over 2,000 calls, with the objects it returns long gone), and Orbax 0.12.8 calls
+    it twice per save and twice per restore, only to log the raw bytes written or read (an INFO line
+    and a ``jax.monitoring`` scalar). That is most of the creep seen over long runs (about 0.13 MB per
+    save). With the poll answering 0, Orbax skips that telemetry (its code returns early when no raw
+    bytes were counted); nothing it writes or reads changes. Done once, process-wide, by the first
+    :class:`~mirrorax.checkpoint.Checkpointer`.
+    """
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    if getattr(tensorstore_utils.get_tensorstore_raw_bytes, "__name__", "") != "_no_raw_bytes":
+        def _no_raw_bytes(*args: Any, **kwargs: Any) -> int:
+            return 0
+
+        tensorstore_utils.get_tensorstore_raw_bytes = _no_raw_bytes

@@ -63,6 +63,7 @@ from mirrorax._orbax_quirks import (
     close_abandoned_writes,
     drain_abandoned_reads,
     dropping_orbax_read_errors_of_abandoned_reads,
+    stop_tensorstore_metric_leak,
 )
 from mirrorax._version import __version__
 from mirrorax.consistency import debug_checks
@@ -261,6 +262,7 @@ class Checkpointer:
                 self._lock()
         if jax.process_count() > 1:
             _use_distributed_barriers()
+        stop_tensorstore_metric_leak()
         try:
             self._manager = ocp.CheckpointManager(
                 self._directory,
