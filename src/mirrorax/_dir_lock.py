@@ -10,6 +10,7 @@ another host cannot be checked from here: the error says to delete the file if t
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import errno
 import json
@@ -120,3 +121,11 @@ def release(directory: str) -> None:
             except OSError as exc:
                 if exc.errno != errno.ENOENT:
                     raise
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """A process that ends without closing its Checkpointer (``sys.exit`` in a script) leaves no lock."""
+    for path in list(_held):
+        _held[path] = 1
+        release(os.path.dirname(path))
