@@ -1,9 +1,11 @@
 """The ``integrity`` item of a checkpoint: its checksum record, summed while the state is written.
 
-The record is what :func:`mirrorax._integrity.digest` gives: ``{"format": 1, "step": s, "checksums":
-{path: [sum, weighted_sum]}}``. A save hands this item a :class:`~mirrorax._integrity.HostDigest`
-(host arrays of the state, taken when the save started) and the sums are done in Orbax's background
-commit, beside the array writes: the loop never waits for a reduction over the whole state. A state
+The record is ``{"format": 2, "step": s, "checksums": {path: [sum, weighted_sum]}, "meta_sha256": h}``:
+the checksums are what :func:`mirrorax._integrity.digest` gives, ``h`` is :func:`meta_digest` of the
+checkpoint's ``meta`` record (format 1, written before, has no ``meta_sha256``). A save hands this
+item a :class:`~mirrorax._integrity.HostDigest` (host arrays of the state, taken when the save
+started) and the sums are done in Orbax's background commit, beside the array writes: the loop never
+waits for a reduction over the whole state. A state
 holding NaN or Inf fails its commit with :class:`NonFiniteState`, so Orbax never finalises that step
 (no checkpoint appears, none is deleted to make room for it); the checkpointer reports it.
 """
@@ -11,6 +13,7 @@ holding NaN or Inf fails its commit with :class:`NonFiniteState`, so Orbax never
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from typing import Any
 
@@ -20,9 +23,19 @@ from etils import epath
 
 from mirrorax._integrity import HostDigest
 
-__all__ = ["FORMAT_VERSION", "IntegrityHandler", "IntegrityRestore", "IntegritySave", "NonFiniteState"]
+__all__ = ["FORMAT_VERSION", "IntegrityHandler", "IntegrityRestore", "IntegritySave", "NonFiniteState",
+           "meta_digest"]
 
-FORMAT_VERSION = 1
+# 1: checksums of the arrays. 2: also the SHA-256 of the meta record. A reader takes every format up to
+# its own and refuses a newer one (written by a newer mirrorax) rather than calling it damaged.
+FORMAT_VERSION = 2
+
+
+def meta_digest(meta: Any) -> str:
+    """SHA-256 (hex) of a JSON record in a canonical form: the same for the record written and the
+    record read back (sorted keys, no spaces; Python's JSON floats round-trip exactly)."""
+    text = json.dumps(meta, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 class NonFiniteState(Exception):
@@ -50,7 +63,8 @@ class IntegrityHandler(ocp.JsonCheckpointHandler):
             if non_finite:
                 raise NonFiniteState(args.step, non_finite)
         if jax.process_index() == 0:  # the primary host writes the shared files, as Orbax's own items
-            record = {"format": FORMAT_VERSION, "step": args.step, "checksums": checksums}
+            record = {"format": FORMAT_VERSION, "step": args.step, "checksums": checksums,
+                      "meta_sha256": args.meta_sha256}
             (directory / "metadata").write_text(json.dumps(record))
 
 
@@ -64,11 +78,13 @@ class IntegritySave(ocp.args.CheckpointArgs):
       checksums: ``{path: [sum, weighted_sum]}`` (a multi-process save computes them on the devices).
       pending: a :class:`HostDigest` of the state, summed in the background; its NaN/Inf finding
         abandons the save.
+      meta_sha256: :func:`meta_digest` of the checkpoint's ``meta`` record.
     """
 
     step: int
     checksums: dict[str, list[int]] | None = None
     pending: HostDigest | None = None
+    meta_sha256: str | None = None
 
 
 @ocp.args.register_with_handler(IntegrityHandler, for_restore=True)

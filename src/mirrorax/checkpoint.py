@@ -9,16 +9,21 @@ A checkpoint is one Orbax step directory ``<directory>/<step>/`` with three item
   after that change restore into each other, and the integrity record's paths (``params/...``) are
   the same;
 * ``meta``: a JSON dict chosen by the caller (data position, history, config);
-* ``integrity``: a JSON record written by this module: a checksum per variable of the values being
-  saved, summed in Orbax's background commit from host arrays taken when the save started (one
-  process), or on the devices before the save starts (several processes, whose shards no single
-  process holds). Orbax and TensorStore notice a truncated or missing file, but a flipped byte inside
-  an array's data restores silently as a wrong number; the checksum, verified on every restore,
-  catches that.
+* ``integrity``: a JSON record written by this module: its format version, the step, a checksum per
+  variable of the values being saved, summed in Orbax's background commit from host arrays taken when
+  the save started (one process), or on the devices before the save starts (several processes, whose
+  shards no single process holds), and the SHA-256 of the ``meta`` record. Orbax and TensorStore
+  notice a truncated or missing file, but a flipped byte inside an array's data, or in ``meta``,
+  restores silently as a wrong number or a wrong place in the data; the digests, verified on every
+  restore, catch that. Nothing in a checkpoint is executable: arrays and JSON, read as data.
 
 Orbax writes each step into ``<step>.orbax-checkpoint-tmp-*`` and renames it when complete, so a crash
 during a save leaves the previous checkpoints intact and only a temporary directory behind (removed
 the next time a :class:`Checkpointer` opens the directory).
+
+A writing :class:`Checkpointer` holds ``<directory>/.mirrorax-lock`` until it is closed, so a second run
+on the same directory is refused at the start (a lock left by a dead process of this host is taken
+over). ``read_only=True`` (what ``Trainer.load`` uses) neither locks nor writes anything.
 
 Every process of a multi-process job must call :meth:`Checkpointer.save`,
 :meth:`Checkpointer.restore_latest`, :meth:`Checkpointer.wait` and :meth:`Checkpointer.close` in the
@@ -29,7 +34,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import shutil
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -40,9 +47,26 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from mirrorax._checks import check_int
+from mirrorax._dir_lock import DirectoryLocked, acquire, release
+from mirrorax._host import host_value
 from mirrorax._integrity import HostDigest, all_finite, digest, path_str
-from mirrorax._integrity_item import IntegrityHandler, IntegrityRestore, IntegritySave, NonFiniteState
-from mirrorax._orbax_quirks import drain_abandoned_reads, dropping_orbax_read_errors_of_abandoned_reads
+from mirrorax._integrity_item import (
+    FORMAT_VERSION,
+    IntegrityHandler,
+    IntegrityRestore,
+    IntegritySave,
+    NonFiniteState,
+    meta_digest,
+)
+from mirrorax._orbax_quirks import (
+    QuietSaveErrors,
+    close_abandoned_writes,
+    drain_abandoned_reads,
+    dropping_orbax_read_errors_of_abandoned_reads,
+    stop_tensorstore_metric_leak,
+)
+from mirrorax._version import __version__
+from mirrorax.consistency import debug_checks
 from mirrorax.train_state import TrainState
 
 __all__ = [
@@ -127,11 +151,22 @@ def _typed(restored: PyTree, like: PyTree) -> PyTree:
     return TrainState.from_dict(restored) if isinstance(like, TrainState) else restored
 
 
+# Orbax appends a bound method's repr (a pybind11 name, then a TensorStore spec over dozens of lines).
+_TENSORSTORE_DETAILS = re.compile(r"\.?\s*See full TensorStore details:.*$", re.DOTALL)
+
+
 def _short(exc: BaseException) -> str:
-    """``'ValueError: first line of the message'``, at most 300 characters."""
-    lines = str(exc).strip().splitlines()
-    text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
-    return text if len(text) <= 300 else text[:297] + "..."
+    """``'ValueError: first line of the message (caused by OSError: ...)'``, at most 400 characters
+    (the start and the end of a longer one)."""
+
+    def line(e: BaseException) -> str:
+        lines = _TENSORSTORE_DETAILS.sub("", str(e)).strip().splitlines()
+        return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+    text = line(exc)
+    if exc.__cause__ is not None:
+        text += f" (caused by {line(exc.__cause__)})"
+    return text if len(text) <= 400 else text[:200] + " ... " + text[-195:]  # the end says what failed
 
 
 def _json_clean(value: Any, where: str) -> Any:
@@ -183,10 +218,14 @@ class Checkpointer:
         keep: How many of the newest checkpoints to keep (>= 1), or ``None`` to keep all.
         async_save: Write in a background thread (the default). ``False`` makes :meth:`save` return
             only when the checkpoint is on disk.
+        read_only: Only read (restore, list): the directory must exist, may be read-only, is not
+            locked, and nothing in it is created, moved or deleted (a damaged step is skipped, left
+            in place); :meth:`save` is refused.
 
     Raises:
         ValueError: ``keep`` is not a positive int or ``None``.
-        CheckpointError: ``directory`` cannot be created or written.
+        CheckpointError: ``directory`` cannot be created or written, or another live run writes it
+            (its host and pid are named; see ``docs/checkpoints.md``).
 
     Example:
         >>> with Checkpointer("/tmp/run1/checkpoints", keep=3) as ckpt:  # doctest: +SKIP
@@ -197,33 +236,71 @@ class Checkpointer:
     """
 
     def __init__(
-        self, directory: str | os.PathLike[str], *, keep: int | None = 3, async_save: bool = True
+        self, directory: str | os.PathLike[str], *, keep: int | None = 3, async_save: bool = True,
+        read_only: bool = False,
     ) -> None:
         if keep is not None:
             check_int("keep", keep, 1, meaning="the number of newest checkpoints to keep; None keeps all")
         self._directory = os.fspath(directory)
         self._keep = keep
+        self._read_only = bool(read_only)
         self._is_local = "://" not in self._directory
+        self._locked = False
+        self._pending_step: int | None = None
+        self._quiet = QuietSaveErrors()
+        self._closed = True  # until the manager exists: close() then has nothing to release
         if self._is_local:
             self._directory = os.path.abspath(self._directory)
-            _check_writable(self._directory)
+            if self._read_only:
+                if not os.path.isdir(self._directory):
+                    raise CheckpointError(
+                        f"Expected an existing checkpoint directory to read. Received {self._directory!r}, "
+                        "which is not a directory. Pass the checkpoint_dir that fit(checkpoint_dir=...) wrote."
+                    )
+            else:
+                _check_writable(self._directory)
+                self._lock()
         if jax.process_count() > 1:
             _use_distributed_barriers()
-        self._manager = ocp.CheckpointManager(
-            self._directory,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep,
-                enable_async_checkpointing=async_save,
-                # Removes `<step>.orbax-checkpoint-tmp-*` left by a crash during a save.
-                cleanup_tmp_directories=True,
-            ),
-            item_handlers={
-                "state": ocp.StandardCheckpointHandler(),
-                "meta": ocp.JsonCheckpointHandler(),
-                "integrity": IntegrityHandler(),
-            },
-        )
+        stop_tensorstore_metric_leak()
+        try:
+            self._manager = ocp.CheckpointManager(
+                self._directory,
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=keep,
+                    enable_async_checkpointing=async_save,
+                    # Removes `<step>.orbax-checkpoint-tmp-*` left by a crash during a save.
+                    cleanup_tmp_directories=not self._read_only,
+                    read_only=self._read_only,
+                    create=not self._read_only,
+                ),
+                item_handlers={
+                    "state": ocp.StandardCheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler(),
+                    "integrity": IntegrityHandler(),
+                },
+            )
+        except BaseException:
+            self._unlock()
+            raise
         self._closed = False
+
+    def _lock(self) -> None:
+        """Takes the directory's lock (process 0 of a job speaks for it); refuses a second run."""
+        if jax.process_index() != 0:
+            return
+        try:
+            message = acquire(self._directory)
+        except DirectoryLocked as exc:
+            raise CheckpointError(str(exc)) from None
+        self._locked = True
+        if message:
+            print(f"mirrorax: {message}", file=sys.stderr, flush=True)
+
+    def _unlock(self) -> None:
+        if self._locked:
+            self._locked = False
+            release(self._directory)
 
     # ---- properties and listing ------------------------------------------------------------------
 
@@ -236,6 +313,11 @@ class Checkpointer:
     def keep(self) -> int | None:
         """How many of the newest checkpoints are kept (``None``: all)."""
         return self._keep
+
+    @property
+    def read_only(self) -> bool:
+        """Whether this checkpointer only reads (``Checkpointer(..., read_only=True)``)."""
+        return self._read_only
 
     def all_steps(self) -> list[int]:
         """Steps of the finished checkpoints in the directory, ascending (in-progress saves excluded)."""
@@ -281,13 +363,20 @@ class Checkpointer:
         Raises:
             ValueError: ``step`` is not a non-negative int.
             TypeError: ``meta`` is not a dict of JSON values (the message names the bad entry).
-            CheckpointError: ``step`` is older than the newest checkpoint in the directory.
+            CheckpointError: ``step`` is older than the newest checkpoint in the directory, the
+                checkpointer is read-only, or the previous save failed to write (disk full: the
+                message names the step and the newest good checkpoint).
 
         Example:
             >>> ckpt.save(100, state, {"epoch": 1, "batch_in_epoch": 36})  # doctest: +SKIP
             True
         """
         self._check_open()
+        if self._read_only:
+            raise CheckpointError(
+                f"This Checkpointer for {self._directory} is read-only (read_only=True): it cannot save. "
+                "Open the directory with Checkpointer(directory) to write checkpoints."
+            )
         check_int("step", step, 0)
         step = int(step)
         state = _stored(state)
@@ -297,6 +386,7 @@ class Checkpointer:
                 f"{type(meta).__name__}). Pass e.g. meta={{'epoch': 3}}."
             )
         clean_meta = _json_clean(meta, "")
+        meta_sha256 = meta_digest(clean_meta)
         # Orbax writes the newest steps after waiting for the previous save, so the listing is
         # current only after that save is done.
         self._finish()
@@ -313,7 +403,7 @@ class Checkpointer:
             # Host arrays of the values (aliases of the device buffers on CPU), summed with the
             # writes: a reduction over the whole state on the devices, waited for here, would cost
             # the loop more than Orbax's own copy does.
-            integrity = IntegritySave(step, pending=HostDigest(state))
+            integrity = IntegritySave(step, pending=HostDigest(state), meta_sha256=meta_sha256)
         else:
             # Each process holds only its shards, so the sums need the devices' collectives, which
             # must be dispatched from here, in the same order on every process as the train steps.
@@ -321,32 +411,44 @@ class Checkpointer:
             if non_finite:
                 self._warn_non_finite(step, non_finite, stacklevel=2)
                 return False
-            integrity = IntegritySave(step, checksums=checksums)
-        return bool(
-            self._manager.save(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state),
-                    meta=ocp.args.JsonSave(clean_meta),
-                    integrity=integrity,
-                ),
-                force=True,
+            integrity = IntegritySave(step, checksums=checksums, meta_sha256=meta_sha256)
+        if not debug_checks():
+            self._quiet.start()
+        try:
+            started = bool(
+                self._manager.save(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardSave(state),
+                        meta=ocp.args.JsonSave(clean_meta),
+                        integrity=integrity,
+                    ),
+                    force=True,
+                )
             )
-        )
+        except Exception as exc:  # noqa: BLE001 - a failed write (disk full, permissions) said in one line
+            self._quiet.stop(failed=True)
+            self._raise_save_failed(step, exc)
+        self._pending_step = step if started else None
+        return started
 
     def wait(self) -> None:
         """Blocks until every started save is on disk (raises the error of a failed background write)."""
         self._finish()
 
     def close(self) -> None:
-        """Waits for pending saves, then releases Orbax's threads. Safe to call twice."""
+        """Waits for pending saves, then releases Orbax's threads and the directory's lock. Safe to
+        call twice."""
         if self._closed:
             return
         self._closed = True
         try:
             self._finish()
         finally:
-            self._manager.close()
+            try:
+                self._manager.close()
+            finally:
+                self._unlock()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -355,7 +457,8 @@ class Checkpointer:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Checkpointer({self._directory!r}, keep={self._keep!r})"
+        ro = ", read_only=True" if self._read_only else ""
+        return f"Checkpointer({self._directory!r}, keep={self._keep!r}{ro})"
 
     # ---- restoring -------------------------------------------------------------------------------
 
@@ -392,10 +495,13 @@ class Checkpointer:
             ``(state, meta)``.
 
         Raises:
+            TypeError: ``abstract_state`` is not a tree of ``jax.ShapeDtypeStruct`` / arrays.
             CheckpointMismatchError: The checkpoint's variables differ from ``abstract_state``.
-            CheckpointError: The checkpoint does not exist or is damaged (the message says how).
+            CheckpointError: The checkpoint does not exist or is damaged (the message says how), or
+                was written by a newer mirrorax.
         """
         self._check_open()
+        _check_abstract(abstract_state, "restore")
         self._finish()
         if step not in self.all_steps():
             raise CheckpointError(
@@ -426,10 +532,12 @@ class Checkpointer:
             holds no checkpoint (start fresh).
 
         Raises:
+            TypeError: ``abstract_state`` is not a tree of ``jax.ShapeDtypeStruct`` / arrays (e.g.
+                Keras variables): a wrong argument, never a verdict on the checkpoints.
             CheckpointMismatchError: The checkpoint comes from a different model; the message names
                 the first differing variable with both shapes and dtypes.
             CheckpointError: There are checkpoints, but every one of them is damaged (nothing is
-                moved then; the message lists them).
+                moved then; the message lists them), or the newest was written by a newer mirrorax.
 
         Example:
             >>> restored = ckpt.restore_latest(abstract_state)  # doctest: +SKIP
@@ -437,6 +545,7 @@ class Checkpointer:
             ...     step, state, meta = restored
         """
         self._check_open()
+        _check_abstract(abstract_state, "restore_latest")
         self._finish()
         damaged: list[tuple[int, str]] = []
         for step in reversed(self.all_steps()):
@@ -461,11 +570,16 @@ class Checkpointer:
         like, abstract_state = abstract_state, _stored(abstract_state)
         step_dir = self._manager.directory / str(step)
         if not any((step_dir / item).exists() for item in ("state", "integrity")):
+            if (step_dir / "meta").exists():
+                return "it is incomplete (it holds only its 'meta' record, no 'state' nor 'integrity')"
             # Not damage: someone else's checkpoint (e.g. Keras's OrbaxCheckpoint). Leave it alone.
             raise CheckpointError(
                 f"Step directory {step_dir} was not written by mirrorax (it has neither a 'state' "
                 "nor an 'integrity' item). Point checkpoint_dir at a directory of its own."
             )
+        record = self._read_integrity(step)
+        if isinstance(record, str):
+            return record
         try:
             metadata = self._manager.item_metadata(step)
             stored = metadata["state"] if metadata is not None else None
@@ -488,7 +602,6 @@ class Checkpointer:
                     args=ocp.args.Composite(
                         state=ocp.args.StandardRestore(abstract_state),
                         meta=ocp.args.JsonRestore(),
-                        integrity=IntegrityRestore(),
                     ),
                 )
             except Exception as exc:  # noqa: BLE001 - any failure to read means a damaged checkpoint
@@ -497,17 +610,47 @@ class Checkpointer:
                 drain_abandoned_reads()
         if failure is not None:
             return failure
-        state, meta, integrity = restored["state"], restored["meta"], restored["integrity"]
+        state, meta = restored["state"], restored["meta"]
         if not isinstance(meta, dict):
             return "its meta record is not a JSON object"
-        if not isinstance(integrity, dict) or not isinstance(integrity.get("checksums"), dict):
-            return "its integrity record is malformed"
+        if record["format"] >= 2 and meta_digest(meta) != record.get("meta_sha256"):
+            return "its meta record (data position, history, config) does not match its digest (corrupted or edited)"
         checksums, _ = digest(state)
-        expected = integrity["checksums"]
+        expected = record["checksums"]
         for path, value in checksums.items():
             if expected.get(path) != value:
                 return f"the data of variable {path!r} does not match its checksum (corrupted on disk)"
+        if isinstance(like, TrainState):
+            held_step = int(host_value(state["step"]))
+            if held_step != step:
+                return f"its state says step {held_step}, its directory step {step}"
         return _typed(state, like), meta
+
+    def _read_integrity(self, step: int) -> dict[str, Any] | str:
+        """The integrity record of checkpoint ``step``, or why it is damaged.
+
+        Raises:
+            CheckpointError: The record has a newer format than this mirrorax reads.
+        """
+        try:
+            record = self._manager.restore(step, args=ocp.args.Composite(integrity=IntegrityRestore()))["integrity"]
+        except Exception as exc:  # noqa: BLE001 - any failure to read means a damaged checkpoint
+            return f"its integrity record cannot be read ({_short(exc)})"
+        fmt = record.get("format") if isinstance(record, dict) else None
+        if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt < 1:
+            return f"its integrity record is malformed (format {fmt!r})"
+        if fmt > FORMAT_VERSION:
+            raise CheckpointError(
+                f"Checkpoint step {step} in {self._directory} was written by a newer mirrorax (checkpoint "
+                f"format {fmt}; this mirrorax {__version__} reads formats up to {FORMAT_VERSION}). Upgrade "
+                "mirrorax (pip install -U mirrorax) to resume from it, or point checkpoint_dir at a fresh "
+                "directory. Nothing was moved or changed."
+            )
+        if not isinstance(record.get("checksums"), dict):
+            return "its integrity record is malformed (no checksums)"
+        if record.get("step") != step:
+            return f"its integrity record is of step {record.get('step')!r}, its directory step {step}"
+        return record
 
     def _quarantine(self, damaged: list[tuple[int, str]], restored_step: int) -> None:
         """Moves damaged step directories to ``<directory>/damaged/`` and warns about each."""
@@ -515,8 +658,8 @@ class Checkpointer:
         ocp.multihost.sync_global_processes("mirrorax_checkpoint_quarantine_start")
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
         for step, why in damaged:
-            where = "left in place"
-            if self._is_local:
+            where = "left in place (read-only)" if self._read_only else "left in place"
+            if self._is_local and not self._read_only:
                 target = os.path.join(self._directory, DAMAGED_SUBDIR, f"step_{step}_{stamp}")
                 if jax.process_index() == 0:
                     os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -528,21 +671,53 @@ class Checkpointer:
                 f"from step {restored_step} instead; the damaged checkpoint was {where}.",
             )
         ocp.multihost.sync_global_processes("mirrorax_checkpoint_quarantine_end")
-        self._manager.reload()
+        if not self._read_only:
+            self._manager.reload()
 
     # ---- small helpers ---------------------------------------------------------------------------
 
     def _finish(self) -> None:
         """Waits for the pending save; one abandoned for NaN or Inf leaves no trace but a warning."""
+        step, self._pending_step = self._pending_step, None
         try:
             self._manager.wait_until_finished()
+            self._quiet.stop(failed=False)
         except NonFiniteState as refused:
+            self._quiet.stop(failed=True)
             # The step was never finalised. Orbax forgets its list of steps after a failed save:
             # re-read it, or the next saves would not count the older checkpoints towards `keep`.
             # Its temporary directory stays (the array writes may still be going on) until the next
             # Checkpointer opens the directory, as after a crash.
             self._manager.reload()
             self._warn_non_finite(refused.step, refused.paths, stacklevel=3)
+        except Exception as exc:  # noqa: BLE001 - a failed background write (disk full...) in one line
+            close_abandoned_writes()  # their echoes come now, while the hook holds them back
+            self._quiet.stop(failed=True)
+            self._manager.reload()
+            self._raise_save_failed(step, exc)
+
+    def _raise_save_failed(self, step: int | None, exc: BaseException) -> None:
+        """Raises the one-line :class:`CheckpointError` for a save that failed to write.
+
+        Orbax's own error (hundreds of lines of traceback through its threads) is kept as the error's
+        ``cause`` attribute, and chained as ``__cause__`` under ``MIRRORAX_DEBUG=1``.
+        """
+        try:
+            latest = self.latest_step()
+        except Exception:  # noqa: BLE001 - the listing itself may fail on a broken file system
+            latest = None
+        newest = (f"the newest good checkpoint is step {latest}" if latest is not None
+                  else "there is no good checkpoint yet")
+        what = f"step {step}" if step is not None else "a step"
+        error = CheckpointError(
+            f"Checkpoint {what} could not be written to {self._directory}: {_short(exc)}; {newest}. "
+            "Free space on that file system (or fix its permissions) and run the same command again to "
+            "resume from the newest good checkpoint (set MIRRORAX_DEBUG=1 for Orbax's full traceback)."
+        )
+        error.cause = exc  # type: ignore[attr-defined]
+        if debug_checks():
+            raise error from exc
+        raise error from None
 
     def _warn_non_finite(self, step: int, paths: list[str], stacklevel: int) -> None:
         """The warning for a state refused for NaN or Inf; ``stacklevel`` as :meth:`_warn`'s."""
@@ -613,3 +788,17 @@ def _check_writable(directory: str) -> None:
         raise CheckpointError(
             f"The checkpoint directory {directory!r} is not writable: {_short(exc)}. {hint}"
         ) from exc
+
+
+def _check_abstract(abstract_state: PyTree, method: str) -> None:
+    """Refuses an ``abstract_state`` whose leaves are not shapes with dtypes (e.g. Keras variables)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(abstract_state)
+    for path, leaf in flat:
+        if not isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
+            raise TypeError(
+                f"Expected abstract_state of Checkpointer.{method} to be a tree of jax.ShapeDtypeStruct "
+                f"(or arrays) carrying this run's shardings. Received a {type(leaf).__module__}."
+                f"{type(leaf).__qualname__} at {path_str(path) or 'the top level'!r}. Build it from the "
+                "state's arrays: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, "
+                "sharding=x.sharding), state) (for a Keras model, from its variables' .value)."
+            )

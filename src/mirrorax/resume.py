@@ -6,22 +6,32 @@ input row (``sample_spec``) so that ``Trainer.load`` can rebuild a model's varia
 
 For an input that can save its own position, ``meta["input_state"]`` also holds that position
 (:class:`mirrorax.inputs.position.InputState`), so a resumed epoch continues the input where it stopped.
+It is JSON (never pickled): a checkpoint is data, and reading one runs no code from it.
+
+``meta["run"]["hyperparameters"]`` holds the optimizer's learning rate as *configured* when the run
+started (before any callback changed it). On resume the checkpoint's value is used (it may hold a
+schedule callback's change), unless this run configured another value than the checkpoint's run did:
+then the user changed it on purpose, and the new value is used, with a warning either way.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from mirrorax._host import host_value
+from mirrorax._integrity import path_str
 from mirrorax._version import __version__
 from mirrorax.inputs.batch import Batch
-from mirrorax.inputs.position import InputState
+from mirrorax.inputs.position import InputState, UnsafeInputState, check_loadable
 from mirrorax.train_state import TrainState
 
-__all__ = ["Saver", "Resumed", "resume", "sample_spec", "sample_from_spec", "check_every"]
+__all__ = ["Saver", "Resumed", "resume", "sample_spec", "sample_from_spec", "check_every", "hyperparameters"]
+
+_HYPERPARAMETERS = ("learning_rate",)  # scalar optimizer variables a user sets, by the end of their path
 
 PyTree = Any
 
@@ -48,7 +58,26 @@ def resume(ckpt: Any, abstract_state: Any, run: dict[str, Any], history: Any) ->
     if restored is None:
         return None
     step, state, meta = restored
-    saved = meta.get("run", {})
+    where = f"Checkpoint step {step} in {ckpt.directory}"
+    saved = meta.get("run")
+    if not isinstance(saved, dict):
+        raise CheckpointError(
+            f"{where} was written by an older mirrorax (version {meta.get('mirrorax_version', 'unknown')}; its "
+            "meta record has no run settings: batch size, shuffle, seed). This mirrorax cannot tell where "
+            "in the data it stopped. Resume with the mirrorax that wrote it, or start fresh in a new "
+            "checkpoint_dir (Trainer.load still reads its weights).")
+    position = (meta.get("epoch"), meta.get("batch_in_epoch"), meta.get("step", step))
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in position) or position[2] != step:
+        raise CheckpointError(
+            f"{where} does not say consistently where it stopped (epoch {position[0]!r}, batch_in_epoch "
+            f"{position[1]!r}, step {position[2]!r}). Resume from another checkpoint (move this step away) "
+            "or start fresh.")
+    input_state = meta.get("input_state")
+    if isinstance(input_state, dict):
+        try:
+            check_loadable(input_state)
+        except UnsafeInputState as exc:
+            raise CheckpointError(f"{where} cannot be resumed safely: {exc}.") from None
     if saved.get("batch_size") != run["batch_size"]:
         raise CheckpointError(
             f"The checkpoint in {ckpt.directory} was written with global batch_size={saved.get('batch_size')}; "
@@ -60,8 +89,60 @@ def resume(ckpt: Any, abstract_state: Any, run: dict[str, Any], history: Any) ->
                 f"The checkpoint in {ckpt.directory} was written with {key}={saved.get(key)!r}; this run "
                 f"asks for {key}={run[key]!r}, which would change the data order. Pass the same value, or a "
                 "fresh checkpoint_dir.")
+    state = _reconcile_hyperparameters(state, run.get("hyperparameters") or {}, saved.get("hyperparameters"), where)
     history.restore(meta.get("history", {}))
-    return Resumed(state, int(meta["epoch"]), int(meta["batch_in_epoch"]), int(step), meta.get("input_state"))
+    return Resumed(state, int(meta["epoch"]), int(meta["batch_in_epoch"]), int(step), input_state)
+
+
+def hyperparameters(state: TrainState | None) -> dict[str, float]:
+    """The optimizer's scalar hyperparameters held in ``state`` (a Keras optimizer's learning rate),
+    by variable path."""
+    if state is None:
+        return {}
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state.optimizer)[0]:
+        name = path_str(path)
+        if name.rsplit("/", 1)[-1] in _HYPERPARAMETERS and getattr(leaf, "shape", None) == () and \
+                np.issubdtype(leaf.dtype, np.floating):
+            out[name] = float(host_value(leaf))
+    return out
+
+
+def _reconcile_hyperparameters(state: TrainState, configured: dict[str, float], saved: dict[str, float] | None,
+                               where: str) -> TrainState:
+    """The restored state with each hyperparameter the user changed since the checkpoint's run started
+    (``configured`` differs from ``saved``) set to the new value; the checkpoint's value otherwise."""
+    held = hyperparameters(state)
+    replace: dict[str, float] = {}
+    for path, new in configured.items():
+        if path not in held:
+            continue
+        name = path.rsplit("/", 1)[-1]
+        old = held[path]
+        if saved is not None and path in saved:
+            if np.float32(saved[path]) != np.float32(new):
+                replace[path] = new
+                _say(f"{where}: the optimizer's {name} is {new:g} in this run and was {saved[path]:g} when the "
+                     f"checkpoint's run started: this run uses {new:g} (the checkpoint held {old:g}).")
+        elif np.float32(old) != np.float32(new):
+            _say(f"{where}: the optimizer's {name} is {new:g} in this run but {old:g} in the checkpoint, "
+                 f"which does not record its run's configured value (an older mirrorax): resuming with the "
+                 f"checkpoint's {old:g}. To use another value, set it in a callback's on_train_begin.")
+    if not replace:
+        return state
+
+    def put(path: Any, leaf: Any) -> Any:
+        value = replace.get(path_str(path))
+        return leaf if value is None else jax.device_put(np.asarray(value, leaf.dtype), leaf.sharding)
+
+    return state.replace(optimizer=jax.tree_util.tree_map_with_path(put, state.optimizer))
+
+
+def _say(message: str) -> None:
+    from mirrorax.checkpoint import CheckpointWarning
+
+    if jax.process_index() == 0:
+        warnings.warn(message, CheckpointWarning, stacklevel=4)
 
 
 class Saver:
@@ -80,7 +161,7 @@ class Saver:
 
     def save(self, state: TrainState, epoch: int, batch_in_epoch: int) -> None:
         step = int(host_value(state.step))
-        meta = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "run": self.run,
+        meta = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "run": self.run,
                 "history": self.history.as_dict(), "sample_spec": self.spec,
                 "mirrorax_version": __version__}
         if batch_in_epoch and self.inputs is not None:

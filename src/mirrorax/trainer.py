@@ -169,7 +169,7 @@ class Trainer:
                                   "that fit(checkpoint_dir=...) wrote.")
         trainer = cls(model, strategy, **trainer_kwargs)
         held = trainer.device_state
-        with Checkpointer(checkpoint_dir, keep=None) as ckpt:
+        with Checkpointer(checkpoint_dir, keep=None, read_only=True) as ckpt:
             meta = ckpt.read_meta()
             if meta is None or "sample_spec" not in meta:
                 raise CheckpointError(f"{ckpt.directory} holds no mirrorax checkpoint (steps: {ckpt.all_steps()}).")
@@ -294,8 +294,10 @@ class Trainer:
         should_validate = _validation_schedule(validation_freq)
         if self.strategy.process_count > 1:  # every process must take the same path through each step
             hooks.listens = {kind: consistency.any_process(v) for kind, v in hooks.listens.items()}
-        run = {"batch_size": batch_size, "shuffle": "batch" if shuffle == "batch" else bool(shuffle), "seed": int(seed),
-               "steps_per_epoch": steps_per_epoch}
+        run: dict[str, Any] = {"batch_size": batch_size, "shuffle": "batch" if shuffle == "batch" else bool(shuffle),
+                               "seed": int(seed), "steps_per_epoch": steps_per_epoch}
+        if ckpt is not None:  # as configured now, before a resume or a callback changes them
+            run["hyperparameters"] = resume_lib.hyperparameters(held.value)
         start_epoch, start_batch, input_state = initial_epoch, 0, None
         training_logs: dict[str, float] = {}
         inputs = None if ckpt is None else source.track_position(self.strategy.process_count)

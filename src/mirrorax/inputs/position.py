@@ -10,12 +10,17 @@ replayed. Array inputs need none of this: their position is an index (``ArraySou
 from __future__ import annotations
 
 import base64
+import importlib
 import json
+import os
 import pickle
+import sys
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["InputState"]
+import numpy as np
+
+__all__ = ["ALLOW_PICKLE_ENV", "InputState", "UnsafeInputState", "check_loadable"]
 
 
 class InputState:
@@ -38,7 +43,7 @@ class InputState:
         self.iterable = iterable
         self.restored = False  # whether the last positioned iteration took the input's own state
         self._pending: tuple[int, dict[str, Any] | None] | None = None
-        self._states: dict[int, dict[str, Any]] = {}
+        self._states: dict[int, dict[str, Any] | None] = {}
 
     def __len__(self) -> int:
         return len(self.iterable)
@@ -79,7 +84,7 @@ class InputState:
             yield item
             index += 1
 
-    def _capture(self, it: Any, kind: str) -> dict[str, Any]:  # a grain iterator has get_state()
+    def _capture(self, it: Any, kind: str) -> dict[str, Any] | None:  # a grain iterator has get_state()
         raw = it.get_state() if kind == "grain" else self.iterable.state_dict()
         return _encode(kind, raw)
 
@@ -100,9 +105,25 @@ def _loader_state(loader: Any) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
-def _encode(kind: str, raw: Any) -> dict[str, Any]:
-    """A JSON form of an input's state: grain's bytes are JSON text; a ``state_dict`` that JSON
-    cannot carry exactly (tensors, int keys) is pickled."""
+# The opt-in that lets a checkpoint written by mirrorax <= 0.x (which pickled some input states) resume
+# with that state. Unpickling runs code chosen by whoever wrote the file, so it is never the default.
+ALLOW_PICKLE_ENV = "MIRRORAX_UNPICKLE_INPUT_STATE"
+_TAG = "__mirrorax__"  # marks a typed value in the "typed-json" encoding
+_ARRAY_KINDS = "biufc"  # numpy dtype kinds an array may have: bool, ints, floats, complex
+
+
+class UnsafeInputState(ValueError):
+    """A saved input state that could only be read by unpickling it (written by an older mirrorax)."""
+
+
+def _encode(kind: str, raw: Any) -> dict[str, Any] | None:
+    """A JSON form of an input's state, or ``None`` when it holds a value JSON cannot carry.
+
+    grain's bytes are JSON text. A ``state_dict`` that plain JSON cannot carry exactly (int keys,
+    tuples, bytes, numpy arrays, torch tensors) is stored as "typed-json": the same JSON with those
+    values tagged, rebuilt by :func:`_decode` without running any code from the checkpoint. Any other
+    value (an arbitrary object) is not saved: the resumed epoch replays the input instead.
+    """
     if isinstance(raw, bytes):
         try:
             return {"kind": kind, "encoding": "utf-8", "value": raw.decode("utf-8")}
@@ -113,7 +134,76 @@ def _encode(kind: str, raw: Any) -> dict[str, Any]:
             return {"kind": kind, "encoding": "json", "value": raw}
     except (TypeError, ValueError):
         pass
-    return {"kind": kind, "encoding": "pickle", "value": base64.b64encode(pickle.dumps(raw)).decode("ascii")}
+    try:
+        value = _to_typed(raw)
+    except TypeError:
+        return None
+    return {"kind": kind, "encoding": "typed-json", "value": value}
+
+
+def _to_typed(x: Any) -> Any:
+    if x is None or type(x) in (bool, int, float, str):
+        return x
+    if isinstance(x, dict):
+        if all(isinstance(k, str) for k in x) and _TAG not in x:
+            return {k: _to_typed(v) for k, v in x.items()}
+        return {_TAG: "dict", "items": [[_to_typed(k), _to_typed(v)] for k, v in x.items()]}
+    if isinstance(x, (list, tuple)):
+        items = [_to_typed(v) for v in x]
+        return items if type(x) is list else {_TAG: "tuple", "items": items}
+    if isinstance(x, bytes):
+        return {_TAG: "bytes", "value": base64.b64encode(x).decode("ascii")}
+    torch = sys.modules.get("torch")
+    is_tensor = torch is not None and isinstance(x, torch.Tensor)
+    if is_tensor or isinstance(x, (np.ndarray, np.generic)):
+        a = np.asarray(x.detach().cpu().numpy() if is_tensor else x)
+        if a.dtype.kind not in _ARRAY_KINDS:
+            raise TypeError(f"an array of dtype {a.dtype}")
+        a = a if a.flags.c_contiguous else a.copy()  # (ascontiguousarray makes a scalar 1-d)
+        return {_TAG: "torch" if is_tensor else "scalar" if isinstance(x, np.generic) else "ndarray",
+                "dtype": a.dtype.str, "shape": list(a.shape), "value": base64.b64encode(a.tobytes()).decode("ascii")}
+    raise TypeError(f"a value of type {type(x).__name__}")
+
+
+def _from_typed(x: Any) -> Any:
+    if isinstance(x, list):
+        return [_from_typed(v) for v in x]
+    if not isinstance(x, dict):
+        return x
+    tag = x.get(_TAG)
+    if tag is None:
+        return {k: _from_typed(v) for k, v in x.items()}
+    if tag == "dict":
+        return {_from_typed(k): _from_typed(v) for k, v in x["items"]}
+    if tag == "tuple":
+        return tuple(_from_typed(v) for v in x["items"])
+    if tag == "bytes":
+        return base64.b64decode(x["value"])
+    if tag in ("ndarray", "scalar", "torch"):
+        dtype = np.dtype(x["dtype"])
+        if dtype.kind not in _ARRAY_KINDS:
+            raise ValueError(f"a saved input state holds an array of dtype {dtype}, which mirrorax never writes")
+        a = np.frombuffer(base64.b64decode(x["value"]), dtype).reshape(x["shape"]).copy()
+        if tag == "scalar":
+            return a[()]
+        if tag == "torch":
+            torch = importlib.import_module("torch")  # the input asking for this state is a torch loader
+            return torch.from_numpy(a)
+        return a
+    raise ValueError(f"a saved input state holds a value tagged {tag!r}, which this mirrorax does not know")
+
+
+def check_loadable(saved: dict[str, Any]) -> None:
+    """Raises :class:`UnsafeInputState` for a state that only unpickling could read, unless the user
+    opted in (``MIRRORAX_UNPICKLE_INPUT_STATE=1``)."""
+    if saved.get("encoding") == "pickle" and os.environ.get(ALLOW_PICKLE_ENV, "") != "1":
+        raise UnsafeInputState(
+            "its input state is pickled (written by an older mirrorax), and unpickling a file runs code "
+            "chosen by whoever wrote it, so mirrorax does not load it. If you wrote this checkpoint "
+            f"yourself and trust the directory, set {ALLOW_PICKLE_ENV}=1 to load it once (the next "
+            "checkpoints are stored as JSON); otherwise resume from a checkpoint saved at an epoch's end, "
+            "or start fresh in a new checkpoint_dir"
+        )
 
 
 def _decode(saved: dict[str, Any]) -> Any:
@@ -122,6 +212,12 @@ def _decode(saved: dict[str, Any]) -> Any:
         return value.encode("utf-8")
     if encoding == "base64":
         return base64.b64decode(value)
+    if encoding == "typed-json":
+        return _from_typed(value)
     if encoding == "pickle":
-        return pickle.loads(base64.b64decode(value))  # noqa: S301 - written by this run's own checkpoint
-    return value
+        check_loadable(saved)
+        return pickle.loads(base64.b64decode(value))  # noqa: S301 - the user opted in, by name
+    if encoding == "json":
+        return value
+    raise ValueError(f"a saved input state has encoding {encoding!r}; this mirrorax reads "
+                     "'json', 'typed-json', 'utf-8' and 'base64'")

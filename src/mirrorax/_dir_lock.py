@@ -1,0 +1,131 @@
+"""One writer per checkpoint directory: a lock file naming the run that writes it.
+
+Two runs writing one directory corrupt each other's steps (Orbax renames, deletes for ``keep``, and
+both number their steps the same way). The writer holds ``<directory>/.mirrorax-lock``, a JSON record
+``{"host": ..., "pid": ..., "since": ...}`` created atomically (``O_CREAT | O_EXCL``); a second run is
+refused at the start with the owner's host and pid. A lock whose owner is a dead process of this host
+(a run killed with ``kill -9``, a crashed machine's reboot) is taken over with a warning. A lock of
+another host cannot be checked from here: the error says to delete the file if that run is over.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import errno
+import json
+import os
+import socket
+import threading
+
+__all__ = ["LOCK_NAME", "DirectoryLocked", "acquire", "release"]
+
+LOCK_NAME = ".mirrorax-lock"
+
+_held: dict[str, int] = {}  # lock path -> Checkpointers of this process holding it
+_guard = threading.Lock()
+
+
+class DirectoryLocked(RuntimeError):
+    """The directory is locked by another live run (the message names its host and pid)."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _read(path: str) -> dict[str, object]:
+    try:
+        with open(path) as fh:
+            record = json.load(fh)
+        return record if isinstance(record, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _create(path: str) -> bool:
+    """Creates the lock file for this process; ``False`` if it exists."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "since": stamp}, fh)
+    return True
+
+
+def acquire(directory: str) -> str | None:
+    """Takes the lock of ``directory`` for this process.
+
+    Returns ``None``, or a sentence to warn with when a stale lock (its owner is a dead process of
+    this host) was taken over. Re-entrant within a process (a second Checkpointer of the same run).
+
+    Raises:
+        DirectoryLocked: another live process holds it (or one of another host, which cannot be
+            checked).
+    """
+    path = os.path.join(directory, LOCK_NAME)
+    with _guard:
+        if _held.get(path):
+            _held[path] += 1
+            return None
+        taken_over = None
+        for _ in range(3):  # another run may take a stale lock over at the same moment
+            if _create(path):
+                _held[path] = 1
+                return taken_over
+            owner = _read(path)
+            host, pid = owner.get("host"), owner.get("pid")
+            here = host == socket.gethostname()
+            if here and pid == os.getpid():  # left by this process (a Checkpointer never closed)
+                _held[path] = 1
+                return None
+            if here and isinstance(pid, int) and not _alive(pid):
+                try:
+                    os.remove(path)
+                except FileNotFoundError:
+                    pass
+                taken_over = (f"Took over the lock of checkpoint directory {directory}: its owner, process "
+                              f"{pid} on this host ({host}), is no longer running.")
+                continue
+            if not owner and not os.path.exists(path):
+                continue  # released meanwhile
+            raise DirectoryLocked(
+                f"Checkpoint directory {directory} is in use by another run (process {pid} on host {host}, "
+                f"since {owner.get('since')}; lock file {path}). Two runs writing one directory overwrite "
+                "each other's checkpoints. Wait for that run to end, give this run its own checkpoint_dir, "
+                f"or, if that run is over (e.g. its host crashed), delete {path}."
+            )
+        raise DirectoryLocked(f"Could not take the lock {path}: other runs keep taking it. Retry.")
+
+
+def release(directory: str) -> None:
+    """Gives back this process's hold on the lock of ``directory`` (the file goes with the last)."""
+    path = os.path.join(directory, LOCK_NAME)
+    with _guard:
+        count = _held.get(path, 0)
+        if count > 1:
+            _held[path] = count - 1
+            return
+        _held.pop(path, None)
+        if count and _read(path).get("pid") == os.getpid():
+            try:
+                os.remove(path)
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    raise
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """A process that ends without closing its Checkpointer (``sys.exit`` in a script) leaves no lock."""
+    for path in list(_held):
+        _held[path] = 1
+        release(os.path.dirname(path))
