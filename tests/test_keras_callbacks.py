@@ -125,18 +125,8 @@ def test_reduce_lr_on_plateau_gives_the_same_rate_sequence_and_weights():
     assert_weights_close(model, ref, RTOL, ATOL)
 
 
-def test_learning_rate_scheduler_reaches_the_jitted_step():
-    x, y, _, _ = _data()
-    ref, model = _pair(optimizer="sgd", lr=0.1)
-    for m in (ref, model):
-        schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.4 * 0.5 ** epoch)
-        m.fit(x, y, epochs=4, callbacks=[schedule], **FIT)
-    assert float(np.asarray(model.optimizer.learning_rate)) == pytest.approx(0.05)
-    assert_weights_close(model, ref, RTOL, ATOL)
-    # With the rate the schedule set ignored, the weights would differ: the check has teeth.
-    plain = _build(optimizer="sgd", lr=0.1)
-    plain.fit(x, y, epochs=4, **FIT)
-    assert not np.allclose(plain.get_weights()[0], model.get_weights()[0], rtol=RTOL, atol=ATOL)
+# LearningRateScheduler: test_keras_callbacks_write.py checks the rate at each epoch start and the weights
+# after each epoch against Keras's, alone (1 device) and in every pair (4 devices).
 
 
 def test_terminate_on_nan_stops_at_the_same_batch_as_keras():

@@ -4,7 +4,7 @@ Every Keras callback that writes optimizer or model values (``LearningRateSchedu
 ``ReduceLROnPlateau``, ``EarlyStopping(restore_best_weights=True)``, ``SwapEMAWeights``,
 ``BackupAndRestore``, ``TerminateOnNaN``, a ``LambdaCallback`` calling ``set_weights`` and
 ``learning_rate.assign``, a callback doing the same through ``Callback.model`` at batch ends) alone
-and in every pair, under a scope of 1, 3 or 4 devices against plain Keras: the learning rate at each
+alone under a scope of 1 device and in every pair under 4 devices, against plain Keras: the learning rate at each
 epoch start, the weights at each epoch end, the History and the final weights, rtol 1e-4. Also: the
 order of every batch hook (train, test, predict, with ``steps_per_execution`` 1 and 3), and the layout
 of the variables after any assignment.
@@ -176,11 +176,13 @@ def test_scheduler_after_plateau_keeps_both_changes():
     np.testing.assert_allclose(rates[1], rates[0], rtol=1e-6)
 
 
+# Each kind alone on one device (a mesh of one: nothing to mirror), and in every pair on 4 devices: every
+# kind runs on several devices in 7 pairs. (Alone on 3 devices repeated the pairs' code path: the same
+# 4 full batches, 8 rows a device instead of 6, nothing padded.)
 @pytest.mark.slow
-@pytest.mark.parametrize("devices", [1, 3])
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_each_writing_callback_alone(kind, devices, tmp_path, tmp_path_factory):
-    got, want = _run_both((kind,), devices, tmp_path, tmp_path_factory)
+def test_each_writing_callback_alone(kind, tmp_path, tmp_path_factory):
+    got, want = _run_both((kind,), 1, tmp_path, tmp_path_factory)
     _assert_same_run(got, want)
 
 

@@ -72,21 +72,6 @@ def test_trained_weights_written_back_and_model_saves(tmp_path):
     assert_weights_close(again, ref, 1e-5, 1e-5)
 
 
-@pytest.mark.slow  # trains to a stop; tests/test_keras_callbacks.py checks it against Keras
-def test_keras_callbacks_early_stopping():
-    x, y, _, _ = flat_digits(64)
-    model = dense()
-    seen = []
-
-    class Record(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            seen.append((epoch, round(logs["loss"], 6)))
-
-    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=100.0)
-    hist = mx.Trainer(model, strategy(2)).fit(x, y, batch_size=16, epochs=10, callbacks=[Record(), stop], verbose=0)
-    assert len(hist.epoch) == 2 and [e for e, _ in seen] == [0, 1]
-
-
 @pytest.mark.slow  # Keras and mirrorax training side by side
 def test_sequence_model_per_timestep_loss_matches_keras():
     """Targets of shape (batch, time): the padding weights must broadcast over time steps."""

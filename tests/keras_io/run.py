@@ -6,6 +6,8 @@ Usage (from the repository root)::
     PYTHONPATH=$PWD/src python tests/keras_io/run.py vae_subclassing  # some of them
     PYTHONPATH=$PWD/src python tests/keras_io/run.py --list
     PYTHONPATH=$PWD/src python tests/keras_io/run.py --no-shuffle NAME  # diagnosis: shuffle=False in both
+    PYTHONPATH=$PWD/src python tests/keras_io/run.py --record         # re-record plain Keras's outcomes
+    PYTHONPATH=$PWD/src python tests/keras_io/run.py --fresh NAME     # run plain Keras even if recorded
 
 Each program is a module here (``tests/keras_io/<name>.py``) copied from keras-team/keras-io with its
 model-building and compile code verbatim; only its data (small, learnable, seeded synthetic arrays), its
@@ -16,7 +18,17 @@ Every program runs twice, side by side, each in a fresh process with 4 simulated
 ``keras.utils.set_random_seed(SEED)``: plain Keras (``strategy_scope`` is a no-op) and under
 ``mx.MirroredStrategy(devices=jax.devices()[:4]).scope()``. Every number the program returns (History,
 weights, evaluate, predict) must agree: ``|scoped - plain| <= RTOL * |plain| + ATOL`` elementwise, with
-the same keys and shapes. The table lists ``name | status | max abs | max rel | seconds``; max rel is
+the same keys and shapes.
+
+Plain Keras is the reference, and for a given program, seed and versions it is deterministic: its
+outcome is recorded in ``expected/<name>.npz`` (the arrays) and ``expected/<name>.json`` (the keras,
+jax, jaxlib and numpy versions, the program's source digest, the seed and the device count it was made
+with). A run then starts only the scoped process and compares it with the record, when the record's key
+equals the current one; otherwise (another Keras, an edited program) it runs plain Keras too, as
+before, and never compares with a stale record. ``--record`` makes the records: it runs each program's
+plain side twice, in two fresh processes, and writes the record only if the two agree bit for bit.
+
+The table lists ``name | status | max abs | max rel | seconds``; max rel is
 over the elements whose plain value exceeds ATOL in magnitude. Exit status 1 when a program that is not
 in ``EXPECTED_FAILURES`` fails or differs.
 """
@@ -26,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
@@ -48,6 +61,8 @@ RTOL = 1e-4
 ATOL = 1e-6
 TIMEOUT_S = 600
 _NO_SHUFFLE = "KERAS_IO_DIAGNOSE_NO_SHUFFLE"
+EXPECTED = HERE / "expected"
+RECORD_COMMAND = "PYTHONPATH=$PWD/src python tests/keras_io/run.py --record"
 
 # Programs that cannot match yet, with the issue-17 item that breaks them. The lead empties this after
 # merging the fixes; a listed program that matches is reported as XPASS (and fails its pytest test).
@@ -57,6 +72,57 @@ EXPECTED_FAILURES: dict[str, str] = {}
 def programs() -> list[str]:
     """The names of the battery's programs: every module here but the runner."""
     return sorted(p.stem for p in HERE.glob("*.py") if p.stem not in ("run", "__init__"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Records of plain Keras's outcomes.
+
+
+def record_key(name: str) -> dict[str, Any]:
+    """What plain Keras's outcome of ``name`` depends on: a record made under another key is stale."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(package: str) -> str | None:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return None
+
+    source = (HERE / f"{name}.py").read_bytes()
+    # TensorFlow, when installed, can serve Keras's data handling: its version is part of the key too.
+    tensorflow = installed("tensorflow") or installed("tensorflow-cpu")
+    return {**{p: installed(p) for p in ("keras", "jax", "jaxlib", "numpy")}, "tensorflow": tensorflow,
+            "source_sha256": hashlib.sha256(source).hexdigest(), "seed": SEED, "num_devices": NUM_DEVICES,
+            "xla_flags": _xla_flags()}
+
+
+def stale_fields(name: str) -> list[str]:
+    """The key fields in which ``name``'s record differs from now (["no record"] when there is none)."""
+    meta_file = EXPECTED / f"{name}.json"
+    if not meta_file.exists() or not (EXPECTED / f"{name}.npz").exists():
+        return ["no record"]
+    recorded = json.loads(meta_file.read_text()).get("key", {})
+    current = record_key(name)
+    return [f"{k}: recorded {recorded.get(k)!r}, now {v!r}" for k, v in current.items() if recorded.get(k) != v]
+
+
+def load_record(name: str) -> dict[str, np.ndarray]:
+    with np.load(EXPECTED / f"{name}.npz") as data:
+        return {k.replace("|", "/"): data[k] for k in data.files}
+
+
+def _save_arrays(path: str, arrays: dict[str, np.ndarray]) -> None:
+    np.savez(path, **{k.replace("/", "|"): v for k, v in arrays.items()})
+
+
+def identical(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[str]:
+    """The keys whose arrays are not bit-for-bit equal (NaN equal to NaN), or present in only one."""
+    differ = sorted(a.keys() ^ b.keys())
+    for key in sorted(a.keys() & b.keys()):
+        x, y = a[key], b[key]
+        if x.shape != y.shape or x.dtype != y.dtype or not np.array_equal(x, y, equal_nan=True):
+            differ.append(key)
+    return differ
 
 
 # --------------------------------------------------------------------------------------------------
@@ -126,7 +192,7 @@ def _worker(name: str, mode: str, out_file: str) -> None:
         result = module.program(scope)
         arrays: dict[str, np.ndarray] = {}
         _flatten(result, "", arrays)
-        np.savez(out_file + ".npz", **{k.replace("/", "|"): v for k, v in arrays.items()})
+        _save_arrays(out_file + ".npz", arrays)
         record["ok"] = True
     except BaseException as exc:  # noqa: B036 - the parent reports any failure, even SystemExit
         record["ok"] = False
@@ -149,19 +215,26 @@ class Outcome:
     max_rel: float = float("nan")
     seconds: float = 0.0
     detail: str = ""
+    reference: str = "plain run"  # or "record": what the scoped outcome was compared with
 
     @property
     def ok(self) -> bool:
         return self.status in ("match", "xfail")
 
 
-def _start(name: str, mode: str, tmp: Path) -> tuple[subprocess.Popen[str], str]:
-    out = str(tmp / f"{name}.{mode}")
+def _xla_flags() -> str:
+    """The workers' ``XLA_FLAGS``: the caller's, with LLVM's expensive passes off as in tests/conftest.py
+    (compile time only; the numbers are unchanged)."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_llvm_disable_expensive_passes" not in flags:  # as tests/conftest.py: compile time only
+    if "xla_llvm_disable_expensive_passes" not in flags:
         flags = f"{flags} --xla_llvm_disable_expensive_passes=true".strip()
+    return flags
+
+
+def _start(name: str, mode: str, tmp: Path, tag: str = "") -> tuple[subprocess.Popen[str], str]:
+    out = str(tmp / f"{name}.{mode}{tag}")
     env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(NUM_DEVICES),
-               XLA_FLAGS=flags)
+               XLA_FLAGS=_xla_flags())
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, mode, out]
     log = open(out + ".log", "w")  # noqa: SIM115 - closed by _finish, once the process has ended
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -216,35 +289,73 @@ def compare(plain: dict[str, np.ndarray], scoped: dict[str, np.ndarray]) -> tupl
     return max_abs, max_rel, problems
 
 
-def run_program(name: str, tmp: Path | None = None) -> Outcome:
-    """Runs ``name`` plain and scoped in fresh processes and compares what they return."""
+def run_program(name: str, tmp: Path | None = None, *, fresh: bool = False) -> Outcome:
+    """Runs ``name`` under the scope in a fresh process and compares it with plain Keras's outcome.
+
+    Plain Keras's outcome is its record when that is current (``stale_fields`` is empty) and ``fresh``
+    is false; otherwise plain Keras runs too, in a fresh process beside the scoped one.
+    """
+    use_record = not fresh and not stale_fields(name)
     with contextlib.ExitStack() as stack:
         if tmp is None:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="keras_io_")))
         # The two processes run side by side: each compiles mostly on one core.
         started = time.monotonic()
-        plain_proc, scoped_proc = _start(name, "plain", tmp), _start(name, "scoped", tmp)
-        plain_rec, plain = _finish(*plain_proc, started + TIMEOUT_S)
+        plain_proc = None if use_record else _start(name, "plain", tmp)
+        scoped_proc = _start(name, "scoped", tmp)
+        if plain_proc is None:
+            plain_rec, plain = {"ok": True}, load_record(name)
+        else:
+            plain_rec, plain = _finish(*plain_proc, started + TIMEOUT_S)
         scoped_rec, scoped = _finish(*scoped_proc, started + TIMEOUT_S)
         seconds = time.monotonic() - started
+    reference = "record" if use_record else "plain run"
     expected = EXPECTED_FAILURES.get(name)
     if not plain_rec["ok"]:
-        return Outcome(name, "FAIL-plain", seconds=seconds, detail=plain_rec["error"])
+        return Outcome(name, "FAIL-plain", seconds=seconds, detail=plain_rec["error"], reference=reference)
     if not scoped_rec["ok"]:
         status = "xfail" if expected else "FAIL-scoped"
-        return Outcome(name, status, seconds=seconds, detail=scoped_rec["error"])
+        return Outcome(name, status, seconds=seconds, detail=scoped_rec["error"], reference=reference)
     max_abs, max_rel, problems = compare(plain, scoped)
     if problems:
         status = "xfail" if expected else "DIFFER"
     else:
         status = "XPASS" if expected else "match"
     detail = "\n".join(problems[:12]) if problems else (f"listed in EXPECTED_FAILURES: {expected}" if expected else "")
-    return Outcome(name, status, max_abs, max_rel, seconds, detail)
+    return Outcome(name, status, max_abs, max_rel, seconds, detail, reference)
+
+
+def record_program(name: str, tmp: Path | None = None) -> str:
+    """Runs ``name``'s plain side twice, in two fresh processes, and records it if both agree bit for bit.
+
+    Returns a line for the log; raises ``RuntimeError`` when a run fails or the two differ (nothing is
+    written then: a program whose plain outcome does not repeat cannot be compared with a record).
+    """
+    with contextlib.ExitStack() as stack:
+        if tmp is None:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="keras_io_")))
+        started = time.monotonic()
+        first, second = _start(name, "plain", tmp), _start(name, "plain", tmp, tag="-again")
+        (rec_a, a), (rec_b, b) = _finish(*first, started + TIMEOUT_S), _finish(*second, started + TIMEOUT_S)
+    for rec in (rec_a, rec_b):
+        if not rec["ok"]:
+            raise RuntimeError(f"{name}: plain Keras failed, nothing recorded:\n{rec['error']}")
+    differ = identical(a, b)
+    if differ:
+        raise RuntimeError(f"{name}: two plain runs differ in {differ[:8]}: its outcome does not repeat, "
+                           "so it cannot be recorded; make the program deterministic (seeds) first")
+    EXPECTED.mkdir(exist_ok=True)
+    _save_arrays(str(EXPECTED / f"{name}.npz"), a)
+    meta = {"key": record_key(name), "arrays": len(a), "plain_seconds": round(rec_a["seconds"], 1),
+            "regenerate": f"{RECORD_COMMAND} {name}"}
+    (EXPECTED / f"{name}.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    return f"{name}: recorded {len(a)} arrays, identical in two fresh processes ({rec_a['seconds']:.1f} s)"
 
 
 def table(outcomes: list[Outcome]) -> str:
-    lines = ["name | status | max abs | max rel | seconds", "--- | --- | --- | --- | ---"]
-    lines += [f"{o.name} | {o.status} | {o.max_abs:.2e} | {o.max_rel:.2e} | {o.seconds:.1f}" for o in outcomes]
+    lines = ["name | status | max abs | max rel | seconds | plain Keras", "--- | --- | --- | --- | --- | ---"]
+    lines += [f"{o.name} | {o.status} | {o.max_abs:.2e} | {o.max_rel:.2e} | {o.seconds:.1f} | {o.reference}"
+              for o in outcomes]
     return "\n".join(lines)
 
 
@@ -258,9 +369,14 @@ def main() -> int:
     p.add_argument("--out", help="keep each run's log, record and arrays in this folder")
     p.add_argument("--no-shuffle", action="store_true",
                    help="diagnosis: every fit with shuffle=False in both modes (not the battery)")
+    p.add_argument("--record", action="store_true",
+                   help="run plain Keras twice per program and record its outcome in expected/")
+    p.add_argument("--fresh", action="store_true", help="run plain Keras even where a current record exists")
     args = p.parse_args()
     if args.no_shuffle:
         os.environ[_NO_SHUFFLE] = "1"
+    if args.no_shuffle and args.record:
+        p.error("--record records the battery as written; it cannot be combined with --no-shuffle")
     if args.list:
         print("\n".join(programs()))
         return 0
@@ -271,9 +387,18 @@ def main() -> int:
     tmp = Path(args.out) if args.out else None
     if tmp:
         tmp.mkdir(parents=True, exist_ok=True)
+    if args.record:
+        failed = 0
+        for name in names:
+            try:
+                print(record_program(name, tmp), flush=True)
+            except RuntimeError as exc:
+                failed += 1
+                print(exc, flush=True)
+        return 1 if failed else 0
     outcomes = []
     for name in names:
-        outcome = run_program(name, tmp)
+        outcome = run_program(name, tmp, fresh=args.fresh or args.no_shuffle)
         outcomes.append(outcome)
         print(f"{name}: {outcome.status} ({outcome.seconds:.1f} s)", flush=True)
         if outcome.detail:
