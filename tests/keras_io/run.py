@@ -89,9 +89,12 @@ def record_key(name: str) -> dict[str, Any]:
             return None
 
     source = (HERE / f"{name}.py").read_bytes()
-    # TensorFlow, when installed, can serve Keras's data handling: its version is part of the key too.
-    tensorflow = installed("tensorflow") or installed("tensorflow-cpu")
-    return {**{p: installed(p) for p in ("keras", "jax", "jaxlib", "numpy")}, "tensorflow": tensorflow,
+    # TensorFlow is not in the key: no program here uses it (tf.data, tf ops), and with it installed or not
+    # plain Keras gives the same bits (checked on training_guide_endpoint and writing_callbacks with
+    # `import tensorflow` made to fail). A program that imports it keys on its version.
+    uses_tf = b"tensorflow" in source
+    tensorflow = {"tensorflow": installed("tensorflow") or installed("tensorflow-cpu")} if uses_tf else {}
+    return {**{p: installed(p) for p in ("keras", "jax", "jaxlib", "numpy")}, **tensorflow,
             "source_sha256": hashlib.sha256(source).hexdigest(), "seed": SEED, "num_devices": NUM_DEVICES,
             "xla_flags": _xla_flags()}
 
