@@ -21,8 +21,9 @@ import signal
 import threading
 from typing import Any
 
-__all__ = ["beat", "start", "joined", "read", "describe", "leaving", "exit_code_mid_training", "WATCHED",
-           "PROGRESS_DIR_ENV", "LAUNCHER_PID_ENV", "JOINING", "IDLE", "INPUT", "STEP", "HOOKS", "COMPILING", "EXITING"]
+__all__ = ["beat", "start", "joined", "read", "describe", "leaving", "exit_code_mid_training", "waiting_for_peers",
+           "WATCHED", "WAITING", "PROGRESS_DIR_ENV", "LAUNCHER_PID_ENV", "JOINING", "IDLE", "INPUT", "STEP",
+           "HOOKS", "PEERS", "COMPILING", "EXITING"]
 
 PROGRESS_DIR_ENV = "MIRRORAX_PROGRESS_DIR"
 LAUNCHER_PID_ENV = "MIRRORAX_LAUNCHER_PID"
@@ -35,9 +36,12 @@ COMPILING = "compiling"  # compiling a step: not watched (a large model compiles
 INPUT = "input"  # reading the next batch from the input (the user's generator or dataset)
 STEP = "step"  # waiting for a step on the devices, and so for its peers in the collectives
 HOOKS = "hooks"  # in a batch callback or hook (Keras callbacks, checkpoint saves, progress)
+PEERS = "peers"  # waiting for its peers to agree (mirrorax.consistency, through the coordination service)
 EXITING = "exiting"  # the script ended (or sys.exit): at the exit barrier, waiting for the others
 #: Phases in which a process should move on within the watchdog's bound.
-WATCHED = frozenset({JOINING, INPUT, STEP, HOOKS})
+WATCHED = frozenset({JOINING, INPUT, STEP, HOOKS, PEERS})
+#: Phases that wait for the other processes: on a tie, the rank named is one not in these.
+WAITING = frozenset({STEP, PEERS})
 
 _WORDS = {
     None: "never joined the job (it did not reach mx.MirroredStrategy() or mx.initialize())",
@@ -47,6 +51,7 @@ _WORDS = {
     INPUT: "was reading its next batch from the input (the input pipeline or generator did not return)",
     STEP: "was waiting for a step to finish (on its devices and its peers)",
     HOOKS: "was in a batch callback or hook (a Keras callback, a checkpoint save or the progress line)",
+    PEERS: "was waiting for the other processes to agree (on a callback's request to stop, or a check)",
     EXITING: "was exiting (its script ended or called sys.exit) while the others were still training",
 }
 
@@ -61,6 +66,17 @@ def beat(phase: str) -> None:
     global _count, _phase
     _count += 1
     _phase = phase
+
+
+class waiting_for_peers:
+    """``with waiting_for_peers():`` the process waits for the others (then back to where it was)."""
+
+    def __enter__(self) -> None:
+        self.phase = _phase
+        beat(PEERS)
+
+    def __exit__(self, *exc: object) -> None:
+        beat(self.phase)
 
 
 def leaving(code: Any) -> None:

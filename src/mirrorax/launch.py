@@ -429,7 +429,7 @@ class _Progress:
     that left first. *Stuck*: no rank moved for ``bound`` seconds and one waits in a watched phase: the rank
     furthest behind (fewest beats; on a tie one not waiting in a step), since the others wait for it in a
     collective. Phases that legitimately take long (compiling, the script's own code outside fit) are not
-    watched, so a group in which every rank is there is never stuck.
+    watched: a group in which every rank is there, or in which one rank compiles, is never stuck.
     """
 
     def __init__(self, directory: str, nprocs: int, bound: float) -> None:
@@ -463,8 +463,9 @@ class _Progress:
             return rank, (f"{how} while rank(s) {others} still waited for it in a step (for "
                           f"{now - gone[0][0]:.0f} s)")
         if live and all(now - self.changed[r] >= self.bound for r in live) and \
-                any(self.phase(r) in _watchdog.WATCHED for r in live):
-            rank = min(live, key=lambda r: (self.count(r), self.phase(r) == _watchdog.STEP, r))
+                any(self.phase(r) in _watchdog.WATCHED for r in live) and \
+                not any(self.phase(r) == _watchdog.COMPILING for r in live):  # compiling ends by itself
+            rank = min(live, key=lambda r: (self.count(r), self.phase(r) in _watchdog.WAITING, r))
             return rank, (f"made no progress for {now - self.changed[rank]:.0f} s: it "
                           f"{_watchdog.describe(self.phase(rank))}, and the others waited for it "
                           f"(--watchdog {self.bound:g})")
