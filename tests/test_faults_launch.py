@@ -160,3 +160,38 @@ def test_a_rank_gone_while_another_waits_is_named_after_the_settle_time(tmp_path
     clock[0] += launch_lib.EXIT_SETTLE_SECONDS
     rank, why = progress.check([None, 0])
     assert rank == 1 and why.startswith("exited (status 0) while rank(s) 0 still waited for it"), why
+
+
+# -- one process: signals while fit builds, compiles and saves -------------------------------------------------
+
+def _signals(tmp_path, mode: str) -> tuple[int, str]:
+    proc = subprocess.run(python(str(SCRIPTS / "signals_single.py"), mode, str(tmp_path / "ckpt")),
+                          env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=200)
+    return proc.returncode, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_sigterm_while_fit_compiles_stops_at_the_first_step_with_a_checkpoint(tmp_path):
+    code, out = _signals(tmp_path, "build")
+    assert code == 143 and "mirrorax: preempted (SIGTERM): saved checkpoint step 1 " in out, (code, out[-3000:])
+    assert "ENTRIES 1\n" in out, out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_second_sigterm_while_the_checkpoint_is_written_keeps_it(tmp_path):
+    code, out = _signals(tmp_path, "second")
+    assert "sending SIGTERM again while the checkpoint is written" in out, out[-3000:]
+    assert code == 143 and "mirrorax: preempted (SIGTERM): saved checkpoint step 3 " in out, (code, out[-3000:])
+    assert "ENTRIES 3\n" in out, out[-3000:]  # committed, and no temporary directory left
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_ctrl_c_mid_epoch_saves_and_says_so(tmp_path):
+    code, out = _signals(tmp_path, "sigint")
+    assert code == 0 and "INTERRUPTED mirrorax: interrupted (Ctrl-C): saved checkpoint step 3 (epoch 1, batch 3)" \
+        in out, (code, out[-3000:])
+    assert "status 143" not in out and "ENTRIES 3\n" in out, out[-3000:]

@@ -368,7 +368,9 @@ class Trainer:
         if stopped is not None:
             # Said only now that the checkpoint is on disk (close waited for the write).
             if watch.interrupted:  # Ctrl-C on one process: stopped (and saved) like a preemption
-                message = stopped.message.replace("preempted (SIGTERM)", "interrupted (Ctrl-C)")
+                message = (stopped.message.replace("preempted (SIGTERM)", "interrupted (Ctrl-C)")
+                           .replace(f"; exiting with status {preemption.PREEMPTED_EXIT_CODE}", "")
+                           .replace(" on SIGTERM", " on Ctrl-C"))
                 preemption.announce(message, self.strategy.is_primary)
                 raise KeyboardInterrupt(message)
             preemption.announce(stopped.message, self.strategy.is_primary)
