@@ -195,3 +195,4 @@ def test_ctrl_c_mid_epoch_saves_and_says_so(tmp_path):
     assert code == 0 and "INTERRUPTED mirrorax: interrupted (Ctrl-C): saved checkpoint step 3 (epoch 1, batch 3)" \
         in out, (code, out[-3000:])
     assert "status 143" not in out and "ENTRIES 3\n" in out, out[-3000:]
+    assert "mirrorax: Ctrl-C: stopping after this step" in out, out[-3000:]  # said at once, not only at the end

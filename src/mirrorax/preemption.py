@@ -31,6 +31,7 @@ How the processes agree on the step:
 from __future__ import annotations
 
 import itertools
+import os
 import signal
 import sys
 import threading
@@ -152,6 +153,11 @@ class Watch:
         self.received = self.interrupted = True
         if self._previous_int is not None:
             signal.signal(signal.SIGINT, self._previous_int)
+        try:  # os.write: safe in a handler (print may re-enter a buffered stream)
+            os.write(2, b"\nmirrorax: Ctrl-C: stopping after this step (with a checkpoint if fit has a "
+                        b"checkpoint_dir); press Ctrl-C again to interrupt at once.\n")
+        except OSError:
+            pass
 
     # -- per step ------------------------------------------------------------------------------
     def reached(self) -> bool:
