@@ -219,11 +219,15 @@ def test_a_child_that_outlives_the_grace_period_is_killed_and_named(tmp_path):
 
 
 def test_a_second_signal_cuts_the_grace_period_short(tmp_path):
+    # A second SIGTERM keeps the grace period (a checkpoint being written is finished); Ctrl-C cuts it.
     proc = _start_launcher(tmp_path, "signal.signal(signal.SIGTERM, signal.SIG_IGN)", "--grace", "30")
     start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     time.sleep(1.0)
     proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 137 and time.monotonic() - start < 15, (proc.returncode, out)
     assert "rank 0 was still running at the second signal: killed" in out, out

@@ -22,6 +22,7 @@ import types
 from typing import Any
 
 import mirrorax._output as _output
+import mirrorax._watchdog as _watchdog
 
 __all__ = ["install", "uninstall", "die", "FAILURE_KEY", "POLL_SECONDS"]
 
@@ -57,8 +58,11 @@ def install(client: Any, process_id: int, num_processes: int) -> None:
 
     def excepthook(kind: type[BaseException], value: BaseException, tb: types.TracebackType | None) -> None:
         previous(kind, value, tb)
-        stop.set()
         summary = f"{kind.__name__}: {value}".splitlines()[0][:300] if str(value) else kind.__name__
+        leave(summary, 1)
+
+    def leave(summary: str, code: int) -> None:
+        stop.set()
         first = _publish(client, f"{process_id}|{summary}")
         cause = ""
         if first is not None and not first.startswith(f"{process_id}|"):
@@ -68,7 +72,7 @@ def install(client: Any, process_id: int, num_processes: int) -> None:
             # Process 0 hosts the service: stay a moment so that the others can read the key.
             threading.Event().wait(POLL_SECONDS * 1.5)
         die(f"mirrorax: process {process_id} of {num_processes} failed with {summary}; leaving now so "
-            f"that the other processes stop too.{cause}")
+            f"that the other processes stop too.{cause}", code)
 
     def watch() -> None:
         while not stop.wait(POLL_SECONDS):
@@ -83,10 +87,10 @@ def install(client: Any, process_id: int, num_processes: int) -> None:
 
     watcher = threading.Thread(target=watch, name="mirrorax-failure-watch", daemon=True)
     sys.excepthook = excepthook
-    _state.update(stop=stop, previous=previous, hook=excepthook, watcher=watcher)
+    _state.update(stop=stop, previous=previous, hook=excepthook, watcher=watcher, leave=leave)
     watcher.start()
     # Runs before JAX's own exit handler (registered earlier), which shuts the client down.
-    atexit.register(_stop_watcher)
+    atexit.register(_at_exit)
 
 
 def uninstall() -> None:
@@ -95,6 +99,17 @@ def uninstall() -> None:
     if _state and sys.excepthook is _state["hook"]:
         sys.excepthook = _state["previous"]
     _state.clear()
+
+
+def _at_exit() -> None:
+    """At exit: a process leaving by ``sys.exit`` from inside the training loop, while its peers wait
+    for it in a step, tells them and leaves at once with its status (JAX's exit barrier would wait for
+    them for ``shutdown_timeout``, and they for it until the heartbeat timeout)."""
+    code = _watchdog.exit_code_mid_training()
+    if code is not None and _state:
+        status = code if isinstance(code, int) else 1
+        _state["leave"](f"SystemExit({code!r}) inside the training loop (exit status {status})", status)
+    _stop_watcher()
 
 
 def _stop_watcher() -> None:

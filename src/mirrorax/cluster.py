@@ -44,6 +44,7 @@ import jax
 import mirrorax._discovery as _discovery
 import mirrorax._failure as _failure
 import mirrorax._output as _output
+import mirrorax._watchdog as _watchdog
 from mirrorax._checks import check_int
 from mirrorax._discovery import ClusterError, ClusterInfo, accelerators_present, job_from_env, private_jax
 from mirrorax.preemption import PREEMPTED_EXIT_CODE  # (kept here too: mx.cluster.PREEMPTED_EXIT_CODE)
@@ -188,7 +189,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         if jax.config.jax_cpu_collectives_implementation is None:  # type: ignore[attr-defined]
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         bind = resolve_bind_address(info.coordinator_address, coordinator_bind_address)
+        _watchdog.start(info.process_id)  # mirrorax launch's watchdog: this process is joining
         _connect(info, initialization_timeout, shutdown_timeout_seconds, bind)
+        _watchdog.joined()
         _info = info
         _quiet_collectives(info)
         client = coordination_client()

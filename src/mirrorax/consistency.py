@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from mirrorax._host import host_value
+from mirrorax._watchdog import waiting_for_peers
 from mirrorax.cluster import coordination_client
 
 __all__ = ["broadcast_from_primary", "any_process", "check_replicas", "ReplicaMismatchError", "debug_checks"]
@@ -97,10 +98,11 @@ def any_process(flag: bool, timeout_s: float = 300.0) -> bool:
     r = next(_round)
     client.key_value_set(f"mirrorax/agree/{r}/{pid}", "1" if flag else "0")
     result = bool(flag)
-    for other in range(n):
-        if other != pid:
-            value = client.blocking_key_value_get(f"mirrorax/agree/{r}/{other}", int(timeout_s * 1000))
-            result = result or value == "1"
+    with waiting_for_peers():  # for mirrorax launch's watchdog: a rank late here is not the one stuck
+        for other in range(n):
+            if other != pid:
+                value = client.blocking_key_value_get(f"mirrorax/agree/{r}/{other}", int(timeout_s * 1000))
+                result = result or value == "1"
     # Every process has read round r-1's keys before it wrote round r's (it finished round r-1), and
     # we have read everyone's round r: this process's round r-1 key is no longer needed by anyone.
     for key in _previous_key:

@@ -8,7 +8,11 @@ Each child gets ``MIRRORAX_COORDINATOR=127.0.0.1:<free port>``, ``MIRRORAX_NUM_P
 the others (SIGTERM to each child's process group, SIGKILL after a grace period), prints which rank
 failed and the last lines it wrote, and returns non-zero; ``--max-restarts`` restarts the whole group
 instead. SIGTERM to the launcher (preemption) is forwarded to every child, which then has ``--grace``
-seconds to save and exit; Ctrl-C sends SIGINT. See :func:`launch` for the exit status.
+seconds to save and exit (a second SIGTERM changes nothing); Ctrl-C sends SIGINT. A watchdog reads each
+child's progress (:mod:`mirrorax._watchdog`): no progress for ``--watchdog`` seconds ends the group,
+naming the rank furthest behind with its Python stack; a rank that exits while the others wait for it
+ends the group within seconds. Children die with the launcher (``PR_SET_PDEATHSIG``). See
+:func:`launch` for the exit status.
 
 Example:
   $ mirrorax launch --nprocs 2 --cpu-devices-per-proc 4 -- python train.py --epochs 3
@@ -18,17 +22,21 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence, Set
 from typing import IO, Any
 
+import mirrorax._watchdog as _watchdog
 from mirrorax._checks import check_int
 from mirrorax._discovery import accelerators_present
 from mirrorax._output import ChatterFilter, verbose
@@ -40,6 +48,14 @@ TAIL_LINES = 20
 SETTLE_SECONDS = 2.0
 INTERRUPT_GRACE_SECONDS = 5.0
 TERM_GRACE_SECONDS = 30.0
+#: The default of ``--watchdog``: seconds a group may go without any rank making progress.
+WATCHDOG_SECONDS = 90.0
+#: How long the others may wait in a step for a rank that exited (or is exiting) before the group ends.
+EXIT_SETTLE_SECONDS = 5.0
+#: The most processes ``mirrorax launch`` starts on one machine.
+MAX_NPROCS = 1024
+#: The launcher's exit status when its watchdog ended a stuck group (as ``timeout``'s).
+WATCHDOG_EXIT_CODE = 124
 # Lines of a C++ stack trace (absl's "Check failure stack trace"): kept out of the report's tail.
 _TRACE = re.compile(r"^\s*@\s+0x[0-9a-fA-F]+\s|^\*\*\* Check failure stack trace")
 _OWN = re.compile(r"mirrorax: process (\d+) of \d+ failed with")
@@ -71,7 +87,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "heartbeat timeout to half of it)")
     p.add_argument("--grace", type=float, default=TERM_GRACE_SECONDS, metavar="SECONDS",
                    help="after SIGTERM to the launcher, how long the processes have to save and exit "
-                        f"before SIGKILL (default {TERM_GRACE_SECONDS:g}); SIGTERM is forwarded to them")
+                        f"before SIGKILL (default {TERM_GRACE_SECONDS:g}); SIGTERM is forwarded to them, a "
+                        "second SIGTERM changes nothing, Ctrl-C (SIGINT) cuts the grace period short")
+    p.add_argument("--watchdog", type=float, default=WATCHDOG_SECONDS, metavar="SECONDS",
+                   help="end the group when no process made progress (a step, a batch, a callback) for this "
+                        f"long, naming the rank furthest behind with its Python stack (default {WATCHDOG_SECONDS:g}; "
+                        "0 turns it off); raise it above the longest checkpoint save or input stall")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     p.set_defaults(func=run)
     return p
@@ -85,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return launch(command, args.nprocs, cpu_devices_per_proc=args.cpu_devices_per_proc,
                       max_restarts=args.max_restarts, port=args.port, failure_timeout=args.failure_timeout,
-                      grace=args.grace)
+                      grace=args.grace, watchdog=args.watchdog)
     except ValueError as e:
         print(f"mirrorax launch: error: {e}", file=sys.stderr)
         return 2
@@ -93,8 +114,8 @@ def run(args: argparse.Namespace) -> int:
 
 def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None = None,
            max_restarts: int = 0, port: int | None = None, failure_timeout: float = 60.0,
-           grace: float = TERM_GRACE_SECONDS, env: Mapping[str, str] | None = None,
-           out: IO[str] | None = None) -> int:
+           grace: float = TERM_GRACE_SECONDS, watchdog: float = WATCHDOG_SECONDS,
+           env: Mapping[str, str] | None = None, out: IO[str] | None = None) -> int:
     """Runs ``cmd`` as ``nprocs`` processes of one job and waits for them.
 
     Args:
@@ -108,7 +129,13 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
       failure_timeout: seconds within which the processes stop after one dies: children get half of
         it as ``MIRRORAX_HEARTBEAT_TIMEOUT`` (unless ``env`` sets one); the launcher stops the rest at once.
       grace: after SIGTERM to the launcher, seconds the children (sent SIGTERM) have to exit before
-        SIGKILL.
+        SIGKILL. A second SIGTERM changes nothing (a save in progress finishes); SIGINT ends the wait.
+      watchdog: seconds the group may go without progress before the launcher ends it, naming the rank
+        furthest behind and printing its Python stack; ``0`` turns the watchdog off. Each process reports
+        its progress (:mod:`mirrorax._watchdog`); a rank that exits, or starts exiting, while the others
+        wait for it in a step ends the group after ``EXIT_SETTLE_SECONDS``. Children also get
+        ``MIRRORAX_INIT_TIMEOUT`` = ``watchdog`` + 30 (unless ``env`` sets it), so that a rank that never
+        joins is named by the watchdog.
       env: the children's base environment (default ``os.environ``).
       out: where the children's prefixed output and the launcher's messages go (default stdout).
 
@@ -117,7 +144,8 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
       signal). After Ctrl-C (SIGINT): 130. After SIGTERM: ``PREEMPTED_EXIT_CODE`` (143, "preempted,
       requeue") when every process stopped with it (or was ended by the SIGTERM itself) or finished;
       0 when every one finished; else the code of the first that failed otherwise, 137 for one still
-      running after ``grace`` (SIGKILLed).
+      running after ``grace`` (SIGKILLed). ``WATCHDOG_EXIT_CODE`` (124) when the watchdog ended a stuck
+      group; a rank that exited 0 while the others still trained counts as failed with status 1.
 
     Raises:
       ValueError: bad arguments, a command that cannot be started, or ``cpu_devices_per_proc`` on a
@@ -135,6 +163,13 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
                          "mirrorax launch --nprocs 2 -- python train.py")
     for name, value, low in (("nprocs", nprocs, 1), ("max_restarts", max_restarts, 0)):
         check_int(name, value, low)
+    if nprocs > MAX_NPROCS:
+        raise ValueError(
+            f"nprocs must be at most {MAX_NPROCS} (every process runs on this machine); received {nprocs}. "
+            "Start one process per accelerator or per few CPU cores, e.g. --nprocs 2 --cpu-devices-per-proc 4; "
+            "for a job over several machines start the processes with your scheduler (srun, mpirun, TF_CONFIG).")
+    if not watchdog >= 0:
+        raise ValueError(f"watchdog must be >= 0 seconds (0 turns it off); received {watchdog!r}.")
     if cpu_devices_per_proc is not None:
         check_int("cpu_devices_per_proc", cpu_devices_per_proc)
         found = accelerators_present()
@@ -151,7 +186,7 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
         raise ValueError(f"port must be in 1..65535; received {port!r}.")
     out = out or sys.stdout
     group = _Group(cmd, nprocs, dict(os.environ if env is None else env), cpu_devices_per_proc,
-                   failure_timeout, grace, out)
+                   failure_timeout, grace, out, watchdog)
     with _forward_signals(group):
         for attempt in range(max_restarts + 1):
             code = group.run(port if port is not None else free_port(), attempt)
@@ -173,14 +208,19 @@ class _Group:
     """One attempt at a time: start N children, stream their output, stop all when one fails."""
 
     def __init__(self, cmd: list[str], nprocs: int, env: dict[str, str], cpu_devices: int | None,
-                 failure_timeout: float, term_grace: float, out: IO[str]) -> None:
+                 failure_timeout: float, term_grace: float, out: IO[str], watchdog: float = WATCHDOG_SECONDS
+                 ) -> None:
         self.cmd, self.nprocs, self.env, self.cpu_devices = cmd, nprocs, env, cpu_devices
         self.failure_timeout, self.term_grace, self.out = failure_timeout, term_grace, out
         self.grace = min(2.0, failure_timeout / 4)
         self.verbose = verbose(env)
         self.children: list[subprocess.Popen[bytes]] = []
         self.interrupted: int | None = None
-        self.hurry = False  # a second signal: stop waiting for the children to exit by themselves
+        self.hurry = False  # SIGINT after SIGTERM: stop waiting for the children to exit by themselves
+        self.repeated = False  # a second SIGTERM: said once, changes nothing
+        self.watchdog = watchdog
+        self.progress_dir = ""
+        self.capture: list[list[str] | None] = []  # per rank: its lines after the watchdog asked for its stack
         self.lock = threading.Lock()
 
     def say(self, message: str) -> None:
@@ -194,18 +234,33 @@ class _Group:
                    MIRRORAX_PROCESS_ID=str(rank), MIRRORAX_RESTART=str(attempt), PYTHONUNBUFFERED="1",
                    MIRRORAX_LAUNCHED="1")  # the launcher filters the output: the child need not
         env.setdefault("MIRRORAX_HEARTBEAT_TIMEOUT", str(max(2, int(self.failure_timeout // 2))))
+        # Progress for the watchdog; faulthandler prints the Python stack of a rank it sends SIGABRT.
+        env.update({_watchdog.PROGRESS_DIR_ENV: self.progress_dir, _watchdog.LAUNCHER_PID_ENV: str(os.getpid())})
+        env.setdefault("PYTHONFAULTHANDLER", "1")
+        if self.watchdog:
+            env.setdefault("MIRRORAX_INIT_TIMEOUT", str(int(self.watchdog) + 30))
         if self.cpu_devices is not None:
             env.update(MIRRORAX_CPU_DEVICES=str(self.cpu_devices), JAX_NUM_CPU_DEVICES=str(self.cpu_devices),
                        JAX_PLATFORMS="cpu")
         return env
 
     def run(self, port: int, attempt: int) -> int:
+        self.progress_dir = tempfile.mkdtemp(prefix="mirrorax-progress-")
+        try:
+            return self._run(port, attempt)
+        finally:
+            shutil.rmtree(self.progress_dir, ignore_errors=True)
+
+    def _run(self, port: int, attempt: int) -> int:
         tails: list[collections.deque[str]] = [collections.deque(maxlen=TAIL_LINES) for _ in range(self.nprocs)]
         self.children, readers = [], []
+        self.capture = [None] * self.nprocs
         for rank in range(self.nprocs):
             try:
+                # Each child in its own session (its group is stopped as one), ended with the launcher.
                 child = subprocess.Popen(self.cmd, env=self.child_env(rank, port, attempt), stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=_die_with(os.getpid()) if _PRCTL is not None else None)
             except OSError as e:
                 self.stop_all()
                 raise ValueError(f"Cannot run {self.cmd[0]!r}: {e.strerror}. Give a command that exists, e.g. "
@@ -215,14 +270,20 @@ class _Group:
             reader.start()
             readers.append(reader)
         failed: tuple[int, int] | None = None
-        while failed is None and self.interrupted is None:
+        stuck: tuple[int, str] | None = None
+        progress = _Progress(self.progress_dir, self.nprocs, self.watchdog)
+        while failed is None and self.interrupted is None and stuck is None:
             codes = [c.poll() for c in self.children]
             failed = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
             if all(c == 0 for c in codes):
                 break
+            if failed is None and self.watchdog:
+                stuck = progress.check(codes)
             time.sleep(0.05)
         if self.interrupted == signal.SIGTERM:
             return self.terminate(readers, tails)
+        if stuck is not None and self.interrupted is None:
+            return self.end_stuck(*stuck, readers, tails)
         # A process stopped (SIGSTOP, Ctrl-Z, a debugger) answers nothing; seen now, before it is killed.
         frozen = {r for r, c in enumerate(self.children) if c.poll() is None and _state(c.pid) in ("T", "t")}
         if failed is not None and failed[1] > 0:
@@ -255,6 +316,34 @@ class _Group:
                  f"Last lines of rank {rank}:\n{tail.rstrip()}")
         return 128 - code if code < 0 else code
 
+    def end_stuck(self, rank: int, why: str, readers: Sequence[threading.Thread],
+                  tails: Sequence[collections.deque[str]]) -> int:
+        """The watchdog's verdict: ``rank`` holds the group up. Its Python stack (faulthandler, on SIGABRT),
+        then every process stopped, and a report naming it."""
+        child = self.children[rank]
+        code = child.poll()
+        stack: list[str] = []
+        if code is None:
+            self.capture[rank] = stack
+            try:
+                os.kill(child.pid, signal.SIGABRT)  # PYTHONFAULTHANDLER=1: all its threads' stacks, then it ends
+            except ProcessLookupError:
+                pass
+            self.wait_for([child], 5.0)
+        self.stop_all()
+        for reader in readers:
+            reader.join(timeout=2.0)
+        shown = [line for line in stack if not line.startswith(("Extension modules:", "[rank"))
+                 and not _TRACE.match(line)][:80]
+        if any(line.strip() for line in shown):
+            where = "Its Python stack (every thread, most recent call first):\n" + "\n".join(f"    {x}" for x in shown)
+        else:
+            where = f"Last lines of rank {rank}:\n" + ("\n".join(f"    {x}" for x in tails[rank]) or "    (no output)")
+        self.say(f"rank {rank} {why}; stopped all {self.nprocs} processes. {where.rstrip()}")
+        if code is not None:  # it exited by itself: its status, but never 0 (the job did not finish)
+            return (128 - code if code < 0 else code) or 1
+        return WATCHDOG_EXIT_CODE
+
     def terminate(self, readers: Sequence[threading.Thread], tails: Sequence[collections.deque[str]]) -> int:
         """After SIGTERM to the launcher: SIGTERM to every child, ``term_grace`` seconds to save and exit,
         SIGKILL for the rest; the exit status says whether the group can resume (see :func:`launch`)."""
@@ -265,6 +354,10 @@ class _Group:
             _signal_group(child, signal.SIGTERM)
         deadline = time.monotonic() + self.term_grace
         while any(c.poll() is None for c in live) and time.monotonic() < deadline and not self.hurry:
+            if self.repeated:
+                self.repeated = False
+                self.say("received SIGTERM again: the processes keep their grace period (a checkpoint being "
+                         "written is finished); press Ctrl-C (SIGINT) to kill them now")
             time.sleep(0.05)
         late = [r for r, c in enumerate(self.children) if c.poll() is None]
         for child in self.children:
@@ -298,6 +391,10 @@ class _Group:
         keep = ChatterFilter().keep
         for raw in iter(child.stdout.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
+            captured = self.capture[rank]
+            if captured is not None:  # the stack the watchdog asked for: in its report, not twice
+                captured.append(line)
+                continue
             if not self.verbose and not keep(line):
                 continue
             if not _TRACE.match(line):
@@ -325,6 +422,90 @@ class _Group:
         for child in self.children:
             _signal_group(child, signal.SIGKILL)  # also reaps grandchildren left in the group
             child.wait()
+
+
+class _Progress:
+    """The watchdog: reads each rank's progress file (:mod:`mirrorax._watchdog`) and says which rank holds
+    the group up, if one does.
+
+    Two verdicts. *Left*: a rank exited (status 0: a non-zero one is a failure the launcher sees at once)
+    or is exiting while another still waits in a watched phase, silent for ``EXIT_SETTLE_SECONDS``: the one
+    that left first. *Stuck*: no rank moved for ``bound`` seconds and one waits in a watched phase: the rank
+    furthest behind (fewest beats; on a tie one not waiting in a step), since the others wait for it in a
+    collective. Phases that legitimately take long (compiling, the script's own code outside fit) are not
+    watched: a group in which every rank is there, or in which one rank compiles, is never stuck.
+    """
+
+    def __init__(self, directory: str, nprocs: int, bound: float) -> None:
+        now = time.monotonic()
+        self.paths = [os.path.join(directory, f"rank{r}") for r in range(nprocs)]
+        self.seen: list[tuple[int, str] | None] = [None] * nprocs
+        self.changed = [now] * nprocs
+        self.left: dict[int, float] = {}
+        self.bound, self.next = bound, now
+
+    def check(self, codes: Sequence[int | None]) -> tuple[int, str] | None:
+        now = time.monotonic()
+        if now < self.next:
+            return None
+        self.next = now + 0.25
+        for rank, path in enumerate(self.paths):
+            got = _watchdog.read(path)
+            if got is not None and got != self.seen[rank]:
+                self.seen[rank], self.changed[rank] = got, now
+            if (codes[rank] is not None or self.phase(rank) == _watchdog.EXITING) and rank not in self.left:
+                self.left[rank] = now
+        live = [r for r, c in enumerate(codes) if c is None]
+        settle = min(self.bound, EXIT_SETTLE_SECONDS)
+        waiting = [r for r in live if self.phase(r) in _watchdog.WATCHED and now - self.changed[r] >= settle]
+        gone = sorted((t, r) for r, t in self.left.items() if now - t >= settle and r not in waiting)
+        if gone and waiting:
+            rank = gone[0][1]
+            others = ", ".join(str(r) for r in waiting)
+            how = (f"exited (status {codes[rank]})" if codes[rank] is not None else
+                   "is exiting (its script ended or called sys.exit)")
+            return rank, (f"{how} while rank(s) {others} still waited for it in a step (for "
+                          f"{now - gone[0][0]:.0f} s)")
+        if live and all(now - self.changed[r] >= self.bound for r in live) and \
+                any(self.phase(r) in _watchdog.WATCHED for r in live) and \
+                not any(self.phase(r) == _watchdog.COMPILING for r in live):  # compiling ends by itself
+            rank = min(live, key=lambda r: (self.count(r), self.phase(r) in _watchdog.WAITING, r))
+            return rank, (f"made no progress for {now - self.changed[rank]:.0f} s: it "
+                          f"{_watchdog.describe(self.phase(rank))}, and the others waited for it "
+                          f"(--watchdog {self.bound:g})")
+        return None
+
+    def phase(self, rank: int) -> str | None:
+        seen = self.seen[rank]
+        return None if seen is None else seen[1]
+
+    def count(self, rank: int) -> int:
+        seen = self.seen[rank]
+        return -1 if seen is None else seen[0]
+
+
+def _load_prctl() -> Any:
+    """libc's ``prctl`` on Linux (``None`` elsewhere), loaded before any fork."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(launcher: int) -> Any:
+    """A ``preexec_fn``: the child gets SIGKILL when the launcher dies (even by ``kill -9``), and never
+    starts if the launcher already died."""
+    def preexec() -> None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != launcher:
+            os._exit(1)
+    return preexec
 
 
 def _root_cause(tails: Sequence[Sequence[str]], first: int, frozen: Set[int] = frozenset()) -> int:
@@ -406,6 +587,8 @@ class _forward_signals:
     def _handle(self, signum: int, frame: Any) -> None:
         if self.group.interrupted is None:
             self.group.interrupted = signum
+        elif self.group.interrupted == signal.SIGTERM and signum == signal.SIGTERM:
+            self.group.repeated = True  # a scheduler's repeated notice: the grace period stands
         else:
             self.group.hurry = True
 

@@ -23,6 +23,7 @@ from mirrorax import epoch as epoch_lib
 from mirrorax import preemption
 from mirrorax import resume as resume_lib
 from mirrorax._host import host_tree, host_value
+from mirrorax._watchdog import COMPILING, HOOKS, IDLE, INPUT, STEP, beat, leaving
 from mirrorax.device_state import DeviceState
 from mirrorax.hooks import Callbacks
 from mirrorax.inputs.batch import Batch
@@ -83,29 +84,42 @@ class Loop:
         outcome: epoch_lib.Outcome | None = None
         placed: Any = None
         failed = True
+        # Each beat tells mirrorax launch's watchdog where this process would be stuck (_watchdog).
         try:
+            beat(HOOKS)
             outcome = _before_step(hooks, run)
+            beat(INPUT)
             placed = batches()
             upcoming = next(placed, None) if outcome is None else None
             while upcoming is not None:
                 k, batch = upcoming
+                beat(STEP)
                 aux, ready = dispatch(run, k, batch)
                 # Place the next batch while this step and the previous one run, then wait for the
                 # previous one: the host's copy overlaps the devices' work instead of following it.
+                beat(INPUT)
                 upcoming = next(placed, None)
+                beat(STEP)
                 window.push(aux, ready, on_done)
                 run.before, run.steps = run.steps, run.steps + max(k, 1)
                 if count is not None:
                     run.samples += count(k)
                 run.last = upcoming is None
+                beat(HOOKS)
                 outcome = _after_step(hooks, run)
                 if outcome is None and upcoming is not None:
                     outcome = _before_step(hooks, run)  # the next step's, once this one's are done
                 if outcome is not None:
                     break
+            beat(STEP)
             window.drain()
             failed = False
+        except SystemExit as e:
+            if not isinstance(e, preemption.Preempted):
+                leaving(e.code)  # sys.exit in a callback or the input: one process leaves mid-step
+            raise
         finally:
+            beat(IDLE)
             if isinstance(placed, Prefetcher):
                 placed.close()
             if failed:  # the strategy's window outlives this loop: leave none of its steps in it
@@ -165,6 +179,7 @@ class Loop:
             kind = (k, tree.get("rows"))
             program = programs.get(kind)
             if program is None:  # one placed shape, full or short of real rows: one lookup per kind
+                beat(COMPILING)  # until the first call returns; not watched: large models compile for minutes
                 program = programs[kind] = (steps.train_many if k else steps.train).program(run.state, tree)
             (run.state, run.aux), done = program(run.state, tree)
             return run.aux, done
@@ -252,6 +267,7 @@ class Loop:
             kind = tree.get("rows")
             program = programs.get(kind)
             if program is None:
+                beat(COMPILING)  # until the first call returns; not watched: large models compile for minutes
                 program = programs[kind] = fns.evaluate.program(run.state, run.metrics, tree)
             (run.metrics, run.aux), done = program(run.state, run.metrics, tree)
             return run.aux, done
@@ -313,6 +329,7 @@ class Loop:
             rows = batch.real_rows()
             program = programs.get(rows)
             if program is None:
+                beat(COMPILING)  # until the first call returns; not watched: large models compile for minutes
                 program = programs[rows] = fns.predict.program(run.state, batch.x, rows)
             (y, model_state), done = program(run.state, batch.x, rows)
             run.state = run.state.replace(model_state=model_state)

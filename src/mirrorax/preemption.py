@@ -10,7 +10,11 @@ How the processes agree on the step:
 
 * One process, no ``jax.distributed``: a Python SIGTERM handler sets a flag, read once per dispatched
   step (a Python attribute read; no device sync). The handler is installed for the duration of
-  ``fit`` (main thread only) and the previous one restored after.
+  ``fit`` (main thread only), from its first line (a SIGTERM while the model is built or compiled
+  stops at the first step), and the previous one restored after the checkpoint is written (a second
+  SIGTERM during the save changes nothing). Ctrl-C (SIGINT, when Python's default handler is in
+  place) is handled the same way and said as an interruption: ``fit`` saves (with
+  ``checkpoint_dir``) and raises ``KeyboardInterrupt``; a second Ctrl-C interrupts at once.
 * ``jax.distributed`` initialised: JAX's preemption notifier took SIGTERM at initialisation (its C++
   handler; a Python handler would replace it, so none is installed). The notice reaches every
   process through the coordination service, which computes a sync point (the largest step counter
@@ -27,6 +31,7 @@ How the processes agree on the step:
 from __future__ import annotations
 
 import itertools
+import os
 import signal
 import sys
 import threading
@@ -94,7 +99,9 @@ class Watch:
     def __init__(self, process_count: int = 1) -> None:
         self.mode = "off"
         self.received = False
+        self.interrupted = False  # the stop was asked by Ctrl-C (SIGINT), not SIGTERM
         self._previous: Any = None
+        self._previous_int: Any = None
         self._process_count = process_count
 
     # -- installation --------------------------------------------------------------------------
@@ -118,6 +125,8 @@ class Watch:
         elif threading.current_thread() is threading.main_thread():
             # signal.signal works in the main thread only; elsewhere SIGTERM keeps its effect.
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # the user's own stays
+                self._previous_int = signal.signal(signal.SIGINT, self._on_sigint)
             self.mode = "signal"
         return self
 
@@ -128,11 +137,27 @@ class Watch:
         """Restores the SIGTERM handler that was there before (safe to call twice)."""
         if self.mode == "signal":
             signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+            if self._previous_int is not None and signal.getsignal(signal.SIGINT) == self._on_sigint:
+                signal.signal(signal.SIGINT, self._previous_int)
+            self._previous_int = None
             self.mode = "off"
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        # Only a flag: the loop acts on it at the next step boundary, outside the handler.
+        # Only a flag: the loop acts on it at the next step boundary, outside the handler. Kept until
+        # close(), after the checkpoint is written: a second SIGTERM during the save changes nothing.
         self.received = True
+
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        # Ctrl-C: stop at the next step boundary with a checkpoint (as a preemption), said as an
+        # interruption; a second Ctrl-C interrupts at once, as Python does.
+        self.received = self.interrupted = True
+        if self._previous_int is not None:
+            signal.signal(signal.SIGINT, self._previous_int)
+        try:  # os.write: safe in a handler (print may re-enter a buffered stream)
+            os.write(2, b"\nmirrorax: Ctrl-C: stopping after this step (with a checkpoint if fit has a "
+                        b"checkpoint_dir); press Ctrl-C again to interrupt at once.\n")
+        except OSError:
+            pass
 
     # -- per step ------------------------------------------------------------------------------
     def reached(self) -> bool:

@@ -247,64 +247,73 @@ class Trainer:
             of a different model or of a run with another global batch.
         """
         mode = resolve_verbose(verbose, self.stream) if self.strategy.is_primary else 0
-        check_int("epochs", epochs, low=0)
-        check_int("initial_epoch", initial_epoch, low=0)
-        check_int("seed", seed, low=0)
-        if steps_per_epoch is not None:
-            check_int("steps_per_epoch", steps_per_epoch)
-        if validation_batch_size is not None:
-            check_batch_size(validation_batch_size)
-        every = resume_lib.check_every(checkpoint_every)
-        source = make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
-                             check_finite=self._refuse_nonfinite)
-        if self.adapter.needs_targets("fit"):
-            source.require_targets("fit")
-        batch_size = self._batch_size(source, batch_size)
-        val = validation_source(validation_data, float_dtype=self.adapter.float_dtype,
-                                check_finite=self._refuse_nonfinite,
-                                targets=self.adapter.needs_targets("evaluate"))
-        ckpt = None
-        if checkpoint_dir is not None:
-            from mirrorax.checkpoint import Checkpointer
-
-            ckpt = Checkpointer(checkpoint_dir, keep=keep_checkpoints)
-        if callbacks is not None and not isinstance(callbacks, (list, tuple)) and \
-                type(callbacks).__name__ != "CallbackList":  # (Keras's fit under a scope passes its own list)
-            callbacks = [callbacks]  # one callback, not in a list: as Keras's own fit takes it
-        sample = source.sample(batch_size, self.strategy.batch_mesh)
-        held = self.device_state
-        held.ensure(sample)
-        for s in (source, val):  # shapes against the outputs, labels against the classes: before compiling
-            if s is not None:
-                s.check_targets(self.adapter)
-        # Labels the host has checked whole need no search and no guard in the step.
-        self.steps.check_labels_in_step(not source.labels_checked)
-        consistency.check_replicas(held.value)  # multi-process: every process holds process 0's values
-        held.write_back()  # lent to the model: what callbacks change on it from here on is adopted
-        # The plan's line (verbose, on process 0; with steps_per_execution > 1 fit runs another program and
-        # says nothing), and will it fit? (only where a device's memory is known): the step is compiled
-        # here, once, for the state just placed; step 1 runs that very program.
-        planner.at_fit_start(self.model, self.steps, held, sample, batch_size, stream=self.stream,
-                             announce=bool(mode) and self.steps_per_execution == 1)
-        history = History()
-        stream = source.stream(batch_size, self.strategy.batch_mesh, shuffle=shuffle, seed=seed,
-                               ends_with_data=self._epochs_end_with_data, keras_order=self._keras_order)
-        per_epoch = steps_per_epoch or stream.batches_per_pass
-        hooks = Callbacks(callbacks, self.model, epochs=epochs, steps=per_epoch, verbose=0 if not mode else mode)
-        should_validate = _validation_schedule(validation_freq)
-        if self.strategy.process_count > 1:  # every process must take the same path through each step
-            hooks.listens = {kind: consistency.any_process(v) for kind, v in hooks.listens.items()}
-        run: dict[str, Any] = {"batch_size": batch_size, "shuffle": "batch" if shuffle == "batch" else bool(shuffle),
-                               "seed": int(seed), "steps_per_epoch": steps_per_epoch}
-        if ckpt is not None:  # as configured now, before a resume or a callback changes them
-            run["hyperparameters"] = resume_lib.hyperparameters(held.value)
-        start_epoch, start_batch, input_state = initial_epoch, 0, None
-        training_logs: dict[str, float] = {}
-        inputs = None if ckpt is None else source.track_position(self.strategy.process_count)
+        # SIGTERM (and Ctrl-C on one process) are watched from here: one that comes while the model is
+        # built or its step compiled stops fit at its first step, as later (no silent -15).
         watch = preemption.Watch(self.strategy.process_count)
+        watch.start()
+        ready = False
+        try:
+            check_int("epochs", epochs, low=0)
+            check_int("initial_epoch", initial_epoch, low=0)
+            check_int("seed", seed, low=0)
+            if steps_per_epoch is not None:
+                check_int("steps_per_epoch", steps_per_epoch)
+            if validation_batch_size is not None:
+                check_batch_size(validation_batch_size)
+            every = resume_lib.check_every(checkpoint_every)
+            source = make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
+                                 check_finite=self._refuse_nonfinite)
+            if self.adapter.needs_targets("fit"):
+                source.require_targets("fit")
+            batch_size = self._batch_size(source, batch_size)
+            val = validation_source(validation_data, float_dtype=self.adapter.float_dtype,
+                                    check_finite=self._refuse_nonfinite,
+                                    targets=self.adapter.needs_targets("evaluate"))
+            ckpt = None
+            if checkpoint_dir is not None:
+                from mirrorax.checkpoint import Checkpointer
+
+                ckpt = Checkpointer(checkpoint_dir, keep=keep_checkpoints)
+            if callbacks is not None and not isinstance(callbacks, (list, tuple)) and \
+                    type(callbacks).__name__ != "CallbackList":  # (Keras's fit under a scope passes its own list)
+                callbacks = [callbacks]  # one callback, not in a list: as Keras's own fit takes it
+            sample = source.sample(batch_size, self.strategy.batch_mesh)
+            held = self.device_state
+            held.ensure(sample)
+            for s in (source, val):  # shapes against the outputs, labels against the classes: before compiling
+                if s is not None:
+                    s.check_targets(self.adapter)
+            # Labels the host has checked whole need no search and no guard in the step.
+            self.steps.check_labels_in_step(not source.labels_checked)
+            consistency.check_replicas(held.value)  # multi-process: every process holds process 0's values
+            held.write_back()  # lent to the model: what callbacks change on it from here on is adopted
+            # The plan's line (verbose, on process 0; with steps_per_execution > 1 fit runs another program and
+            # says nothing), and will it fit? (only where a device's memory is known): the step is compiled
+            # here, once, for the state just placed; step 1 runs that very program.
+            planner.at_fit_start(self.model, self.steps, held, sample, batch_size, stream=self.stream,
+                                 announce=bool(mode) and self.steps_per_execution == 1)
+            history = History()
+            stream = source.stream(batch_size, self.strategy.batch_mesh, shuffle=shuffle, seed=seed,
+                                   ends_with_data=self._epochs_end_with_data, keras_order=self._keras_order)
+            per_epoch = steps_per_epoch or stream.batches_per_pass
+            hooks = Callbacks(callbacks, self.model, epochs=epochs, steps=per_epoch, verbose=0 if not mode else mode)
+            should_validate = _validation_schedule(validation_freq)
+            if self.strategy.process_count > 1:  # every process must take the same path through each step
+                hooks.listens = {kind: consistency.any_process(v) for kind, v in hooks.listens.items()}
+            run: dict[str, Any] = {"batch_size": batch_size,
+                                   "shuffle": "batch" if shuffle == "batch" else bool(shuffle),
+                                   "seed": int(seed), "steps_per_epoch": steps_per_epoch}
+            if ckpt is not None:  # as configured now, before a resume or a callback changes them
+                run["hyperparameters"] = resume_lib.hyperparameters(held.value)
+            start_epoch, start_batch, input_state = initial_epoch, 0, None
+            training_logs: dict[str, float] = {}
+            inputs = None if ckpt is None else source.track_position(self.strategy.process_count)
+            ready = True
+        finally:
+            if not ready:
+                watch.close()
         stopped: preemption.Preempted | None = None
         try:
-            watch.start()
             resumed = None
             if ckpt is not None:
                 resumed = resume_lib.resume(ckpt, held.abstract(), run, history)
@@ -359,13 +368,22 @@ class Trainer:
         except preemption.Preempted as stop:
             stopped = stop
         finally:
-            watch.close()
-            held.write_back()
-            self._finalize_optimizer(epochs)
-            if ckpt is not None:
-                ckpt.close()
+            try:
+                held.write_back()
+                self._finalize_optimizer(epochs)
+                if ckpt is not None:
+                    ckpt.close()
+            finally:
+                # Only now: a second SIGTERM while the checkpoint is written must not end the process.
+                watch.close()
         if stopped is not None:
             # Said only now that the checkpoint is on disk (close waited for the write).
+            if watch.interrupted:  # Ctrl-C on one process: stopped (and saved) like a preemption
+                message = (stopped.message.replace("preempted (SIGTERM)", "interrupted (Ctrl-C)")
+                           .replace(f"; exiting with status {preemption.PREEMPTED_EXIT_CODE}", "")
+                           .replace(" on SIGTERM", " on Ctrl-C"))
+                preemption.announce(message, self.strategy.is_primary)
+                raise KeyboardInterrupt(message)
             preemption.announce(stopped.message, self.strategy.is_primary)
             raise stopped
         hooks.call("on_train_end", training_logs)
