@@ -349,12 +349,11 @@ def value_and_grad(fn: Callable[..., Any], variables: Any, *, has_aux: bool = Fa
         variables = list(variables)
         bad = [v for v in variables if not _is_variable(v)]
         if bad or not variables:
-            raise TypeError(
-                "mx.value_and_grad differentiates with respect to Keras variables (e.g. "
-                "model.trainable_variables) or a model's. Received "
-                + (f"{bad[0]!r} (of type {type(bad[0]).__name__}). For arrays, use jax.value_and_grad(fn)(arrays)."
-                   if bad else "no variable: a model that is not built yet has none. Pass the model itself, "
-                   "mx.value_and_grad(fn, model), and its first call builds it."))
+            received = (f"{bad[0]!r} (of type {type(bad[0]).__name__}). For arrays, use "
+                        "jax.value_and_grad(fn)(arrays)." if bad else "no variable: a model that is not built yet "
+                        "has none. Pass the model itself, mx.value_and_grad(fn, model), and its first call builds it.")
+            raise TypeError("mx.value_and_grad differentiates with respect to Keras variables (e.g. "
+                            f"model.trainable_variables) or a model's. Received {received}")
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         outer = _current_scope()
