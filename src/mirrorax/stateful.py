@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jax_core
 
 from mirrorax.dispatch import InFlight, OutShardings, StrategyFunction
 from mirrorax.replica import batch_scope, find_batch, get_replica_context, varies_over
@@ -45,7 +47,8 @@ from mirrorax.replica import batch_scope, find_batch, get_replica_context, varie
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh
 
-__all__ = ["StatefulFunction", "value_and_grad", "grad", "check_not_tf_function", "check_no_variables"]
+__all__ = ["StatefulFunction", "PaddingIgnoredWarning", "value_and_grad", "grad", "check_not_tf_function",
+           "check_no_variables"]
 
 PyTree = Any
 _SCOPE_CLASS: Any = None
@@ -136,6 +139,57 @@ def check_no_variables(args: Any, where: str) -> None:
                 "or pass the values: [v.value for v in model.trainable_variables].")
 
 
+class PaddingIgnoredWarning(UserWarning):
+    """A step was given a padded batch but its results never read the batch's ``mask``.
+
+    A :class:`mirrorax.DistributedBatch` keeps every example: the short last batch of an uneven dataset
+    (and every batch whose size the device count does not divide) is padded with copies of real rows,
+    marked 0 in ``mask``. A step whose loss is a plain mean (``jnp.mean(loss)``) counts those copies as
+    examples. Warned once per step function, the first time a padded batch reaches a step whose
+    traced program has a reduced output (a loss, new weights) that depends on the data but none that
+    depends on the mask. Fix: :func:`mirrorax.compute_average_loss` (or the mask itself, e.g.
+    :func:`mirrorax.masked_mean`), or ``experimental_distribute_dataset(..., drop_remainder=True)``.
+    """
+
+
+# Primitives whose sub-program maps its inputs and outputs one to one (the rest count as a whole).
+_CALLS = frozenset({"pjit", "jit", "shard_map", "closed_call", "core_call", "remat", "checkpoint",
+                    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def _depends(jaxpr: Any, sources: list[bool]) -> list[bool]:
+    """For each output of ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``), whether it depends on an input marked in
+    ``sources``. Errs towards "depends" (a loop or branch passes any marked input to all its outputs)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    marked = {v for v, m in zip(jaxpr.invars, sources) if m}
+
+    def hit(v: Any) -> bool:
+        return not isinstance(v, jax_core.Literal) and v in marked
+
+    for eqn in jaxpr.eqns:
+        ins = [hit(v) for v in eqn.invars]
+        if not any(ins):
+            continue
+        sub = next((p for p in eqn.params.values() if isinstance(p, (jax_core.Jaxpr, jax_core.ClosedJaxpr))
+                    and len(getattr(p, "jaxpr", p).invars) == len(ins)
+                    and len(getattr(p, "jaxpr", p).outvars) == len(eqn.outvars)), None)
+        outs = _depends(sub, ins) if sub is not None and eqn.primitive.name in _CALLS else [True] * len(eqn.outvars)
+        marked.update(v for v, m in zip(eqn.outvars, outs) if m)
+    return [hit(v) for v in jaxpr.outvars]
+
+
+def ignores_padding(jaxpr: Any, leaves: list[Any], batch: Any) -> bool:
+    """Whether the program ``jaxpr`` (inputs: ``leaves``) has an output reduced over the rows (not one row per
+    example: a loss, new weights) that depends on ``batch``'s data while no output depends on its mask."""
+    data = {id(a) for a in jax.tree.leaves(batch.data)}
+    if not any(_depends(jaxpr, [a is batch.mask for a in leaves])):
+        rows = np.shape(batch.mask)[0]
+        shapes = [v.aval.shape for v in getattr(jaxpr, "jaxpr", jaxpr).outvars]
+        reached = _depends(jaxpr, [id(a) in data for a in leaves])
+        return any(r and not (shape and shape[0] == rows) for r, shape in zip(reached, shapes))
+    return False
+
+
 def _shape_key(args: tuple[Any, ...]) -> Any:
     leaves, treedef = jax.tree.flatten(args)
     return treedef, tuple((np.shape(a), getattr(a, "dtype", type(a))) for a in leaves)
@@ -176,6 +230,8 @@ class StatefulFunction:
         functools.update_wrapper(self, user_fn)  # type: ignore[arg-type]
         # input shapes -> (variables read, variables assigned, the compiled stateful function) or None
         self._state: dict[Any, tuple[list[Any], list[Any], StrategyFunction] | None] = {}
+        self._padding_checked: set[Any] = set()  # signatures whose use of the mask was checked
+        self._padding_warned = False
 
     @property
     def compile_count(self) -> int:
@@ -208,6 +264,10 @@ class StatefulFunction:
         if kwargs:
             return self._plain(*args, **kwargs)  # raises, naming the fix
         entry = self._entry(args)
+        if not self._padding_warned:
+            batch = find_batch(args)
+            if batch is not None and getattr(batch, "padded", False):
+                self._check_padding(args, batch, entry)
         if entry is None:
             return self._plain(*args)
         variables, assigned, stateful = entry
@@ -215,6 +275,30 @@ class StatefulFunction:
         for v, value in zip(assigned, new):
             v.assign(value)
         return out
+
+    def _check_padding(self, args: tuple[Any, ...], batch: Any,
+                       entry: tuple[list[Any], list[Any], StrategyFunction] | None) -> None:
+        """Warns once if ``args`` (holding the padded ``batch``) go to a program that ignores the mask
+        (checked once per signature: a trace, nothing compiled)."""
+        key = _shape_key(args)
+        if key in self._padding_checked:
+            return
+        self._padding_checked.add(key)
+        if entry is None:
+            jaxpr, leaves = self._plain.make_jaxpr(*args), jax.tree.leaves(args)
+        else:
+            values = self._values(entry[0])
+            jaxpr, leaves = entry[2].make_jaxpr(values, *args), jax.tree.leaves((values, *args))
+        if ignores_padding(jaxpr, leaves, batch):
+            self._padding_warned = True
+            name = getattr(self._fn, "__name__", "fn")
+            warnings.warn(
+                f"{self._where} received a padded batch (the short last batch of an uneven dataset, or a batch size "
+                f"the device count does not divide), but {name} never reads the batch's mask: its padding rows, "
+                "copies of real rows, enter its loss and updates as examples. Leave them out with "
+                "mx.compute_average_loss(per_example_loss) (or the batch's mask, e.g. mx.masked_mean), or "
+                "drop the short batch: strategy.experimental_distribute_dataset(..., drop_remainder=True).",
+                PaddingIgnoredWarning, stacklevel=3)
 
     # -- building -------------------------------------------------------------------------------------
     def _entry(self, args: tuple[Any, ...]) -> tuple[list[Any], list[Any], StrategyFunction] | None:
