@@ -91,6 +91,34 @@ def test_weights_change_and_outside_reads_see_them():
     assert float(accuracy.result()) == 0.0
 
 
+@pytest.mark.parametrize("mode", ["jit", "run"])
+def test_assigned_values_are_donated_and_a_kept_value_stays_valid(mode):
+    s = strategy(2)
+    model, optimizer, loss_object, _ = _objects()
+
+    def train_step(inputs):
+        images, labels = inputs
+        grads = mx.grad(lambda: mx.compute_average_loss(loss_object(labels, model(images))), model)()
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return jnp.zeros(())
+
+    step = s.jit(train_step) if mode == "jit" else (lambda b: s.run(train_step, args=(b,)))
+    batch = next(iter(s.experimental_distribute_dataset((X[:16], Y[:16]), batch_size=16)))
+    step(batch)
+    kernel = model.trainable_variables[0]
+    # the program reuses the buffers of the values it replaces (no second copy of the state per step)
+    compiled = s.jit(train_step).lower(batch).as_text() if mode == "jit" else None
+    assert compiled is None or "jax.buffer_donor" in compiled or "tf.aliasing_output" in compiled
+    kept = kernel.value  # a user's reference: never donated from under it
+    before = np.asarray(kept).copy()
+    for _ in range(2):
+        step(batch)
+    assert not kept.is_deleted()
+    np.testing.assert_array_equal(np.asarray(kept), before)
+    assert np.abs(np.asarray(kernel.value) - before).max() > 0  # and the variable moved on
+    assert kernel.value.sharding == s.replicated
+
+
 def test_reset_state_does_not_recompile():
     s = strategy(2)
     model, _, _, accuracy = _objects()

@@ -39,6 +39,7 @@ from mirrorax.replica import masked_mean as masked_mean
 from mirrorax.replica import scale_regularization_loss as scale_regularization_loss
 from mirrorax.results import History as History
 from mirrorax.results import NonFiniteLossError as NonFiniteLossError
+from mirrorax.stateful import PaddingIgnoredWarning as PaddingIgnoredWarning
 from mirrorax.stateful import grad as grad
 from mirrorax.stateful import value_and_grad as value_and_grad
 from mirrorax.strategy import InputContext as InputContext
@@ -87,6 +88,7 @@ __all__ = [
     "ModelAdapter",
     "MultiWorkerMirroredStrategy",
     "NonFiniteLossError",
+    "PaddingIgnoredWarning",
     "Plan",
     "PREEMPTED_EXIT_CODE",
     "Preempted",

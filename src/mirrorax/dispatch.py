@@ -260,6 +260,12 @@ class StrategyFunction:
         else:
             jax.eval_shape(self._fn, *args)
 
+    def make_jaxpr(self, *args: Any) -> Any:
+        """``jax.make_jaxpr`` of what a call with ``args`` computes (per replica: the ``jax.shard_map``), its
+        inputs the leaves of ``args``; traces ``fn`` again, compiling nothing."""
+        body = self._per_replica_body(args) if self._per_replica else self._fn
+        return jax.make_jaxpr(body)(*args)
+
     def _for(self, args: tuple[Any, ...], called: bool = False) -> Any:
         """The jitted program for ``args``' signature, built the first time it is seen."""
         leaves, treedef = jax.tree.flatten(args)

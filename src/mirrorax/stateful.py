@@ -12,9 +12,13 @@ them. Keras 3's JAX trainer threads such state the same way:
    (an optimizer's slots on its first ``apply``) are created there and initialised once it ends.
 2. **The program.** The real trace takes those variables' values as explicit inputs (mapped with
    ``keras.StatelessScope(state_mapping=...)``), collects their assignments and returns the new values
-   as outputs, replicated on the strategy's devices.
+   as outputs, replicated on the strategy's devices. The assigned variables' values are donated (the
+   program reuses their buffers, as Keras's trainer donates its state) when only the variable holds
+   them, i.e. an array the previous call wrote that nobody kept; others (the first call's, one the user
+   assigned or kept as ``v.value``) are copied first, so the user's array stays valid.
 3. **Write-back.** After the call each assigned variable holds its new value: a ``jax.Array`` on the
-   devices (never copied to the host), so ``metric.result()``, ``model.predict`` or ``save_weights``
+   devices (never copied to the host), set without ``assign``'s conversion (the program made it with
+   the variable's dtype, shape and layout), so ``metric.result()``, ``model.predict`` or ``save_weights``
    outside the step see it, and the next call takes it as its input.
 
 Per replica (``strategy.run``) a variable's new value may differ between the replicas (a metric's
@@ -32,12 +36,14 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jax_core
 
 from mirrorax.dispatch import InFlight, OutShardings, StrategyFunction
 from mirrorax.replica import batch_scope, find_batch, get_replica_context, varies_over
@@ -45,7 +51,8 @@ from mirrorax.replica import batch_scope, find_batch, get_replica_context, varie
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh
 
-__all__ = ["StatefulFunction", "value_and_grad", "grad", "check_not_tf_function", "check_no_variables"]
+__all__ = ["StatefulFunction", "PaddingIgnoredWarning", "value_and_grad", "grad", "check_not_tf_function",
+           "check_no_variables"]
 
 PyTree = Any
 _SCOPE_CLASS: Any = None
@@ -136,6 +143,104 @@ def check_no_variables(args: Any, where: str) -> None:
                 "or pass the values: [v.value for v in model.trainable_variables].")
 
 
+class PaddingIgnoredWarning(UserWarning):
+    """A step was given a padded batch but its results never read the batch's ``mask``.
+
+    A :class:`mirrorax.DistributedBatch` keeps every example: the short last batch of an uneven dataset
+    (and every batch whose size the device count does not divide) is padded with copies of real rows,
+    marked 0 in ``mask``. A step whose loss is a plain mean (``jnp.mean(loss)``) counts those copies as
+    examples. Warned once per step function, the first time a padded batch reaches a step whose
+    traced program has a reduced output (a loss, new weights) that depends on the data but none that
+    depends on the mask. Fix: :func:`mirrorax.compute_average_loss` (or the mask itself, e.g.
+    :func:`mirrorax.masked_mean`), or ``experimental_distribute_dataset(..., drop_remainder=True)``.
+    """
+
+
+# Primitives whose sub-program maps its inputs and outputs one to one (the rest count as a whole).
+_CALLS = frozenset({"pjit", "jit", "shard_map", "closed_call", "core_call", "remat", "checkpoint",
+                    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def _depends(jaxpr: Any, sources: list[bool]) -> list[bool]:
+    """For each output of ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``), whether it depends on an input marked in
+    ``sources``. Errs towards "depends" (a loop or branch passes any marked input to all its outputs)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    marked = {v for v, m in zip(jaxpr.invars, sources) if m}
+
+    def hit(v: Any) -> bool:
+        return not isinstance(v, jax_core.Literal) and v in marked
+
+    for eqn in jaxpr.eqns:
+        ins = [hit(v) for v in eqn.invars]
+        if not any(ins):
+            continue
+        sub = next((p for p in eqn.params.values() if isinstance(p, (jax_core.Jaxpr, jax_core.ClosedJaxpr))
+                    and len(getattr(p, "jaxpr", p).invars) == len(ins)
+                    and len(getattr(p, "jaxpr", p).outvars) == len(eqn.outvars)), None)
+        outs = _depends(sub, ins) if sub is not None and eqn.primitive.name in _CALLS else [True] * len(eqn.outvars)
+        marked.update(v for v, m in zip(eqn.outvars, outs) if m)
+    return [hit(v) for v in jaxpr.outvars]
+
+
+def ignores_padding(jaxpr: Any, leaves: list[Any], batch: Any) -> bool:
+    """Whether the program ``jaxpr`` (inputs: ``leaves``) has an output reduced over the rows (not one row per
+    example: a loss, new weights) that depends on ``batch``'s data while no output depends on its mask."""
+    data = {id(a) for a in jax.tree.leaves(batch.data)}
+    if not any(_depends(jaxpr, [a is batch.mask for a in leaves])):
+        rows = np.shape(batch.mask)[0]
+        shapes = [v.aval.shape for v in getattr(jaxpr, "jaxpr", jaxpr).outvars]
+        reached = _depends(jaxpr, [id(a) in data for a in leaves])
+        return any(r and not (shape and shape[0] == rows) for r, shape in zip(reached, shapes))
+    return False
+
+
+class _Probe:
+    _value: Any = None
+
+
+def _refs(holder: Any, ours: Any) -> int:
+    """``sys.getrefcount`` of ``holder._value`` when that is ``ours`` (an array this module wrote), else -1."""
+    raw = getattr(holder, "_value", None)
+    return sys.getrefcount(raw) if raw is ours and raw is not None else -1
+
+
+def _sole_refs() -> int:
+    """What :func:`_refs` returns when only the holder and this module's list hold the value (this
+    interpreter's count, measured with the same frames as at a call)."""
+    holder, written = _Probe(), [object()]
+    holder._value = written[0]
+    ours = written[0]  # as StatefulFunction._owned holds it
+    return _refs(holder, ours)
+
+
+_SOLE = _sole_refs()
+
+
+def _write(variable: Any, value: Any, direct: bool) -> None:
+    """``variable.assign(value)`` for a value the step's program made (a replicated ``jax.Array`` of the
+    variable's dtype and shape): set without ``assign``'s conversion and shape check where Keras allows."""
+    setter = getattr(variable, "_direct_assign", None) if direct else None  # Keras has no public fast path
+    if setter is None:
+        variable.assign(value)
+    else:
+        setter(value)
+
+
+class _Entry:
+    """One signature's stateful program and the variables it threads."""
+
+    __slots__ = ("variables", "assigned", "kept", "function", "written", "seen")
+
+    def __init__(self, variables: list[Any], assigned: list[Any], function: StrategyFunction) -> None:
+        self.variables = variables
+        self.assigned = assigned  # their values are donated to each call, new values written back
+        mine = {id(v) for v in assigned}
+        self.kept = [v for v in variables if id(v) not in mine]  # read only: passed, never donated
+        self.function = function
+        self.written: list[Any] = [None] * len(assigned)  # the arrays the last call wrote into ``assigned``
+        self.seen: list[Any] = [None] * len(self.kept)  # the kept variables' values last passed
+
+
 def _shape_key(args: tuple[Any, ...]) -> Any:
     leaves, treedef = jax.tree.flatten(args)
     return treedef, tuple((np.shape(a), getattr(a, "dtype", type(a))) for a in leaves)
@@ -174,20 +279,24 @@ class StatefulFunction:
         self._plain = StrategyFunction(mesh, window, fn, donate_argnums=donate_argnums, per_replica=per_replica,
                                        out_shardings=out_shardings)
         functools.update_wrapper(self, user_fn)  # type: ignore[arg-type]
-        # input shapes -> (variables read, variables assigned, the compiled stateful function) or None
-        self._state: dict[Any, tuple[list[Any], list[Any], StrategyFunction] | None] = {}
+        # input shapes -> the stateful program and its variables, or None (the step touches none)
+        self._state: dict[Any, _Entry | None] = {}
+        rep = mesh.replicated
+        self._copy = jax.jit(lambda xs: [jnp.copy(x) for x in xs], out_shardings=rep)
+        self._padding_checked: set[Any] = set()  # signatures whose use of the mask was checked
+        self._padding_warned = False
 
     @property
     def compile_count(self) -> int:
         """How many signatures were compiled (one per distinct input shape/layout)."""
-        return self._plain.compile_count + sum(e[2].compile_count for e in self._state.values() if e is not None)
+        return self._plain.compile_count + sum(e.function.compile_count for e in self._state.values() if e is not None)
 
     def lower(self, *args: Any) -> Any:
         """``jax.jit(...).lower`` of the program a call with ``args`` runs (the variables' values first)."""
         entry = self._entry(args)
         if entry is None:
             return self._plain.lower(*args)
-        return entry[2].lower(self._values(entry[0]), *args)
+        return entry.function.lower(self._values(entry.assigned), self._values(entry.kept), *args)
 
     def program(self, *args: Any) -> Any:
         """The compiled program of a step that touches no Keras variable (see
@@ -208,16 +317,74 @@ class StatefulFunction:
         if kwargs:
             return self._plain(*args, **kwargs)  # raises, naming the fix
         entry = self._entry(args)
+        if not self._padding_warned:
+            batch = find_batch(args)
+            if batch is not None and getattr(batch, "padded", False):
+                self._check_padding(args, batch, entry)
         if entry is None:
             return self._plain(*args)
-        variables, assigned, stateful = entry
-        out, new = stateful(self._values(variables), *args)
-        for v, value in zip(assigned, new):
-            v.assign(value)
+        out, new = entry.function(self._owned(entry), self._kept(entry), *args)
+        direct = _current_scope() is None
+        for i, (v, value) in enumerate(zip(entry.assigned, new)):
+            _write(v, value, direct)
+            entry.written[i] = value
         return out
 
+    def _owned(self, entry: _Entry) -> list[Any]:
+        """The assigned variables' values, to be donated to the call: the arrays the last call wrote when
+        nothing else holds them (a ``v.value`` kept by the user is copied first, so it stays valid), else
+        a copy of the current value, replicated."""
+        values: list[Any] = []
+        copy: list[int] = []  # ours, but held elsewhere too
+        fresh: list[int] = []  # not ours: the first call's, or assigned by the user since
+        for i, v in enumerate(entry.assigned):
+            ours = entry.written[i]
+            refs = _refs(v, ours)
+            values.append(ours)
+            if refs != _SOLE:
+                (copy if refs > 0 else fresh).append(i)
+        if fresh:
+            for i, a in zip(fresh, self._values([entry.assigned[i] for i in fresh])):
+                values[i] = a
+        if copy or fresh:
+            which = sorted(copy + fresh)
+            for i, a in zip(which, self._copy([values[i] for i in which])):
+                values[i] = a
+        return values
+
+    def _kept(self, entry: _Entry) -> list[Any]:
+        """The read-only variables' values (the ones passed last time when unchanged: no check)."""
+        seen = entry.seen
+        if all(getattr(v, "_value", None) is a and a is not None for v, a in zip(entry.kept, seen)):
+            return seen
+        seen[:] = self._values(entry.kept)
+        return list(seen)
+
+    def _check_padding(self, args: tuple[Any, ...], batch: Any, entry: _Entry | None) -> None:
+        """Warns once if ``args`` (holding the padded ``batch``) go to a program that ignores the mask
+        (checked once per signature: a trace, nothing compiled)."""
+        key = _shape_key(args)
+        if key in self._padding_checked:
+            return
+        self._padding_checked.add(key)
+        if entry is None:
+            jaxpr, leaves = self._plain.make_jaxpr(*args), jax.tree.leaves(args)
+        else:
+            values = (self._values(entry.assigned), self._values(entry.kept))
+            jaxpr, leaves = entry.function.make_jaxpr(*values, *args), jax.tree.leaves((values, *args))
+        if ignores_padding(jaxpr, leaves, batch):
+            self._padding_warned = True
+            name = getattr(self._fn, "__name__", "fn")
+            warnings.warn(
+                f"{self._where} received a padded batch (the short last batch of an uneven dataset, or a batch size "
+                f"the device count does not divide), but {name} never reads the batch's mask: its padding rows, "
+                "copies of real rows, enter its loss and updates as examples. Leave them out with "
+                "mx.compute_average_loss(per_example_loss) (or the batch's mask, e.g. mx.masked_mean), or "
+                "drop the short batch: strategy.experimental_distribute_dataset(..., drop_remainder=True).",
+                PaddingIgnoredWarning, stacklevel=3)
+
     # -- building -------------------------------------------------------------------------------------
-    def _entry(self, args: tuple[Any, ...]) -> tuple[list[Any], list[Any], StrategyFunction] | None:
+    def _entry(self, args: tuple[Any, ...]) -> _Entry | None:
         key = _shape_key(args)
         if key in self._state:
             return self._state[key]
@@ -225,7 +392,7 @@ class StatefulFunction:
         entry = self._state[key] = self._discover(args)
         return entry
 
-    def _discover(self, args: tuple[Any, ...]) -> tuple[list[Any], list[Any], StrategyFunction] | None:
+    def _discover(self, args: tuple[Any, ...]) -> _Entry | None:
         if "keras" not in sys.modules:
             return None  # no Keras variable can exist without Keras imported
         scope_class = _tracking_scope()
@@ -244,18 +411,19 @@ class StatefulFunction:
         if not variables:
             return None
         # (the window is not involved: the stateful function pushes its calls as the plain one would)
-        return variables, assigned, self._stateful(variables, assigned)
+        entry = _Entry(variables, assigned, None)  # type: ignore[arg-type]  # the program needs the split
+        entry.function = self._stateful(entry.assigned, entry.kept)
+        return entry
 
-    def _stateful(self, variables: list[Any], assigned: list[Any]) -> StrategyFunction:
+    def _stateful(self, assigned: list[Any], kept: list[Any]) -> StrategyFunction:
         fn, scope_class, axis, per_replica = self._fn, _tracking_scope(), self._mesh.batch_axis, self._per_replica
-        position = {id(v): i for i, v in enumerate(variables)}  # by identity: a variable's == is element-wise
 
-        def stateful(values: list[Any], *args: Any) -> Any:
-            with scope_class(state_mapping=list(zip(variables, values)), collect_losses=True,
+        def stateful(owned: list[Any], values: list[Any], *args: Any) -> Any:
+            with scope_class(state_mapping=[*zip(assigned, owned), *zip(kept, values)], collect_losses=True,
                              initialize_variables=False) as scope:
                 out = fn(*args)
             new = []
-            for v, old in zip(assigned, (values[position[id(v)]] for v in assigned)):
+            for v, old in zip(assigned, owned):
                 value = jnp.asarray(scope.get_current_value(v), dtype=old.dtype)
                 if per_replica:
                     value = _one_value(v, old, value, varies_over(value, axis))
@@ -264,11 +432,11 @@ class StatefulFunction:
 
         rep = self._mesh.replicated
         given = self._out_shardings
-        donate = tuple(i + 1 for i in self._donate)
+        donate = (0, *(i + 2 for i in self._donate))  # the assigned variables' values: replaced by the outputs
         if given is None:
             out_shardings: OutShardings = None
         else:
-            def out_shardings(values: Any, *args: Any) -> Any:
+            def out_shardings(owned: Any, values: Any, *args: Any) -> Any:
                 user = given(*args) if callable(given) else given
                 return None if user is None else (user, [rep] * len(assigned))
         return StrategyFunction(self._mesh, self._window, stateful, donate_argnums=donate, per_replica=per_replica,
@@ -349,12 +517,11 @@ def value_and_grad(fn: Callable[..., Any], variables: Any, *, has_aux: bool = Fa
         variables = list(variables)
         bad = [v for v in variables if not _is_variable(v)]
         if bad or not variables:
-            raise TypeError(
-                "mx.value_and_grad differentiates with respect to Keras variables (e.g. "
-                "model.trainable_variables) or a model's. Received "
-                + (f"{bad[0]!r} (of type {type(bad[0]).__name__}). For arrays, use jax.value_and_grad(fn)(arrays)."
-                   if bad else "no variable: a model that is not built yet has none. Pass the model itself, "
-                   "mx.value_and_grad(fn, model), and its first call builds it."))
+            received = (f"{bad[0]!r} (of type {type(bad[0]).__name__}). For arrays, use "
+                        "jax.value_and_grad(fn)(arrays)." if bad else "no variable: a model that is not built yet "
+                        "has none. Pass the model itself, mx.value_and_grad(fn, model), and its first call builds it.")
+            raise TypeError("mx.value_and_grad differentiates with respect to Keras variables (e.g. "
+                            f"model.trainable_variables) or a model's. Received {received}")
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         outer = _current_scope()

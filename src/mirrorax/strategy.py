@@ -207,7 +207,7 @@ class MirroredStrategy:
         return self._layout.replicate(tree)
 
     def experimental_distribute_dataset(self, data: Any, *, batch_size: int | None = None, shuffle: bool = False,
-                                        seed: int = 0) -> DistributedDataset:
+                                        seed: int = 0, drop_remainder: bool = False) -> DistributedDataset:
         """Global batches of ``data``, split over the devices, as :class:`mirrorax.DistributedBatch` es.
 
         Args:
@@ -217,6 +217,12 @@ class MirroredStrategy:
           batch_size: the global batch, for arrays (over all devices and processes).
           shuffle: shuffle arrays every pass, by ``(seed, pass)``: the same order on any device count.
           seed: the shuffle seed.
+          drop_remainder: leave out a batch with fewer than ``batch_size`` rows, as ``tf.data``'s
+            ``batch(..., drop_remainder=True)`` does (arrays: each pass's short last batch; an iterable:
+            any short item). ``False`` (default): every example is used, the short batch padded and
+            masked: a step's loss must then leave the padding out (:func:`mirrorax.compute_average_loss`
+            or the batch's ``mask``), or a :class:`mirrorax.PaddingIgnoredWarning` says it does not.
+            Not for :meth:`distribute_datasets_from_function` on several processes (batch there).
 
         Returns:
           A :class:`mirrorax.DistributedDataset`: each ``iter()`` is one pass; each batch has the same
@@ -228,7 +234,7 @@ class MirroredStrategy:
           ...     state, loss = step(state, batch)
         """
         return DistributedDataset(self._layout, data, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                                  window=self._window)
+                                  drop_remainder=drop_remainder, window=self._window)
 
     distribute_dataset = experimental_distribute_dataset
 

@@ -20,6 +20,7 @@ step: the host's copy overlaps the devices' work, without a second thread.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -48,18 +49,21 @@ class DistributedBatch:
         every leaf with the same fixed number of rows (the global batch rounded up to the device count).
       mask: float32 ``(rows,)``: 1.0 for a real example, 0.0 for a padding row.
       num_real: a replicated float32 scalar: the real examples of the whole global batch.
+      padded: whether this process's rows hold padding (known on the host, with no device read;
+        ``None`` for a batch rebuilt from its leaves).
 
     Iterating, indexing and ``len`` go to ``data``, so a TF step's ``images, labels = inputs`` works;
     the batch itself (a pytree of ``data``, ``mask`` and ``num_real``) is what
     :func:`mirrorax.compute_average_loss` takes to leave the padding out.
     """
 
-    __slots__ = ("data", "mask", "num_real")
+    __slots__ = ("data", "mask", "num_real", "padded")
 
-    def __init__(self, data: PyTree, mask: jax.Array, num_real: jax.Array) -> None:
+    def __init__(self, data: PyTree, mask: jax.Array, num_real: jax.Array, padded: bool | None = None) -> None:
         self.data = data
         self.mask = mask
         self.num_real = num_real
+        self.padded = padded
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.data)
@@ -116,6 +120,7 @@ class DistributedDataset:
     Each ``iter()`` is one pass (an epoch): arrays are cut into global batches of ``batch_size`` (pass
     ``k`` shuffled by ``(seed, k)`` when ``shuffle``: an order that depends on neither the device nor
     the process count); an iterable yields one global batch per item (a short item is padded).
+    With ``drop_remainder`` a short batch is not produced (``tf.data``'s ``batch(..., drop_remainder=True)``).
     ``len()`` is the number of batches per pass when known.
 
     Args:
@@ -123,13 +128,17 @@ class DistributedDataset:
       data: arrays (a tuple/dict of them), an iterable of global batches, or a ``PerProcessDataset``.
       batch_size: the global batch, required for arrays.
       shuffle, seed: arrays only: pass ``k`` in the order drawn from ``(seed, k)``.
+      drop_remainder: skip a batch with fewer than ``batch_size`` rows (arrays: the last one of each
+        pass; an iterable: any short item). Not for per-process datasets on several processes.
       window: the dispatch window (``strategy.in_flight``) after whose next push the next batch is
         placed; ``None`` places each batch when it is asked for.
     """
 
     def __init__(self, mesh: BatchMesh, data: Any, *, batch_size: int | None = None,
-                 shuffle: bool = False, seed: int = 0, window: InFlight | None = None) -> None:
+                 shuffle: bool = False, seed: int = 0, drop_remainder: bool = False,
+                 window: InFlight | None = None) -> None:
         self._mesh = mesh
+        self._drop_remainder = bool(drop_remainder)
         self._window = window
         self._shuffle, self._seed = bool(shuffle), int(seed)
         self._passes = 0
@@ -162,6 +171,11 @@ class DistributedDataset:
                                        or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer (the global batch); received {batch_size!r}.")
         self._batch_size = None if batch_size is None else int(batch_size)
+        if self._drop_remainder and self._per_process and mesh.process_count > 1:
+            raise ValueError("drop_remainder=True needs every process to see the global batch's size; received a "
+                             f"per-process dataset on {mesh.process_count} processes, where each sees its own rows. "
+                             "Batch in the input function with drop_remainder=True instead (e.g. tf.data's "
+                             "ds.batch(per_process_batch, drop_remainder=True)).")
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
@@ -176,6 +190,8 @@ class DistributedDataset:
     def __len__(self) -> int:
         if self._source is not None:
             assert self._batch_size is not None  # arrays come with a batch size (checked at construction)
+            if self._drop_remainder:
+                return self._n // self._batch_size
             return self._source.batches_per_pass(self._batch_size)
         return len(self._iterable)  # type: ignore[arg-type]  # TypeError for iterables without a length
 
@@ -188,8 +204,10 @@ class DistributedDataset:
 
     def _array_batches(self, pass_index: int) -> Iterator[Batch]:
         assert self._source is not None and self._batch_size is not None
-        return self._source.batches(self._batch_size, self._mesh, shuffle=self._shuffle, seed=self._seed,
-                                    pass_index=pass_index, with_targets=False)
+        batches = self._source.batches(self._batch_size, self._mesh, shuffle=self._shuffle, seed=self._seed,
+                                       pass_index=pass_index, with_targets=False)
+        # only a pass's last batch can be short
+        return itertools.islice(batches, self._n // self._batch_size) if self._drop_remainder else batches
 
     def _iterable_batches(self) -> Iterator[Batch]:
         s = self._mesh
@@ -205,6 +223,8 @@ class DistributedDataset:
             n = _rows(rows, f"batch {index}")
             if self._batch_size is None:
                 self._batch_size = n * s.process_count if self._per_process else n
+            if self._drop_remainder and n < self._batch_size:
+                continue
             padded = self.padded_rows(self._batch_size)
             limit = padded // s.process_count if self._per_process else padded
             if n > limit:
@@ -230,7 +250,8 @@ class DistributedDataset:
         s = self._mesh
         sharding = s.batch_sharding
         leaves, treedef = jax.tree.flatten(host.x)
-        if is_shared(host.mask):  # a full batch: its mask was placed once
+        full = is_shared(host.mask)
+        if full:  # a full batch: its mask was placed once
             placed = put_rows(leaves, sharding, s.process_count)
             mask = cached_put(host.mask, sharding, self._put_rows)
         else:  # the rows and the mask in one transfer
@@ -240,7 +261,8 @@ class DistributedDataset:
             num_real = _sum_mask(mask)
         else:
             num_real = cached_put(np.asarray(host.num_real, np.float32), s.replicated, s.replicate)
-        return DistributedBatch(jax.tree.unflatten(treedef, placed), mask, num_real)
+        padded = not full and not bool(np.all(host.mask))
+        return DistributedBatch(jax.tree.unflatten(treedef, placed), mask, num_real, padded)
 
     def _put_rows(self, a: np.ndarray) -> jax.Array:
         s = self._mesh
