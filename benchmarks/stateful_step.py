@@ -95,7 +95,11 @@ def main(argv: list[str] | None = None) -> None:
 
         (loss, (predictions, ntv)), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)
         tv, ov = optimizer2.stateless_apply(ov, grads, tv)
-        mv = accuracy2.stateless_update_state(mv, labels, predictions, sample_weight=inputs.mask)
+        new_mv = accuracy2.stateless_update_state(mv, labels, predictions, sample_weight=inputs.mask)
+        ctx = mx.get_replica_context()  # per replica (--view run): every replica's rows count, as the
+        if ctx is not None:             # stateful form's "sum" aggregation does; then the state is one again
+            new_mv = [old + ctx.all_reduce("sum", new - old) for new, old in zip(new_mv, mv)]
+        mv = new_mv
         return (tv, ntv, ov, mv), loss
 
     stateless = compile_step(stateless_step, donate_argnums=0) if args.view == "jit" else compile_step(stateless_step)
