@@ -23,6 +23,21 @@ import time
 from typing import Any
 
 
+def alternate(a: Any, b: Any, pairs: int, steps: int) -> tuple[tuple[list[float], list[float]], ...]:
+    """Runs ``a(steps)`` and ``b(steps)`` ``pairs`` times each, alternating which goes first (ABBA), and
+    returns ``((wall, cpu), (wall, cpu))`` seconds per chunk of ``a`` and of ``b``; the CPU time is this
+    process's (all threads), less hit by other load than the wall time."""
+    wall: dict[Any, list[float]] = {a: [], b: []}
+    cpu: dict[Any, list[float]] = {a: [], b: []}
+    for i in range(pairs):
+        for f in (a, b) if i % 2 == 0 else (b, a):
+            t0, c0 = time.perf_counter(), time.process_time()
+            f(steps)
+            wall[f].append(time.perf_counter() - t0)
+            cpu[f].append(time.process_time() - c0)
+    return (wall[a], cpu[a]), (wall[b], cpu[b])
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="cnn", help="mlp or cnn (default cnn)")
@@ -69,19 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     hand = HandLoop(workloads.build_keras_model(wl), spec["optimizer"], spec["loss"], strategy.mesh, batches,
                     axis=strategy.batch_axis).steps
 
-    def timed(f: Any) -> float:
-        t0 = time.perf_counter()
-        f(args.steps)
-        return time.perf_counter() - t0
-
     fit(3)
     hand(3)  # compile both
-    fits, hands = [], []
-    for i in range(args.pairs):
-        order = (fit, hand) if i % 2 == 0 else (hand, fit)
-        times = {f: timed(f) for f in order}
-        fits.append(times[fit])
-        hands.append(times[hand])
+    (fits, _), (hands, _) = alternate(fit, hand, args.pairs, args.steps)
     ratios = [h / f for f, h in zip(fits, hands)]
     print(f"{args.workload}, {args.devices} device(s), {args.pairs} pairs of {args.steps} steps, "
           f"global batch {wl.batch}")

@@ -21,7 +21,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 
@@ -39,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import mirrorax as mx
     from benchmarks import workloads
+    from benchmarks.interleaved import alternate
 
     wl = workloads.get("cnn")
     strategy = mx.MirroredStrategy(devices=jax.devices()[:args.devices])
@@ -112,29 +112,15 @@ def main(argv: list[str] | None = None) -> None:
             losses.append(loss)
         jax.block_until_ready((losses, state))
 
-    cpu: dict[Any, list[float]] = {run_stateful: [], run_stateless: []}
-
-    def timed(f: Any) -> float:
-        t0, c0 = time.perf_counter(), time.process_time()
-        f(args.steps)
-        cpu[f].append(time.process_time() - c0)  # this process's CPU time, all threads: less hit by other load
-        return time.perf_counter() - t0
-
     run_stateful(3)
     run_stateless(3)  # compile both
-    a, b = [], []
-    for i in range(args.pairs):
-        order = (run_stateful, run_stateless) if i % 2 == 0 else (run_stateless, run_stateful)
-        times = {f: timed(f) for f in order}
-        a.append(times[run_stateful])
-        b.append(times[run_stateless])
+    (a, ca), (b, cb) = alternate(run_stateful, run_stateless, args.pairs, args.steps)
     ratios = [s / f for f, s in zip(a, b)]
     print(f"cnn, {args.devices} device(s), strategy.{args.view}, {args.pairs} pairs of {args.steps} steps, "
           f"global batch {wl.batch}")
     print(f"{'stateful,':11} s per chunk:", " ".join(f"{t:.2f}" for t in a))
     print(f"{'stateless,':11} s per chunk:", " ".join(f"{t:.2f}" for t in b))
     print(f"speed, stateful / stateless: median of pairs {statistics.median(ratios):.3f}, total {sum(b) / sum(a):.3f}")
-    ca, cb = cpu[run_stateful], cpu[run_stateless]
     print(f"CPU time, stateless / stateful: median of pairs {statistics.median(s / f for f, s in zip(ca, cb)):.3f}, "
           f"total {sum(cb) / sum(ca):.3f} (stateful {sum(ca):.2f} s, stateless {sum(cb):.2f} s)")
 
