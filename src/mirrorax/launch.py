@@ -258,8 +258,7 @@ class _Group:
         program = self.cmd[0]
         if shutil.which(program) is None:  # the children exec it through a small starter: check it here
             why = "Permission denied" if os.path.exists(program) else "No such file or directory"
-            raise ValueError(f"Cannot run {program!r}: {why}. Give a command that exists, e.g. "
-                             "`mirrorax launch --nprocs 2 -- python train.py`.")
+            raise _cannot_run(program, why)
         for rank in range(self.nprocs):
             try:
                 # Each child in its own session (its group is stopped as one), ended with the launcher.
@@ -268,8 +267,7 @@ class _Group:
                                          start_new_session=True)
             except OSError as e:
                 self.stop_all()
-                raise ValueError(f"Cannot run {self.cmd[0]!r}: {e.strerror}. Give a command that exists, e.g. "
-                                 "`mirrorax launch --nprocs 2 -- python train.py`.") from None
+                raise _cannot_run(program, e.strerror or str(e)) from None
             self.children.append(child)
             reader = threading.Thread(target=self._pump, args=(rank, child, tails[rank]), daemon=True)
             reader.start()
@@ -487,6 +485,11 @@ class _Progress:
     def count(self, rank: int) -> int:
         seen = self.seen[rank]
         return -1 if seen is None else seen[0]
+
+
+def _cannot_run(program: str, why: str) -> ValueError:
+    return ValueError(f"Cannot run {program!r}: {why}. Give a command that exists, e.g. "
+                      "`mirrorax launch --nprocs 2 -- python train.py`.")
 
 
 def _has_prctl() -> bool:
