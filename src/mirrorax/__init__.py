@@ -46,6 +46,9 @@ from mirrorax.strategy import InputContext as InputContext
 from mirrorax.strategy import MirroredStrategy as MirroredStrategy
 from mirrorax.strategy import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from mirrorax.strategy import get_strategy as get_strategy
+from mirrorax.traffic import Collective as Collective
+from mirrorax.traffic import Traffic as Traffic
+from mirrorax.traffic import traffic as traffic
 from mirrorax.train_state import TrainState as TrainState
 from mirrorax.trainer import Trainer as Trainer
 
@@ -79,6 +82,7 @@ __all__ = [
     "Checkpointer",
     "ClusterError",
     "ClusterInfo",
+    "Collective",
     "DistributedBatch",
     "DistributedDataset",
     "FunctionalModel",
@@ -95,6 +99,7 @@ __all__ = [
     "ReduceOp",
     "ReplicaContext",
     "ReplicaMismatchError",
+    "Traffic",
     "TrainState",
     "Trainer",
     "compute_average_loss",
@@ -106,5 +111,6 @@ __all__ = [
     "masked_mean",
     "plan",
     "scale_regularization_loss",
+    "traffic",
     "value_and_grad",
 ]
