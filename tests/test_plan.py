@@ -176,3 +176,128 @@ def test_planned_peak_is_within_20_percent_of_the_process_growth(shard):
     predicted = r["devices"] * r["peak_bytes"] - r["model_copy"]
     assert predicted > 200 * 2**20  # the state dominates the process's own noise
     assert abs(r["growth"] - predicted) <= 0.2 * predicted, (r["growth"] / 2**20, predicted / 2**20, r)
+
+
+# -- traffic within and across hosts (mirrorax.traffic) ---------------------------------------------------
+
+def _ring_factor(kind, n):
+    """What each member of a ring of n sends, per byte of its result (the model of mirrorax.traffic)."""
+    return {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n}[kind]
+
+
+def test_replicated_gradient_all_reduce_crosses_hosts_at_the_rings_two_edges():
+    x, y = _data(32)
+    model = _model()
+    params = sum(np.asarray(w).nbytes for w in model.get_weights())
+    ids = [d.id for d in jax.devices()]
+    p = mx.plan(model, x, y, batch_size=32, strategy=mx.MirroredStrategy(), search=False, hosts=2)
+    t = p.traffic
+    assert t.hosts == {i: k // 4 for k, i in enumerate(ids)} and t.num_hosts == 2
+    assert {(c.kind, c.groups) for c in t.collectives} == {("all-reduce", (tuple(ids),))}
+    reduced = sum(c.result_bytes for c in t.collectives)
+    assert params <= reduced <= params + 64  # the gradients, plus the loss and metric sums packed in one operand
+    # A ring over 0..7 on hosts {0..3}, {4..7} crosses at 3->4 and 7->0: 2 of its 8 members send across,
+    # each 2 (8-1)/8 of the bytes reduced; the other 6 send within their host.
+    assert t.across_bytes == round(2 * _ring_factor("all-reduce", 8) * reduced)
+    assert t.within_bytes == round(6 * _ring_factor("all-reduce", 8) * reduced)
+    assert t.across_bytes >= 3.5 * params
+    assert {i for i, (_, a) in t.per_device.items() if a} == {ids[3], ids[7]}
+    assert p.across_hosts_bytes == t.across_bytes and "across hosts" in str(p) and "across 2 hosts" in p.summary()
+
+
+def test_fully_sharded_parameters_are_gathered_across_hosts():
+    x, y = _data(32)
+    p = mx.plan(_model(), x, y, batch_size=32, strategy=mx.MirroredStrategy(shard="all"), search=False,
+                hosts={d.id: k // 4 for k, d in enumerate(jax.devices())})
+    gathers = [c for c in p.traffic.collectives if c.kind == "all-gather"]
+    # Whatever XLA gathers (the split kernels, or activations computed from them), it gathers over all 8
+    # devices in their order: a ring whose 2 edges 3->4 and 7->0 cross hosts, (8-1)/8 of each result.
+    assert gathers and all(c.groups == (tuple(d.id for d in jax.devices()),) for c in gathers)
+    gathered = sum(c.result_bytes for c in gathers)
+    assert sum(c.across_bytes for c in gathers) == pytest.approx(2 * _ring_factor("all-gather", 8) * gathered)
+    assert sum(c.within_bytes for c in gathers) == pytest.approx(6 * _ring_factor("all-gather", 8) * gathered)
+
+
+def _mesh_2x4(devices=None):
+    devices = jax.devices() if devices is None else devices
+    return jax.sharding.Mesh(np.asarray(devices).reshape(2, 4), ("hosts", "chips"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _psum_over(mesh, axis):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    x = jax.ShapeDtypeStruct((8, 256), np.float32, sharding=NamedSharding(mesh, P(("hosts", "chips"))))
+    f = jax.shard_map(lambda a: jax.lax.psum(a, axis), mesh=mesh, in_specs=P(("hosts", "chips")),
+                      out_specs=P(("hosts", "chips")))
+    return jax.jit(f).lower(x).compile()
+
+
+def test_a_reduction_within_the_inner_axis_crosses_no_host():
+    compiled = _psum_over(_mesh_2x4(), "chips")
+    assert "replica_groups={{0,1,2,3},{4,5,6,7}}" in compiled.as_text()  # the list form
+    t = mx.traffic(compiled, hosts=2)
+    ids = [d.id for d in jax.devices()]
+    [c] = t.collectives
+    assert (c.kind, c.result_bytes, c.groups) == ("all-reduce", 1024, (tuple(ids[:4]), tuple(ids[4:])))
+    assert t.across_bytes == 0 and t.within_bytes == 8 * _ring_factor("all-reduce", 4) * 1024
+    # By default a device's host is its process: one process, one host.
+    assert mx.traffic(compiled).num_hosts == 1
+    # The same program over the outer axis: every byte crosses (pairs {0,4}, {1,5}, ... of one member per host).
+    outer = mx.traffic(_psum_over(_mesh_2x4(), "hosts"), hosts=2)
+    assert outer.collectives[0].groups == tuple((ids[k], ids[k + 4]) for k in range(4))
+    assert outer.within_bytes == 0 and outer.across_bytes == 8 * _ring_factor("all-reduce", 2) * 1024
+
+
+def test_group_ids_are_positions_in_the_programs_device_assignment():
+    # A mesh of devices in the order 0,4,1,5 | 2,6,3,7: the inner axis's groups are XLA's {0,1,2,3} and
+    # {4,5,6,7}, which are devices {0,4,1,5} and {2,6,3,7}; on hosts by device id (0-3, 4-7) its ring
+    # 0->4->1->5->0 crosses at every edge.
+    d = jax.devices()
+    order = [d[i] for i in (0, 4, 1, 5, 2, 6, 3, 7)]
+    t = mx.traffic(_psum_over(_mesh_2x4(order), "chips"),
+                   hosts=lambda dev: d.index(dev) // 4)
+    assert t.collectives[0].groups == tuple(tuple(x.id for x in order[k:k + 4]) for k in (0, 4))
+    assert t.within_bytes == 0 and t.across_bytes == 8 * _ring_factor("all-reduce", 4) * 1024
+
+
+def test_the_iota_and_mesh_forms_of_replica_groups():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh_2x4()
+    ids = [d.id for d in jax.devices()]
+    x = jax.ShapeDtypeStruct((8, 256), np.float32, sharding=NamedSharding(mesh, P(("hosts", "chips"))))
+    # Rows split 8 ways, re-split over the inner axis only: XLA gathers over the outer axis, printing its
+    # groups {0,4},{1,5},{2,6},{3,7} in the iota form.
+    gather = jax.jit(lambda a: a * 2, out_shardings=NamedSharding(mesh, P("chips"))).lower(x).compile()
+    assert "replica_groups=[4,2]<=[2,4]T(1,0)" in gather.as_text()
+    [g] = [c for c in mx.traffic(gather, hosts=2).collectives if c.kind == "all-gather"]
+    assert g.groups == tuple((ids[k], ids[k + 4]) for k in range(4)) and g.result_bytes == 2 * 256 * 4
+    assert g.across_bytes == 8 * _ring_factor("all-gather", 2) * g.result_bytes and g.within_bytes == 0
+    # A sum over the inner axis, left to XLA's partitioner: the mesh form, mesh[...] {axis}.
+    total = jax.jit(lambda a: a.reshape(2, 4, 256).sum(1),
+                    out_shardings=NamedSharding(mesh, P("hosts"))).lower(x).compile()
+    assert "replica_groups=mesh[" in total.as_text()
+    [r] = mx.traffic(total, hosts=2).collectives
+    assert r.groups == (tuple(ids[:4]), tuple(ids[4:])) and r.across_bytes == 0
+
+
+def test_replica_modes_and_a_permute_from_hlo_text():
+    """The group modes jit never prints today (replica ids: no channel_id; replicas spanning every
+    partition), on a 2-replica x 2-partition program, read by XLA's rules."""
+    from mirrorax.traffic import traffic_of
+
+    d = jax.devices()[:4]  # devices[r * 2 + p]: replica r, partition p
+    hlo = ("HloModule m, replica_count=2, num_partitions=2\n"
+           "%a = f32[4]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add\n"
+           "%b = f32[4]{0} all-reduce(%x), channel_id=2, replica_groups={{0},{1}}, use_global_device_ids=false\n"
+           "%c = f32[4]{0} collective-permute(%x), channel_id=3, source_target_pairs={{0,1}}\n")
+    a, b, c = traffic_of(hlo, d, hosts=2).collectives
+    assert a.groups == ((d[0].id, d[2].id), (d[1].id, d[3].id))  # each partition's two replicas: across
+    assert b.groups == ((d[0].id, d[1].id), (d[2].id, d[3].id))  # each replica's two partitions: within
+    assert c.groups == ((d[0].id, d[1].id), (d[2].id, d[3].id)) and c.within_bytes == 2 * 16
+    assert (a.within_bytes, a.across_bytes, b.within_bytes, b.across_bytes) == (0, 4 * 16, 4 * 16, 0)
+    with pytest.raises(ValueError, match="divide the program's 4 devices"):
+        traffic_of(hlo, d, hosts=3)

@@ -3,7 +3,8 @@
 The train step is compiled without running (``jit(...).lower(abstract args).compile()``, abstract arrays
 carry the strategy's layouts), and read: XLA's ``memory_analysis()`` (arguments, outputs, temporaries,
 per device), ``cost_analysis()["flops"]`` and the collectives in the compiled program (their result
-bytes). The state's own bytes per device come from each variable's shape and layout, exactly. Given a
+bytes, their device groups and what each device sends within its host and across hosts:
+:mod:`mirrorax.traffic`). The state's own bytes per device come from each variable's shape and layout, exactly. Given a
 per-device memory, the largest global batch that fits is searched for in every sharding mode, with
 compile-only programs (a few seconds each).
 """
@@ -27,15 +28,10 @@ from mirrorax.models.adapters import adapt
 from mirrorax.models.base import strategy_of
 from mirrorax.step import StepFunctions
 from mirrorax.strategy import MirroredStrategy, get_strategy
+from mirrorax.traffic import Traffic, collective_bytes, traffic_of
 
 __all__ = ["Plan", "plan", "plan_step", "at_fit_start", "parse_bytes"]
 
-# A collective's result: one array type, or a tuple of them (which may hold /*index=N*/ comments).
-_COLLECTIVE = re.compile(r"=\s*(\([^)]*\)|[a-z0-9]+\[[0-9,]*\][^ ]*)\s+"
-                         r"(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(")
-_SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
-_BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32,
-         "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128}
 MODES: tuple[Any, ...] = (None, "optimizer", "all")
 
 
@@ -74,6 +70,8 @@ class Plan:
       peak_bytes: arguments + outputs - aliased (donated) + temporaries: the step's peak on one device.
       flops: floating-point operations of one step on one device (``cost_analysis``).
       collective_bytes: bytes produced by the step's collectives on one device (all-reduce, all-gather, ...).
+      traffic: the step's collectives with their device groups, and the bytes every device sends per step
+        within its host and across hosts (:class:`mirrorax.Traffic`; hosts: ``plan(hosts=...)``).
       device_memory: the per-device memory planned against (``None``: unknown).
       largest_batch: ``{mode: largest global batch that fits}`` when ``device_memory`` is known.
     """
@@ -92,6 +90,7 @@ class Plan:
     flops: float
     collective_bytes: int
     device_memory: int | None = None
+    traffic: Traffic | None = None
     largest_batch: dict[Any, int | None] = dataclasses.field(default_factory=dict)
 
     @property
@@ -104,12 +103,19 @@ class Plan:
         """Whether the step's peak fits ``device_memory`` (``None`` when that is unknown)."""
         return None if self.device_memory is None else self.peak_bytes <= self.device_memory
 
+    @property
+    def across_hosts_bytes(self) -> int:
+        """Bytes the step's collectives send from one host to another, all devices together (0: one host)."""
+        return self.traffic.across_bytes if self.traffic is not None else 0
+
     def summary(self) -> str:
         """One line, as ``fit`` prints it with ``verbose``."""
+        across = (f", {_mib(self.across_hosts_bytes)} across {self.traffic.num_hosts} hosts"
+                  if self.traffic is not None and self.traffic.num_hosts > 1 else "")
         return (f"plan: {self.num_devices} devices, shard={self.shard!r}, global batch {self.batch_size}: per device "
                 f"state {_mib(self.state_bytes)} (params {_mib(self.param_bytes)}, optimizer "
                 f"{_mib(self.optimizer_bytes)}), step peak {_mib(self.peak_bytes)}, {self.flops / 1e9:.3g} GFLOP, "
-                f"collectives {_mib(self.collective_bytes)}")
+                f"collectives {_mib(self.collective_bytes)}{across}")
 
     def __str__(self) -> str:
         rows = [("parameters", self.param_bytes), ("gradients", self.gradient_bytes),
@@ -121,6 +127,11 @@ class Plan:
                  "  per device:"]
         lines += [f"    {name:<32} {_mib(v):>14}" for name, v in rows]
         lines.append(f"    {'FLOPs per step':<32} {self.flops:>14,.3g}")
+        if self.traffic is not None:
+            t = self.traffic
+            lines.append(f"  sent by the collectives per step, all {len(t.hosts)} devices on {t.num_hosts} host(s):")
+            lines.append(f"    {'within a host':<32} {_mib(t.within_bytes):>14}")
+            lines.append(f"    {'across hosts':<32} {_mib(t.across_bytes):>14}")
         if self.device_memory is not None:
             lines.append(f"  device memory {_mib(self.device_memory)}: the step "
                          f"{'fits' if self.fits else 'does NOT fit'}")
@@ -139,16 +150,6 @@ def _per_device_bytes(tree: Any, shardings: Any) -> int:
     return total
 
 
-def _collective_bytes(hlo: str) -> int:
-    total = 0
-    for match in _COLLECTIVE.finditer(hlo):
-        for dtype, dims in _SHAPE.findall(match.group(1)):
-            bits = _BITS.get(dtype)
-            if bits:
-                total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
-    return total
-
-
 def _device_memory(devices: Sequence[jax.Device]) -> int | None:
     """``MIRRORAX_DEVICE_MEMORY`` (e.g. ``"24GB"``), else the device's own limit where JAX knows it."""
     if os.environ.get("MIRRORAX_DEVICE_MEMORY"):
@@ -161,7 +162,7 @@ def _device_memory(devices: Sequence[jax.Device]) -> int | None:
 
 
 def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, device_memory: int | str | None = None,
-         strategy: Any = None, search: bool = True) -> Plan:
+         strategy: Any = None, search: bool = True, hosts: Any = None) -> Plan:
     """Compiles the train step without running it and reports its per-device cost.
 
     Args:
@@ -173,6 +174,10 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
       strategy: the strategy (default: the trainer's; else the one whose scope the model was made under;
         else the enclosing scope's, else every device).
       search: with a known ``device_memory``, find the largest global batch that fits in each mode.
+      hosts: which host each device is on, for the traffic within and across hosts: ``None`` (each
+        device's ``process_index``), an int ``k`` (the strategy's devices in order, cut into ``k`` equal
+        blocks: ``hosts=2`` plans 8 simulated devices as 2 hosts of 4), a ``{device id: host}`` mapping
+        or a function ``device -> host``.
 
     Returns:
       A :class:`Plan`; ``print(plan)`` shows the table.
@@ -190,7 +195,7 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
     source = make_source(x, y, float_dtype=held.steps.adapter.float_dtype)
     # One row stands for the shapes: the plan is of a full global batch, not of a batch cut to that row.
     sample = dataclasses.replace(source.sample(1, base.batch_mesh), rows=None)
-    result = plan_step(held.steps, held.device, sample, batch_size, memory)
+    result = plan_step(held.steps, held.device, sample, batch_size, memory, hosts=hosts)
     if memory is not None and search:
         for mode in MODES:
             other = held.in_mode(mode)
@@ -278,7 +283,7 @@ def _largest(peak: Any, memory: int, step: int, start: int) -> int | None:
 
 
 def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_size: int,
-              memory: int | None = None) -> Plan:
+              memory: int | None = None, *, hosts: Any = None) -> Plan:
     """The plan of the train step ``steps.train`` at ``batch_size`` (``sample``: a batch of the inputs,
     for their row shapes and dtypes).
 
@@ -310,6 +315,7 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     param_bytes = _per_device_bytes(abstract.params, layouts.params)
     full_params = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(abstract.params))
+    text = compiled.as_text()
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     return Plan(shard=s.shard, num_devices=s.num_replicas_in_sync, batch_size=batch_size, param_bytes=param_bytes,
                 optimizer_bytes=_per_device_bytes(abstract.optimizer, layouts.optimizer),
@@ -317,7 +323,8 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
                 gradient_bytes=param_bytes if s.shard == "all" else full_params,
                 argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
                 temp_bytes=int(mem.temp_size_in_bytes), peak_bytes=int(peak), flops=float(cost.get("flops", 0.0)),
-                collective_bytes=_collective_bytes(compiled.as_text()), device_memory=memory)
+                collective_bytes=collective_bytes(text), device_memory=memory,
+                traffic=traffic_of(text, list(np.asarray(s.mesh.devices).flat), hosts))
 
 
 def at_fit_start(model: Any, steps: StepFunctions, device: DeviceState, sample: Batch, batch_size: int, *,
