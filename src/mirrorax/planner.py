@@ -62,10 +62,10 @@ class Plan:
 
     Attributes:
       shard: the strategy's mode (``None``, ``"optimizer"``, ``"all"``).
-      num_devices, batch_size: the devices and the global batch planned for.
+      num_devices, batch_size: the devices the step runs on and the global batch planned for.
       param_bytes, optimizer_bytes, model_state_bytes: the state's bytes held on one device (exact).
-      gradient_bytes: the gradients' bytes on one device (the parameters' full size, or their slice when
-        the parameters are split).
+      gradient_bytes: the gradients' bytes on one device: the parameters' (their full size, or their slice
+        when the parameters are split: ``shard="all"``, a layout map).
       argument_bytes, output_bytes, temp_bytes: XLA's ``memory_analysis()`` of the compiled step, one device.
       peak_bytes: arguments + outputs - aliased (donated) + temporaries: the step's peak on one device.
       flops: floating-point operations of one step on one device (``cost_analysis``).
@@ -314,13 +314,12 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     param_bytes = _per_device_bytes(abstract.params, layouts.params)
-    full_params = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(abstract.params))
     text = compiled.as_text()
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
-    return Plan(shard=s.shard, num_devices=s.num_replicas_in_sync, batch_size=batch_size, param_bytes=param_bytes,
+    return Plan(shard=s.shard, num_devices=len(s.devices), batch_size=batch_size, param_bytes=param_bytes,
                 optimizer_bytes=_per_device_bytes(abstract.optimizer, layouts.optimizer),
                 model_state_bytes=_per_device_bytes(abstract.model_state, layouts.model_state),
-                gradient_bytes=param_bytes if s.shard == "all" else full_params,
+                gradient_bytes=param_bytes,  # a gradient has its parameter's layout: whole, or the same slice
                 argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
                 temp_bytes=int(mem.temp_size_in_bytes), peak_bytes=int(peak), flops=float(cost.get("flops", 0.0)),
                 collective_bytes=collective_bytes(text), device_memory=memory,
