@@ -127,7 +127,7 @@ class Plan:
                  "  per device:"]
         lines += [f"    {name:<32} {_mib(v):>14}" for name, v in rows]
         lines.append(f"    {'FLOPs per step':<32} {self.flops:>14,.3g}")
-        if self.traffic is not None:
+        if self.traffic is not None and self.traffic.num_hosts > 1:  # one host: all of it is within
             t = self.traffic
             lines.append(f"  sent by the collectives per step, all {len(t.hosts)} devices on {t.num_hosts} host(s):")
             lines.append(f"    {'within a host':<32} {_mib(t.within_bytes):>14}")
