@@ -1,0 +1,172 @@
+"""Bytes crossing hosts per train step of the benchmark's transformer, per state layout, from the compiled
+programs (compile only, nothing runs): ``mx.plan(..., hosts=H)`` for replication, ``shard="optimizer"``
+and ``shard="all"`` over every device, and hybrid sharding (HSDP: the state split within a host,
+replicated across hosts).
+
+The devices are read as ``--hosts`` hosts of consecutive devices (8 simulated CPU devices as 2 hosts of
+4: the mesh 2 processes x 4 devices make under ``mirrorax launch``, one host per row). HSDP's program is
+the strategy's where the API offers a hybrid mesh (``MirroredStrategy(mesh=mx.hybrid_mesh(k),
+shard="all")``), else it is written here with ``jax.jit`` and ``NamedSharding``s on a
+``(hosts, devices)`` mesh (with ``--check``, both): the same Keras model and Adam through ``stateless_call`` /
+``stateless_apply``, the batch split over both axes, each variable split over the inner axis by
+mirrorax's own rule (``state_sharding`` of a ``shard="all"`` strategy on one host's devices) and
+replicated over the outer. ``shard="all"`` is written the same way too (``--check``), as a check that the
+hand-written program moves what the strategy's does.
+
+Run from the repository root::
+
+    python -m benchmarks.traffic                       # 8 devices as 2 hosts x 4, the transformer
+    python -m benchmarks.traffic --workload mlp --check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def _hand_written(wl: Any, workloads: Any, hosts: int, inner_sharded: bool) -> Any:
+    """The train step written with ``jax.jit`` on a ``(hosts, devices)`` mesh: the batch over both axes;
+    the state split over the inner axis (HSDP, ``inner_sharded``) or over both (FSDP), compiled."""
+    import jax
+    import keras
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import mirrorax as mx
+
+    devices = jax.devices()
+    per_host = len(devices) // hosts
+    mesh = jax.make_mesh((hosts, per_host), ("hosts", "devices"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=devices)
+    # mirrorax's rule for which axis of a variable is split (and which stay whole), on the split's devices.
+    rule = mx.MirroredStrategy(devices=devices[:per_host] if inner_sharded else devices, shard="all")
+    split = "devices" if inner_sharded else ("hosts", "devices")
+
+    def layout(shape: tuple[int, ...]) -> NamedSharding:
+        spec = rule.state_sharding(shape, "params").spec
+        return NamedSharding(mesh, P(*[split if s is not None else None for s in spec] if spec else ()))
+
+    keras.utils.set_random_seed(0)
+    model = workloads.build_keras_model(wl)
+    model.compile(**workloads.compile_args(wl))
+    model.optimizer.build(model.trainable_variables)
+    loss_fn = model.loss
+
+    def step(tv: Any, ntv: Any, ov: Any, x: Any, y: Any) -> Any:
+        def loss(tv: Any) -> Any:
+            logits, new_ntv = model.stateless_call(tv, ntv, x, training=True)
+            return loss_fn(y, logits), new_ntv
+
+        (value, new_ntv), grads = jax.value_and_grad(loss, has_aux=True)(tv)
+        new_tv, new_ov = model.optimizer.stateless_apply(ov, grads, tv)
+        return new_tv, new_ntv, new_ov, value
+
+    def spec(vs: Any) -> Any:
+        return [jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=layout(tuple(v.shape))) for v in vs]
+
+    x, y = workloads.make_data(wl, wl.batch)
+    batch = NamedSharding(mesh, P(("hosts", "devices")))
+    args = (spec(model.trainable_variables), spec(model.non_trainable_variables), spec(model.optimizer.variables),
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch),
+            jax.ShapeDtypeStruct(np.shape(y), np.asarray(y).dtype, sharding=batch))
+    out = (*([a.sharding for a in group] for group in args[:3]), NamedSharding(mesh, P()))
+    return jax.jit(step, out_shardings=out, donate_argnums=(0, 1, 2)).lower(*args).compile()
+
+
+def _strategy_hsdp(hosts: int) -> Any:
+    """HSDP through the strategy's public API where it has one (``MirroredStrategy(mesh=mx.hybrid_mesh(k),
+    shard="all")``), else ``None``."""
+    import jax
+
+    import mirrorax as mx
+
+    hybrid_mesh = getattr(mx, "hybrid_mesh", None)
+    if hybrid_mesh is None:
+        return None
+    return mx.MirroredStrategy(mesh=hybrid_mesh(len(jax.devices()) // hosts), shard="all")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default="transformer")
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--hosts", type=int, default=2)
+    p.add_argument("--check", action="store_true",
+                   help="also compile HSDP and shard='all' written with jax.jit (against the strategy's)")
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    os.environ["JAX_NUM_CPU_DEVICES"] = str(args.devices)
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", args.devices)
+
+    import mirrorax as mx
+    from benchmarks import workloads
+
+    wl = workloads.get(args.workload)
+    x, y = workloads.make_data(wl, wl.batch)
+    rows: list[dict[str, Any]] = []
+
+    def record(name: str, how: str, t: Any, seconds: float) -> None:
+        rows.append({"layout": name, "program": how, "within_bytes": t.within_bytes, "across_bytes": t.across_bytes,
+                     "max_across_bytes_per_device": t.max_across_bytes, "collectives": len(t.collectives),
+                     "compile_s": round(seconds, 1)})
+        print(json.dumps(rows[-1]), flush=True)
+
+    params = 0
+    for shard in (None, "optimizer", "all"):
+        start = time.process_time()
+        with mx.MirroredStrategy(shard=shard).scope():
+            model = workloads.build_keras_model(wl)
+            model.compile(**workloads.compile_args(wl))
+        params = sum(int(v.numpy().nbytes) for v in model.trainable_variables)
+        plan = mx.plan(model, x[:1], y[:1], batch_size=wl.batch, search=False, hosts=args.hosts)
+        assert plan.traffic is not None
+        record({None: "replicated", "optimizer": "optimizer (ZeRO-1)", "all": "all (FSDP)"}[shard],
+               "mx.plan", plan.traffic, time.process_time() - start)
+    start = time.process_time()
+    strategy = _strategy_hsdp(args.hosts)
+    if strategy is not None:
+        with strategy.scope():
+            model = workloads.build_keras_model(wl)
+            model.compile(**workloads.compile_args(wl))
+        plan = mx.plan(model, x[:1], y[:1], batch_size=wl.batch, search=False, hosts=args.hosts)
+        assert plan.traffic is not None
+        record("HSDP", "mx.plan", plan.traffic, time.process_time() - start)
+    if strategy is None or args.check:
+        start = time.process_time()
+        compiled = _hand_written(wl, workloads, args.hosts, inner_sharded=True)
+        record("HSDP", "jax.jit", mx.traffic(compiled, hosts=args.hosts), time.process_time() - start)
+    if args.check:
+        start = time.process_time()
+        compiled = _hand_written(wl, workloads, args.hosts, inner_sharded=False)
+        record("all (FSDP)", "jax.jit", mx.traffic(compiled, hosts=args.hosts), time.process_time() - start)
+
+    fsdp = next(r for r in rows if r["layout"] == "all (FSDP)")["across_bytes"]
+    print(f"\n{wl.title}: {args.devices} devices as {args.hosts} hosts, parameters {params / 2**20:.2f} MiB; "
+          "bytes sent per step by all devices (ring model, mirrorax.traffic)\n")
+    busiest = next(r for r in rows if r["layout"] == "all (FSDP)")["max_across_bytes_per_device"]
+    print("| layout | program | within hosts MiB | across hosts MiB | across / parameters | across / FSDP's "
+          "| busiest device across MiB | / FSDP's |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        most = r["max_across_bytes_per_device"]
+        print(f"| {r['layout']} | {r['program']} | {r['within_bytes'] / 2**20:,.1f} | {r['across_bytes'] / 2**20:,.1f} "
+              f"| {r['across_bytes'] / params:.2f} | {r['across_bytes'] / fsdp:.2f} | {most / 2**20:,.1f} "
+              f"| {most / busiest:.2f} |")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"workload": wl.name, "devices": args.devices, "hosts": args.hosts, "param_bytes": params,
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
