@@ -282,6 +282,16 @@ def test_the_iota_and_mesh_forms_of_replica_groups():
     assert "replica_groups=mesh[" in total.as_text()
     [r] = mx.traffic(total, hosts=2).collectives
     assert r.groups == (tuple(ids[:4]), tuple(ids[4:])) and r.across_bytes == 0
+    # On a 4x2 mesh with the rows split "b"-major, the sum over "a" prints the mesh's ids in the iota form
+    # (device_ids=([4,2]T(1,0))): its groups are the devices of each column, {0,2,4,6} and {1,3,5,7}.
+    mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x = jax.ShapeDtypeStruct((8, 256), np.float32, sharding=NamedSharding(mesh, P(("b", "a"))))
+    columns = jax.jit(lambda a: a.reshape(2, 4, 256).sum(1), out_shardings=NamedSharding(mesh, P("b"))).lower(x)
+    text = columns.compile().as_text()
+    assert "replica_groups=mesh[" in text and "device_ids=([4,2]T(1,0))" in text
+    [c] = mx.traffic(columns.compile(), hosts=2).collectives
+    assert c.groups == (tuple(ids[0::2]), tuple(ids[1::2]))
+    assert (c.within_bytes, c.across_bytes) == (2 * 2 * _ring_factor("all-reduce", 4) * 1024,) * 2
 
 
 def test_replica_modes_and_a_permute_from_hlo_text():

@@ -137,7 +137,7 @@ def _mesh_groups(axes_text: str, ids_text: str | None, grouped_text: str) -> lis
         # the iota form ([4,2]T(1,0)), else the ids themselves (a permutation of 0..n-1: never iota's dims)
         iota = m is not None and math.prod(_ints(m.group(1))) == math.prod(sizes)
         ids = (_iota(sizes, _ints(m.group(1)), _ints(m.group(2)) if m.group(2) else None) if m and iota
-               else np.asarray(_ints(ids_text)).reshape(sizes))
+               else np.asarray(_ints(ids_text)[-math.prod(sizes):]).reshape(sizes))  # after any [dims]
     refs = [(names.index(n), int(pre) if pre else None, int(size) if size else None)
             for n, pre, size in re.findall(r"'?([^':,\s]+)'?(?::\(([0-9]+)\)([0-9]+))?", grouped_text)]
     # Split each mesh axis into the factors its sub-axes name (major to minor), as XLA's
