@@ -17,6 +17,7 @@ Run from the repository root::
 
     python -m benchmarks.traffic                       # 8 devices as 2 hosts x 4, the transformer
     python -m benchmarks.traffic --workload mlp --check
+    python -m benchmarks.traffic --speed               # samples/s of each layout, 2 processes x 4 devices
 """
 
 from __future__ import annotations
@@ -92,6 +93,74 @@ def _strategy_hsdp(hosts: int) -> Any:
     return mx.MirroredStrategy(mesh=hybrid_mesh(len(jax.devices()) // hosts), shard="all")
 
 
+LAYOUTS = ("replicated", "optimizer", "all", "hsdp")
+
+
+def _layout_strategy(layout: str) -> Any:
+    import mirrorax as mx
+
+    if layout == "hsdp":
+        return mx.MirroredStrategy(mesh=mx.hybrid_mesh(), shard="all")  # one row per process
+    return mx.MirroredStrategy(shard={"replicated": None, "optimizer": "optimizer", "all": "all"}[layout])
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """One process of a ``mirrorax launch`` job: ``Trainer.fit`` of the workload in one layout, timed."""
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    import jax
+
+    import mirrorax as mx
+    from benchmarks import workloads
+
+    strategy = _layout_strategy(args.worker)  # joins the job from the launcher's environment
+    wl = workloads.get(args.workload)
+    x, y = workloads.make_data(wl, wl.batch * max(args.steps, args.warmup))
+    with strategy.scope():
+        model = workloads.build_keras_model(wl)
+        model.compile(**workloads.compile_args(wl))
+    trainer = mx.Trainer(model, strategy)
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        trainer.fit(x, y, batch_size=wl.batch, epochs=1, steps_per_epoch=n, shuffle=False, verbose=0)
+        jax.block_until_ready(trainer.state)
+        return time.perf_counter() - start
+
+    run(args.warmup)
+    rates = [wl.batch * args.steps / run(args.steps) for _ in range(args.repeats)]
+    if jax.process_index() == 0:
+        with open(args.out, "w") as f:
+            json.dump({"layout": args.worker, "samples_per_s": rates, "processes": jax.process_count(),
+                       "devices": jax.device_count()}, f)
+
+
+def _speed(args: argparse.Namespace, layouts: list[str]) -> dict[str, list[float]]:
+    """Samples/s of each layout on ``--hosts`` processes (``mirrorax launch``, gloo on loopback)."""
+    import subprocess
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    speeds = {}
+    for layout in layouts:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "speed.json")
+            cmd = ["mirrorax", "launch", "--nprocs", str(args.hosts), "--cpu-devices-per-proc",
+                   str(args.devices // args.hosts), "--", sys.executable, "-m", "benchmarks.traffic", "--worker",
+                   layout, "--workload", args.workload, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--repeats", str(args.repeats), "--out", out]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            if proc.returncode != 0 or not os.path.exists(out):
+                print(f"{layout}: mirrorax launch exited with {proc.returncode}:\n"
+                      f"{(proc.stdout + proc.stderr)[-1500:]}", flush=True)
+                continue
+            with open(out) as f:
+                speeds[layout] = json.load(f)["samples_per_s"]
+        print(json.dumps({"layout": layout, "samples_per_s": speeds[layout]}), flush=True)
+    return speeds
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="transformer")
@@ -100,7 +169,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true",
                    help="also compile HSDP and shard='all' written with jax.jit (against the strategy's)")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--speed", action="store_true",
+                   help="instead: time Trainer.fit of each layout on --hosts processes under mirrorax launch")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="the layouts --speed times")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per timed run (--speed)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--timeout", type=int, default=900, help="seconds per launch (--speed)")
+    p.add_argument("--worker", choices=LAYOUTS, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    if args.speed:
+        import mirrorax as mx
+
+        layouts = [la for la in args.layouts.split(",") if la != "hsdp" or hasattr(mx, "hybrid_mesh")]
+        speeds = _speed(args, layouts)
+        print("\n| layout | samples/s (timed runs) |\n|---|---|")
+        for layout, rates in speeds.items():
+            print(f"| {layout} | {' / '.join(f'{r:.2f}' for r in rates)} |")
+        return 0
     os.environ.setdefault("KERAS_BACKEND", "jax")
     os.environ["JAX_NUM_CPU_DEVICES"] = str(args.devices)
     import jax
