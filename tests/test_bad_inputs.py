@@ -372,3 +372,31 @@ def test_dict_inputs_with_the_wrong_names():
         t2.fit({"a": x, "c": x}, y, batch_size=8, verbose=0)
     assert nothing_compiled(t) and nothing_compiled(t2)
     t2.fit({"a": x, "b": x}, y, batch_size=8, verbose=0)
+
+
+def test_nan_in_large_arrays_is_refused_with_nothing_changed():
+    """Large arrays are scanned on a thread while fit builds the state; the scan is joined before a
+    checkpoint, a callback or a step can change anything: the same refusal as a scan up front."""
+    from mirrorax.input_checks import BACKGROUND_MIN_BYTES
+
+    x = np.random.default_rng(0).normal(size=(1100, 1000)).astype(np.float32)
+    assert x.nbytes >= BACKGROUND_MIN_BYTES
+    x[1000, 999] = np.inf
+    y = np.zeros(len(x), np.int32)
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((1000,)), keras.layers.Dense(CLASSES, activation="softmax")])
+    m.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    before = [w.copy() for w in m.get_weights()]
+    heard = []
+    spy = keras.callbacks.LambdaCallback(on_train_begin=lambda logs: heard.append("begin"))
+    t = mx.Trainer(m, strategy(2))
+    with pytest.raises(ValueError, match=r"x holds inf at x\[1000, 999\] \(example 1000\).*refuse NaN and inf"):
+        t.fit(x, y, batch_size=100, callbacks=[spy], verbose=0)
+    with pytest.raises(ValueError, match=r"x holds inf at x\[1000, 999\]"):  # a NaN is the first error, as before
+        t.fit(x, np.full(len(x), 9, np.int32), batch_size=100, verbose=0)
+    with pytest.raises(ValueError, match=r"x holds inf at x\[1000, 999\]"):  # in validation_data too
+        t.fit(x[:8], y[:8], validation_data=(x, y), batch_size=100, verbose=0)
+    assert heard == [] and nothing_compiled(t)
+    assert int(m.optimizer.iterations.numpy()) == 0
+    for a, b in zip(before, m.get_weights()):
+        np.testing.assert_array_equal(a, b)

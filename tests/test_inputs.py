@@ -133,3 +133,82 @@ def test_framework_tensors_in_batches_convert_through_numpy():
     batches = [(_Tensor(x[i:i + 32]), _Tensor(y[i:i + 32].astype(np.int64))) for i in (0, 32)]
     mx.Trainer(b, strategy(2)).fit(batches, epochs=1, verbose=0)
     assert_weights_close(a, b, 1e-6, 1e-7)
+
+
+# -- the NaN/inf scan: on a thread for large arrays, once for arrays nothing can write -----------------------
+def _large(nan_at=None):
+    """4.4 MB of float32 (over BACKGROUND_MIN_BYTES): scanned on a thread when asked."""
+    from mirrorax.input_checks import BACKGROUND_MIN_BYTES
+
+    x = np.random.default_rng(0).normal(size=(1100, 1000)).astype(np.float32)
+    assert x.nbytes >= BACKGROUND_MIN_BYTES
+    if nan_at is not None:
+        x[nan_at] = np.nan
+    return x, np.zeros(len(x), np.int32)
+
+
+def test_background_scan_raises_the_same_error_before_any_batch():
+    from mirrorax.inputs.arrays import ArraySource
+
+    x, y = _large(nan_at=(700, 3))
+    with pytest.raises(ValueError) as up_front:
+        ArraySource(x, y)
+    assert "x holds nan at x[700, 3] (example 700)" in str(up_front.value)
+    source = ArraySource(x, y, scan_in_background=True)  # no error yet: the scan runs on a thread
+    with pytest.raises(ValueError) as joined:
+        source.wait_checked()
+    assert str(joined.value) == str(up_front.value)
+    with pytest.raises(ValueError, match=r"x holds nan at x\[700, 3\]"):  # raised again, by every reader
+        next(ArraySource(x, y, scan_in_background=True).batches(8, strategy(2).batch_mesh, shuffle=False,
+                                                                seed=0, pass_index=0))
+
+
+def _counting_scan(monkeypatch):
+    """The values scanned for NaN/inf, counted (in one piece or in chunks on threads)."""
+    from mirrorax import input_checks
+
+    scanned = []
+    real = input_checks.all_finite
+    monkeypatch.setattr(input_checks, "all_finite", lambda a: (scanned.append(a.size), real(a))[1])
+    return scanned
+
+
+def test_arrays_nothing_can_write_are_scanned_once(monkeypatch):
+    import jax
+
+    from mirrorax.input_checks import immutable_place
+
+    scanned = _counting_scan(monkeypatch)
+    xh, y = _large()
+    t = mx.Trainer(dense(inputs=1000), strategy(2))
+    x = jax.device_put(xh, jax.devices()[0])  # immutable; np.asarray views its buffer
+    t.fit(x, y, batch_size=550, verbose=0)  # scanned on threads, in chunks
+    t.fit(x, y, batch_size=550, verbose=0)
+    t.evaluate(x, y, batch_size=550)
+    frozen = np.frombuffer(xh.tobytes(), np.float32).reshape(xh.shape)  # read-only, owned by bytes
+    t.evaluate(frozen, y, batch_size=550)
+    t.evaluate(frozen, y, batch_size=550)
+    assert sum(scanned) == 2 * xh.size  # once each
+    owned = xh.copy()
+    owned.flags.writeable = False  # its owner can give the writes back: no promise
+    assert immutable_place(owned) is None
+    assert immutable_place(np.frombuffer(memoryview(bytearray(16)).toreadonly(), np.float32)) is None
+
+
+def test_the_cache_never_hides_a_nan_written_between_calls(monkeypatch):
+    scanned = _counting_scan(monkeypatch)
+    x, y = _large()
+    t = mx.Trainer(dense(inputs=1000), strategy(2))
+    t.evaluate(x, y, batch_size=550)
+    x[5, 7] = np.nan  # a writeable array: scanned by every call
+    with pytest.raises(ValueError, match=r"x holds nan at x\[5, 7\]"):
+        t.evaluate(x, y, batch_size=550)
+    x[5, 7] = 0.0
+    x.flags.writeable = False
+    t.evaluate(x, y, batch_size=550)
+    x.flags.writeable = True  # read-only again after a write: still scanned
+    x[9, 1] = np.inf
+    x.flags.writeable = False
+    with pytest.raises(ValueError, match=r"x holds inf at x\[9, 1\]"):
+        t.evaluate(x, y, batch_size=550)
+    assert sum(scanned) >= 4 * x.size  # every call (the ones that raise also search)

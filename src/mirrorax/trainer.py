@@ -252,6 +252,8 @@ class Trainer:
         watch = preemption.Watch(self.strategy.process_count)
         watch.start()
         ready = False
+        source: Source | None = None
+        val: Source | None = None
         try:
             check_int("epochs", epochs, low=0)
             check_int("initial_epoch", initial_epoch, low=0)
@@ -261,14 +263,15 @@ class Trainer:
             if validation_batch_size is not None:
                 check_batch_size(validation_batch_size)
             every = resume_lib.check_every(checkpoint_every)
+            # Large arrays are scanned for NaN/inf on a thread, joined below before anything changes.
             source = make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
-                                 check_finite=self._refuse_nonfinite)
+                                 check_finite=self._refuse_nonfinite, scan_in_background=True)
             if self.adapter.needs_targets("fit"):
                 source.require_targets("fit")
             batch_size = self._batch_size(source, batch_size)
             val = validation_source(validation_data, float_dtype=self.adapter.float_dtype,
                                     check_finite=self._refuse_nonfinite,
-                                    targets=self.adapter.needs_targets("evaluate"))
+                                    targets=self.adapter.needs_targets("evaluate"), scan_in_background=True)
             ckpt = None
             if checkpoint_dir is not None:
                 from mirrorax.checkpoint import Checkpointer
@@ -308,7 +311,11 @@ class Trainer:
             start_epoch, start_batch, input_state = initial_epoch, 0, None
             training_logs: dict[str, float] = {}
             inputs = None if ckpt is None else source.track_position(self.strategy.process_count)
+            _wait_checked(source, val)  # the join: nothing of the model, the state or the callbacks changed yet
             ready = True
+        except Exception:
+            _wait_checked(source, val)  # a NaN the scan finds is the first error, as when it ran up front
+            raise
         finally:
             if not ready:
                 watch.close()
@@ -497,6 +504,19 @@ class Trainer:
         """Programs compiled per step kind: one per placed shape and real row count (a full batch and a
         short last batch: two)."""
         return self.steps.compile_counts()
+
+
+def _wait_checked(*sources: Source | None) -> None:
+    """Joins the NaN/inf scans of array sources (run on a thread for large arrays), raising what they found.
+
+    ``fit`` joins them at the end of its set-up, after the state is built, the targets checked and the
+    first step compiled where the plan compiles it, and before a checkpoint is restored, a callback hears
+    ``on_train_begin`` or a step runs: a refused input leaves the model, its optimizer and the callbacks
+    as they were. (``ArraySource.batches`` waits too: no batch is ever read from unchecked arrays.)
+    """
+    for s in sources:
+        if isinstance(s, ArraySource):
+            s.wait_checked()
 
 
 def _validation_schedule(freq: Any) -> Callable[[int], bool]:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from mirrorax.input_checks import check_finite_values, check_labels, check_weights, leaves, tree_numeric
+from mirrorax.input_checks import FiniteScan, check_labels, check_weights, leaves, tree_numeric
 from mirrorax.inputs.batch import Batch, padded_batch_size, row_counts
 from mirrorax.inputs.keras_order import pass_order
 from mirrorax.inputs.placement import shared_constant
@@ -38,6 +38,11 @@ class ArraySource:
       float_dtype: the model's float type: float32/float64 arrays become it.
       check_finite: refuse NaN/inf in ``x``, ``y`` and ``sample_weight`` (fit and evaluate with
         ``on_nonfinite="raise"``; not predict). Negative and misshapen weights are refused regardless.
+      scan_in_background: scan large ``x`` and ``y`` for NaN/inf on a thread
+        (:class:`~mirrorax.input_checks.FiniteScan`): the caller joins it with :meth:`wait_checked`
+        before anything changes (``fit`` does, before its callbacks start); :meth:`batches` joins it
+        too, so no batch of unchecked data is ever read. :meth:`sample` does not wait (the first rows,
+        for shapes: the state is built and the step compiled while the scan runs).
 
     Raises:
       ValueError: empty input, x, y and sample_weight of different lengths, NaN/inf, a sample_weight
@@ -48,7 +53,7 @@ class ArraySource:
     per_process = False  # every process holds every example and takes its own rows of each batch
 
     def __init__(self, x: PyTree, y: PyTree = None, sample_weight: Any = None, *, float_dtype: Any = np.float32,
-                 check_finite: bool = True) -> None:
+                 check_finite: bool = True, scan_in_background: bool = False) -> None:
         if x is None:
             raise ValueError(f"Expected x: an array, or a tuple/dict of arrays. Received: x={x!r}. Pass the "
                              "inputs as x (and the targets as y).")
@@ -69,9 +74,8 @@ class ArraySource:
         if self.num_examples == 0:
             raise ValueError(f"The input is empty: received 0 examples "
                              f"({', '.join(f'{n}: {rows} rows' for n, rows in lengths)}). Pass at least one example.")
-        if check_finite:
-            for name, a in leaves(self.x, "x") + leaves(self.y, "y"):
-                check_finite_values(a, name)
+        self._scan = FiniteScan(leaves(self.x, "x") + leaves(self.y, "y"),
+                                background=scan_in_background) if check_finite else None
         self._targets_checked = False
 
     @classmethod
@@ -82,7 +86,14 @@ class ArraySource:
         self = cls.__new__(cls)
         self.x, self.y, self.w, self.num_examples = tree, None, None, num_examples
         self._targets_checked = False
+        self._scan = None
         return self
+
+    def wait_checked(self) -> None:
+        """Waits for the NaN/inf scan of ``x`` and ``y`` (a thread's, with ``scan_in_background``) and
+        raises what it found: the error the constructor raises without the thread."""
+        if self._scan is not None:
+            self._scan.wait()
 
     @property
     def labels_checked(self) -> bool:
@@ -94,9 +105,13 @@ class ArraySource:
         loss; labels outside the classes), once per source, before anything is compiled."""
         if self._targets_checked:
             return
-        adapter.check_inputs(self.x)
-        if self.y is not None:
-            check_labels(adapter.sparse_targets(self.y, check_shapes=True))
+        try:
+            adapter.check_inputs(self.x)
+            if self.y is not None:
+                check_labels(adapter.sparse_targets(self.y, check_shapes=True))
+        except (ValueError, TypeError):
+            self.wait_checked()  # a NaN is the first error, as when the scan ran in the constructor
+            raise
         self._targets_checked = True
 
     def default_batch_size(self, process_count: int) -> int:
@@ -114,9 +129,10 @@ class ArraySource:
         raise no_targets(what, given)
 
     def sample(self, batch_size: int, mesh: BatchMesh, *, with_targets: bool = True) -> Batch:
-        """This process's rows of the first batch of an unshuffled pass."""
-        return next(self.batches(batch_size, mesh, shuffle=False, seed=0, pass_index=0,
-                                 with_targets=with_targets))
+        """This process's rows of the first batch of an unshuffled pass (for shapes and dtypes: read
+        while a background scan may still be running)."""
+        return next(self._batches(batch_size, mesh, shuffle=False, seed=0, pass_index=0,
+                                  with_targets=with_targets))
 
     def stream(self, batch_size: int, mesh: BatchMesh, *, shuffle: Any = False, seed: int = 0,
                with_targets: bool = True, ends_with_data: bool = False, keras_order: bool = False) -> ArrayStream:
@@ -149,7 +165,15 @@ class ArraySource:
                 pass_index: int, start: int = 0, with_targets: bool = True,
                 order: np.ndarray | None = None) -> Iterator[Batch]:
         """This process's rows of each global batch of pass ``pass_index``, from batch ``start`` on
-        (``order``: the pass's order, drawn elsewhere, instead of ``(seed, pass_index)``'s)."""
+        (``order``: the pass's order, drawn elsewhere, instead of ``(seed, pass_index)``'s). Waits for the
+        NaN/inf scan first (:meth:`wait_checked`)."""
+        self.wait_checked()
+        yield from self._batches(batch_size, mesh, shuffle=shuffle, seed=seed, pass_index=pass_index,
+                                 start=start, with_targets=with_targets, order=order)
+
+    def _batches(self, batch_size: int, mesh: BatchMesh, *, shuffle: bool | str, seed: int,
+                 pass_index: int, start: int = 0, with_targets: bool = True,
+                 order: np.ndarray | None = None) -> Iterator[Batch]:
         if order is None:
             order = self.order(shuffle, seed, pass_index, batch_size)
         else:

@@ -19,15 +19,17 @@ __all__ = ["make_source", "validation_source", "is_array_tree", "class_weights"]
 
 
 def make_source(x: Any, y: Any = None, sample_weight: Any = None, *, float_dtype: Any = np.float32,
-                check_finite: bool = True) -> Source:
+                check_finite: bool = True, scan_in_background: bool = False) -> Source:
     """An :class:`ArraySource` for arrays, an :class:`IterableSource` for any other iterable.
 
     Args:
       float_dtype: the model's float type (float32/float64 inputs become it).
       check_finite: refuse NaN/inf in arrays (fit and evaluate; predict passes False).
+      scan_in_background: scan large arrays on a thread; the caller joins it (``ArraySource.wait_checked``).
     """
     if is_array_tree(x):
-        return ArraySource(x, y, sample_weight, float_dtype=float_dtype, check_finite=check_finite)
+        return ArraySource(x, y, sample_weight, float_dtype=float_dtype, check_finite=check_finite,
+                           scan_in_background=scan_in_background)
     if y is not None or sample_weight is not None:
         raise ValueError("When x is an iterable of batches, y and sample_weight come from its items; "
                          f"received y of type {type(y).__name__} and sample_weight of type "
@@ -39,7 +41,7 @@ def make_source(x: Any, y: Any = None, sample_weight: Any = None, *, float_dtype
 
 
 def validation_source(validation_data: Any, *, float_dtype: Any = np.float32, check_finite: bool = True,
-                      targets: bool = True) -> Source | None:
+                      targets: bool = True, scan_in_background: bool = False) -> Source | None:
     """The source of ``fit``'s ``validation_data`` (``None`` for none), targets required unless the model
     needs none (``targets=False``: ``(x_val,)`` is accepted too, as Keras unpacks it).
 
@@ -59,7 +61,8 @@ def validation_source(validation_data: Any, *, float_dtype: Any = np.float32, ch
                 f"validation_data must be (x_val, y_val), (x_val, y_val, sample_weight_val) or an iterable of "
                 f"(x, y) batches; received a tuple of {len(validation_data)} element(s) (of types "
                 f"{[type(v).__name__ for v in validation_data]}). Pass validation_data=(x_val, y_val).")
-        source = ArraySource(*validation_data, float_dtype=float_dtype, check_finite=check_finite)
+        source = ArraySource(*validation_data, float_dtype=float_dtype, check_finite=check_finite,
+                             scan_in_background=scan_in_background)
     elif is_array_tree(validation_data):
         raise ValueError(f"validation_data must be (x_val, y_val), (x_val, y_val, sample_weight_val) or an "
                          f"iterable of (x, y) batches; received {type(validation_data).__name__} of inputs "
