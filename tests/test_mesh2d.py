@@ -1,0 +1,149 @@
+"""Issue 21: a strategy over a 2-D mesh. Hybrid sharding (HSDP: ``shard=`` over the inner axis, replicated
+over the outer) and Keras layout maps, through ``model.fit``, ``mx.Trainer`` and ``strategy.jit`` / ``run``,
+give the 1-device result; the state is laid out as the mode or the map says; checkpoints move between
+mesh shapes."""
+
+from __future__ import annotations
+
+import jax
+import keras
+import numpy as np
+import pytest
+from helpers import assert_weights_close, cnn, digits, flat_digits
+from jax.sharding import PartitionSpec as P
+
+import mirrorax as mx
+
+pytestmark = pytest.mark.multi_device
+
+
+def mlp(seed: int = 3, hidden: int = 256) -> keras.Model:
+    """A tanh MLP whose hidden kernel (64 x 256 = 16384 elements) is large enough to split."""
+    keras.utils.set_random_seed(seed)
+    m = keras.Sequential([keras.Input((64,)), keras.layers.Dense(hidden, activation="tanh", name="hidden"),
+                          keras.layers.Dense(10, activation="softmax", name="out")])
+    m.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return m
+
+
+def fit_under(strategy, make, x, y, **kw):
+    with strategy.scope():
+        model = make()
+    hist = model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, **kw)
+    return model, hist.history
+
+
+def one_device():
+    return mx.MirroredStrategy(devices=jax.devices()[:1])
+
+
+def layout_map(shape=(2, 4)):
+    mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"], devices=keras.distribution.list_devices())
+    lm = keras.distribution.LayoutMap(mesh)
+    lm[".*hidden/kernel"] = (None, "model")
+    lm[".*hidden/bias"] = ("model",)
+    lm[".*out/kernel"] = ("model", None)
+    lm[".*conv2d.*/kernel"] = (None, None, None, "model")
+    return lm
+
+
+@pytest.fixture(scope="module")
+def mlp_data():
+    x, y, _, _ = flat_digits(96)
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def mlp_one_device(mlp_data):
+    model, hist = fit_under(one_device(), mlp, *mlp_data)
+    return model, hist
+
+
+# -- the mesh ------------------------------------------------------------------------------------
+
+def test_hybrid_mesh_is_one_row_per_process_and_splits_the_batch_over_both_axes():
+    mesh = mx.hybrid_mesh(4)
+    assert dict(mesh.shape) == {"replica": 2, "shard": 4}
+    assert list(mesh.devices.flat) == jax.devices()
+    assert dict(mx.hybrid_mesh().shape) == {"replica": 1, "shard": 8}  # one process: one row
+    s = mx.MirroredStrategy(mesh=mesh, shard="all")
+    assert s.batch_axis == ("replica", "shard") and s.batch_axes == ("replica", "shard")
+    assert s.shard_axis == "shard" and s.process_axes == ()
+    assert s.num_replicas_in_sync == 8
+    assert s.batch_sharding.spec == P(("replica", "shard"))
+    # HSDP: split within a row (the inner axis), replicated over the rows
+    assert s.state_sharding((1024, 512), "params").spec == P("shard", None)
+    assert s.state_sharding((1024, 512), "params").shard_shape((1024, 512)) == (256, 512)
+    assert s.state_sharding((8,), "params") == s.replicated  # small: replicated
+    # one axis stays as it was
+    s1 = mx.MirroredStrategy(shard="all")
+    assert s1.batch_axis == "batch" and s1.batch_axes == ("batch",) and s1.shard_axis == "batch"
+    assert s1.state_sharding((1024, 512), "params").spec == P("batch", None)
+
+
+def test_a_bad_mesh_setting_says_what_is_allowed():
+    with pytest.raises(ValueError, match=r"batch_axes must name distinct axes of the mesh \('replica', 'shard'\); "
+                                         r"received 'model'"):
+        mx.MirroredStrategy(mesh=mx.hybrid_mesh(4), batch_axes="model")
+    with pytest.raises(ValueError, match=r"Pass one of devices, mesh and layout_map; received devices and mesh"):
+        mx.MirroredStrategy(devices=jax.devices()[:2], mesh=mx.hybrid_mesh(4))
+    with pytest.raises(ValueError, match=r"inner must be a positive int that divides the 8 devices; received 3"):
+        mx.hybrid_mesh(3)
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh or a keras.distribution.DeviceMesh"):
+        mx.MirroredStrategy(mesh=[0, 1])
+    s = mx.MirroredStrategy(layout_map=layout_map())
+    with pytest.raises(ValueError, match=r"splits the variable 'm/hidden/kernel' of shape \(64, 6\) as "
+                                         r"\(None, 'model'\): a dimension of 6 over 4 devices"):
+        s.state_sharding((64, 6), "params", "m/hidden/kernel")
+
+
+# -- HSDP ----------------------------------------------------------------------------------------
+
+def test_hsdp_fit_on_2x4_gives_the_one_device_result(mlp_data, mlp_one_device):
+    want, want_hist = mlp_one_device
+    s = mx.MirroredStrategy(mesh=mx.hybrid_mesh(4), shard="all")
+    model, hist = fit_under(s, mlp, *mlp_data)
+    assert_weights_close(model, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(hist["loss"], want_hist["loss"], rtol=1e-5)
+    kernel = model.get_layer("hidden").kernel
+    assert kernel.value.sharding.spec == P(None, "shard")  # split within a row only
+
+
+@pytest.mark.slow  # the CNN compiles slowly on 8 CPU devices
+def test_hsdp_cnn_with_batchnorm_on_2x4_gives_the_one_device_result():
+    x, y, _, _ = digits(64)
+    want, _ = fit_under(one_device(), lambda: cnn(dropout=0.0), x, y)
+    model, _ = fit_under(mx.MirroredStrategy(mesh=mx.hybrid_mesh(4), shard="optimizer"), lambda: cnn(dropout=0.0),
+                         x, y)
+    assert_weights_close(model, want, rtol=1e-5, atol=1e-5)
+
+
+def wide_mlp() -> keras.Model:
+    """Two 32768-element kernels hold 98% of the state: what HSDP splits."""
+    keras.utils.set_random_seed(3)
+    m = keras.Sequential([keras.Input((64,)), keras.layers.Dense(512, activation="tanh"),
+                          keras.layers.Dense(64, activation="tanh"), keras.layers.Dense(10)])
+    m.compile(optimizer=keras.optimizers.Adam(1e-3),
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return m
+
+
+def test_hsdp_state_per_device_is_the_replicated_state_over_the_inner_axis(mlp_data):
+    x, y = mlp_data
+    replicated = mx.plan(wide_mlp(), x[:1], y[:1], batch_size=32, strategy=mx.MirroredStrategy())
+    hsdp = mx.plan(wide_mlp(), x[:1], y[:1], batch_size=32,
+                   strategy=mx.MirroredStrategy(mesh=mx.hybrid_mesh(4), shard="all"))
+    # parameters and Adam's slots of the large kernels split 4 ways (within a row), the small ones whole
+    assert hsdp.state_bytes == pytest.approx(replicated.state_bytes / 4, rel=0.1)
+    # the compiled program's arguments on one device: the state's slice (plus the batch's rows)
+    assert hsdp.argument_bytes == pytest.approx(replicated.argument_bytes / 4, rel=0.1)
+
+
+def test_hsdp_trainer_and_a_strategy_jit_loop_give_the_one_device_result(mlp_data):
+    x, y = mlp_data
+    want = mlp()
+    mx.Trainer(want, one_device()).fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    got = mlp()
+    s = mx.MirroredStrategy(mesh=mx.hybrid_mesh(4), shard="all")
+    mx.Trainer(got, s).fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(got, want, rtol=1e-5, atol=1e-5)
