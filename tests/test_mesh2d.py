@@ -6,6 +6,7 @@ mesh shapes."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
@@ -139,7 +140,7 @@ def test_hsdp_state_per_device_is_the_replicated_state_over_the_inner_axis(mlp_d
     assert hsdp.argument_bytes == pytest.approx(replicated.argument_bytes / 4, rel=0.1)
 
 
-def test_hsdp_trainer_and_a_strategy_jit_loop_give_the_one_device_result(mlp_data):
+def test_hsdp_trainer_gives_the_one_device_result(mlp_data):
     x, y = mlp_data
     want = mlp()
     mx.Trainer(want, one_device()).fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
@@ -147,3 +148,145 @@ def test_hsdp_trainer_and_a_strategy_jit_loop_give_the_one_device_result(mlp_dat
     s = mx.MirroredStrategy(mesh=mx.hybrid_mesh(4), shard="all")
     mx.Trainer(got, s).fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     assert_weights_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# -- Keras layout maps ---------------------------------------------------------------------------
+
+def test_a_layout_map_fit_on_2x4_gives_the_one_device_result_laid_out_as_the_map_says(mlp_data, mlp_one_device):
+    want, want_hist = mlp_one_device
+    s = mx.MirroredStrategy(layout_map=layout_map(), shard="optimizer")
+    assert s.batch_axis == "batch" and s.num_replicas_in_sync == 2 and s.shard_axis == "batch"
+    model, hist = fit_under(s, mlp, *mlp_data)
+    assert_weights_close(model, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(hist["loss"], want_hist["loss"], rtol=1e-5)
+    hidden, out = model.get_layer("hidden"), model.get_layer("out")
+    assert hidden.kernel.value.sharding.spec == P(None, "model")
+    assert hidden.bias.value.sharding.spec == P("model")
+    assert out.kernel.value.sharding.spec == P("model", None)
+    assert out.bias.value.sharding.spec == P()  # unmatched: replicated
+    slots = {v.path: v.value.sharding.spec for v in model.optimizer.variables}
+    # Adam's slots of the hidden kernel: the map's layout, and shard="optimizer" over the batch axis
+    assert [spec for path, spec in slots.items() if "hidden_kernel" in path] == [P("batch", "model")] * 2
+    # the out kernel's slots are small (2560 elements): the map's layout alone
+    assert [spec for path, spec in slots.items() if "out_kernel" in path] == [P("model", None)] * 2
+
+
+@pytest.mark.slow  # the CNN compiles slowly on 8 CPU devices
+def test_a_layout_map_cnn_with_batchnorm_on_2x4_gives_the_one_device_result():
+    x, y, _, _ = digits(64)
+    want, _ = fit_under(one_device(), lambda: cnn(dropout=0.0), x, y)
+    model, _ = fit_under(mx.MirroredStrategy(layout_map=layout_map()), lambda: cnn(dropout=0.0), x, y)
+    assert_weights_close(model, want, rtol=1e-5, atol=1e-5)
+    kernels = [v for v in model.trainable_variables if "conv2d" in v.path and v.path.endswith("kernel")]
+    assert kernels and all(v.value.sharding.spec == P(None, None, None, "model") for v in kernels)
+
+
+def test_a_model_parallel_distribution_under_the_scope_names_layout_map():
+    lm = layout_map()
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=lm, batch_dim_name="batch"))
+    try:
+        with pytest.raises(ValueError, match=r"MirroredStrategy\(layout_map=...\)"):
+            with mx.MirroredStrategy().scope():
+                pass
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+# -- a keras_hub causal LM with its own layout map ----------------------------------------------
+
+def gemma_lm():
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.utils.set_random_seed(5)
+    backbone = keras_hub.models.GemmaBackbone(vocabulary_size=64, num_layers=2, num_query_heads=4,
+                                              num_key_value_heads=4, hidden_dim=32, intermediate_dim=64, head_dim=8,
+                                              dropout=0.0)
+    model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), weighted_metrics=[])
+    return model
+
+
+@pytest.mark.slow  # keras_hub's import and a transformer's compile on 8 CPU devices
+def test_a_keras_hub_backbone_with_its_own_layout_map_on_2x4_gives_the_one_device_result():
+    keras_hub = pytest.importorskip("keras_hub")
+    tokens = np.random.default_rng(0).integers(0, 64, size=(16, 9)).astype("int32")
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((16, 8), "int32")}
+    y = tokens[:, 1:]
+
+    def fit(strategy):
+        with strategy.scope():
+            model = gemma_lm()
+        return model, model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0).history
+
+    want, want_hist = fit(one_device())
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], devices=keras.distribution.list_devices())
+    got, hist = fit(mx.MirroredStrategy(layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh)))
+    assert_weights_close(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(hist["loss"], want_hist["loss"], rtol=1e-5)
+    specs = {v.path: v.value.sharding.spec for v in got.trainable_variables}
+    assert specs["token_embedding/embeddings"] == P("model", "batch")
+    assert specs["decoder_block_0/ffw_gating/kernel"] == P("batch", "model")
+
+
+# -- custom loops: strategy.jit and strategy.run -------------------------------------------------
+
+def _init(seed=3):
+    rng = np.random.default_rng(seed)
+    return {"hidden/kernel": rng.normal(0, 0.1, (64, 256)).astype("float32"), "hidden/bias": np.zeros(256, "float32"),
+            "out/kernel": rng.normal(0, 0.1, (256, 10)).astype("float32"), "out/bias": np.zeros(10, "float32")}
+
+
+def _loss(params, batch):
+    x, y = batch.data
+    h = jnp.tanh(x @ params["hidden/kernel"] + params["hidden/bias"])
+    logits = h @ params["out/kernel"] + params["out/bias"]
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None].astype("int32"), axis=1)[:, 0]
+    return jnp.sum(nll * batch.mask) / batch.num_real
+
+
+def jit_loop(strategy, x, y, shard_params=True):
+    params = _init()
+    paths = {k: k for k in params}
+    params = strategy.place(params, strategy.state_layout(params, "params", paths))
+
+    @strategy.jit(donate_argnums=0)
+    def step(params, batch):
+        loss, grads = jax.value_and_grad(_loss)(params, batch)
+        return jax.tree.map(lambda p, g: p - 0.5 * g, params, grads), loss
+
+    losses = []
+    for batch in strategy.experimental_distribute_dataset((x, y), batch_size=32):
+        params, loss = step(params, batch)
+        losses.append(float(loss))
+    return params, losses
+
+
+@pytest.mark.parametrize("make", [lambda: mx.MirroredStrategy(mesh=mx.hybrid_mesh(4), shard="all"),
+                                  lambda: mx.MirroredStrategy(layout_map=layout_map())], ids=["hsdp", "layout_map"])
+def test_a_strategy_jit_loop_keeps_the_layout_and_gives_the_one_device_result(mlp_data, make):
+    x, y = mlp_data
+    want, want_losses = jit_loop(one_device(), x, y)
+    s = make()
+    got, losses = jit_loop(s, x, y)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for k in want:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-5, err_msg=k)
+        assert got[k].sharding == s.state_sharding(got[k].shape, "params", k)  # the layout it came in with
+    assert got["hidden/kernel"].sharding.spec == (P(None, "shard") if s.shard else P(None, "model"))
+
+
+def test_strategy_run_on_a_2d_mesh_runs_once_per_batch_slice():
+    s = mx.MirroredStrategy(mesh=mx.hybrid_mesh(4))
+    batch = next(iter(s.experimental_distribute_dataset(np.arange(16, dtype="float32"), batch_size=16)))
+
+    def replica(b):
+        ctx = mx.get_replica_context()
+        return ctx.replica_id_in_sync_group, ctx.all_reduce("sum", jnp.sum(b.data * b.mask))
+
+    ids, total = s.run(replica, args=(batch,))
+    assert s.gather(ids).tolist() == list(range(8))
+    assert float(total) == float(np.arange(16).sum())
+    lm = mx.MirroredStrategy(layout_map=layout_map())  # two replicas: the batch axis
+    batch = next(iter(lm.experimental_distribute_dataset(np.arange(16, dtype="float32"), batch_size=16)))
+    ids, total = lm.run(replica, args=(batch,))
+    assert lm.gather(ids).tolist() == [0, 1] and float(total) == float(np.arange(16).sum())
