@@ -3,8 +3,9 @@
 Two settings would otherwise be ignored without a word: Keras on another backend than JAX (the model
 would train on Keras's own single-device loop of that backend) and a global ``keras.distribution``
 other than ``DataParallel`` (a ``ModelParallel`` layout map would be replaced by the strategy's layouts:
-it belongs in ``MirroredStrategy(layout_map=...)``). ``DataParallel`` asks for what the scope does and is honoured. Both are read
-only when the program itself has imported Keras: a pure-JAX program never needs it.
+it belongs in ``MirroredStrategy(layout_map=...)``). ``DataParallel`` asks for what the scope does and is
+honoured. Both are read only when the program itself has imported Keras: a pure-JAX program never needs
+it.
 """
 
 from __future__ import annotations
