@@ -290,3 +290,28 @@ def test_strategy_run_on_a_2d_mesh_runs_once_per_batch_slice():
     batch = next(iter(lm.experimental_distribute_dataset(np.arange(16, dtype="float32"), batch_size=16)))
     ids, total = lm.run(replica, args=(batch,))
     assert lm.gather(ids).tolist() == [0, 1] and float(total) == float(np.arange(16).sum())
+
+
+# -- checkpoints between mesh shapes -------------------------------------------------------------
+
+@pytest.mark.parametrize("written, read", [
+    pytest.param("hsdp", "fsdp_1x8", marks=pytest.mark.slow), ("hsdp", "one_device"),
+    pytest.param("layout_map", "replicated", marks=pytest.mark.slow)])
+def test_a_checkpoint_written_sharded_resumes_on_another_mesh_shape(tmp_path, mlp_data, written, read):
+    strategies = {"hsdp": lambda: mx.MirroredStrategy(mesh=mx.hybrid_mesh(4), shard="all"),
+                  "layout_map": lambda: mx.MirroredStrategy(layout_map=layout_map(), shard="optimizer"),
+                  "fsdp_1x8": lambda: mx.MirroredStrategy(shard="all"), "one_device": one_device,
+                  "replicated": mx.MirroredStrategy}
+    x, y = mlp_data
+    trainer = mx.Trainer(mlp(), strategies[written]())
+    trainer.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, checkpoint_dir=tmp_path)
+    saved = trainer.host_state()
+    assert not trainer.device_state.live.params["000/sequential/hidden/kernel"].sharding.is_fully_replicated
+    target = strategies[read]()
+    loaded = mx.Trainer.load(tmp_path, mlp(seed=9), target)
+    state = loaded.device_state.live
+    for k, v in saved.params.items():
+        np.testing.assert_array_equal(np.asarray(state.params[k]), v, err_msg=k)
+        assert state.params[k].sharding == target.state_sharding(v.shape, "params")  # the new mesh's layout
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.optimizer), saved.optimizer)
+    loaded.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)  # and trains on
