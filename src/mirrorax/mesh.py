@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import mirrorax.cluster as cluster
 from mirrorax._host import host_value
 from mirrorax.consistency import broadcast_from_primary
 
@@ -428,6 +429,8 @@ def hybrid_mesh(inner: int | None = None, *, axis_names: tuple[str, str] = ("rep
       axis_names: the (outer, inner) axis names.
       devices: the devices (default ``jax.devices()``), in any of the forms ``MirroredStrategy`` takes.
 
+    Joins a multi-process job first when the environment describes one, as ``MirroredStrategy`` does.
+
     Returns:
       A mesh of shape ``(devices // inner, inner)``, devices ordered by process, then as given.
 
@@ -439,6 +442,7 @@ def hybrid_mesh(inner: int | None = None, *, axis_names: tuple[str, str] = ("rep
       >>> dict(mesh.shape)
       {'replica': 2, 'shard': 4}
     """
+    cluster.maybe_initialize_from_env()  # before JAX lists the devices: a job's devices span its processes
     found = validate_devices(devices)
     procs = sorted({d.process_index for d in found})
     local = len(found) // len(procs)
