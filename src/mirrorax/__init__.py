@@ -25,6 +25,7 @@ from mirrorax.cluster import initialize as initialize
 from mirrorax.consistency import ReplicaMismatchError as ReplicaMismatchError
 from mirrorax.inputs.distributed import DistributedBatch as DistributedBatch
 from mirrorax.inputs.distributed import DistributedDataset as DistributedDataset
+from mirrorax.mesh import hybrid_mesh as hybrid_mesh
 from mirrorax.models.base import ModelAdapter as ModelAdapter
 from mirrorax.models.functional import FunctionalModel as FunctionalModel
 from mirrorax.planner import Plan as Plan
@@ -107,6 +108,7 @@ __all__ = [
     "get_replica_context",
     "get_strategy",
     "grad",
+    "hybrid_mesh",
     "initialize",
     "masked_mean",
     "plan",

@@ -2,9 +2,10 @@
 
 Two settings would otherwise be ignored without a word: Keras on another backend than JAX (the model
 would train on Keras's own single-device loop of that backend) and a global ``keras.distribution``
-other than ``DataParallel`` (a ``ModelParallel`` layout map would be replaced by mirrorax's replicated
-variables). ``DataParallel`` asks for what the scope does and is honoured. Both are read
-only when the program itself has imported Keras: a pure-JAX program never needs it.
+other than ``DataParallel`` (a ``ModelParallel`` layout map would be replaced by the strategy's layouts:
+it belongs in ``MirroredStrategy(layout_map=...)``). ``DataParallel`` asks for what the scope does and is
+honoured. Both are read only when the program itself has imported Keras: a pure-JAX program never needs
+it.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ def check_distribution(where: str) -> None:
         return
     kind = type(dist).__name__
     if isinstance(dist, distribution_lib.ModelParallel):
-        why = ("mirrorax replicates every variable on the strategy's devices and would ignore its layout map "
-               "(mirrorax does not honour Keras layout maps yet)")
+        why = ("the strategy lays the variables out itself and would ignore its layout map; give the layout map "
+               "to the strategy instead: MirroredStrategy(layout_map=...) lays each variable out as the map says "
+               "(its batch_dim_name as batch_axes=...)")
         other = "Keras's own fit without the scope for model parallelism"
     else:
         why = "mirrorax replicates every variable on the strategy's devices and would ignore its layouts"

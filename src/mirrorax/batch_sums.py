@@ -36,12 +36,13 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def over(mesh: Mesh, axis: str) -> Iterator[None]:
-    """While tracing a step: its batch is split over ``axis`` of ``mesh``."""
+def over(mesh: Mesh, axis: str | tuple[str, ...]) -> Iterator[None]:
+    """While tracing a step: its batch is split over ``axis`` of ``mesh`` (a name, or a tuple of names)."""
     stack = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
-    stack.append((mesh, axis) if mesh.shape[axis] > 1 else None)
+    ways = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
+    stack.append((mesh, axis) if ways > 1 else None)
     try:
         yield
     finally:
@@ -62,13 +63,13 @@ def whole() -> Iterator[None]:
         stack.pop()
 
 
-def current() -> tuple[Mesh, str] | None:
+def current() -> tuple[Mesh, str | tuple[str, ...]] | None:
     """The ``(mesh, axis)`` the step being traced splits its batch over (``None``: one device, or none)."""
     stack = getattr(_local, "stack", None)
     return stack[-1] if stack else None
 
 
-def per_replica_sums(update: Callable[..., list[jax.Array]], rows: PyTree, where: tuple[Mesh, str],
+def per_replica_sums(update: Callable[..., list[jax.Array]], rows: PyTree, where: tuple[Mesh, str | tuple[str, ...]],
                      *shared: Any) -> list[jax.Array]:
     """``update(rows)`` (a list of arrays: totals over the rows it is given, from zero) summed over
     every replica's rows, with one all-reduce operand per dtype.

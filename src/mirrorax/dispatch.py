@@ -117,7 +117,7 @@ class InFlight:
             on_done(aux)
 
 
-def _batch_axis_of(a: Any, axis_name: str) -> bool:
+def _batch_axis_of(a: Any, axis_name: str | tuple[str, ...]) -> bool:
     sharding = getattr(a, "sharding", None)
     spec = getattr(sharding, "spec", None)
     return spec is not None and len(spec) > 0 and spec[0] == axis_name

@@ -121,7 +121,7 @@ def _mirror_variables(model: Any, strategy: MirroredStrategy) -> None:
     evaluate or predict (``KerasAdapter.write_back``). A model being constructed has none yet."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from mirrorax.models.keras import keep_layout
+    from mirrorax.models.keras import keep_layout, layout_paths
 
     if strategy.process_count > 1:  # each process's model holds whole values on its own devices
         local = NamedSharding(Mesh(np.array(strategy.local_devices), ("batch",)), PartitionSpec())
@@ -132,14 +132,13 @@ def _mirror_variables(model: Any, strategy: MirroredStrategy) -> None:
         return
     if optimizer is not None and getattr(optimizer, "built", False):
         groups.append((optimizer.variables, "optimizer"))
+    trainable = list(model.trainable_variables)
     for variables, role in groups:
-        for v in variables:
+        for v, path in zip(variables, layout_paths(variables, trainable)):
             if strategy.process_count > 1:
                 keep_layout(v, local)
-            elif role == "model_state":
-                keep_layout(v, strategy.replicated)
             else:
-                keep_layout(v, strategy.state_sharding(tuple(v.shape), role))
+                keep_layout(v, strategy.state_sharding(tuple(v.shape), role, path))
 
 
 def trainer_of(model: Any) -> Trainer:

@@ -54,7 +54,7 @@ class ReplicaContext:
       num_replicas_in_sync: how many replicas run ``fn`` (the strategy's device count).
     """
 
-    def __init__(self, axis_name: str, num_replicas: int) -> None:
+    def __init__(self, axis_name: str | tuple[str, ...], num_replicas: int) -> None:
         self._axis = axis_name
         self.num_replicas_in_sync = num_replicas
 
@@ -102,8 +102,9 @@ class ReplicaContext:
         return f"ReplicaContext(num_replicas_in_sync={self.num_replicas_in_sync})"
 
 
-def varies_over(value: Any, axis: str) -> bool:
-    """Whether ``value`` (traced inside ``jax.shard_map``) may differ between the replicas of ``axis``.
+def varies_over(value: Any, axis: str | tuple[str, ...]) -> bool:
+    """Whether ``value`` (traced inside ``jax.shard_map``) may differ between the replicas of ``axis`` (a
+    mesh axis name, or a tuple of them: varies over any).
 
     JAX types every value inside ``shard_map`` with the mesh axes it varies over (``jax.typeof(v).vma``):
     replicated inputs, their gradients and all-reduced values do not vary; the replica's rows do.
@@ -113,9 +114,10 @@ def varies_over(value: Any, axis: str) -> bool:
     if vma is None:
         mat = getattr(t, "manual_axis_type", None)
         vma = getattr(mat, "varying", None)
+    axes = (axis,) if isinstance(axis, str) else axis
     if vma is None:
-        return "{V:" in str(t) and axis in str(t)
-    return axis in vma
+        return "{V:" in str(t) and any(a in str(t) for a in axes)
+    return any(a in vma for a in axes)
 
 
 _local = threading.local()

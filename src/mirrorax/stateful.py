@@ -281,8 +281,9 @@ class StatefulFunction:
         functools.update_wrapper(self, user_fn)  # type: ignore[arg-type]
         # input shapes -> the stateful program and its variables, or None (the step touches none)
         self._state: dict[Any, _Entry | None] = {}
-        rep = mesh.replicated
-        self._copy = jax.jit(lambda xs: [jnp.copy(x) for x in xs], out_shardings=rep)
+        # (copies keep their layout: replicated, or a layout map's)
+        self._copy = jax.jit(lambda xs: [jnp.copy(x) for x in xs],
+                             out_shardings=None if mesh.has_layout_map else mesh.replicated)
         self._padding_checked: set[Any] = set()  # signatures whose use of the mask was checked
         self._padding_warned = False
 
@@ -333,7 +334,7 @@ class StatefulFunction:
     def _owned(self, entry: _Entry) -> list[Any]:
         """The assigned variables' values, to be donated to the call: the arrays the last call wrote when
         nothing else holds them (a ``v.value`` kept by the user is copied first, so it stays valid), else
-        a copy of the current value, replicated."""
+        a copy of the current value, in its layout."""
         values: list[Any] = []
         copy: list[int] = []  # ours, but held elsewhere too
         fresh: list[int] = []  # not ours: the first call's, or assigned by the user since
@@ -430,7 +431,6 @@ class StatefulFunction:
                 new.append(value)
             return out, new
 
-        rep = self._mesh.replicated
         given = self._out_shardings
         donate = (0, *(i + 2 for i in self._donate))  # the assigned variables' values: replaced by the outputs
         if given is None:
@@ -438,18 +438,26 @@ class StatefulFunction:
         else:
             def out_shardings(owned: Any, values: Any, *args: Any) -> Any:
                 user = given(*args) if callable(given) else given
-                return None if user is None else (user, [rep] * len(assigned))
+                return None if user is None else (user, [self._layout_of(v) for v in assigned])
         return StrategyFunction(self._mesh, self._window, stateful, donate_argnums=donate, per_replica=per_replica,
                                 out_shardings=out_shardings)
 
+    def _layout_of(self, variable: Any) -> Any:
+        """Where a variable's value lives during the steps: replicated, or as the strategy's layout map
+        says for its path."""
+        if not self._mesh.has_layout_map:
+            return self._mesh.replicated
+        return self._mesh.state_sharding(tuple(variable.shape), "variable", getattr(variable, "path", None))
+
     def _values(self, variables: list[Any]) -> list[Any]:
-        """The variables' values, each replicated on the strategy's devices (placed, and written back, once)."""
-        rep = self._mesh.replicated
+        """The variables' values, each replicated on the strategy's devices, or laid out as the layout map
+        says (placed, and written back, once)."""
+        targets = [self._layout_of(v) for v in variables]
         values = [v.value for v in variables]
-        stray = [i for i, a in enumerate(values) if not (isinstance(a, jax.Array) and (a.sharding is rep
-                                                                                        or a.sharding == rep))]
+        stray = [i for i, (a, t) in enumerate(zip(values, targets))
+                 if not (isinstance(a, jax.Array) and (a.sharding is t or a.sharding == t))]
         if stray:
-            placed = self._mesh.replicate([values[i] for i in stray])
+            placed = self._mesh.place([values[i] for i in stray], [targets[i] for i in stray])
             for i, a in zip(stray, placed):
                 variables[i].assign(a)
                 values[i] = a

@@ -1,9 +1,10 @@
 """``MirroredStrategy``: the devices a job trains on (a :class:`mirrorax.mesh.BatchMesh`) and the public API.
 
-A strategy is a one-axis :class:`jax.sharding.Mesh` (axis ``"batch"``) over every device of the job.
-Variables are replicated (``NamedSharding(mesh, P())``); every global batch is split over the batch axis
-(``NamedSharding(mesh, P("batch"))``). The train step is written once for the global batch and jitted
-with these shardings, so XLA inserts the cross-device reduction of gradients and metrics itself.
+A strategy is a :class:`jax.sharding.Mesh` over every device of the job: one axis (``"batch"``) by
+default, or the named axes of a mesh given (``mesh=``, ``layout_map=``). Variables are replicated
+(``NamedSharding(mesh, P())``) unless ``shard=`` or a layout map splits them; every global batch is split
+over the batch axes (``NamedSharding(mesh, P("batch"))``). The train step is written once for the global
+batch and jitted with these shardings, so XLA inserts the cross-device reduction of gradients and metrics itself.
 
 This module stands on the mesh (:mod:`mirrorax.mesh`), the dispatch window (:mod:`mirrorax.dispatch`) and
 the inputs (:mod:`mirrorax.inputs`); nothing below imports it back. What happens when a scope opens
@@ -28,7 +29,7 @@ from mirrorax.dispatch import InFlight, OutShardings, StrategyFunction, check_ou
 from mirrorax.inputs.distributed import DistributedDataset
 from mirrorax.inputs.iterables import PerProcessDataset
 from mirrorax.inputs.source import InputContext
-from mirrorax.mesh import BATCH_AXIS, BatchMesh, ShardMode, check_shard
+from mirrorax.mesh import AxisName, BatchMesh, ShardMode, check_shard
 from mirrorax.replica import ReduceOp, resolve_op
 from mirrorax.stateful import StatefulFunction, check_not_tf_function
 
@@ -53,7 +54,7 @@ class MirroredStrategy:
         may be given as ``jax.Device`` objects, integer ids or Keras's names (``"cpu:0"``, as
         ``keras.distribution.list_devices()`` gives them), in a sequence or a numpy array; or as a
         ``jax.sharding.Mesh`` or ``keras.distribution.DeviceMesh`` (its devices). An array or mesh with
-        more than one axis longer than 1 (model parallelism) is refused.
+        more than one axis longer than 1 is refused here: pass it as ``mesh=`` or ``layout_map=``.
       shard: how the training state is laid out over the same devices (the maths, and so the result,
         is the same in every mode; what changes is the memory each device holds):
 
@@ -65,13 +66,25 @@ class MirroredStrategy:
           FSDP.
 
         A variable with fewer than :data:`mirrorax.mesh.SHARD_MIN_SIZE` elements, or no axis that divides by the
-        device count, stays replicated; so does non-trainable state (BatchNorm statistics).
+        device count, stays replicated; so does non-trainable state (BatchNorm statistics). On a mesh of
+        several axes the split is over :attr:`shard_axis` only (the last axis), the state replicated over the
+        others: hybrid sharding (HSDP); under a layout map it is over the batch axis.
+      mesh: instead of ``devices``, a ``jax.sharding.Mesh`` or ``keras.distribution.DeviceMesh`` with named
+        axes, e.g. :func:`mirrorax.hybrid_mesh` (2-D: one row per host). Every global batch is split over
+        ``batch_axes`` (default: every axis, i.e. every device holds its own rows).
+      batch_axes: the mesh axes the batch is split over (a name or a tuple of names); default: every axis
+        of ``mesh``, the first axis of a layout map's mesh (Keras's ``batch_dim_name``).
+      layout_map: a ``keras.distribution.LayoutMap`` (as ``keras.distribution.ModelParallel`` takes it, e.g.
+        ``GemmaBackbone.get_layout_map(device_mesh)``): its ``device_mesh`` is the strategy's mesh and each
+        variable whose path a key matches (``re.fullmatch``) is laid out as its layout says (optimizer slots
+        as their variable); the others are replicated; the batch is split over ``batch_axes``.
       max_in_flight: calls of :meth:`jit` / :meth:`run` functions allowed to be outstanding (>= 1): after
         dispatching call ``i`` the host waits for call ``i - max_in_flight + 1``.
 
     Raises:
       ValueError: ``devices`` is empty, has duplicates, mixes platforms or has several long axes; ``shard``
-        is not a mode.
+        is not a mode; more than one of ``devices``, ``mesh`` and ``layout_map``; ``batch_axes`` names an
+        axis the mesh lacks; a slice of the batch would lie on several processes.
 
     Example:
       >>> strategy = MirroredStrategy()
@@ -80,12 +93,13 @@ class MirroredStrategy:
     """
 
     def __init__(self, devices: Sequence[jax.Device | int | str] | np.ndarray | Mesh | Any | None = None, *,
-                 shard: ShardMode = None, max_in_flight: int = 2) -> None:
+                 shard: ShardMode = None, max_in_flight: int = 2, mesh: Mesh | Any | None = None,
+                 batch_axes: str | Sequence[str] | None = None, layout_map: Any = None) -> None:
         check_shard(shard)
         self._window = InFlight(max_in_flight)  # validates max_in_flight before anything starts
         self._run_functions: dict[Any, StatefulFunction] = {}
         cluster.maybe_initialize_from_env()  # before JAX lists the devices: a job's devices span its processes
-        self._layout = BatchMesh(devices, shard=shard)
+        self._layout = BatchMesh(devices, shard=shard, mesh=mesh, batch_axes=batch_axes, layout_map=layout_map)
 
     # -- what users read -------------------------------------------------------------------------
     @property
@@ -96,7 +110,8 @@ class MirroredStrategy:
 
     @property
     def mesh(self) -> Mesh:
-        """The one-axis ``jax.sharding.Mesh`` (axis ``"batch"``) this strategy trains on."""
+        """The ``jax.sharding.Mesh`` this strategy trains on: one axis ``"batch"``, or the axes of the mesh
+        (or layout map) it was given."""
         return self._layout.mesh
 
     @property
@@ -111,7 +126,8 @@ class MirroredStrategy:
 
     @property
     def num_replicas_in_sync(self) -> int:
-        """The global device count: how many slices each global batch is split into."""
+        """How many slices each global batch is split into: the device count (under a layout map, the
+        size of its batch axis: the data-parallel replicas)."""
         return self._layout.num_replicas_in_sync
 
     @property
@@ -160,20 +176,22 @@ class MirroredStrategy:
         """The state layout mode: ``None`` (replicated), ``"optimizer"`` or ``"all"``."""
         return self._layout.shard
 
-    def state_sharding(self, shape: Sequence[int], role: str) -> NamedSharding:
-        """Where a state variable of ``shape`` lives: split over the batch axis on its largest axis that
-        divides by the device count, when the mode shards its ``role`` (``"params"`` or ``"optimizer"``)
-        and it has at least :data:`mirrorax.mesh.SHARD_MIN_SIZE` elements; replicated otherwise.
+    def state_sharding(self, shape: Sequence[int], role: str, path: str | None = None) -> NamedSharding:
+        """Where a state variable of ``shape`` lives: as the layout map says for its ``path`` (if any);
+        then split over :attr:`shard_axis` on its largest axis still whole that divides by that axis's
+        size, when the mode shards its ``role`` (``"params"`` or ``"optimizer"``) and it has at least
+        :data:`mirrorax.mesh.SHARD_MIN_SIZE` elements; replicated otherwise.
 
         Example:
           >>> MirroredStrategy(shard="all").state_sharding((1024, 512), "params").spec  # on 8 devices
           PartitionSpec('batch', None)
         """
-        return self._layout.state_sharding(shape, role)
+        return self._layout.state_sharding(shape, role, path)
 
-    def state_layout(self, tree: Any, role: str) -> Any:
-        """:meth:`state_sharding` for every leaf of ``tree`` (a tree of arrays or shapes)."""
-        return self._layout.state_layout(tree, role)
+    def state_layout(self, tree: Any, role: str, paths: Any = None) -> Any:
+        """:meth:`state_sharding` for every leaf of ``tree`` (a tree of arrays or shapes); ``paths``: for a
+        dict ``tree``, each key's variable path (what a layout map matches)."""
+        return self._layout.state_layout(tree, role, paths)
 
     def place(self, tree: Any, shardings: Any, *, broadcast: bool = True) -> Any:
         """``tree`` placed with ``shardings`` (a matching tree of ``NamedSharding``), in buffers of its own.
@@ -183,9 +201,27 @@ class MirroredStrategy:
         return self._layout.place(tree, shardings, broadcast=broadcast)
 
     @property
-    def batch_axis(self) -> str:
-        """The mesh axis name every global batch is split over (``"batch"``)."""
-        return BATCH_AXIS
+    def batch_axis(self) -> AxisName:
+        """The mesh axis every global batch is split over (``"batch"``), or the tuple of them when it is
+        split over several (``("replica", "shard")``), as ``PartitionSpec`` and ``jax.lax.psum`` take it."""
+        return self._layout.batch_axis
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes every global batch is split over, as a tuple (``("batch",)`` by default)."""
+        return self._layout.batch_axes
+
+    @property
+    def shard_axis(self) -> str:
+        """The mesh axis ``shard=`` splits the state over: the last axis (on a 2-D mesh the inner one:
+        HSDP), the batch axis under a layout map."""
+        return self._layout.shard_axis
+
+    @property
+    def process_axes(self) -> tuple[str, ...]:
+        """The mesh axes along which the process changes: what a collective over them sends between
+        processes (hosts). ``()`` on one process; the outer axis of :func:`mirrorax.hybrid_mesh`."""
+        return self._layout.process_axes
 
     # -- the custom-loop API -----------------------------------------------------------------------
     def replicate(self, tree: Any) -> Any:
@@ -387,7 +423,7 @@ class MirroredStrategy:
         """``(num_replicas, ...)``: each replica's value of ``v``."""
         n = self.num_replicas_in_sync
         spec = getattr(v.sharding, "spec", None) if isinstance(v, jax.Array) and v.ndim else None
-        split = spec is not None and len(spec) > 0 and spec[0] == BATCH_AXIS
+        split = spec is not None and len(spec) > 0 and spec[0] == self.batch_axis
         host = host_value(v)
         if split:
             if host.shape[0] == n and host.ndim == 1:
@@ -431,7 +467,8 @@ class MirroredStrategy:
 
     def __repr__(self) -> str:
         kinds = sorted({d.platform for d in self.devices})
-        return (f"MirroredStrategy(num_replicas_in_sync={self.num_replicas_in_sync}, "
+        shape = "" if self.mesh.axis_names == ("batch",) else f"mesh={dict(self.mesh.shape)}, "
+        return (f"MirroredStrategy({shape}num_replicas_in_sync={self.num_replicas_in_sync}, "
                 f"processes={self.process_count}, platform={','.join(kinds)})")
 
 

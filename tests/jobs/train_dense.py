@@ -110,9 +110,16 @@ if __name__ == "__main__":
     import mirrorax as mx
 
     shard = os.environ.get("MP_SHARD") or None  # "optimizer" / "all": the state split over the 4 devices
-    strategy = mx.MultiWorkerMirroredStrategy(shard=shard)
+    if os.environ.get("MP_MESH") == "hybrid":  # one row per process: shard= within it (HSDP)
+        strategy = mx.MultiWorkerMirroredStrategy(mesh=mx.hybrid_mesh(), shard=shard)
+    else:
+        strategy = mx.MultiWorkerMirroredStrategy(shard=shard)
     print(f"process {strategy.process_index} of {strategy.process_count}: "
           f"{strategy.num_replicas_in_sync} replicas in sync", flush=True)
+    if os.environ.get("MP_MESH"):
+        kernel = strategy.state_sharding((FEATURES, int(os.environ.get("MP_WIDTH", "16"))), "params")
+        print(f"process {strategy.process_index}: mesh {dict(strategy.mesh.shape)}, process axes "
+              f"{strategy.process_axes}, batch axes {strategy.batch_axes}, kernel {tuple(kernel.spec)}", flush=True)
     die = [_Die(os.environ["MP_DIE"], strategy.process_index)] if os.environ.get("MP_DIE") else []
     epochs = int(os.environ.get("MP_EPOCHS", EPOCHS))
     result = train(strategy, epochs=epochs, verbose=2, callbacks=die, width=int(os.environ.get("MP_WIDTH", "16")))

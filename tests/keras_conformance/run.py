@@ -31,8 +31,8 @@ EXCLUDED = ("remote_monitor_test.py", "swap_ema_weights_test.py", "tensorboard_t
 # Tests that cannot pass under the scope by design, with the reason. Keyed by "file::Class::test".
 _SPARSE = ("sparse inputs (jax BCOO, scipy.sparse, tf.SparseTensor) are refused: mirrorax's input pipeline pads "
            "and shards dense global batches")
-_DISTRIBUTION = ("a ModelParallel distribution set under the scope is refused with the way on: mirrorax would "
-                 "replace its layout map with replicated variables (issue 17)")
+_DISTRIBUTION = ("a ModelParallel distribution set under the scope is refused with the way on: its layout map "
+                 "belongs in MirroredStrategy(layout_map=...) (issues 17, 21)")
 EXPECTED_FAILURES: dict[str, str] = {
     **{f"trainer_test.py::TestTrainer::test_{kind}_sparse_{lib}_graph": _SPARSE
        for kind in ("fit", "evaluate", "predict") for lib in ("jax", "scipy", "tf")},

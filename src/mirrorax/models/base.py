@@ -139,6 +139,12 @@ class ModelAdapter(abc.ABC):
         """The state groups that :meth:`write_back` stores into the model."""
         return ("params", "model_state", "optimizer")
 
+    def state_paths(self) -> dict[str, dict[str, str]]:
+        """For each state group keyed by name (``"params"``, ``"model_state"``, ``"optimizer"``), each key's
+        variable path as a layout map matches it (``"dense/kernel"``; an optimizer slot has its variable's
+        path). ``{}``: no paths (a layout map then matches nothing)."""
+        return {}
+
     def model_changed(self) -> bool:
         """Whether the model's values were replaced since they were lent (``set_weights``,
         ``load_weights``, Keras's own ``fit`` or ``evaluate``): the trainer then continues from them."""

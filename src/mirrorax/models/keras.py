@@ -484,6 +484,16 @@ class KerasAdapter(ModelAdapter):
             pairs.append((v, v._value))
         self._lent_values = pairs
 
+    def state_paths(self) -> dict[str, dict[str, str]]:
+        groups = self._group_variables()
+        trainable = list(groups["params"])
+        out = {}
+        for g in ("params", "model_state", "optimizer"):
+            if g == "optimizer" and self.optax is not None:
+                continue
+            out[g] = dict(zip(self._names[g], layout_paths(groups[g], trainable)))
+        return out
+
     def model_changed(self) -> bool:
         return any(v._value is not a or a.is_deleted() for v, a in self._lent_values)
 
@@ -556,6 +566,19 @@ class KerasAdapter(ModelAdapter):
 
     def _written_values(self, state) -> list[Any]:
         return [a for g in self.written_groups for a in self._unpack(g, getattr(state, g))]
+
+
+def layout_paths(variables: Sequence[Any], trainable: Sequence[Any]) -> list[str]:
+    """The path a layout map matches for each of ``variables``: its own, or for an optimizer's slot
+    (named ``"<its variable's path with '/' as '_'>_<slot>"`` by ``add_variable_from_reference``) the
+    path of that variable among ``trainable``, as Keras lays a slot out like its variable."""
+    by_prefix = {v.path.replace("/", "_") + "_": v.path for v in trainable}
+    out = []
+    for v in variables:
+        name = getattr(v, "name", "")
+        refs = [p for prefix, p in by_prefix.items() if name.startswith(prefix)]
+        out.append(max(refs, key=len) if refs and v.path not in by_prefix.values() else v.path)
+    return out
 
 
 def keep_layout(variable: Any, sharding: jax.sharding.Sharding | None) -> None:
