@@ -42,7 +42,6 @@ NOT_RUN = {
     "docs/checkpoints.md": (0, 1),
     "docs/multiprocess.md": (1, 4),
     "docs/plan.md": (1, 1),
-    "docs/scaling.md": (2, 0),
 }
 LANGUAGES = {"python", "bash", "text"}
 
