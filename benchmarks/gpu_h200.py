@@ -7,6 +7,7 @@ repository root::
     python benchmarks/gpu_h200.py                 # about 2-4 minutes
     python benchmarks/gpu_h200.py --cpu-smoke     # the same path on CPU, tiny sizes, 2 simulated devices
                                                   # (checks the script; --dry is the same)
+    python benchmarks/gpu_h200.py --systems mirrorax,jax   # some of the systems only
 
 Each system runs in a process of its own (``benchmarks.peers.<system> --workload transformer --devices 1
 --bf16``), one after the other, each doing a warm-up and ``--repeats`` timed runs. MFU is model FLOPs
@@ -79,15 +80,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", type=int, default=1, help="devices to train on (default 1; 2 with --cpu-smoke)")
     p.add_argument("--cpu-smoke", "--dry", action="store_true",
                    help="run on CPU with tiny sizes and 2 simulated devices (checks the script)")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated systems to run, in this order (default all: {','.join(SYSTEMS)})")
     p.add_argument("--json-out", default=None, help="also write the results here")
     args = p.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        p.error(f"--systems got {args.systems!r}; the systems are {', '.join(SYSTEMS)} (a comma-separated list "
+                "of one or more of them)")
     if args.cpu_smoke:
         args.batch, args.steps, args.warmup, args.repeats = 4, 2, 1, 1
         args.devices = max(args.devices, 2)
 
     wl = workloads.get("transformer")
     rows = []
-    for system in SYSTEMS:
+    for system in systems:
         r = dict(measure(system, args, args.timeout), name=system)
         if r.get("status") == "ok":
             sps = sorted(r["samples_per_s"])[len(r["samples_per_s"]) // 2]
@@ -133,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json_out, "w") as f:
             json.dump({"peak_tflops": args.peak_tflops, "batch": args.batch, "devices": args.devices, "rows": rows},
                       f, indent=1)
-    return 0 if len(ok) == len(SYSTEMS) else 1
+    return 0 if len(ok) == len(systems) else 1
 
 
 if __name__ == "__main__":

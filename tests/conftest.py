@@ -60,3 +60,27 @@ def _fresh_keras_state():
     keras.backend.clear_session(free_memory=False)
     yield
     keras.backend.clear_session()
+
+
+# With two xdist workers (addopts in pyproject.toml: a module per worker) the suite ends when the worker
+# that took the last long module ends. xdist hands modules out by their number of tests, most first, so
+# that the long modules with few tests (the CLI, the benchmark harness, the resume and float64 jobs) came
+# last and one worker ran them while the other had nothing left. Longest first instead (the modules'
+# measured wall on one worker, largest first, tests/README.md "Times"); the rest by number of tests, as
+# xdist would. Only the order of modules changes: a module's tests stay together and in their order.
+LONGEST_FIRST = [
+    "test_keras_io.py", "test_cli.py", "test_faults_checkpoint.py", "test_faults_launch.py",
+    "test_keras_callbacks_write.py", "test_equivalence.py", "test_keras_callbacks.py", "test_keras_compile.py",
+    "test_docs.py", "test_multiprocess.py", "test_launch.py", "test_benchmarks_smoke.py", "test_keras_order.py",
+    "test_preemption.py", "test_resume.py", "test_plan.py", "test_keras_fit.py", "test_keras_programs.py",
+    "test_keras_rows.py", "test_checkpoint.py", "test_cluster.py", "test_float64.py",
+    "test_keras_order_multiprocess.py",
+]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -counts[item.path.name], item.path.name))

@@ -3,7 +3,7 @@
 Each page's python blocks run in order in one namespace (later blocks build on earlier ones), in a fresh
 process with 8 simulated CPU devices (as the examples do), with warnings as errors, in a temporary
 working directory. The process is forked from one that has imported the libraries and nothing more
-(``SERVER`` below). A block the reader does not need to see (a fragment's data, say) goes in a hidden
+(``tests/jobs/forks.py``). A block the reader does not need to see (a fragment's data, say) goes in a hidden
 setup, an HTML comment that GitHub and mkdocs do not show::
 
     <!-- docs-test: setup
@@ -19,19 +19,13 @@ A python block that must not run here (a multi-host launch) is preceded by
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import pathlib
-import queue
 import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
+from jobs.forks import ForkServer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
@@ -126,49 +120,6 @@ def test_relative_links_resolve(page):
     assert not broken, f"{page}: links to missing files or headings: {broken}"
 
 
-# One process imports what the pages import (about 9 s of CPU: Keras, JAX, optax, mirrorax), without
-# starting JAX's backend, then forks a fresh child per page: each page still starts from a process in
-# which nothing has run (no Keras names, no devices, no compiled programs, no global policy), and no page
-# sees another's state, but none pays the imports again. JAX forbids a fork once its backend is up (it
-# warns, and a warning is an error here): the server checks that it is not.
-SERVER = r"""
-import json, os, sys, time, traceback
-import jax, keras, numpy, optax
-import mirrorax
-from jax._src import xla_bridge
-assert not xla_bridge.backends_are_initialized(), "JAX's backend started before the fork"
-print(json.dumps({"ready": os.getpid()}), flush=True)
-for line in sys.stdin:
-    page, blocks, cwd, log = json.loads(line)
-    pid = os.fork()
-    if pid == 0:  # the page's own process
-        code = 1
-        try:
-            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.close(fd)
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)
-            os.chdir(cwd)
-            namespace = {"__name__": "__doc_sample__"}
-            for i, code_text in blocks:
-                start = time.perf_counter()
-                exec(compile(code_text, f"{page}, python block {i}", "exec"), namespace)
-                print(f"docs-test: {page} block {i}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        sys.exit(code)  # through the interpreter's exit: atexit handlers (Orbax, JAX) run as in a script
-    print(json.dumps({"pid": pid}), flush=True)
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps({"exit": os.waitstatus_to_exitcode(status)}), flush=True)
-"""
-
-
 def _environment() -> dict[str, str]:
     env = dict(os.environ)
     env.update(KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8",
@@ -183,61 +134,23 @@ WARNINGS_AS_ERRORS = ["-W", "error", "-W", "ignore::DeprecationWarning", "-W", "
                       "-W", "ignore::ResourceWarning"]
 
 
-class PageServer:
-    """The forking server: ``run(page, cwd, timeout)`` runs a page in a fresh child, returns (exit, log)."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, *WARNINGS_AS_ERRORS, "-c", SERVER], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=_environment())
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self._reply(timeout=300, want="ready")
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put("")  # the server ended
-
-    def _reply(self, timeout: float, want: str) -> int:
-        try:
-            line = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            line = None
-        if not line:
-            if line is not None:
-                self.proc.wait()
-            raise RuntimeError(f"the docs page server gave no {want!r} within {timeout:.0f} s "
-                               f"(server exit status {self.proc.poll()})")
-        return json.loads(line)[want]
-
-    def run(self, page: str, cwd: pathlib.Path, timeout: float) -> tuple[int, str]:
-        assert self.proc.stdin is not None
-        log = cwd / "page.log"
-        to_run = [(i + 1, b["code"]) for i, b in enumerate(python_to_run(page))]
-        self.proc.stdin.write(json.dumps([page, to_run, str(cwd), str(log)]) + "\n")
-        self.proc.stdin.flush()
-        pid = self._reply(timeout=60, want="pid")
-        try:
-            status = self._reply(timeout=timeout, want="exit")
-        except RuntimeError:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            self._reply(timeout=60, want="exit")  # the killed child's, so that the next page reads its own
-            raise RuntimeError(f"{page} ran past {timeout:.0f} s:\n{log.read_text()[-6000:]}") from None
-        return status, log.read_text()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-
 @pytest.fixture(scope="module")
 def page_server():
-    server = PageServer()
+    """One process imports what the pages import (about 9 s of CPU: Keras, JAX, optax, mirrorax) and forks
+    a fresh child per page (``tests/jobs/forks.py``): no page sees another's state or pays the imports."""
+    server = ForkServer(["jax", "keras", "numpy", "optax", "mirrorax"], _environment(), WARNINGS_AS_ERRORS)
     yield server
     server.close()
+
+
+def run_page(server: ForkServer, page: str, cwd: pathlib.Path, timeout: float) -> tuple[int, str]:
+    """Runs ``page``'s python blocks in order in one namespace, in a fresh child; returns (exit, log)."""
+    log = cwd / "page.log"
+    blocks = [(f"{page}, python block {i + 1}", b["code"]) for i, b in enumerate(python_to_run(page))]
+    status = server.run(blocks, cwd, log, timeout, name="__doc_sample__")
+    if status is None:
+        raise RuntimeError(f"{page} ran past {timeout:.0f} s:\n{log.read_text()[-6000:]}")
+    return status, log.read_text()
 
 
 RUNNABLE = [page for page in PAGES if python_to_run(page)]
@@ -249,7 +162,7 @@ RUNNABLE = [page for page in PAGES if python_to_run(page)]
 @pytest.mark.parametrize("page", RUNNABLE)
 def test_page_runs(page, tmp_path, page_server):
     start = time.perf_counter()
-    status, log = page_server.run(page, tmp_path, timeout=360)
+    status, log = run_page(page_server, page, tmp_path, timeout=360)
     assert status == 0, f"{page} failed (exit {status}) after {time.perf_counter() - start:.0f} s:\n{log[-8000:]}"
 
 

@@ -16,9 +16,10 @@ its model inside ``with strategy_scope():`` and fits it as written (default ``sh
 
 Every program runs twice, side by side, each in a fresh process with 4 simulated CPU devices and
 ``keras.utils.set_random_seed(SEED)``: plain Keras (``strategy_scope`` is a no-op) and under
-``mx.MirroredStrategy(devices=jax.devices()[:4]).scope()``. Every number the program returns (History,
-weights, evaluate, predict) must agree: ``|scoped - plain| <= RTOL * |plain| + ATOL`` elementwise, with
-the same keys and shapes.
+``mx.MirroredStrategy(devices=jax.devices()[:4]).scope()`` (each process forked from one that has
+imported JAX, Keras and numpy and nothing more: ``tests/jobs/forks.py``). Every number the program
+returns (History, weights, evaluate, predict) must agree: ``|scoped - plain| <= RTOL * |plain| + ATOL``
+elementwise, with the same keys and shapes.
 
 Plain Keras is the reference, and for a given program, seed and versions it is deterministic: its
 outcome is recorded in ``expected/<name>.npz`` (the arrays) and ``expected/<name>.json`` (the keras,
@@ -36,13 +37,13 @@ in ``EXPECTED_FAILURES`` fails or differs.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import hashlib
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +54,9 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # tests/, for its fork server
+from jobs.forks import ForkServer  # noqa: E402
+
 SEED = 1337
 NUM_DEVICES = 4
 RTOL = 1e-4
@@ -234,28 +238,46 @@ def _xla_flags() -> str:
     return flags
 
 
-def _start(name: str, mode: str, tmp: Path, tag: str = "") -> tuple[subprocess.Popen[str], str]:
+_SERVER: list[ForkServer] = []
+
+
+def _server() -> ForkServer:
+    """The process every worker is forked from (``tests/jobs/forks.py``), started at the first worker: it
+    imports JAX, Keras and numpy once (about 7 s of CPU a worker saved), not mirrorax, so that plain Keras's
+    process holds nothing of it; a worker is still a fresh process in which nothing has run."""
+    if not _SERVER or _SERVER[0].proc.poll() is not None:
+        env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(NUM_DEVICES),
+                   XLA_FLAGS=_xla_flags())
+        _SERVER[:] = [ForkServer(["jax", "keras", "numpy"], env)]
+        atexit.register(_SERVER[0].close)
+    return _SERVER[0]
+
+
+_WORKER = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("keras_io_run", {run!r})
+run = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = run  # dataclasses look their module up there
+spec.loader.exec_module(run)
+run._worker({name!r}, {mode!r}, {out!r})
+"""
+
+
+def _start(name: str, mode: str, tmp: Path, tag: str = "") -> tuple[int, str]:
+    """Starts ``name``'s ``mode`` worker in a fresh process; returns its pid and its output files' stem."""
     out = str(tmp / f"{name}.{mode}{tag}")
-    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(NUM_DEVICES),
-               XLA_FLAGS=_xla_flags())
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, mode, out]
-    log = open(out + ".log", "w")  # noqa: SIM115 - closed by _finish, once the process has ended
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    log.close()  # the child holds its own descriptor
-    return proc, out
+    code = _WORKER.format(run=str(Path(__file__).resolve()), name=name, mode=mode, out=out)
+    return _server().start([(f"keras_io {name} {mode}", code)], tmp, out + ".log"), out
 
 
-def _finish(proc: subprocess.Popen[str], out: str, deadline: float) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    try:
-        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def _finish(pid: int, out: str, deadline: float) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    status = _server().wait(pid, max(1.0, deadline - time.monotonic()))
+    if status is None:
         return {"ok": False, "error": f"timed out after {TIMEOUT_S} s", "seconds": float(TIMEOUT_S)}, {}
     record_file = Path(out + ".json")
     if not record_file.exists():  # the process died (an XLA abort, say) before writing its record
         log = Path(out + ".log").read_text()
-        return {"ok": False, "error": f"worker exited {proc.returncode}:\n{log[-3000:]}", "seconds": 0.0}, {}
+        return {"ok": False, "error": f"worker exited {status}:\n{log[-3000:]}", "seconds": 0.0}, {}
     record = json.loads(record_file.read_text())
     if not record["ok"]:
         return record, {}
