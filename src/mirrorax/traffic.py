@@ -281,8 +281,11 @@ def _program_devices(compiled: Any) -> list[Any]:
         mesh = getattr(s, "mesh", None)
         if mesh is not None and hasattr(mesh, "devices") and not isinstance(mesh.devices, tuple):
             return list(np.asarray(mesh.devices).flat)
-    raise ValueError("Cannot tell the compiled program's device order: none of its inputs or outputs has a "
-                     "NamedSharding. Pass devices=[...] (its devices, in the order of its device assignment).")
+    kinds = sorted({type(s).__name__ for s in jax.tree.leaves([compiled.input_shardings,
+                                                                compiled.output_shardings])})
+    raise ValueError(f"Cannot tell the compiled program's device order: none of its inputs or outputs has a "
+                     f"NamedSharding (received shardings of kinds {kinds}). Pass devices=[...] (its devices, "
+                     "in the order of its device assignment).")
 
 
 def traffic(compiled: Any, *, hosts: Any = None, devices: Sequence[Any] | None = None) -> Traffic:
