@@ -64,6 +64,7 @@ from mirrorax._orbax_quirks import (
     drain_abandoned_reads,
     dropping_orbax_read_errors_of_abandoned_reads,
     stop_tensorstore_metric_leak,
+    stop_tensorstore_spec_leak,
 )
 from mirrorax._version import __version__
 from mirrorax.consistency import debug_checks
@@ -263,6 +264,7 @@ class Checkpointer:
         if jax.process_count() > 1:
             _use_distributed_barriers()
         stop_tensorstore_metric_leak()
+        stop_tensorstore_spec_leak()
         try:
             self._manager = ocp.CheckpointManager(
                 self._directory,
