@@ -777,7 +777,8 @@ class Checkpointer:
         ``stacklevel`` counts from the caller of ``_warn``, as ``warnings.warn``'s does from its own.
         """
         if jax.process_index() == 0:
-            warnings.warn(message, CheckpointWarning, stacklevel=stacklevel + 1)
+            # + 2: this frame, and the public method's _checkpoint_time wrapper (every warning comes from one)
+            warnings.warn(message, CheckpointWarning, stacklevel=stacklevel + 2)
 
 
 _lock_rounds = itertools.count()
