@@ -196,3 +196,70 @@ def test_ctrl_c_mid_epoch_saves_and_says_so(tmp_path):
         in out, (code, out[-3000:])
     assert "status 143" not in out and "ENTRIES 3\n" in out, out[-3000:]
     assert "mirrorax: Ctrl-C: stopping after this step" in out, out[-3000:]  # said at once, not only at the end
+
+
+# -- every process of a refused job learns it at once; watched time excludes checkpoints ----------------------
+
+@pytest.mark.slow
+@pytest.mark.multi_process
+@pytest.mark.timeout(240)
+def test_every_process_of_a_second_job_on_a_locked_directory_exits_with_the_owner(tmp_path):
+    import json
+    import socket
+
+    from jobs.procs import free_port, run_all
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / ".mirrorax-lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                                    "since": "2026-01-01T00:00:00+00:00"}))
+    port = free_port()
+    envs = [clean_env(MIRRORAX_COORDINATOR=f"127.0.0.1:{port}", MIRRORAX_NUM_PROCESSES="2",
+                      MIRRORAX_PROCESS_ID=str(r), MP_CKPT=str(ckpt), MP_EPOCHS="2", MP_CATCH="7") for r in range(2)]
+    codes, outs, times = run_all([python(str(SCRIPTS / "faults.py"))] * 2, envs, timeout=120)
+    print(f"exited after {max(times):.1f} s")
+    owner = f"is in use by another run (process {os.getpid()} on host {socket.gethostname()}"
+    for rank in range(2):  # each is refused itself (the script catches it), none left waiting for another
+        assert codes[rank] == 7 and f"rank {rank} refused: Checkpoint directory" in outs[rank] and \
+            owner in outs[rank], (rank, codes, outs[rank][-3000:])
+    assert max(times) < 90, times
+    assert (ckpt / ".mirrorax-lock").exists()  # the owner's lock is left alone
+
+
+@pytest.mark.slow
+@pytest.mark.multi_process
+@pytest.mark.timeout(240)
+def test_a_checkpoint_save_longer_than_the_watchdog_bound_is_not_a_hang(tmp_path):
+    # A save at step 4 inside the epoch taking 7 s (a slow file system), with --watchdog 5: the bound is for
+    # steps and input (a hung input is still named: test_a_stuck_rank_is_named_with_its_stack).
+    code, out, seconds = _faulty(tmp_path, "none:-1:-1", MP_CKPT=str(tmp_path / "ckpt"), MP_EVERY="4",
+                                 MP_SLOW_SAVE="7", MP_EPOCHS="1")
+    print(f"slow saves: {seconds:.1f} s")
+    assert code == 0 and "rank 1 done" in out and "made no progress" not in out, (code, out[-3000:])
+    assert sorted(int(n) for n in os.listdir(tmp_path / "ckpt") if n.isdigit())[-1] == 7, out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.multi_process
+@pytest.mark.timeout(240)
+def test_sys_exit_in_on_epoch_end_of_one_rank_is_reported_with_its_status(tmp_path):
+    code, out, seconds = _faulty(tmp_path, "epochexit:1:2", "--watchdog", "60")
+    print(f"epochexit: {seconds:.1f} s")
+    assert code == 3 and "mirrorax launch: rank 1 failed (exit code 3)" in out, (code, out[-3000:])
+    assert "mirrorax launch: rank 0" not in out, out[-3000:]
+
+
+def test_the_watchdog_waits_for_a_rank_in_a_checkpoint(tmp_path, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(launch_lib.time, "monotonic", lambda: clock[0])
+    progress = launch_lib._Progress(str(tmp_path), 2, 10.0)
+    _files(tmp_path, {0: (9, _watchdog.STEP), 1: (7, _watchdog.CHECKPOINT)})
+    progress.check([None, None])
+    clock[0] += 600.0
+    assert progress.check([None, None]) is None  # a slow save on one rank, the other waits in a step
+    _files(tmp_path, {0: (9, _watchdog.STEP), 1: (8, _watchdog.HOOKS)})  # the save ended; stuck after it
+    clock[0] += 1.0
+    assert progress.check([None, None]) is None
+    clock[0] += 11.0
+    rank, why = progress.check([None, None])
+    assert rank == 1 and "batch callback" in why, why

@@ -10,7 +10,9 @@ behind is named (see ``mirrorax.launch``). Nothing is written without the variab
 is two assignments: no I/O, no lock, no device sync on the step's path.
 
 The same thread also ends this process's group when the launcher is gone (``MIRRORAX_LAUNCHER_PID``):
-the launcher's ``PR_SET_PDEATHSIG`` covers its direct children, this covers what they started.
+the launcher's ``PR_SET_PDEATHSIG`` kills its direct children at once; this covers a joined process
+that is not one (started through ``bash -c`` or a script) and what it started. What a directly started
+rank started itself outlives it (see docs/multiprocess.md).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import threading
 from typing import Any
 
 __all__ = ["beat", "start", "joined", "read", "describe", "leaving", "exit_code_mid_training", "waiting_for_peers",
-           "WATCHED", "WAITING", "PROGRESS_DIR_ENV", "LAUNCHER_PID_ENV", "JOINING", "IDLE", "INPUT", "STEP",
-           "HOOKS", "PEERS", "COMPILING", "EXITING"]
+           "in_checkpoint", "WATCHED", "WAITING", "ENDS_BY_ITSELF", "PROGRESS_DIR_ENV", "LAUNCHER_PID_ENV", "JOINING",
+           "IDLE", "INPUT", "STEP", "HOOKS", "PEERS", "COMPILING", "CHECKPOINT", "EXITING"]
 
 PROGRESS_DIR_ENV = "MIRRORAX_PROGRESS_DIR"
 LAUNCHER_PID_ENV = "MIRRORAX_LAUNCHER_PID"
@@ -35,13 +37,17 @@ IDLE = "idle"  # joined, outside fit/evaluate/predict (the script's own work): n
 COMPILING = "compiling"  # compiling a step: not watched (a large model compiles for minutes)
 INPUT = "input"  # reading the next batch from the input (the user's generator or dataset)
 STEP = "step"  # waiting for a step on the devices, and so for its peers in the collectives
-HOOKS = "hooks"  # in a batch callback or hook (Keras callbacks, checkpoint saves, progress)
+HOOKS = "hooks"  # in a batch callback or hook (Keras callbacks, progress; a checkpoint save is CHECKPOINT)
 PEERS = "peers"  # waiting for its peers to agree (mirrorax.consistency, through the coordination service)
 EXITING = "exiting"  # the script ended (or sys.exit): at the exit barrier, waiting for the others
+CHECKPOINT = "checkpoint"  # saving, waiting for or restoring a checkpoint: not watched (a large state takes minutes)
 #: Phases in which a process should move on within the watchdog's bound.
 WATCHED = frozenset({JOINING, INPUT, STEP, HOOKS, PEERS})
 #: Phases that wait for the other processes: on a tie, the rank named is one not in these.
 WAITING = frozenset({STEP, PEERS})
+#: Phases that end by themselves however long they take: while one rank is in one, the group is not stuck
+#: (the others wait for it in a step).
+ENDS_BY_ITSELF = frozenset({COMPILING, CHECKPOINT})
 
 _WORDS = {
     None: "never joined the job (it did not reach mx.MirroredStrategy() or mx.initialize())",
@@ -50,8 +56,9 @@ _WORDS = {
     COMPILING: "was compiling a step",
     INPUT: "was reading its next batch from the input (the input pipeline or generator did not return)",
     STEP: "was waiting for a step to finish (on its devices and its peers)",
-    HOOKS: "was in a batch callback or hook (a Keras callback, a checkpoint save or the progress line)",
+    HOOKS: "was in a batch callback or hook (a Keras callback or the progress line)",
     PEERS: "was waiting for the other processes to agree (on a callback's request to stop, or a check)",
+    CHECKPOINT: "was saving or restoring a checkpoint",
     EXITING: "was exiting (its script ended or called sys.exit) while the others were still training",
 }
 
@@ -74,6 +81,18 @@ class waiting_for_peers:
     def __enter__(self) -> None:
         self.phase = _phase
         beat(PEERS)
+
+    def __exit__(self, *exc: object) -> None:
+        beat(self.phase)
+
+
+class in_checkpoint:
+    """``with in_checkpoint():`` the process saves, waits for or restores a checkpoint: the watchdog's
+    bound applies to steps and input, not to the file system (then back to where it was)."""
+
+    def __enter__(self) -> None:
+        self.phase = _phase
+        beat(CHECKPOINT)
 
     def __exit__(self, *exc: object) -> None:
         beat(self.phase)

@@ -33,13 +33,16 @@ same order; Orbax coordinates the writes and the primary process writes the shar
 from __future__ import annotations
 
 import datetime
+import functools
+import hashlib
+import itertools
 import os
 import re
 import shutil
 import sys
 import warnings
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -64,8 +67,11 @@ from mirrorax._orbax_quirks import (
     drain_abandoned_reads,
     dropping_orbax_read_errors_of_abandoned_reads,
     stop_tensorstore_metric_leak,
+    stop_tensorstore_spec_leak,
 )
 from mirrorax._version import __version__
+from mirrorax._watchdog import in_checkpoint, waiting_for_peers
+from mirrorax.cluster import coordination_client
 from mirrorax.consistency import debug_checks
 from mirrorax.train_state import TrainState
 
@@ -83,6 +89,21 @@ PyTree = Any
 # left in place, a damaged step 300 would be "latest", would count towards `keep` and would block
 # the resumed run from saving step 300 again.
 DAMAGED_SUBDIR = "damaged"
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _checkpoint_time(method: _Method) -> _Method:
+    """The method's time is the file system's: ``mirrorax launch``'s watchdog does not count it (its
+    bound applies to steps and input; a save of a large state may take minutes)."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with in_checkpoint():
+            return method(self, *args, **kwargs)
+
+    return cast(_Method, run)
 
 
 class CheckpointError(RuntimeError):
@@ -263,6 +284,7 @@ class Checkpointer:
         if jax.process_count() > 1:
             _use_distributed_barriers()
         stop_tensorstore_metric_leak()
+        stop_tensorstore_spec_leak()
         try:
             self._manager = ocp.CheckpointManager(
                 self._directory,
@@ -286,16 +308,22 @@ class Checkpointer:
         self._closed = False
 
     def _lock(self) -> None:
-        """Takes the directory's lock (process 0 of a job speaks for it); refuses a second run."""
-        if jax.process_index() != 0:
-            return
-        try:
-            message = acquire(self._directory)
-        except DirectoryLocked as exc:
-            raise CheckpointError(str(exc)) from None
-        self._locked = True
-        if message:
-            print(f"mirrorax: {message}", file=sys.stderr, flush=True)
+        """Takes the directory's lock (process 0 of a job takes it for the job and tells the others);
+        refuses a second run, on every process of it, before any collective."""
+        refusal = None
+        if jax.process_index() == 0:
+            try:
+                message = acquire(self._directory)
+            except DirectoryLocked as exc:
+                refusal = str(exc)
+            else:
+                self._locked = True
+                if message:
+                    print(f"mirrorax: {message}", file=sys.stderr, flush=True)
+        if jax.process_count() > 1:
+            refusal = _lock_outcome_of_process_0(self._directory, refusal)
+        if refusal is not None:
+            raise CheckpointError(refusal)
 
     def _unlock(self) -> None:
         if self._locked:
@@ -333,6 +361,7 @@ class Checkpointer:
 
     # ---- saving ----------------------------------------------------------------------------------
 
+    @_checkpoint_time
     def save(self, step: int, state: PyTree, meta: Mapping[str, Any]) -> bool:
         """Starts writing ``state`` and ``meta`` as checkpoint ``step``; returns before the write ends.
 
@@ -432,10 +461,12 @@ class Checkpointer:
         self._pending_step = step if started else None
         return started
 
+    @_checkpoint_time
     def wait(self) -> None:
         """Blocks until every started save is on disk (raises the error of a failed background write)."""
         self._finish()
 
+    @_checkpoint_time
     def close(self) -> None:
         """Waits for pending saves, then releases Orbax's threads and the directory's lock. Safe to
         call twice."""
@@ -462,6 +493,7 @@ class Checkpointer:
 
     # ---- restoring -------------------------------------------------------------------------------
 
+    @_checkpoint_time
     def read_meta(self) -> dict[str, Any] | None:
         """The ``meta`` record of the newest checkpoint whose record is readable, without its arrays.
 
@@ -482,6 +514,7 @@ class Checkpointer:
                 return restored["meta"]
         return None
 
+    @_checkpoint_time
     def restore(self, step: int, abstract_state: PyTree) -> tuple[PyTree, dict[str, Any]]:
         """Restores checkpoint ``step`` onto the shardings named in ``abstract_state``.
 
@@ -513,6 +546,7 @@ class Checkpointer:
             raise CheckpointError(f"Checkpoint step {step} in {self._directory} is damaged: {result}.")
         return result
 
+    @_checkpoint_time
     def restore_latest(self, abstract_state: PyTree) -> tuple[int, PyTree, dict[str, Any]] | None:
         """Restores the newest good checkpoint onto the shardings named in ``abstract_state``.
 
@@ -743,7 +777,40 @@ class Checkpointer:
         ``stacklevel`` counts from the caller of ``_warn``, as ``warnings.warn``'s does from its own.
         """
         if jax.process_index() == 0:
-            warnings.warn(message, CheckpointWarning, stacklevel=stacklevel + 1)
+            # + 2: this frame, and the public method's _checkpoint_time wrapper (every warning comes from one)
+            warnings.warn(message, CheckpointWarning, stacklevel=stacklevel + 2)
+
+
+_lock_rounds = itertools.count()
+#: How long the other processes wait for process 0 to say whether it took the lock.
+LOCK_AGREE_SECONDS = 300
+
+
+def _lock_outcome_of_process_0(directory: str, refusal: str | None) -> str | None:
+    """Process 0's verdict on the lock, on every process: ``None`` (taken) or its refusal, word for word.
+
+    Through JAX's coordination service (a key per Checkpointer, in the order every process opens
+    them), not a device collective: a refused process must not wait in a collective for a process 0
+    that raised. On a JAX without a reachable client, a device broadcast of the verdict.
+    """
+    round_ = next(_lock_rounds)
+    client = coordination_client()
+    if client is None:
+        from jax.experimental import multihost_utils
+
+        flag = multihost_utils.broadcast_one_to_all(np.array([refusal is not None], np.int32))
+        if refusal is None and bool(np.asarray(flag)[0]):
+            refusal = (f"Checkpoint directory {directory} is in use by another run (process 0 of this job "
+                       f"says why: the owner's host and pid are in {os.path.join(directory, '.mirrorax-lock')}).")
+        return refusal
+    tag = hashlib.sha256(directory.encode()).hexdigest()[:16]
+    key = f"mirrorax/checkpoint_lock/{round_}/{tag}"
+    if jax.process_index() == 0:
+        client.key_value_set(key, "" if refusal is None else "refused:" + refusal)
+        return refusal
+    with waiting_for_peers():  # for mirrorax launch's watchdog: process 0 is the one to name if it hangs
+        value = client.blocking_key_value_get(key, LOCK_AGREE_SECONDS * 1000)
+    return value[len("refused:"):] if value.startswith("refused:") else None
 
 
 def _use_distributed_barriers() -> None:

@@ -15,6 +15,8 @@ import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from mirrorax._watchdog import leaving
+
 __all__ = ["Callbacks", "check_available"]
 
 _BATCH_HOOKS = {
@@ -117,7 +119,19 @@ class Callbacks:
         A train or test batch's logs (device scalars) reach Keras callbacks as :class:`LazyLogs`: a
         callback that ignores them costs no wait for the step. (Keras's ``CallbackList`` turns them into
         floats first whenever a callback is not ``async_safe``, which waits for every step.)
+
+        A callback's ``sys.exit(N)`` (N not 0) is recorded before it propagates: a process of a job that
+        leaves so while the others train then leaves at once with status N (``mirrorax._failure``), not
+        after waiting at JAX's exit barrier until ``mirrorax launch`` ends it without its status.
         """
+        try:
+            self._call(method, *args)
+        except SystemExit as e:
+            if e.code not in (None, 0) and method != "on_train_end":
+                leaving(e.code)
+            raise
+
+    def _call(self, method: str, *args: Any) -> None:
         if self.keras:
             if method in _LAZY_BATCH_ENDS and len(args) == 2 and isinstance(args[1], Mapping) and \
                     not getattr(self._list, _LAZY_BATCH_ENDS[method], False) and \

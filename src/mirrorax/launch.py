@@ -92,7 +92,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--watchdog", type=float, default=WATCHDOG_SECONDS, metavar="SECONDS",
                    help="end the group when no process made progress (a step, a batch, a callback) for this "
                         f"long, naming the rank furthest behind with its Python stack (default {WATCHDOG_SECONDS:g}; "
-                        "0 turns it off); raise it above the longest checkpoint save or input stall")
+                        "0 turns it off; compiling and checkpoint saves do not count); raise it above the longest "
+                        "input stall or step")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     p.set_defaults(func=run)
     return p
@@ -471,7 +472,7 @@ class _Progress:
                           f"{now - gone[0][0]:.0f} s)")
         if live and all(now - self.changed[r] >= self.bound for r in live) and \
                 any(self.phase(r) in _watchdog.WATCHED for r in live) and \
-                not any(self.phase(r) == _watchdog.COMPILING for r in live):  # compiling ends by itself
+                not any(self.phase(r) in _watchdog.ENDS_BY_ITSELF for r in live):  # compiling, a checkpoint
             rank = min(live, key=lambda r: (self.count(r), self.phase(r) in _watchdog.WAITING, r))
             return rank, (f"made no progress for {now - self.changed[rank]:.0f} s: it "
                           f"{_watchdog.describe(self.phase(rank))}, and the others waited for it "

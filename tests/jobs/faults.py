@@ -3,8 +3,12 @@
 Run by tests/test_faults_launch.py under ``mirrorax launch`` (2 processes). Environment: ``MP_FAULT``
 ``KIND:R:S`` makes rank R misbehave at its step S: ``input`` (its generator blocks), ``callback`` (a batch
 callback blocks), ``exit`` (``sys.exit(3)`` in a callback), ``osexit`` (``os._exit(0)`` in a callback),
-``nojoin`` (rank R blocks before it joins the job). ``MP_OUT``: each rank writes ``pid<R>`` there.
+``nojoin`` (rank R blocks before it joins the job), ``epochexit`` (``sys.exit(3)`` in ``on_epoch_end`` of
+epoch S). ``MP_OUT``: each rank writes ``pid<R>`` there.
 ``MP_CKPT``: a checkpoint directory; ``MP_SLEEP``: seconds per step; ``MP_EPOCHS`` (default 30).
+``MP_CATCH=N``: a ``CheckpointError`` from fit is caught, printed (``rank R refused: ...``) and ends the
+script with ``sys.exit(N)``, as a script that handles it would. ``MP_SLOW_SAVE=S``: each checkpoint save
+takes S seconds more (a slow file system), on every rank. ``MP_EVERY=N``: a checkpoint every N steps.
 """
 
 from __future__ import annotations
@@ -45,6 +49,11 @@ class Fault:
                 os._exit(0)
         time.sleep(float(os.environ.get("MP_SLEEP", "0")))
 
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if MINE and KIND == "epochexit" and epoch + 1 == int(AT_STEP):
+            print(f"rank {RANK} calls sys.exit(3) at the end of epoch {epoch + 1}", flush=True)
+            sys.exit(3)
+
 
 def batches(x, y):
     step = 0
@@ -69,9 +78,26 @@ if __name__ == "__main__":
     model = train_dense._model(strategy)
     trainer = mx.Trainer(model, strategy=strategy)
     ckpt = os.environ.get("MP_CKPT") or None
+    if os.environ.get("MP_SLOW_SAVE"):
+        import orbax.checkpoint as ocp
+
+        slow, real_save = float(os.environ["MP_SLOW_SAVE"]), ocp.CheckpointManager.save
+
+        def slow_save(self, *args, **kwargs):
+            time.sleep(slow)
+            return real_save(self, *args, **kwargs)
+
+        ocp.CheckpointManager.save = slow_save
     if ckpt:
-        trainer.fit(x, y, batch_size=train_dense.BATCH, epochs=int(os.environ.get("MP_EPOCHS", "30")), verbose=0,
-                    callbacks=[Fault()], checkpoint_dir=ckpt)
+        try:
+            trainer.fit(x, y, batch_size=train_dense.BATCH, epochs=int(os.environ.get("MP_EPOCHS", "30")),
+                        verbose=0, callbacks=[Fault()], checkpoint_dir=ckpt,
+                        checkpoint_every=int(os.environ.get("MP_EVERY", "0")) or "epoch")
+        except mx.CheckpointError as refused:
+            if not os.environ.get("MP_CATCH"):
+                raise
+            print(f"rank {RANK} refused: {refused}", flush=True)
+            sys.exit(int(os.environ["MP_CATCH"]))
     else:
         trainer.fit(batches(x, y), steps_per_epoch=6, epochs=int(os.environ.get("MP_EPOCHS", "30")), verbose=0,
                     callbacks=[Fault()])
