@@ -212,3 +212,17 @@ def test_the_cache_never_hides_a_nan_written_between_calls(monkeypatch):
     with pytest.raises(ValueError, match=r"x holds inf at x\[9, 1\]"):
         t.evaluate(x, y, batch_size=550)
     assert sum(scanned) >= 4 * x.size  # every call (the ones that raise also search)
+
+
+def test_a_full_batch_carries_its_row_count_as_a_short_one_does():
+    # The step then folds the mask and the real-row count away (constants), as for a cut batch: a
+    # smaller program to trace and compile before the first step (issue 22).
+    from mirrorax.inputs.batch import Batch, RealRows
+
+    mask = np.ones(8, np.float32)
+    batch = Batch(np.zeros((8, 2)), np.zeros(8), mask, mask, num_real=8.0, rows=8)
+    assert batch.real_rows() == RealRows(8) and batch.tree()["rows"] == RealRows(8)
+    assert Batch(np.zeros((8, 2)), np.zeros(8), mask, mask, rows=5).real_rows() == RealRows(5)
+    stacked = Batch(np.zeros((2, 8, 2)), np.zeros((2, 8)), np.ones((2, 8)), np.ones((2, 8)), rows=(8, 3))
+    assert stacked.real_rows() == RealRows((8, 3))
+    assert Batch(np.zeros((8, 2)), np.zeros(8), mask, mask, rows=None).real_rows() is None

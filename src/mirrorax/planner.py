@@ -307,8 +307,8 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
     batch = {k: jax.tree.map(batch_spec, v) for k, v in one.items() if k not in ("num_real", "rows") and v is not None}
     if sample.num_real is not None:  # as the fit's batches carry it (array inputs)
         batch["num_real"] = jax.ShapeDtypeStruct((), np.float32, sharding=s.replicated)
-    if isinstance(sample.rows, int) and sample.rows < padded:  # a first batch short of the global one: cut
-        batch["rows"] = RealRows(sample.rows)
+    if isinstance(sample.rows, int):  # as the fit's batches carry it (a first batch short of the global one: cut)
+        batch["rows"] = RealRows(min(sample.rows, padded))
     compiled = steps.train.lower(abstract, batch).compile()
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
