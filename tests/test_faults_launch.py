@@ -122,10 +122,15 @@ def _files(tmp_path, seen: dict[int, tuple[int, str]]) -> None:
         (tmp_path / f"rank{rank}").write_text(f"{count} {phase}\n")
 
 
-def test_the_watchdog_names_the_rank_furthest_behind(tmp_path, monkeypatch):
+def _watched(tmp_path, monkeypatch, ranks):
+    """A launcher's progress watch over ``ranks`` ranks (bound 10 s) on a clock the test moves."""
     clock = [1000.0]
     monkeypatch.setattr(launch_lib.time, "monotonic", lambda: clock[0])
-    progress = launch_lib._Progress(str(tmp_path), 3, 10.0)
+    return clock, launch_lib._Progress(str(tmp_path), ranks, 10.0)
+
+
+def test_the_watchdog_names_the_rank_furthest_behind(tmp_path, monkeypatch):
+    clock, progress = _watched(tmp_path, monkeypatch, 3)
     _files(tmp_path, {0: (40, _watchdog.STEP), 1: (31, _watchdog.HOOKS), 2: (41, _watchdog.STEP)})
     assert progress.check([None] * 3) is None
     clock[0] += 9.0
@@ -136,9 +141,7 @@ def test_the_watchdog_names_the_rank_furthest_behind(tmp_path, monkeypatch):
 
 
 def test_the_watchdog_leaves_unwatched_phases_alone(tmp_path, monkeypatch):
-    clock = [1000.0]
-    monkeypatch.setattr(launch_lib.time, "monotonic", lambda: clock[0])
-    progress = launch_lib._Progress(str(tmp_path), 2, 10.0)
+    clock, progress = _watched(tmp_path, monkeypatch, 2)
     _files(tmp_path, {0: (2, _watchdog.IDLE), 1: (3, _watchdog.COMPILING)})
     progress.check([None, None])
     clock[0] += 600.0
@@ -250,9 +253,7 @@ def test_sys_exit_in_on_epoch_end_of_one_rank_is_reported_with_its_status(tmp_pa
 
 
 def test_the_watchdog_waits_for_a_rank_in_a_checkpoint(tmp_path, monkeypatch):
-    clock = [1000.0]
-    monkeypatch.setattr(launch_lib.time, "monotonic", lambda: clock[0])
-    progress = launch_lib._Progress(str(tmp_path), 2, 10.0)
+    clock, progress = _watched(tmp_path, monkeypatch, 2)
     _files(tmp_path, {0: (9, _watchdog.STEP), 1: (7, _watchdog.CHECKPOINT)})
     progress.check([None, None])
     clock[0] += 600.0
