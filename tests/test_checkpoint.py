@@ -268,12 +268,12 @@ os._exit(3)  # no cleanup, no flush of the pending write: what a kill -9 leaves
 @pytest.mark.slow  # starts processes
 def test_crash_during_async_save_leaves_previous_checkpoint_usable(tmp_path):
     import subprocess
-    import sys
 
     (tmp_path / "writer.py").write_text(_CRASHING_WRITER)
-    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
-    proc = subprocess.run([sys.executable, str(tmp_path / "writer.py"), str(tmp_path / "ck")],
-                          env=env, capture_output=True, text=True, timeout=120)
+    from jobs.procs import clean_env, python
+
+    proc = subprocess.run(python(str(tmp_path / "writer.py"), str(tmp_path / "ck")), env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3 and "crashing" in proc.stdout, proc.stdout + proc.stderr
     wanted = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=replicated(1)),
               "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(1))}
@@ -489,7 +489,6 @@ def test_checkpoint_moves_between_process_counts(tmp_path):
     """1 process x 8 devices -> 2 processes x 4 devices -> 1 process x 1 and 4 devices."""
     import socket
     import subprocess
-    import sys
 
     sharding = replicated(8)
     start = {"trainable": {"dense/kernel": jax.device_put(
@@ -502,11 +501,12 @@ def test_checkpoint_moves_between_process_counts(tmp_path):
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    from jobs.procs import clean_env, python
+
+    env = clean_env()
     workers = [
-        subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(i), str(port),
-                          str(tmp_path / "ck")], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(python(str(tmp_path / "worker.py"), str(i), str(port), str(tmp_path / "ck")), env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)
     ]
     outputs = [w.communicate(timeout=180)[0] for w in workers]

@@ -9,10 +9,10 @@ and compiles again for the same code path.
 import os
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
+from jobs.procs import clean_env, python
 
 from mirrorax.cli import main
 
@@ -22,10 +22,8 @@ pytestmark = pytest.mark.multi_device
 def _run(args, tmp_path, timeout=300):
     # The CLI turns on its compilation cache in MIRRORAX_CACHE_DIR: the session's (tests/conftest.py).
     cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path / "xla")
-    env = dict(os.environ, MIRRORAX_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    return subprocess.run([sys.executable, "-m", "mirrorax.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(python("-m", "mirrorax.cli", *args), capture_output=True, text=True,
+                          timeout=timeout, env=clean_env(MIRRORAX_CACHE_DIR=cache))
 
 
 def _main(args, capsys):

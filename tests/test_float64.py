@@ -10,9 +10,9 @@ classifier and a regressor, a FunctionalModel); before the float64 path the same
 import json
 import os
 import subprocess
-import sys
 
 import pytest
+from jobs.procs import clean_env, python
 
 pytestmark = [pytest.mark.multi_device, pytest.mark.slow]
 
@@ -21,9 +21,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "jobs", "float64_fit.py")
 
 @pytest.fixture(scope="module")
 def results():
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, timeout=280, env=env)
+    proc = subprocess.run(python(SCRIPT), capture_output=True, text=True, timeout=280, env=clean_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -7,11 +7,11 @@ batches from the same state; only float reassociation across device counts diffe
 import os
 import signal
 import subprocess
-import sys
 import threading
 
 import numpy as np
 import pytest
+from jobs.procs import clean_env, launcher, python
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "jobs", "train_ckpt.py")
 JOB = ["--epochs", "4", "--every", "3"]  # 28 steps; checkpoints at steps 3, 6, 7 (epoch end), 9, ...
@@ -19,13 +19,11 @@ pytestmark = pytest.mark.multi_device
 
 
 def _env():
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    return env
+    return clean_env()
 
 
 def _run(args, timeout=240):
-    out = subprocess.run([sys.executable, SCRIPT, *args, *JOB], capture_output=True, text=True, timeout=timeout,
+    out = subprocess.run(python(SCRIPT, *args, *JOB), capture_output=True, text=True, timeout=timeout,
                          env=_env())
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
@@ -33,7 +31,7 @@ def _run(args, timeout=240):
 
 def _run_and_kill(args, kill_at_step, timeout=240):
     """Runs the job until it holds after step ``kill_at_step`` (its handshake), then SIGKILLs it there."""
-    proc = subprocess.Popen([sys.executable, SCRIPT, *args, *JOB, "--hold-at", str(kill_at_step)],
+    proc = subprocess.Popen(python(SCRIPT, *args, *JOB, "--hold-at", str(kill_at_step)),
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env())
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
@@ -85,8 +83,8 @@ def test_launcher_restart_resumes_after_a_worker_is_killed(tmp_path, uninterrupt
     got = tmp_path / "got.npz"
     # The sleep lets the checkpoints of steps 3-9 reach the disk before the kill (each process writes
     # its part: a hold in one process would stall the other's save).
-    cmd = [sys.executable, "-m", "mirrorax.launch", "--nprocs", "2", "--cpu-devices-per-proc", "2",
-           "--max-restarts", "1", "--", sys.executable, SCRIPT, str(tmp_path / "ckpt"), str(got), *JOB,
+    cmd = [*launcher("--nprocs", "2", "--cpu-devices-per-proc", "2", "--max-restarts", "1"), "--",
+           *python(SCRIPT), str(tmp_path / "ckpt"), str(got), *JOB,
            "--kill-rank", "1", "--kill-at-step", "11", "--sleep", "0.05"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
     text = out.stdout + out.stderr

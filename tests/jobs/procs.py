@@ -6,10 +6,11 @@ import ipaddress
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
+
+from . import zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent
@@ -35,7 +36,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def python(*args: str) -> list[str]:
-    return [sys.executable, *args]
+    """``python ARGS`` for a job: a Python forked from one that imported JAX, Keras and mirrorax already
+    (``zygote.py``: ~8 s of CPU less per process, the same behaviour), for environments from ``clean_env``."""
+    return [zygote.python_path(clean_env()), *args]
 
 
 def run_all(commands: list[list[str]], envs: list[dict[str, str]], timeout: float
