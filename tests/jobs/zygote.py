@@ -108,32 +108,65 @@ gc.freeze()  # what the imports made stays out of the children's collections (an
 BORN = dict(os.environ)
 
 
+def jax_option(key, text):
+    """``(name, value)`` of the JAX option that environment variable ``key`` sets to ``text``; None when
+    ``key`` is no JAX option (read from os.environ when needed); ValueError when it cannot be set here."""
+    holder = jax_config.config._value_holders.get(key.lower()) if key.startswith("JAX_") else None
+    if holder is None:
+        return None
+    now = holder.value
+    if isinstance(now, bool):
+        return key.lower(), text.lower() in ("1", "true", "t", "yes", "y", "on")
+    if isinstance(now, int):
+        return key.lower(), int(text)
+    if isinstance(now, float):
+        return key.lower(), float(text)
+    if now is None or isinstance(now, str):
+        return key.lower(), text
+    raise ValueError(f"{key}: an option of type {type(now).__name__}")
+
+
 def jax_options(env):
     """The JAX options to set from ``env``, or None when one cannot be (run the real interpreter then)."""
     updates = {}
     for key in set(env) | set(BORN):
-        if not key.startswith("JAX_") or env.get(key) == BORN.get(key):
+        if env.get(key) == BORN.get(key):
             continue
-        holder = jax_config.config._value_holders.get(key.lower())
-        if holder is None:
-            continue  # not a JAX option: read from os.environ when it is needed
-        if key not in env:
-            return None
-        now, text = holder.value, env[key]
         try:
-            if isinstance(now, bool):
-                updates[key.lower()] = text.lower() in ("1", "true", "t", "yes", "y", "on")
-            elif isinstance(now, int):
-                updates[key.lower()] = int(text)
-            elif isinstance(now, float):
-                updates[key.lower()] = float(text)
-            elif now is None or isinstance(now, str):
-                updates[key.lower()] = text
-            else:
-                return None
+            option = jax_option(key, env.get(key, ""))
         except ValueError:
             return None
+        if option is not None:
+            if key not in env:
+                return None
+            updates[option[0]] = option[1]
     return updates
+
+
+def follow_the_environment(request):
+    """A script that sets ``JAX_*`` options in ``os.environ`` before it starts JAX's backend (as
+    ``float64_fit.py`` sets ``JAX_ENABLE_X64``) gets them, as a fresh process that imports JAX after would;
+    one that sets another ``KERAS_BACKEND`` runs again in the real interpreter from the start."""
+    set_item = os._Environ.__setitem__
+
+    def setitem(environ, key, value):
+        set_item(environ, key, value)
+        if environ is not os.environ:
+            return
+        if key in ("KERAS_BACKEND", "KERAS_HOME") and value != BORN.get(key):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.execve(REAL, [REAL, *request["argv"]], request["env"])
+        if xla_bridge.backends_are_initialized():
+            return  # too late for a fresh process too
+        try:
+            option = jax_option(key, value)
+        except ValueError:
+            os.execve(REAL, [REAL, *request["argv"]], request["env"])
+        if option is not None:
+            jax_config.config.update(*option)
+
+    os._Environ.__setitem__ = setitem
 
 
 def forkable(env):
@@ -150,6 +183,7 @@ def run(request):
     os.environ.update(env)
     for name, value in options.items():
         jax_config.config.update(name, value)
+    follow_the_environment(request)
     import random, numpy, faulthandler, io, runpy, types
     numpy.random.seed()
     random.seed()
