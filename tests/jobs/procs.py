@@ -10,7 +10,10 @@ import threading
 import time
 from pathlib import Path
 
-from . import zygote
+if __package__:  # jobs.procs, from the tests
+    from . import zygote
+else:  # procs, from a job script beside it
+    import zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent
