@@ -11,9 +11,9 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 
 import pytest
+from jobs.procs import clean_env, python
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,10 +25,10 @@ pytestmark = pytest.mark.slow  # starts processes
 def smallest(tmp_path_factory):
     """The harness on its smallest configuration: mirrorax and the hand-written loop at 1 and 2 devices."""
     out = tmp_path_factory.mktemp("bench")
-    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--workloads", "mlp", "--devices", "1,2",
+    cmd = [*python(), "-m", "benchmarks.run", "--quick", "--workloads", "mlp", "--devices", "1,2",
            "--systems", "mirrorax,jax", "--steps", "4", "--warmup", "1", "--repeats", "1", "--rounds", "1",
            "--idle-wait", "0", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc
 
@@ -61,10 +61,10 @@ def two_device_systems(tmp_path_factory):
     is a process either way; one harness for all of them saves a harness start. Replicated mirrorax at 2
     devices, the same configuration, is the ``smallest`` run's row."""
     out = tmp_path_factory.mktemp("bench2")
-    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--workloads", "mlp", "--devices", "2",
+    cmd = [*python(), "-m", "benchmarks.run", "--quick", "--workloads", "mlp", "--devices", "2",
            "--systems", "keras_scope,guide_api,mirrorax_optimizer,mirrorax_all", "--steps", "4",
            "--warmup", "1", "--repeats", "1", "--rounds", "1", "--idle-wait", "0", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["system"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
     return rows, (out / "results.md").read_text()
@@ -103,8 +103,9 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
     """benchmarks/gpu_h200.py --dry: the GPU script's whole path on 2 CPU devices, tiny sizes, for replicated
     mirrorax and shard='all' (each system is a process of its own; the harness tests above run the others)."""
     out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_h200.py", "--dry", "--systems", "mirrorax,mirrorax_all",
-                           "--json-out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=420)
+    proc = subprocess.run(python("benchmarks/gpu_h200.py", "--dry", "--systems", "mirrorax,mirrorax_all",
+                                 "--json-out", str(out)), cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["mirrorax", "mirrorax_all"]
@@ -127,9 +128,9 @@ def test_gpu_script_names_the_systems_when_one_is_unknown(capsys):
 def test_checkpoint_cost_prints_a_row_per_device_count_and_mode(tmp_path):
     """``python -m benchmarks.checkpoint_cost`` at a tiny width: a process per device count, a table row
     per (devices, mode) with both systems' times. The plumbing, not the speed."""
-    cmd = [sys.executable, "-m", "benchmarks.checkpoint_cost", "--devices", "1,2", "--modes", "None,all",
+    cmd = [*python(), "-m", "benchmarks.checkpoint_cost", "--devices", "1,2", "--modes", "None,all",
            "--rounds", "1", "--hidden", "64", "--dir", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| 1 |") or ln.startswith("| 2 |")]
     assert [r.split("|")[1:3] for r in rows] == [[" 1 ", " None "], [" 1 ", " all "], [" 2 ", " None "],
