@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -373,6 +374,7 @@ def python_path(env: dict[str, str]) -> str:
                     server.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     server.kill()
+            shutil.rmtree(folder, ignore_errors=True)
 
         atexit.register(close)
         _shim = shim
