@@ -467,3 +467,83 @@ def test_steps_per_epoch_rounds_up_to_whole_executions_as_keras():
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     for a, b in zip(got_w, want_w):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _Overriding(keras.Sequential):
+    """A user's model whose fit / evaluate / predict do something of their own, then call Keras's."""
+
+    calls: list[str]
+
+    def fit(self, *args, **kwargs):
+        self.calls.append("fit")
+        return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        self.calls.append("evaluate")
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        self.calls.append("predict")
+        return super().predict(*args, **kwargs)
+
+
+def test_a_class_that_overrides_fit_runs_its_override_and_trains_on_mirrorax():
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    keras_fit = JAXTrainer.fit
+    x, y, _, _ = flat_digits(64)
+
+    def build():
+        keras.utils.set_random_seed(5)
+        m = _Overriding([keras.Input((64,)), keras.layers.Dense(8, activation="tanh"),
+                         keras.layers.Dense(10, activation="softmax")])
+        m.calls = []
+        m.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        return m
+
+    ref = build()
+    s = strategy(8)
+    with s.scope():
+        model = build()
+        got = [model.fit(x, y, batch_size=16, shuffle=False, verbose=0).history["loss"]]  # inside the scope
+    got.append(model.fit(x, y, batch_size=16, shuffle=False, verbose=0).history["loss"])  # and after it
+    want = [ref.fit(x, y, batch_size=16, shuffle=False, verbose=0).history["loss"] for _ in range(2)]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_weights_close(model, ref, WEIGHT_RTOL, WEIGHT_ATOL)
+    probs = np.asarray(ref(x))  # the reference's outputs, eagerly (no more programs to compile)
+    loss = float(np.mean(keras.losses.sparse_categorical_crossentropy(y, probs)))
+    assert model.evaluate(x, y, batch_size=16, verbose=0) == pytest.approx(loss, rel=1e-5)
+    np.testing.assert_allclose(model.predict(x, batch_size=16, verbose=0), probs, rtol=1e-5, atol=1e-6)
+    assert model.calls == ["fit", "fit", "evaluate", "predict"] and ref.calls == ["fit", "fit"]  # the overrides ran
+    # Their super() calls ran on mirrorax: its programs, its layout on the 8 devices.
+    assert mx.keras_fit.trainer_of(model).compile_counts() == {"train": 1, "train_many": 0, "evaluate": 1,
+                                                               "predict": 1}
+    assert model.trainable_variables[0].value.sharding.device_set == set(s.devices)
+    assert JAXTrainer.fit is keras_fit  # Keras's fit is its own again once the override returned
+    assert keras.Model.fit is keras_fit
+
+
+@pytest.mark.slow  # a tiny Gemma's fit compiles for ~6 s on 2 loaded cores
+def test_keras_hub_task_fit_preprocesses_and_trains_on_mirrorax():
+    """keras_hub's tasks inherit PipelineModel's fit / evaluate, which build a dataset (and would map the
+    preprocessor over it) and call Keras's: that call trains on the strategy's devices."""
+    keras_hub = pytest.importorskip("keras_hub")
+
+    x_rng = np.random.default_rng(0)
+    tokens = x_rng.integers(1, 32, size=(16, 9)).astype("int32")
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((16, 8), bool)}
+    s = strategy(8)
+    with s.scope():
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.GemmaBackbone(vocabulary_size=32, num_layers=1, num_query_heads=2,
+                                                  num_key_value_heads=1, hidden_dim=16, intermediate_dim=32,
+                                                  head_dim=8)
+        lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+        lm.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = lm.fit(x, tokens[:, 1:], batch_size=8, epochs=2, shuffle=False, verbose=0)
+    loss = history.history["loss"]
+    assert len(loss) == 2 and loss[1] < loss[0]
+    assert np.isfinite(lm.evaluate(x, tokens[:, 1:], batch_size=8, verbose=0)).all()
+    counts = mx.keras_fit.trainer_of(lm).compile_counts()
+    assert counts["train"] == 1 and counts["evaluate"] == 1  # mirrorax's programs, not Keras's
+    assert all(v.value.sharding.device_set == set(s.devices) for v in lm.trainable_variables)

@@ -4,11 +4,16 @@ As in TF, a model remembers the strategy it was built (or compiled) under: its o
 ``evaluate``, ``predict``, ``train_on_batch``, ``test_on_batch`` and ``predict_on_batch`` then run on
 a :class:`mirrorax.Trainer` for that model and strategy (one engine, the Trainer's guarantees: global
 batch, short batches computed on their real rows, exact metrics, bounded dispatch, donation), whether
-they are called inside the scope or after it. Models made outside any scope are untouched.
+they are called inside the scope or after it. Models made outside any scope are untouched. A class
+that overrides one of them (keras_hub's tasks override all six to preprocess) keeps its override, and
+the override's ``super().fit(...)`` lands on mirrorax for that model.
 
 How: while a scope is open (and only then), Keras's model constructor and ``compile`` are wrapped so
 that a model created or compiled in it gets the strategy and these six methods as attributes of its
-own; leaving the last open scope restores Keras's functions. Nothing global outlives the scope.
+own; leaving the last open scope restores Keras's functions. Nothing global outlives the scope. An
+override runs with Keras's six methods wrapped by a dispatcher (:func:`_through_override`) that sends
+this thread's call for that model to mirrorax and every other call to Keras; the last override in flight
+restores them when it returns.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ __all__ = ["strategy_of", "trainer_of", "enter", "leave"]
 _lock = threading.Lock()
 _open_scopes = 0
 _saved: dict[str, Any] = {}
+_overriding = 0  # calls of a class's override of a routed method in flight, all threads
+_calls = threading.local()  # .models: the models whose override runs on this thread, innermost last
 _ROUTED = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
 
 
@@ -109,9 +116,58 @@ def _attach(model: Any, strategy: MirroredStrategy) -> None:
     attach_strategy(model, strategy)
     _mirror_variables(model, strategy)
     for name in _ROUTED:
-        # A method the model's class overrides itself stays the user's.
-        if getattr(type(model), name) is getattr(keras.Model, name):
-            object.__setattr__(model, name, types.MethodType(_METHODS[name], model))
+        # A method the model's class overrides runs, and its super() call comes back to mirrorax.
+        overridden = _keras_own(getattr(type(model), name)) is not _keras_own(getattr(keras.Model, name))
+        method = _through_override(name) if overridden else _METHODS[name]
+        object.__setattr__(model, name, types.MethodType(method, model))
+
+
+def _keras_own(method: Any) -> Any:
+    """Keras's own function behind ``method`` (itself, or what a dispatcher stands in for)."""
+    return getattr(method, "_mirrorax_keras_own", method)
+
+
+def _through_override(name: str) -> Callable[..., Any]:
+    """The routed ``name`` of a model whose class overrides it: the override runs (keras_hub's
+    preprocessing, a user's extra callback) while Keras's own ``name`` (what its ``super()`` call
+    reaches) is a dispatcher that sends this model's calls on this thread to mirrorax."""
+
+    def routed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        global _overriding
+        from keras.src.backend.jax.trainer import JAXTrainer
+
+        with _lock:
+            _overriding += 1
+            if _overriding == 1:
+                for n in _ROUTED:
+                    setattr(JAXTrainer, n, _dispatcher(n, getattr(JAXTrainer, n)))
+        models = _calls.__dict__.setdefault("models", [])
+        models.append(self)
+        try:
+            return getattr(type(self), name).__get__(self, type(self))(*args, **kwargs)
+        finally:
+            models.pop()
+            with _lock:
+                _overriding -= 1
+                if not _overriding:
+                    for n in _ROUTED:
+                        setattr(JAXTrainer, n, _keras_own(getattr(JAXTrainer, n)))
+
+    routed.__name__ = routed.__qualname__ = name
+    return routed
+
+
+def _dispatcher(name: str, own: Callable[..., Any]) -> Callable[..., Any]:
+    """Keras's ``own`` ``name``, sending the models whose override runs on this thread to mirrorax."""
+
+    @functools.wraps(own)
+    def dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if any(m is self for m in getattr(_calls, "models", ())):
+            return _METHODS[name](self, *args, **kwargs)
+        return own(self, *args, **kwargs)  # another model, or another thread: Keras's own
+
+    dispatch._mirrorax_keras_own = own  # type: ignore[attr-defined]
+    return dispatch
 
 
 def _mirror_variables(model: Any, strategy: MirroredStrategy) -> None:
@@ -185,9 +241,11 @@ def _eager_fallback(model: Any, name: str) -> Callable[..., Any] | None:
     """Keras's own method when the model runs eagerly (a debugging mode mirrorax does not distribute)."""
     if not getattr(model, "run_eagerly", False):
         return None
+    import keras
+
     warnings.warn(f"{type(model).__name__}.{name}: run_eagerly=True runs Keras's own single-device loop "
                   "(a debugging mode); compile with run_eagerly=False to train on every device.", stacklevel=3)
-    return types.MethodType(getattr(type(model), name), model)
+    return types.MethodType(_keras_own(getattr(keras.Model, name)), model)  # not an override: it called us
 
 
 # -- the routed methods (bound to the model) ------------------------------------------------------------
