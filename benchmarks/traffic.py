@@ -18,6 +18,7 @@ Run from the repository root::
     python -m benchmarks.traffic                       # 8 devices as 2 hosts x 4, the transformer
     python -m benchmarks.traffic --workload mlp --check
     python -m benchmarks.traffic --speed               # samples/s of each layout, 2 processes x 4 devices
+    python -m benchmarks.traffic --collectives         # and each layout's collectives, by kind and group
 """
 
 from __future__ import annotations
@@ -91,6 +92,30 @@ def _strategy_hsdp(hosts: int) -> Any:
     if hybrid_mesh is None:
         return None
     return mx.MirroredStrategy(mesh=hybrid_mesh(len(jax.devices()) // hosts), shard="all")
+
+
+def _collectives_table(name: str, t: Any, params: int) -> None:
+    """``t``'s collectives summed by kind and group shape: how many, the result bytes per device, how many of
+    each ring's edges cross hosts, and the bytes sent across hosts (all devices, and the busiest one)."""
+    rows: dict[tuple[str, int, int, int], list[float]] = {}
+    for c in t.collectives:
+        group = c.groups[0] if c.groups else ()
+        spans = len({t.hosts[d] for d in group})
+        crossing = sum(t.hosts[a] != t.hosts[b] for g in c.groups
+                       for a, b in zip(g, (*g[1:], g[0]) if c.kind != "collective-permute" else g[1:]))
+        row = rows.setdefault((c.kind, len(c.groups), len(group), spans), [0, 0.0, 0, 0.0])
+        row[0] += 1
+        row[1] += c.result_bytes
+        row[2] = crossing  # (per collective: the same for each of a row's collectives)
+        row[3] += c.across_bytes
+    print(f"\n{name}: collectives by kind and group (params {params / 2**20:.2f} MiB)\n")
+    print("| collective | groups x devices | hosts per group | count | result MiB per device "
+          "| ring edges crossing hosts, per collective | across hosts MiB | across / parameters |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for (kind, groups, size, spans), (count, result, crossing, across) in sorted(rows.items()):
+        edges = "-" if kind == "all-to-all" else f"{crossing:.0f}"  # all-to-all: every pair, not a ring
+        print(f"| {kind} | {groups} x {size} | {spans} | {count:.0f} | {result / 2**20:,.2f} | {edges} "
+              f"| {across / 2**20:,.2f} | {across / params:.3f} |")
 
 
 LAYOUTS = ("replicated", "optimizer", "all", "hsdp")
@@ -169,9 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true",
                    help="also compile HSDP and shard='all' written with jax.jit (against the strategy's)")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--collectives", action="store_true",
+                   help="also print each layout's collectives by kind and group: what crosses hosts")
     p.add_argument("--speed", action="store_true",
                    help="instead: time Trainer.fit of each layout on --hosts processes under mirrorax launch")
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help="the layouts --speed times")
+    p.add_argument("--layouts", default=",".join(LAYOUTS),
+                   help="the layouts to compile (or, with --speed, to time); 'all' is always compiled: the reference")
     p.add_argument("--steps", type=int, default=5, help="timed steps per timed run (--speed)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
@@ -203,15 +231,18 @@ def main(argv: list[str] | None = None) -> int:
     wl = workloads.get(args.workload)
     x, y = workloads.make_data(wl, wl.batch)
     rows: list[dict[str, Any]] = []
+    traffics: list[tuple[str, Any]] = []
 
     def record(name: str, how: str, t: Any, seconds: float) -> None:
+        traffics.append((f"{name} ({how})", t))
         rows.append({"layout": name, "program": how, "within_bytes": t.within_bytes, "across_bytes": t.across_bytes,
                      "max_across_bytes_per_device": t.max_across_bytes, "collectives": len(t.collectives),
                      "compile_s": round(seconds, 1)})
         print(json.dumps(rows[-1]), flush=True)
 
     params = 0
-    for shard in (None, "optimizer", "all"):
+    chosen = set(args.layouts.split(","))
+    for shard in [s for s in (None, "optimizer", "all") if s == "all" or (s or "replicated") in chosen]:
         start = time.process_time()
         with mx.MirroredStrategy(shard=shard).scope():
             model = workloads.build_keras_model(wl)
@@ -222,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         record({None: "replicated", "optimizer": "optimizer (ZeRO-1)", "all": "all (FSDP)"}[shard],
                "mx.plan", plan.traffic, time.process_time() - start)
     start = time.process_time()
-    strategy = _strategy_hsdp(args.hosts)
+    strategy = _strategy_hsdp(args.hosts) if "hsdp" in chosen else None
     if strategy is not None:
         with strategy.scope():
             model = workloads.build_keras_model(wl)
@@ -230,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = mx.plan(model, x[:1], y[:1], batch_size=wl.batch, search=False, hosts=args.hosts)
         assert plan.traffic is not None
         record("HSDP", "mx.plan", plan.traffic, time.process_time() - start)
-    if strategy is None or args.check:
+    if ("hsdp" in chosen and strategy is None) or args.check:
         start = time.process_time()
         compiled = _hand_written(wl, workloads, args.hosts, inner_sharded=True)
         record("HSDP", "jax.jit", mx.traffic(compiled, hosts=args.hosts), time.process_time() - start)
@@ -251,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['layout']} | {r['program']} | {r['within_bytes'] / 2**20:,.1f} | {r['across_bytes'] / 2**20:,.1f} "
               f"| {r['across_bytes'] / params:.2f} | {r['across_bytes'] / fsdp:.2f} | {most / 2**20:,.1f} "
               f"| {most / busiest:.2f} |")
+    if args.collectives:
+        for name, t in traffics:
+            _collectives_table(name, t, params)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"workload": wl.name, "devices": args.devices, "hosts": args.hosts, "param_bytes": params,

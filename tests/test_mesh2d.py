@@ -5,6 +5,8 @@ mesh shapes."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import keras
@@ -12,19 +14,15 @@ import numpy as np
 import pytest
 from helpers import assert_weights_close, cnn, digits, flat_digits
 from jax.sharding import PartitionSpec as P
+from jobs import train_dense
 
 import mirrorax as mx
 
 pytestmark = pytest.mark.multi_device
 
 
-def mlp(seed: int = 3, hidden: int = 256) -> keras.Model:
-    """A tanh MLP whose hidden kernel (64 x 256 = 16384 elements) is large enough to split."""
-    keras.utils.set_random_seed(seed)
-    m = keras.Sequential([keras.Input((64,)), keras.layers.Dense(hidden, activation="tanh", name="hidden"),
-                          keras.layers.Dense(10, activation="softmax", name="out")])
-    m.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    return m
+mlp = train_dense.tanh_mlp  # a tanh MLP whose hidden kernel (64 x 256 = 16384 elements) is large enough to split
+layout_map = train_dense.mesh_layout_map  # the MLP's and the CNN's layers over a ("batch", "model") mesh
 
 
 def fit_under(strategy, make, x, y, **kw):
@@ -42,16 +40,6 @@ def spec_of(a) -> tuple:
 
 def one_device():
     return mx.MirroredStrategy(devices=jax.devices()[:1])
-
-
-def layout_map(shape=(2, 4)):
-    mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"], devices=keras.distribution.list_devices())
-    lm = keras.distribution.LayoutMap(mesh)
-    lm[".*hidden/kernel"] = (None, "model")
-    lm[".*hidden/bias"] = ("model",)
-    lm[".*out/kernel"] = ("model", None)
-    lm[".*conv2d.*/kernel"] = (None, None, None, "model")
-    return lm
 
 
 @pytest.fixture(scope="module")
@@ -190,38 +178,43 @@ def test_a_model_parallel_distribution_under_the_scope_names_layout_map():
 
 # -- a keras_hub causal LM with its own layout map ----------------------------------------------
 
-def gemma_lm():
+@pytest.fixture(scope="module")
+def gemma_one_device():
+    """The causal LM's 1-device ``model.fit`` (``train_dense.fit_case``: weights, history, layouts)."""
     keras_hub = pytest.importorskip("keras_hub")
-    keras.utils.set_random_seed(5)
-    backbone = keras_hub.models.GemmaBackbone(vocabulary_size=64, num_layers=2, num_query_heads=4,
-                                              num_key_value_heads=4, hidden_dim=32, intermediate_dim=64, head_dim=8,
-                                              dropout=0.0)
-    model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
-    model.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), weighted_metrics=[])
-    return model
+    return train_dense.fit_case("gemma_layout_map", one_device(), keras_hub)
 
 
 @pytest.mark.slow  # keras_hub's import and a transformer's compile on 8 CPU devices
-def test_a_keras_hub_backbone_with_its_own_layout_map_on_2x4_gives_the_one_device_result():
+def test_a_keras_hub_backbone_with_its_own_layout_map_on_2x4_gives_the_one_device_result(gemma_one_device):
     keras_hub = pytest.importorskip("keras_hub")
-    tokens = np.random.default_rng(0).integers(0, 64, size=(16, 9)).astype("int32")
-    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((16, 8), "int32")}
-    y = tokens[:, 1:]
-
-    def fit(strategy):
-        with strategy.scope():
-            model = gemma_lm()
-        return model, model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0).history
-
-    want, want_hist = fit(one_device())
     mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], devices=keras.distribution.list_devices())
-    got, hist = fit(mx.MirroredStrategy(layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh)))
-    assert_weights_close(got, want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(hist["loss"], want_hist["loss"], rtol=1e-5)
-    specs = {v.path: v.value.sharding.spec for v in got.trainable_variables}
-    assert specs["token_embedding/embeddings"] == P("model", "batch")
-    assert specs["decoder_block_0/ffw_gating/kernel"] == P("batch", "model")
+    strategy = mx.MirroredStrategy(layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh))
+    got = train_dense.fit_case("gemma_layout_map", strategy, keras_hub)
+    assert_results_close(got, gemma_one_device)
+    assert_laid_out(json.loads(str(got["specs"])), {"token_embedding/embeddings": ["model", "batch"],
+                                                    "decoder_block/ffw_gating/kernel": ["batch", "model"]})
+
+
+def assert_laid_out(specs: dict, want: dict, others_replicated: bool = False) -> None:
+    """``specs`` (``fit_case``'s: state path -> layout) has ``want``'s layouts (by path suffix, e.g.
+    ``hidden/kernel``); with ``others_replicated``, every other variable is replicated."""
+    found = set()
+    for path, spec in specs.items():
+        key = next((k for k in want if path == k or path.endswith("/" + k)), None)
+        found.add(key)
+        if key is not None or others_replicated:
+            assert spec == want.get(key, [None] * len(spec)), path
+    assert want.keys() <= found, (sorted(want), sorted(specs))
+
+
+def assert_results_close(got: dict, want: dict) -> None:
+    """``fit_case``'s weights and loss history, against the 1-device run's, within 1e-5."""
+    weights = sorted(k for k in want if k.startswith("w"))
+    assert sorted(k for k in got if k.startswith("w")) == weights
+    for key in weights:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=key)
+    np.testing.assert_allclose(got["h_loss"], want["h_loss"], rtol=1e-5)
 
 
 # -- custom loops: strategy.jit and strategy.run -------------------------------------------------
@@ -319,30 +312,84 @@ def test_a_checkpoint_written_sharded_resumes_on_another_mesh_shape(tmp_path, ml
 
 # -- two processes ---------------------------------------------------------------------------------
 
-@pytest.mark.multi_process
-@pytest.mark.slow  # starts 2 processes
-@pytest.mark.timeout(240)
-def test_hsdp_on_two_processes_of_four_devices_gives_the_one_device_result(tmp_path):
-    """hybrid_mesh() on 2 processes x 4 devices: one row per process (the outer axis follows the
-    processes), the 2048-wide kernel and its Adam slots split within each process, replicated across."""
-    from jobs import train_dense
+def _has_keras_hub() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("keras_hub") is not None
+
+
+@pytest.fixture(scope="module")
+def two_process_job(tmp_path_factory):
+    """One job of 2 processes x 4 devices (``hybrid_mesh()``: one row per process) for every case below,
+    one after another in the same processes: HSDP through ``mx.Trainer`` (train_dense's model, a
+    2048-wide kernel and its Adam slots split within each process, replicated across), then
+    ``train_dense.MESH_CASES`` through ``model.fit`` under the scope (each process start costs ~9 s of
+    imports). Returns the output directory and the job's output."""
     from jobs.procs import clean_env, launcher, python, run_all
 
+    out_dir = tmp_path_factory.mktemp("two_processes")
+    cases = [c for c in train_dense.MESH_CASES if not c.startswith("gemma") or _has_keras_hub()]
     cmd = launcher("--nprocs", "2", "--cpu-devices-per-proc", "4", "--failure-timeout", "20", "--",
                    *python("tests/jobs/train_dense.py"))
-    env = clean_env(MP_OUT=str(tmp_path), MP_MESH="hybrid", MP_SHARD="all", MP_WIDTH="2048", MP_EPOCHS="2")
-    codes, outs, _ = run_all([cmd], [env], timeout=200)
-    out = outs[0]
-    assert codes[0] == 0, out
-    assert ("process 1: mesh {'replica': 2, 'shard': 4}, process axes ('replica',), batch axes ('replica', "
-            "'shard'), kernel (None, 'shard')") in out, out
-    ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
+    env = clean_env(MP_OUT=str(out_dir), MP_MESH="hybrid", MP_SHARD="all", MP_WIDTH="2048", MP_EPOCHS="2",
+                    MP_CASES=",".join(cases))
+    codes, outs, _ = run_all([cmd], [env], timeout=330)
+    assert codes[0] == 0, outs[0]
+    return out_dir, outs[0]
+
+
+def _ranks(out_dir, name: str) -> dict:
+    """What process 0 wrote for ``name``, after checking that process 1 wrote the same."""
+    ranks = [dict(np.load(out_dir / f"{name}{r}.npz")) for r in range(2)]
+    assert sorted(ranks[0]) == sorted(ranks[1])
     for key in ranks[0]:
         np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
+    return ranks[0]
+
+
+@pytest.mark.multi_process
+@pytest.mark.slow  # starts 2 processes
+@pytest.mark.timeout(400)
+def test_hsdp_on_two_processes_of_four_devices_gives_the_one_device_result(two_process_job):
+    """hybrid_mesh() on 2 processes x 4 devices through mx.Trainer: the outer axis follows the processes."""
+    out_dir, out = two_process_job
+    assert ("process 1: mesh {'replica': 2, 'shard': 4}, process axes ('replica',), batch axes ('replica', "
+            "'shard'), kernel (None, 'shard')") in out, out
+    got = _ranks(out_dir, "rank")
     want = train_dense.train(one_device(), epochs=2, width=2048)
-    assert sorted(ranks[0]) == sorted(want)
+    assert sorted(got) == sorted(want)
     for key in want:  # (8 slices summed against 1: measured differences up to 1.7e-6 after 14 Adam steps)
-        np.testing.assert_allclose(ranks[0][key], want[key], rtol=1e-5, atol=1e-5, err_msg=key)
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=key)
+
+
+# the layouts of each case's variables on 2 processes (the MLP's others: replicated)
+TWO_PROCESS_LAYOUTS = {  # (GemmaBackbone.get_layout_map's, for two of its variables)
+    "mlp_hsdp": {"hidden/kernel": [None, "shard"]},  # split within a process, replicated across
+    "mlp_layout_map": {"hidden/kernel": [None, "model"], "hidden/bias": ["model"], "out/kernel": ["model", None]},
+    "gemma_layout_map": {"token_embedding/embeddings": ["model", "batch"],
+                         "decoder_block/ffw_gating/kernel": ["batch", "model"]}}
+
+
+@pytest.mark.multi_process
+@pytest.mark.slow  # starts 2 processes (the job of the test above)
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", train_dense.MESH_CASES)
+def test_a_2d_mesh_fit_on_two_processes_of_four_devices_gives_the_one_device_result(two_process_job, case,
+                                                                                   request):
+    """HSDP and a layout map through model.fit under the scope, the tanh MLP and a keras_hub causal LM
+    with its own layout map: the 1-device result (computed here, on one of this process's devices, as the
+    1-process tests of this module do), laid out as the strategy says."""
+    if case.startswith("gemma") and not _has_keras_hub():
+        pytest.skip("keras_hub is not installed")
+    out_dir, _ = two_process_job
+    got = _ranks(out_dir, case)
+    if case.startswith("gemma"):
+        want = request.getfixturevalue("gemma_one_device")
+    else:
+        model, history = request.getfixturevalue("mlp_one_device")
+        want = {f"w{i}": w for i, w in enumerate(model.get_weights())} | {"h_loss": np.asarray(history["loss"])}
+    assert_results_close(got, want)
+    assert_laid_out(json.loads(str(got["specs"])), TWO_PROCESS_LAYOUTS[case], others_replicated=case.startswith("mlp"))
 
 
 def test_a_keras_object_step_under_strategy_jit_keeps_the_layout_map(mlp_data):

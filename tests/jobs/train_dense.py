@@ -4,10 +4,14 @@
 ``mirrorax launch``) it trains on every device of the job and writes what this process got to
 ``$MP_OUT/rank<R>.npz`` (weights, history, evaluate, predict), so that the test can compare processes.
 ``MP_DIE=kill:R:E`` / ``MP_DIE=raise:R:E`` make process R die at the end of epoch E (for failure tests).
+``MP_CASES=mlp_hsdp,mlp_layout_map,gemma_layout_map`` then runs issue 21's 2-D mesh cases in the same
+processes, one after another (``model.fit`` under the scope; ``fit_case``), each written to
+``$MP_OUT/<case><R>.npz``: one process pair for all of them, as each process start costs ~9 s of imports.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -106,6 +110,119 @@ def _results(model, history, result, predictions) -> dict[str, np.ndarray]:
     return out
 
 
+# -- issue 21: the 2-D mesh cases (tests/test_mesh2d.py builds the same models for its 1-device results) -----
+
+MESH_CASES = ("mlp_hsdp", "mlp_layout_map", "gemma_layout_map")
+
+
+def tanh_mlp(seed: int = 3, hidden: int = 256):
+    """A tanh MLP whose hidden kernel (64 x 256 = 16384 elements) is large enough to split."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    m = keras.Sequential([keras.Input((64,)), keras.layers.Dense(hidden, activation="tanh", name="hidden"),
+                          keras.layers.Dense(10, activation="softmax", name="out")])
+    m.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return m
+
+
+def mesh_layout_map(shape: tuple[int, int] = (2, 4)):
+    """A ``keras.distribution.LayoutMap`` over a ``batch`` x ``model`` mesh of every device (of the job)."""
+    import keras
+
+    mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"], devices=keras.distribution.list_devices())
+    lm = keras.distribution.LayoutMap(mesh)
+    lm[".*hidden/kernel"] = (None, "model")
+    lm[".*hidden/bias"] = ("model",)
+    lm[".*out/kernel"] = ("model", None)
+    lm[".*conv2d.*/kernel"] = (None, None, None, "model")
+    return lm
+
+
+def mlp_data() -> tuple[np.ndarray, np.ndarray]:
+    """96 digits, flattened (tests/helpers.py's ``flat_digits(96)``)."""
+    from mirrorax import zoo
+
+    (x, y), _ = zoo.load_digits()
+    return x[:96].reshape(96, -1), y[:96]
+
+
+def gemma_lm(keras_hub):
+    """A keras_hub causal LM: a Gemma backbone (2 layers of width 32, random weights) and its tied embedding's
+    logits, as ``GemmaCausalLM.call`` computes them, in a functional ``keras.Model``. (``GemmaCausalLM``'s
+    own ``fit`` is keras_hub's ``PipelineModel.fit``, a method its class overrides: mirrorax leaves it to
+    Keras's own loop, which would not spread the batch over the job's processes.)"""
+    import keras
+
+    keras.utils.set_random_seed(5)
+    backbone = keras_hub.models.GemmaBackbone(vocabulary_size=64, num_layers=2, num_query_heads=4,
+                                              num_key_value_heads=4, hidden_dim=32, intermediate_dim=64, head_dim=8,
+                                              dropout=0.0)
+    inputs = {name: keras.Input((None,), dtype="int32", name=name) for name in ("token_ids", "padding_mask")}
+    model = keras.Model(inputs, backbone.token_embedding(backbone(inputs), reverse=True))
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), weighted_metrics=[])
+    return model
+
+
+def lm_data() -> tuple[dict[str, np.ndarray], np.ndarray]:
+    tokens = np.random.default_rng(0).integers(0, 64, size=(16, 9)).astype("int32")
+    return {"token_ids": tokens[:, :-1], "padding_mask": np.ones((16, 8), "int32")}, tokens[:, 1:]
+
+
+def import_keras_hub():
+    """keras_hub without TensorFlow: its tokenizers and preprocessors need TF (tensorflow-text), these
+    models do not, and TF's import costs ~5 s of CPU per process. ``None`` in ``sys.modules`` makes
+    ``import tensorflow`` raise ImportError, which keras_hub and Keras take as "not installed"."""
+    for name in ("tensorflow", "tensorflow_text"):
+        sys.modules.setdefault(name, None)  # type: ignore[arg-type]
+    import keras_hub
+
+    return keras_hub
+
+
+def case_strategy(case: str):
+    """The 2-D strategy of ``case`` on every device of the job (one row of the mesh per process)."""
+    import mirrorax as mx
+
+    if case == "mlp_hsdp":
+        return mx.MultiWorkerMirroredStrategy(mesh=mx.hybrid_mesh(), shard="all")
+    if case == "mlp_layout_map":
+        return mx.MultiWorkerMirroredStrategy(layout_map=mesh_layout_map(), shard="optimizer")
+    if case == "gemma_layout_map":
+        import keras
+
+        mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], devices=keras.distribution.list_devices())
+        return mx.MultiWorkerMirroredStrategy(layout_map=import_keras_hub().models.GemmaBackbone.get_layout_map(mesh))
+    raise ValueError(f"case must be one of {MESH_CASES}; received {case!r}")
+
+
+def fit_case(case: str, strategy, keras_hub=None) -> dict[str, np.ndarray]:
+    """``model.fit`` of ``case``'s model under ``strategy``'s scope, unshuffled: the weights (``w<i>``), the
+    history (``h_<name>``) and each trainable variable's layout in the
+    fit's state (``specs``: path -> its PartitionSpec as a list with an entry per dimension, JSON)."""
+    import mirrorax as mx
+
+    if case.startswith("gemma"):
+        with strategy.scope():
+            model = gemma_lm(keras_hub or import_keras_hub())
+        x, y = lm_data()
+        history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    else:
+        with strategy.scope():
+            model = tanh_mlp()
+        x, y = mlp_data()
+        history = model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    specs = {}  # as the fit's state has them (read first: reading the model's weights hands the state over)
+    for path, value in mx.keras_fit.trainer_of(model).device_state.live.params.items():
+        spec = tuple(getattr(value.sharding, "spec", ()))  # one device: a SingleDeviceSharding
+        specs[path] = [list(s) if isinstance(s, tuple) else s for s in spec + (None,) * (value.ndim - len(spec))]
+    out = {f"w{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}
+    out.update({f"h_{k}": np.asarray(v, np.float64) for k, v in history.history.items()})
+    out["specs"] = np.asarray(json.dumps(specs))
+    return out
+
+
 if __name__ == "__main__":
     import mirrorax as mx
 
@@ -127,5 +244,10 @@ if __name__ == "__main__":
     if os.environ.get("MP_PIPELINE"):
         result = train_unshuffled(strategy, pipeline=True)
         np.savez(os.path.join(os.environ["MP_OUT"], f"pipeline{strategy.process_index}.npz"), **result)
+    for case in filter(None, os.environ.get("MP_CASES", "").split(",")):
+        start = time.process_time()
+        result = fit_case(case, case_strategy(case))
+        np.savez(os.path.join(os.environ["MP_OUT"], f"{case}{strategy.process_index}.npz"), **result)
+        print(f"process {strategy.process_index}: {case} done, {time.process_time() - start:.1f} s CPU", flush=True)
     print(f"process {strategy.process_index} done", flush=True)
     sys.exit(0)
