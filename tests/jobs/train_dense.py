@@ -112,7 +112,7 @@ def _results(model, history, result, predictions) -> dict[str, np.ndarray]:
 
 # -- issue 21: the 2-D mesh cases (tests/test_mesh2d.py builds the same models for its 1-device results) -----
 
-MESH_CASES = ("mlp_hsdp", "mlp_layout_map", "gemma_layout_map")
+MESH_CASES = ("mlp_hsdp", "mlp_layout_map", "gemma_layout_map", "deep_optimizer")
 
 
 def tanh_mlp(seed: int = 3, hidden: int = 256):
@@ -122,6 +122,20 @@ def tanh_mlp(seed: int = 3, hidden: int = 256):
     keras.utils.set_random_seed(seed)
     m = keras.Sequential([keras.Input((64,)), keras.layers.Dense(hidden, activation="tanh", name="hidden"),
                           keras.layers.Dense(10, activation="softmax", name="out")])
+    m.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return m
+
+
+def deep_mlp(seed: int = 4, depth: int = 24, width: int = 128):
+    """A tanh MLP of ``depth`` hidden 128 x 128 kernels (16384 elements each: split by ``shard=``), many small
+    split leaves like a transformer's: at a fit's end on 2 processes each was gathered by a program of its
+    own, and the queue of them deadlocked XLA:CPU (``models.keras._local_replicas``)."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((64,)), keras.layers.Dense(width, activation="tanh", name="in")]
+    layers += [keras.layers.Dense(width, activation="tanh", name=f"deep{i}") for i in range(depth)]
+    m = keras.Sequential(layers + [keras.layers.Dense(10, activation="softmax", name="out")])
     m.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return m
 
@@ -189,6 +203,8 @@ def case_strategy(case: str):
         return mx.MultiWorkerMirroredStrategy(mesh=mx.hybrid_mesh(), shard="all")
     if case == "mlp_layout_map":
         return mx.MultiWorkerMirroredStrategy(layout_map=mesh_layout_map(), shard="optimizer")
+    if case == "deep_optimizer":
+        return mx.MultiWorkerMirroredStrategy(shard="optimizer")  # the Adam slots split over all 8 devices
     if case == "gemma_layout_map":
         import keras
 
@@ -208,6 +224,12 @@ def fit_case(case: str, strategy, keras_hub=None) -> dict[str, np.ndarray]:
             model = gemma_lm(keras_hub or import_keras_hub())
         x, y = lm_data()
         history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    elif case == "deep_optimizer":  # two fits, as a warm-up and a timed one: the first one's end hung
+        with strategy.scope():
+            model = deep_mlp()
+        x, y = mlp_data()
+        model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=1, shuffle=False, verbose=0)
+        history = model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     else:
         with strategy.scope():
             model = tanh_mlp()

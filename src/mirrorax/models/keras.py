@@ -16,6 +16,7 @@ trainer works the same way, so training holds one copy of the state.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import re
@@ -477,8 +478,7 @@ class KerasAdapter(ModelAdapter):
         # JAX trainer hands its state back the same way). The variables let go of them (release) before
         # the trainer donates them to the next step.
         pairs = []
-        for v, a in zip(self._written_variables(), self._written_values(state)):
-            a = _local_replica(a)
+        for v, a in zip(self._written_variables(), _local_replicas(self._written_values(state))):
             keep_layout(v, getattr(a, "sharding", None))
             v.assign(a)
             pairs.append((v, v._value))
@@ -521,7 +521,9 @@ class KerasAdapter(ModelAdapter):
         m = self.model
         # Viewed as the model's variables hold them (this process's devices): Keras's sync assigns them,
         # and an assignment places the value with the variable's layout (see keep_layout).
-        values = {g: [_local_replica(a) for a in self._unpack(g, getattr(state, g))] for g in self.written_groups}
+        leaves = {g: self._unpack(g, getattr(state, g)) for g in self.written_groups}
+        local = iter(_local_replicas([a for g in self.written_groups for a in leaves[g]]))
+        values = {g: [next(local) for _ in leaves[g]] for g in self.written_groups}
         names = {"params": "trainable_variables", "model_state": "non_trainable_variables",
                  "optimizer": "optimizer_variables"}
         m._jax_state = {names[g]: v for g, v in values.items()}
@@ -607,23 +609,42 @@ def _as_functional_adjusts(got: tuple[Any, ...], want: tuple[Any, ...]) -> tuple
     return got
 
 
-def _local_replica(a: Any) -> Any:
-    """``a`` where this process can read it whole: a replicated array spanning other processes' devices
-    becomes the same buffers viewed as an array over this process's devices only (no copy).
+def _local_replicas(arrays: Sequence[Any]) -> list[Any]:
+    """``arrays`` where this process can read each whole: a replicated array spanning other processes'
+    devices becomes the same buffers viewed as an array over this process's devices only (no copy).
 
     A sharded leaf (``shard="optimizer"`` / ``"all"``) on one process stays sharded: the variable reads
     it whole anyway (``numpy()``, Keras ops), and a whole copy per device would undo the sharding's
     memory saving before step 1 and at every epoch's end. Across processes, where no process holds every
-    shard, the model gets it whole.
+    shard, the model gets it whole: every split leaf is gathered by ONE program, which every process runs
+    at the same point (the same leaves, in the state's order), after the steps that made them have
+    finished, and which is waited for. A ``device_put`` per leaf (a gather program each, hundreds for a
+    transformer's state, dispatched behind the fit's last steps) deadlocked XLA:CPU's collectives across
+    2 processes: one process blocked in a gather its peer had queued but not run (benchmarks/README.md).
     """
-    if not isinstance(a, jax.Array):
-        return a
-    if not a.is_fully_replicated and a.is_fully_addressable:
-        return a
-    if not a.is_fully_replicated:
+    out = list(arrays)
+    split = [i for i, a in enumerate(out)
+             if isinstance(a, jax.Array) and not a.is_fully_replicated and not a.is_fully_addressable]
+    if split:
+        inputs = [out[i] for i in split]
+        jax.block_until_ready(inputs)  # no gather queued behind the steps still running (see above)
         # The trainer lays out every state leaf with a NamedSharding; only that kind has update().
-        a = jax.device_put(a, cast(jax.sharding.NamedSharding, a.sharding).update(spec=jax.sharding.PartitionSpec()))
-    if a.is_fully_addressable:
+        targets = tuple(cast(jax.sharding.NamedSharding, a.sharding).update(spec=jax.sharding.PartitionSpec())
+                        for a in inputs)
+        for i, a in zip(split, jax.block_until_ready(_gather_program(targets)(*inputs))):
+            out[i] = a
+    return [_local_view(a) for a in out]
+
+
+@functools.lru_cache(maxsize=16)
+def _gather_program(targets: tuple[jax.sharding.NamedSharding, ...]) -> Callable[..., Any]:
+    """One compiled program that returns its arguments laid out as ``targets`` (replicated)."""
+    return jax.jit(lambda *xs: xs, out_shardings=targets)
+
+
+def _local_view(a: Any) -> Any:
+    """A replicated ``a`` viewed over this process's devices only (no copy); anything else as it is."""
+    if not isinstance(a, jax.Array) or a.is_fully_addressable or not a.is_fully_replicated:
         return a
     shards = a.addressable_shards
     mesh = jax.sharding.Mesh(np.array([s.device for s in shards]), ("batch",))
