@@ -185,6 +185,23 @@ def gemma_one_device():
     return train_dense.fit_case("gemma_layout_map", one_device(), keras_hub)
 
 
+@pytest.fixture(scope="module")
+def cnn_one_device():
+    """The BatchNorm CNN's 1-device ``model.fit`` (``train_dense.fit_case``), for the 2-process job's cases."""
+    return train_dense.fit_case("cnn_hsdp", one_device())
+
+
+@pytest.mark.slow  # keras_hub's import and a transformer's compile on 8 CPU devices
+def test_a_keras_hub_causal_lm_under_hsdp_on_2x4_gives_the_one_device_result(gemma_one_device):
+    """GemmaCausalLM's own fit (keras_hub's PipelineModel.fit, which calls super().fit) under HSDP: its
+    embeddings split within each row of the mesh, the 1-device numbers."""
+    got = train_dense.fit_case("gemma_hsdp", mx.MirroredStrategy(mesh=mx.hybrid_mesh(4), shard="all"),
+                               pytest.importorskip("keras_hub"))
+    assert_results_close(got, gemma_one_device)
+    assert_laid_out(json.loads(str(got["specs"])), {"token_embedding/embeddings": ["shard", None]},
+                    others_replicated=True)
+
+
 @pytest.mark.slow  # keras_hub's import and a transformer's compile on 8 CPU devices
 def test_a_keras_hub_backbone_with_its_own_layout_map_on_2x4_gives_the_one_device_result(gemma_one_device):
     keras_hub = pytest.importorskip("keras_hub")
@@ -333,7 +350,7 @@ def two_process_job(tmp_path_factory):
                    *python("tests/jobs/train_dense.py"))
     env = clean_env(MP_OUT=str(out_dir), MP_MESH="hybrid", MP_SHARD="all", MP_WIDTH="2048", MP_EPOCHS="2",
                     MP_CASES=",".join(cases))
-    codes, outs, _ = run_all([cmd], [env], timeout=330)
+    codes, outs, _ = run_all([cmd], [env], timeout=480)
     assert codes[0] == 0, outs[0]
     return out_dir, outs[0]
 
@@ -349,7 +366,7 @@ def _ranks(out_dir, name: str) -> dict:
 
 @pytest.mark.multi_process
 @pytest.mark.slow  # starts 2 processes
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_hsdp_on_two_processes_of_four_devices_gives_the_one_device_result(two_process_job):
     """hybrid_mesh() on 2 processes x 4 devices through mx.Trainer: the outer axis follows the processes."""
     out_dir, out = two_process_job
@@ -368,26 +385,31 @@ TWO_PROCESS_LAYOUTS = {  # (GemmaBackbone.get_layout_map's, for two of its varia
     "mlp_layout_map": {"hidden/kernel": [None, "model"], "hidden/bias": ["model"], "out/kernel": ["model", None]},
     "gemma_layout_map": {"token_embedding/embeddings": ["model", "batch"],
                          "decoder_block/ffw_gating/kernel": ["batch", "model"]},
+    "cnn_hsdp": {},  # shard="optimizer": the parameters replicated (the slots of the large ones split)
+    "cnn_layout_map": {"conv2d/kernel": [None, None, None, "model"]},  # both convolutions' kernels
+    "gemma_hsdp": {"token_embedding/embeddings": ["shard", None]},  # the one variable of >= 16384 elements
     "deep_optimizer": {}}  # the parameters replicated (their Adam slots split)
 
 
 @pytest.mark.multi_process
 @pytest.mark.slow  # starts 2 processes (the job of the test above)
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", train_dense.MESH_CASES)
 def test_a_2d_mesh_fit_on_two_processes_of_four_devices_gives_the_one_device_result(two_process_job, case,
                                                                                    request):
-    """HSDP and a layout map through model.fit under the scope, the tanh MLP and a keras_hub causal LM
-    with its own layout map, and two fits of a deep MLP whose many Adam slots are split over both
-    processes (the first fit's end hung before their gathers ran as one program): the 1-device result
-    (computed here, on one of this process's devices, as the
-    1-process tests of this module do), laid out as the strategy says."""
+    """HSDP and a layout map through model.fit under the scope, for the tanh MLP, the BatchNorm CNN and
+    keras_hub's GemmaCausalLM (its own fit, which calls super().fit; its own layout map), and two fits of a
+    deep MLP whose many Adam slots are split over both processes (the first fit's end hung before their
+    gathers ran as one program): the 1-device result (computed here, on one of this process's devices, as
+    the 1-process tests of this module do), laid out as the strategy says."""
     if case.startswith("gemma") and not _has_keras_hub():
         pytest.skip("keras_hub is not installed")
     out_dir, _ = two_process_job
     got = _ranks(out_dir, case)
     if case.startswith("gemma"):
         want = request.getfixturevalue("gemma_one_device")
+    elif case.startswith("cnn"):
+        want = request.getfixturevalue("cnn_one_device")
     elif case == "deep_optimizer":  # hung at the first fit's end: one gather program per split leaf
         want = train_dense.fit_case(case, one_device())
     else:

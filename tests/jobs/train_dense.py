@@ -112,7 +112,8 @@ def _results(model, history, result, predictions) -> dict[str, np.ndarray]:
 
 # -- issue 21: the 2-D mesh cases (tests/test_mesh2d.py builds the same models for its 1-device results) -----
 
-MESH_CASES = ("mlp_hsdp", "mlp_layout_map", "gemma_layout_map", "deep_optimizer")
+MESH_CASES = ("mlp_hsdp", "mlp_layout_map", "cnn_hsdp", "cnn_layout_map", "gemma_hsdp", "gemma_layout_map",
+              "deep_optimizer")
 
 
 def tanh_mlp(seed: int = 3, hidden: int = 256):
@@ -153,6 +154,26 @@ def mesh_layout_map(shape: tuple[int, int] = (2, 4)):
     return lm
 
 
+def batchnorm_cnn():
+    """tests/helpers.py's ``cnn(dropout=0.0)``: the main job's CNN (Conv2D, BatchNorm), 8 wide, seed 1."""
+    import keras
+
+    from mirrorax import zoo
+
+    keras.utils.set_random_seed(1)
+    m = zoo.digits_cnn(width=8, dropout=0.0)
+    m.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return m
+
+
+def cnn_data() -> tuple[np.ndarray, np.ndarray]:
+    """64 digits as images (tests/helpers.py's ``digits(64)``)."""
+    from mirrorax import zoo
+
+    (x, y), _ = zoo.load_digits()
+    return x[:64], y[:64]
+
+
 def mlp_data() -> tuple[np.ndarray, np.ndarray]:
     """96 digits, flattened (tests/helpers.py's ``flat_digits(96)``)."""
     from mirrorax import zoo
@@ -162,18 +183,17 @@ def mlp_data() -> tuple[np.ndarray, np.ndarray]:
 
 
 def gemma_lm(keras_hub):
-    """A keras_hub causal LM: a Gemma backbone (2 layers of width 32, random weights) and its tied embedding's
-    logits, as ``GemmaCausalLM.call`` computes them, in a functional ``keras.Model``. (``GemmaCausalLM``'s
-    own ``fit`` is keras_hub's ``PipelineModel.fit``, a method its class overrides: mirrorax leaves it to
-    Keras's own loop, which would not spread the batch over the job's processes.)"""
+    """keras_hub's ``GemmaCausalLM`` on a Gemma backbone (2 layers of width 32, random weights; a vocabulary
+    of 512, so that its embeddings, 16384 elements, are large enough for ``shard=`` to split), no
+    preprocessor. Its ``fit`` is keras_hub's ``PipelineModel.fit``, a method its class overrides, whose
+    ``super().fit`` must land in mirrorax's (``keras_fit``), or each process would train alone."""
     import keras
 
     keras.utils.set_random_seed(5)
-    backbone = keras_hub.models.GemmaBackbone(vocabulary_size=64, num_layers=2, num_query_heads=4,
+    backbone = keras_hub.models.GemmaBackbone(vocabulary_size=512, num_layers=2, num_query_heads=4,
                                               num_key_value_heads=4, hidden_dim=32, intermediate_dim=64, head_dim=8,
                                               dropout=0.0)
-    inputs = {name: keras.Input((None,), dtype="int32", name=name) for name in ("token_ids", "padding_mask")}
-    model = keras.Model(inputs, backbone.token_embedding(backbone(inputs), reverse=True))
+    model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
     model.compile(optimizer=keras.optimizers.SGD(0.1),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), weighted_metrics=[])
     return model
@@ -199,10 +219,14 @@ def case_strategy(case: str):
     """The 2-D strategy of ``case`` on every device of the job (one row of the mesh per process)."""
     import mirrorax as mx
 
-    if case == "mlp_hsdp":
+    if case in ("mlp_hsdp", "gemma_hsdp"):
         return mx.MultiWorkerMirroredStrategy(mesh=mx.hybrid_mesh(), shard="all")
+    if case == "cnn_hsdp":
+        return mx.MultiWorkerMirroredStrategy(mesh=mx.hybrid_mesh(), shard="optimizer")
     if case == "mlp_layout_map":
         return mx.MultiWorkerMirroredStrategy(layout_map=mesh_layout_map(), shard="optimizer")
+    if case == "cnn_layout_map":
+        return mx.MultiWorkerMirroredStrategy(layout_map=mesh_layout_map())
     if case == "deep_optimizer":
         return mx.MultiWorkerMirroredStrategy(shard="optimizer")  # the Adam slots split over all 8 devices
     if case == "gemma_layout_map":
@@ -224,6 +248,11 @@ def fit_case(case: str, strategy, keras_hub=None) -> dict[str, np.ndarray]:
             model = gemma_lm(keras_hub or import_keras_hub())
         x, y = lm_data()
         history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    elif case.startswith("cnn"):
+        with strategy.scope():
+            model = batchnorm_cnn()
+        x, y = cnn_data()
+        history = model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     elif case == "deep_optimizer":  # two fits, as a warm-up and a timed one: the first one's end hung
         with strategy.scope():
             model = deep_mlp()
