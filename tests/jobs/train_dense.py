@@ -154,32 +154,29 @@ def mesh_layout_map(shape: tuple[int, int] = (2, 4)):
     return lm
 
 
+def _helpers():
+    """tests/helpers.py (the tests' own models and data), from a job run as a script too."""
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import helpers
+
+    return helpers
+
+
 def batchnorm_cnn():
-    """tests/helpers.py's ``cnn(dropout=0.0)``: the main job's CNN (Conv2D, BatchNorm), 8 wide, seed 1."""
-    import keras
-
-    from mirrorax import zoo
-
-    keras.utils.set_random_seed(1)
-    m = zoo.digits_cnn(width=8, dropout=0.0)
-    m.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    return m
+    """The main job's CNN (Conv2D, BatchNorm), 8 wide, seed 1: tests/helpers.py's ``cnn(dropout=0.0)``."""
+    return _helpers().cnn(dropout=0.0)
 
 
 def cnn_data() -> tuple[np.ndarray, np.ndarray]:
     """64 digits as images (tests/helpers.py's ``digits(64)``)."""
-    from mirrorax import zoo
-
-    (x, y), _ = zoo.load_digits()
-    return x[:64], y[:64]
+    return _helpers().digits(64)[:2]
 
 
 def mlp_data() -> tuple[np.ndarray, np.ndarray]:
     """96 digits, flattened (tests/helpers.py's ``flat_digits(96)``)."""
-    from mirrorax import zoo
-
-    (x, y), _ = zoo.load_digits()
-    return x[:96].reshape(96, -1), y[:96]
+    return _helpers().flat_digits(96)[:2]
 
 
 def gemma_lm(keras_hub):
