@@ -236,7 +236,8 @@ class StepFunctions:
             restore: Callable[[PyTree], PyTree]
             if guarded:  # the kernels' gradients enter the guard's branch as the backward pass made them
                 (grads, loss, model_state, metrics), restore = split_transposes(
-                    functools.partial(self._grads, rows=rows), state, batch)
+                    functools.partial(self._grads, rows=rows), state, batch,
+                    one_device=self.strategy.mesh.devices.size == 1)
             else:
                 (grads, loss, model_state, metrics), restore = self._grads(state, batch, rows), _same
 
