@@ -281,6 +281,9 @@ listener.bind(SOCKET)
 listener.listen(64)
 os.write(1, b"ready\n")
 answers = {}
+# ZYGOTE_CPU_LOG=file: the CPU time of each forked job, with the test that started it
+# (its PYTEST_CURRENT_TEST), for profiling the suite: a forked job's CPU is not the test process's.
+CPU_LOG, started = os.environ.get("ZYGOTE_CPU_LOG"), {}
 while True:
     ready = select.select([listener, 0, *answers.values()], [], [], 0.05)[0]
     if 0 in ready and not os.read(0, 1 << 16):
@@ -318,9 +321,11 @@ while True:
             os.close(fd)
         conn.sendall(f"{pid}\n".encode())
         answers[pid] = conn
+        if CPU_LOG:
+            started[pid] = (request["env"].get("PYTEST_CURRENT_TEST", ""), request["argv"])
     while answers:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG | os.WUNTRACED)
+            pid, status, usage = os.wait4(-1, os.WNOHANG | os.WUNTRACED)
         except ChildProcessError:
             break
         if pid == 0:
@@ -328,6 +333,11 @@ while True:
         conn = answers.get(pid)
         if conn is None:
             continue
+        if CPU_LOG and not os.WIFSTOPPED(status):
+            test, argv = started.pop(pid, ("", []))
+            with open(CPU_LOG, "a") as log:  # one line per forked job: who started it, its CPU
+                log.write(json.dumps({"test": test, "argv": argv[:3],
+                                      "cpu": usage.ru_utime + usage.ru_stime}) + "\n")
         try:
             if os.WIFSTOPPED(status):
                 conn.sendall(b"stopped\n")
