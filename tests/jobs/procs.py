@@ -22,6 +22,17 @@ _JOB_VARS = ("MIRRORAX_", "TF_CONFIG", "SLURM_", "OMPI_", "JAX_COORDINATOR", "JA
              "JAX_PLATFORMS", "JAX_LOCAL_DEVICE_IDS", "KUBERNETES_SERVICE_HOST")
 
 
+# LLVM's optimisation of the code XLA:CPU generates, which the suite turns off (tests/conftest.py).
+NO_LLVM_OPT = "--xla_backend_optimization_level=0"
+
+
+def llvm_optimized(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with XLA:CPU's generated code optimised by LLVM, as a user's is: for a job whose numbers are
+    compared with a record made that way (keras.io's programs)."""
+    flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if f != NO_LLVM_OPT)
+    return dict(env, XLA_FLAGS=flags)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
