@@ -99,6 +99,34 @@ def test_a_peer_aborted_by_the_lost_connection_is_not_named_as_the_cause():
     assert code == 128 + signal.SIGKILL and "rank 1 failed (killed by signal SIGKILL)" in out, out
 
 
+def test_a_peer_aborted_by_the_lost_connection_after_a_long_stack_dump_is_not_named():
+    # Rank 0 says it lost its peer, then dumps more lines than the report's tail keeps (faulthandler's
+    # stack, its list of extension modules) and aborts: the line is out of its tail, not forgotten.
+    code, out, _ = _launch(_child(f"""
+        import os, signal, sys, time
+        time.sleep(max(0.0, {time.time() + 1.5!r} - time.time()))
+        if os.environ["MIRRORAX_PROCESS_ID"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.005)
+        print("terminate called after throwing an instance of 'gloo::IoException'", flush=True)
+        for i in range({launch_lib.TAIL_LINES + 10}):
+            print(f'  File "job.py", line {{i}} in step', flush=True)
+        os.abort()"""), 2)
+    assert code == 128 + signal.SIGKILL and "rank 1 failed (killed by signal SIGKILL)" in out, out
+
+
+def test_of_two_ranks_dead_in_one_poll_the_killed_one_is_named_not_the_aborted_one():
+    # The survivor aborts without a word (XLA's own abort when a collective's peer vanished).
+    code, out, _ = _launch(_child(f"""
+        import os, signal, sys, time
+        time.sleep(max(0.0, {time.time() + 1.5!r} - time.time()))
+        if os.environ["MIRRORAX_PROCESS_ID"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.005)
+        os.abort()"""), 2)
+    assert code == 128 + signal.SIGKILL and "rank 1 failed (killed by signal SIGKILL)" in out, out
+
+
 GLOO = "[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
 
 

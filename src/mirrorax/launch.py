@@ -256,6 +256,7 @@ class _Group:
         tails: list[collections.deque[str]] = [collections.deque(maxlen=TAIL_LINES) for _ in range(self.nprocs)]
         self.children, readers = [], []
         self.capture = [None] * self.nprocs
+        self.lost: set[int] = set()  # ranks whose output said at some point that they lost a peer
         program = self.cmd[0]
         if shutil.which(program) is None:  # the children exec it through a small starter: check it here
             why = "Permission denied" if os.path.exists(program) else "No such file or directory"
@@ -303,7 +304,7 @@ class _Group:
             return 128 + self.interrupted
         if failed is None:
             return 0
-        rank = _root_cause(tails, _first_failed(own, tails, failed[0]), frozen)
+        rank = _root_cause(tails, _first_failed(own, tails, failed[0], self.lost), frozen)
         own_code = own[rank]  # None while it runs, 0 once it ended cleanly
         code = own_code if own_code else failed[1]
         if own_code:
@@ -403,6 +404,8 @@ class _Group:
                 continue
             if not _TRACE.match(line):
                 tail.append(line)
+            if _PEER_LOST.search(line):
+                self.lost.add(rank)
             with self.lock:
                 self.out.write(f"{prefix}{line}\n")
                 self.out.flush()
@@ -567,11 +570,18 @@ def _state(pid: int) -> str:
         return ""
 
 
-def _first_failed(codes: Sequence[int | None], tails: Sequence[Sequence[str]], first: int) -> int:
-    """Among the ranks that exited non-zero by themselves, the first whose output does not say that it
-    lost a peer; ``first`` (the first failure seen) when every one of them says so."""
+def _first_failed(codes: Sequence[int | None], tails: Sequence[Sequence[str]], first: int,
+                  lost: Set[int] = frozenset()) -> int:
+    """Among the ranks that exited non-zero by themselves: the first killed by a signal other than SIGABRT
+    (nothing kills itself that way because a peer died, while gloo and JAX abort a survivor, and the two
+    deaths can land in the same poll); else the first whose output does not say that it lost a peer
+    (``lost``: said so at any point, as a stack dump after the line can push it out of the tail);
+    ``first`` (the first failure seen) when every one of them says so."""
     for rank, code in enumerate(codes):
-        if code not in (None, 0) and not any(_PEER_LOST.search(line) for line in tails[rank]):
+        if code is not None and code < 0 and code != -signal.SIGABRT:
+            return rank
+    for rank, code in enumerate(codes):
+        if code not in (None, 0) and rank not in lost and not any(_PEER_LOST.search(line) for line in tails[rank]):
             return rank
     return first
 
