@@ -85,45 +85,32 @@ def test_the_rank_that_failed_first_is_named_not_the_first_to_exit():
     assert code == 1 and "rank 0 failed (exit code 1)" in out, out
 
 
-def test_a_peer_aborted_by_the_lost_connection_is_not_named_as_the_cause():
-    # Rank 1 is SIGKILLed; gloo aborts rank 0 a few ms later, within the same poll of the launcher
-    # (both wait for a shared start time, then rank 0 aborts 5 ms after rank 1 dies).
+def _survivor_aborts_after_the_kill(then: str) -> tuple[int, str]:
+    """Rank 1 is SIGKILLed and rank 0 runs ``then`` (ending in an abort) 5 ms later, within the same poll
+    of the launcher (both wait for a shared start time). Returns the exit code and the report."""
     code, out, _ = _launch(_child(f"""
         import os, signal, sys, time
         time.sleep(max(0.0, {time.time() + 1.5!r} - time.time()))
         if os.environ["MIRRORAX_PROCESS_ID"] == "1":
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(0.005)
-        print("terminate called after throwing an instance of 'gloo::EnforceNotMet'", flush=True)
+        {then}
         os.abort()"""), 2)
-    assert code == 128 + signal.SIGKILL and "rank 1 failed (killed by signal SIGKILL)" in out, out
+    return code, out
 
 
-def test_a_peer_aborted_by_the_lost_connection_after_a_long_stack_dump_is_not_named():
-    # Rank 0 says it lost its peer, then dumps more lines than the report's tail keeps (faulthandler's
-    # stack, its list of extension modules) and aborts: the line is out of its tail, not forgotten.
-    code, out, _ = _launch(_child(f"""
-        import os, signal, sys, time
-        time.sleep(max(0.0, {time.time() + 1.5!r} - time.time()))
-        if os.environ["MIRRORAX_PROCESS_ID"] == "1":
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(0.005)
-        print("terminate called after throwing an instance of 'gloo::IoException'", flush=True)
-        for i in range({launch_lib.TAIL_LINES + 10}):
-            print(f'  File "job.py", line {{i}} in step', flush=True)
-        os.abort()"""), 2)
-    assert code == 128 + signal.SIGKILL and "rank 1 failed (killed by signal SIGKILL)" in out, out
-
-
-def test_of_two_ranks_dead_in_one_poll_the_killed_one_is_named_not_the_aborted_one():
-    # The survivor aborts without a word (XLA's own abort when a collective's peer vanished).
-    code, out, _ = _launch(_child(f"""
-        import os, signal, sys, time
-        time.sleep(max(0.0, {time.time() + 1.5!r} - time.time()))
-        if os.environ["MIRRORAX_PROCESS_ID"] == "1":
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(0.005)
-        os.abort()"""), 2)
+@pytest.mark.parametrize("then", [
+    # gloo's last words
+    "print(\"terminate called after throwing an instance of 'gloo::EnforceNotMet'\", flush=True)",
+    # the same, then more lines than the report's tail keeps (faulthandler's stack): out of the tail,
+    # not forgotten
+    "print(\"terminate called after throwing an instance of 'gloo::IoException'\", flush=True); "
+    f"[print(f'  File job.py, line {{i}} in step', flush=True) for i in range({launch_lib.TAIL_LINES + 10})]",
+    # no word at all (XLA's own abort when a collective's peer vanished)
+    "pass",
+], ids=["gloo", "gloo-then-a-long-stack", "silent"])
+def test_a_peer_aborted_by_the_lost_peer_is_not_named_as_the_cause(then):
+    code, out = _survivor_aborts_after_the_kill(then)
     assert code == 128 + signal.SIGKILL and "rank 1 failed (killed by signal SIGKILL)" in out, out
 
 
