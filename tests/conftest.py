@@ -12,23 +12,12 @@ import tempfile
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ["JAX_NUM_CPU_DEVICES"] = "8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Compiling dominates the suite's time (each test compiles its own small steps), and much of a CPU
-# compile is LLVM optimising the generated code. This flag skips LLVM's expensive passes; the HLO program
-# and its float results stay as they are (checked: tests/jobs/float64_fit.py, Keras's float64 fit
-# against the Trainer's, stays within 1.2e-16 with it).
-_FAST_COMPILE = "--xla_llvm_disable_expensive_passes=true"
-# And LLVM's optimisation of the generated code off altogether (-O0): a third less CPU for the in-process
-# tests (test_keras_fit.py + test_equivalence.py: 300 -> 198 s, every test passing). The numbers move
-# within float rounding (tests/jobs/float64_fit.py: Keras's float64 fit against the Trainer's, 1.1e-16
-# with it, 1.7e-16 without), and both sides of a comparison compile alike. The keras.io programs, whose
-# plain-Keras records were made with LLVM's optimisation, turn it back on (jobs.procs.llvm_optimized).
-# MIRRORAX_TEST_LLVM_OPT=1 keeps it on everywhere.
-from jobs.procs import NO_LLVM_OPT  # noqa: E402
+# The suite's compile options (LLVM's expensive passes skipped, its optimisation off: jobs.procs), in the
+# environment, so that every process a test starts compiles alike. MIRRORAX_TEST_LLVM_OPT=1 keeps LLVM's
+# optimisation on.
+from jobs.procs import suite_xla_flags  # noqa: E402
 
-_flags = [os.environ.get("XLA_FLAGS", ""), _FAST_COMPILE]
-if os.environ.get("MIRRORAX_TEST_LLVM_OPT") != "1":
-    _flags.append(NO_LLVM_OPT)
-os.environ["XLA_FLAGS"] = " ".join(f for f in _flags if f)
+os.environ["XLA_FLAGS"] = suite_xla_flags(os.environ.get("XLA_FLAGS", ""))
 # Many tests compile the same small programs (the same model, data and device count), and every job a
 # test starts compiles what its neighbours already did (a reference run, the killed run, the resume).
 # JAX's persistent compilation cache, one folder per pytest session, lets each program compile once:

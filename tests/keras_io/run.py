@@ -56,7 +56,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/, for its fork server
 from jobs.forks import ForkServer  # noqa: E402
-from jobs.procs import llvm_optimized  # noqa: E402
+from jobs.procs import suite_xla_flags  # noqa: E402
 
 SEED = 1337
 NUM_DEVICES = 4
@@ -231,12 +231,10 @@ class Outcome:
 
 
 def _xla_flags() -> str:
-    """The workers' ``XLA_FLAGS``: the caller's, with LLVM's expensive passes off as in tests/conftest.py
-    (compile time only; the numbers are unchanged)."""
-    flags = llvm_optimized(dict(os.environ))["XLA_FLAGS"]  # as the records were made
-    if "xla_llvm_disable_expensive_passes" not in flags:
-        flags = f"{flags} --xla_llvm_disable_expensive_passes=true".strip()
-    return flags
+    """The workers' ``XLA_FLAGS``: the caller's with the test suite's compile options
+    (``jobs.procs.suite_xla_flags``), from pytest or not, as the records were made. The options are part
+    of a record's key: a run with other ones (``MIRRORAX_TEST_LLVM_OPT=1``) runs plain Keras beside."""
+    return suite_xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 
 _SERVER: list[ForkServer] = []
