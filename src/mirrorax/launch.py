@@ -304,7 +304,7 @@ class _Group:
             return 128 + self.interrupted
         if failed is None:
             return 0
-        rank = _root_cause(tails, _first_failed(own, tails, failed[0], self.lost), frozen)
+        rank = _root_cause(tails, _first_failed(own, failed[0], self.lost), frozen)
         own_code = own[rank]  # None while it runs, 0 once it ended cleanly
         code = own_code if own_code else failed[1]
         if own_code:
@@ -402,10 +402,10 @@ class _Group:
                 continue
             if not self.verbose and not keep(line):
                 continue
+            if _PEER_LOST.search(line):  # before the tail: every line a tail shows is counted here
+                self.lost.add(rank)
             if not _TRACE.match(line):
                 tail.append(line)
-            if _PEER_LOST.search(line):
-                self.lost.add(rank)
             with self.lock:
                 self.out.write(f"{prefix}{line}\n")
                 self.out.flush()
@@ -570,18 +570,17 @@ def _state(pid: int) -> str:
         return ""
 
 
-def _first_failed(codes: Sequence[int | None], tails: Sequence[Sequence[str]], first: int,
-                  lost: Set[int] = frozenset()) -> int:
+def _first_failed(codes: Sequence[int | None], first: int, lost: Set[int]) -> int:
     """Among the ranks that exited non-zero by themselves: the first killed by a signal other than SIGABRT
     (nothing kills itself that way because a peer died, while gloo and JAX abort a survivor, and the two
-    deaths can land in the same poll); else the first whose output does not say that it lost a peer
-    (``lost``: said so at any point, as a stack dump after the line can push it out of the tail);
-    ``first`` (the first failure seen) when every one of them says so."""
+    deaths can land in the same poll); else the first whose output never said that it lost a peer
+    (``lost``: every line is looked at, as a stack dump after the line can push it out of the tail);
+    ``first`` (the first failure seen) when every one of them said so."""
     for rank, code in enumerate(codes):
         if code is not None and code < 0 and code != -signal.SIGABRT:
             return rank
     for rank, code in enumerate(codes):
-        if code not in (None, 0) and rank not in lost and not any(_PEER_LOST.search(line) for line in tails[rank]):
+        if code not in (None, 0) and rank not in lost:
             return rank
     return first
 
