@@ -12,9 +12,9 @@ import tempfile
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ["JAX_NUM_CPU_DEVICES"] = "8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The suite's compile options (LLVM's expensive passes skipped, its optimisation off: jobs.procs), in the
-# environment, so that every process a test starts compiles alike. MIRRORAX_TEST_LLVM_OPT=1 keeps LLVM's
-# optimisation on.
+# The suite's compile options (LLVM's expensive passes skipped, its optimisation off, XLA's older fusion
+# emitters: jobs.procs), in the environment, so that every process a test starts compiles alike.
+# MIRRORAX_TEST_USER_CODEGEN=1 compiles as a user's programs do.
 from jobs.procs import suite_xla_flags  # noqa: E402
 
 os.environ["XLA_FLAGS"] = suite_xla_flags(os.environ.get("XLA_FLAGS", ""))

@@ -26,6 +26,7 @@ import time
 
 import pytest
 from jobs.forks import ForkServer
+from jobs.procs import suite_xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
@@ -125,8 +126,7 @@ def _environment() -> dict[str, str]:
     env.update(KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8",
                # the tree under test, and the repository root for `benchmarks` (docs/plan.md)
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")]),
-               # as tests/conftest.py: skip LLVM's expensive passes (numerics unchanged), compile faster
-               XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} --xla_llvm_disable_expensive_passes=true".strip())
+               XLA_FLAGS=suite_xla_flags(env.get("XLA_FLAGS", "")))  # as every process of the suite
     return env
 
 

@@ -22,25 +22,30 @@ _JOB_VARS = ("MIRRORAX_", "TF_CONFIG", "SLURM_", "OMPI_", "JAX_COORDINATOR", "JA
              "JAX_PLATFORMS", "JAX_LOCAL_DEVICE_IDS", "KUBERNETES_SERVICE_HOST")
 
 
-# Compiling dominates the suite's time (each test compiles its own small steps), and much of a CPU compile
-# is LLVM optimising the code XLA generates. The suite skips LLVM's expensive passes and turns its
-# optimisation off (-O0): a third less CPU for the in-process tests (test_keras_fit.py +
-# test_equivalence.py: 300 -> 198 s; the keras.io battery: 249 -> 194 s). The HLO programs stay as
-# they are and the numbers move within float rounding (tests/jobs/float64_fit.py: Keras's float64 fit
-# against the Trainer's, 1.7e-16 with it, 1.1e-16 without); both sides of a comparison compile alike.
+# Compiling dominates the suite's time (each test compiles its own small steps). The suite compiles fast:
+# - LLVM's expensive passes skipped and its optimisation of the generated code off (-O0): a third less
+#   CPU for the in-process tests (test_keras_fit.py + test_equivalence.py: 300 -> 198 s; the keras.io
+#   battery: 249 -> 194 s);
+# - XLA's older emitters for fused loops in place of the MLIR fusion emitters (XLA's own flag), which
+#   spend half of what is left of a CPU compile: test_keras_fit.py 88 -> 61 s of CPU, its 250 backend
+#   compiles 45 -> 19 s.
+# The HLO programs stay as they are and the numbers move within float rounding (tests/jobs/float64_fit.py:
+# Keras's float64 fit against the Trainer's, 1.7e-16 with the flags, 1.1e-16 without); both sides of a
+# comparison compile alike. MIRRORAX_TEST_USER_CODEGEN=1 compiles as a user's program does (the last two
+# flags off), to run the suite as users compile.
 FAST_COMPILE = "--xla_llvm_disable_expensive_passes=true"
-NO_LLVM_OPT = "--xla_backend_optimization_level=0"
-LLVM_OPT_VAR = "MIRRORAX_TEST_LLVM_OPT"  # =1: LLVM's optimisation on, as a user's programs have it
+FAST_CODEGEN = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+USER_CODEGEN_VAR = "MIRRORAX_TEST_USER_CODEGEN"  # =1: XLA's and LLVM's code generation as a user's programs
 
 
 def suite_xla_flags(flags: str) -> str:
     """``flags`` (an ``XLA_FLAGS`` value) with the suite's compile options added: ``FAST_COMPILE`` always,
-    ``NO_LLVM_OPT`` unless ``MIRRORAX_TEST_LLVM_OPT=1`` (which also removes one already there)."""
-    words = [f for f in flags.split() if f != NO_LLVM_OPT]
+    ``FAST_CODEGEN`` unless ``MIRRORAX_TEST_USER_CODEGEN=1`` (which also removes them if already there)."""
+    words = [f for f in flags.split() if f not in FAST_CODEGEN]
     if FAST_COMPILE not in words:
         words.append(FAST_COMPILE)
-    if os.environ.get(LLVM_OPT_VAR) != "1":
-        words.append(NO_LLVM_OPT)
+    if os.environ.get(USER_CODEGEN_VAR) != "1":
+        words.extend(FAST_CODEGEN)
     return " ".join(words)
 
 

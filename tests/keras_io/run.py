@@ -233,7 +233,7 @@ class Outcome:
 def _xla_flags() -> str:
     """The workers' ``XLA_FLAGS``: the caller's with the test suite's compile options
     (``jobs.procs.suite_xla_flags``), from pytest or not, as the records were made. The options are part
-    of a record's key: a run with other ones (``MIRRORAX_TEST_LLVM_OPT=1``) runs plain Keras beside."""
+    of a record's key: a run with other ones (``MIRRORAX_TEST_USER_CODEGEN=1``) runs plain Keras beside."""
     return suite_xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 
