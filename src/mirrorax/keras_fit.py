@@ -19,7 +19,6 @@ restores them when it returns.
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 import types
 import warnings
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from mirrorax import _keras_env
+from mirrorax.inputs import keras_data
 from mirrorax.models.base import attach_strategy, strategy_of
 from mirrorax.strategy import MirroredStrategy, on_scope
 
@@ -287,8 +287,9 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
         (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
             (x, y, sample_weight), validation_split=validation_split)
     if arrays and batch_size is None and steps_per_epoch:
-        batch_size = -(-_rows(x) // steps_per_epoch)  # Keras's ArrayDataAdapter: the steps cover the rows once
-    first = _keras_build_read(self, x, arrays, shuffle, batch_size or 32)
+        # Keras's ArrayDataAdapter: the steps cover the rows once
+        batch_size = -(-keras_data.row_count(x) // steps_per_epoch)
+    first = keras_data.keras_build_read(self, x, arrays, shuffle, batch_size or 32)
     if class_weight is not None:
         if arrays:
             from mirrorax.inputs.make import class_weights
@@ -297,19 +298,19 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
         else:  # batches (a PyDataset, a generator): each one weighted as Keras's data adapters do
             from collections.abc import Iterator
 
-            batches = _as_batches(x, shuffle, first)
-            x = _class_weighted(batches, class_weight)
-            if isinstance(batches, Iterator):  # a generator stays one-shot (see _as_batches)
+            batches = keras_data.as_batches(x, shuffle, first)
+            x = keras_data.ClassWeighted(batches, class_weight)
+            if isinstance(batches, Iterator):  # a generator stays one-shot (see keras_data.as_batches)
                 x = iter(x)
     if (validation_data is not None and not isinstance(validation_data, tuple)
             and is_array_tree(validation_data)):
         raise ValueError("validation_data must be a tuple (x_val, y_val) or (x_val, y_val, sample_weight), or an "
                          f"iterable of such batches; received {type(validation_data).__name__}.")
     if not arrays:
-        x = _as_batches(x, shuffle, first)
+        x = keras_data.as_batches(x, shuffle, first)
     hooks_lib.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
-        steps = steps_per_epoch or _num_batches(x, batch_size or (None if not arrays else 32))
+        steps = steps_per_epoch or keras_data.num_batches(x, batch_size or (None if not arrays else 32))
         callbacks = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                                  verbose=verbose, epochs=epochs, steps=steps, model=self)
     if steps_per_epoch:
@@ -345,12 +346,12 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: int | None = 
     from mirrorax.inputs.make import is_array_tree
 
     if not is_array_tree(x):
-        x = _as_batches(x)
+        x = keras_data.as_batches(x)
     steps = _capped_steps(steps)
     hooks_lib.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
-                                                 steps=steps or _num_batches(x, batch_size or 32), model=self)
+                                                 steps=steps or keras_data.num_batches(x, batch_size or 32), model=self)
     logs = trainer_of(self).evaluate(x, y, batch_size=batch_size or (32 if is_array_tree(x) else None),
                                      sample_weight=sample_weight, steps=steps, callbacks=callbacks)
     return logs if return_dict else self._flatten_metrics_in_order(logs)
@@ -368,12 +369,12 @@ def _predict(self: Any, x: Any, batch_size: int | None = None, verbose: Any = "a
     from mirrorax.inputs.make import is_array_tree
 
     if not is_array_tree(x):
-        x = _as_batches(x)
+        x = keras_data.as_batches(x)
     steps = _capped_steps(steps)
     hooks_lib.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
-                                                 steps=steps or _num_batches(x, batch_size or 32), model=self)
+                                                 steps=steps or keras_data.num_batches(x, batch_size or 32), model=self)
     return trainer_of(self).predict(x, batch_size=batch_size or (32 if is_array_tree(x) else None),
                                     steps=steps, callbacks=callbacks)
 
@@ -404,7 +405,7 @@ def _predict_on_batch(self: Any, x: Any) -> Any:
     fallback = _eager_fallback(self, "predict_on_batch")
     if fallback is not None:
         return fallback(x)
-    return trainer_of(self).predict(x, batch_size=_rows(x))
+    return trainer_of(self).predict(x, batch_size=keras_data.row_count(x))
 
 
 def _capped_steps(steps: int | None) -> int | None:
@@ -417,130 +418,6 @@ def _capped_steps(steps: int | None) -> int | None:
         warnings.warn(f"Limiting steps_per_epoch to {cap}", stacklevel=3)
         return cap
     return steps
-
-
-class _class_weighted:
-    """Batches ``(x, y[, sample_weight])`` with ``class_weight`` folded into their sample weights."""
-
-    def __init__(self, data: Any, class_weight: Any) -> None:
-        self.data, self.class_weight = data, class_weight
-
-    def __iter__(self) -> Any:
-        import keras
-
-        from mirrorax.inputs.make import class_weights
-
-        for item in self.data:
-            x, y, w = keras.utils.unpack_x_y_sample_weight(item)
-            yield x, y, class_weights(np.asarray(y), self.class_weight, w)
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-
-def _keras_build_read(model: Any, x: Any, arrays: bool, shuffle: Any, batch_size: int) -> Any:
-    """What Keras's ``fit`` reads before training, for the random state and the dataset's hooks to be
-    where Keras leaves them: the first batch, to build a model not built yet (its order drawn and
-    dropped), then the reset of its iterator (a ``PyDataset``'s ``on_epoch_end``).
-
-    Returns:
-      The batch read from a ``PyDataset`` (the trainer's look at the first batch then reads nothing
-      more), else ``None``.
-    """
-    from mirrorax.inputs import keras_order
-
-    builds = keras_order.keras_builds(model)
-    if arrays:
-        if builds:
-            keras_order.build_read(shuffle, _rows(x), batch_size)
-        return None
-    if not _is_py_dataset(x):
-        return None
-    first = None
-    if builds:
-        x.on_epoch_begin()
-        n = x.num_batches
-        first = x[keras_order.batch_indices(n, bool(shuffle))[0] if n else 0]
-    x.on_epoch_end()
-    return first
-
-
-def _is_py_dataset(data: Any) -> bool:
-    return hasattr(data, "__getitem__") and hasattr(data, "num_batches") and hasattr(data, "on_epoch_end")
-
-
-def _as_batches(x: Any, shuffle: Any = False, first: Any = None) -> Any:
-    """``x`` as an iterable of batches: a one-shot iterator (a generator) stays itself, so the batch the
-    trainer peeks at to build the model is still trained on."""
-    from collections.abc import Iterator
-
-    return x if isinstance(x, Iterator) else _batches(x, shuffle, first)
-
-
-class _batches:
-    """A Keras ``PyDataset`` (or any other iterable of batches) as one iteration per epoch, as Keras's
-    data adapter reads it: the dataset's ``on_epoch_begin``, its batches (in the order of
-    ``random.shuffle`` when ``shuffle`` and it has a length), its ``on_epoch_end``.
-
-    The first iteration is the trainer's look at the first batch (for shapes), which reads ``first``
-    (the batch Keras's fit read, see :func:`_keras_build_read`) or else batch 0, and nothing else.
-    """
-
-    def __init__(self, data: Any, shuffle: Any = False, first: Any = None) -> None:
-        self.data, self.shuffle, self.first = data, bool(shuffle), first
-        self._looked = False
-
-    def __iter__(self) -> Any:
-        data = self.data
-        if not _is_py_dataset(data):
-            yield from data
-            return
-        if not self._looked:
-            self._looked = True
-            yield data[0] if self.first is None else self.first
-            return
-        from mirrorax.inputs.keras_order import batch_indices
-
-        n = data.num_batches
-        data.on_epoch_begin()
-        # Drawn here, when the pass's first batch is read: where Keras draws it.
-        indices = itertools.count() if n is None else batch_indices(n, self.shuffle)
-        for index in indices:
-            try:
-                item = data[index]
-            except IndexError:
-                break
-            yield item
-        data.on_epoch_end()
-
-    def __len__(self) -> int:
-        n = getattr(self.data, "num_batches", None)
-        if n is not None:
-            return int(n)
-        return len(self.data)
-
-
-def _num_batches(x: Any, batch_size: int | None) -> int | None:
-    from mirrorax.inputs.make import is_array_tree
-
-    if is_array_tree(x):
-        import jax
-
-        rows = int(np.shape(jax.tree.leaves(x)[0])[0])
-        return -(-rows // (batch_size or 32))
-    try:
-        return len(x)
-    except TypeError:
-        return None
-
-
-def _rows(x: Any) -> int:
-    import jax
-
-    leaves = jax.tree.leaves(x)
-    if not leaves:
-        raise ValueError(f"predict_on_batch needs an array (or a structure of arrays); received {type(x).__name__}.")
-    return max(1, int(np.shape(leaves[0])[0]))
 
 
 _METHODS: dict[str, Callable[..., Any]] = {
