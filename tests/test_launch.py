@@ -114,6 +114,24 @@ def test_a_peer_aborted_by_the_lost_peer_is_not_named_as_the_cause(then):
     assert code == 128 + signal.SIGKILL and "rank 1 failed (killed by signal SIGKILL)" in out, out
 
 
+
+def test_a_survivor_that_exits_with_a_status_after_its_lost_peer_line_is_not_named():
+    """No signal in sight: rank 1 exits with status 3, and rank 0, 5 ms later (the same poll of the
+    launcher), prints gloo's lost-peer line, a stack longer than the report's tail, and exits with status
+    1. Only the lost-peer line, seen among all of rank 0's lines, says that rank 0 followed rank 1."""
+    code, out, _ = _launch(_child(f"""
+        import os, sys, time
+        time.sleep(max(0.0, {time.time() + 1.5!r} - time.time()))
+        if os.environ["MIRRORAX_PROCESS_ID"] == "1":
+            sys.exit(3)
+        time.sleep(0.005)
+        print("terminate called after throwing an instance of 'gloo::IoException'", flush=True)
+        for i in range({launch_lib.TAIL_LINES + 10}):
+            print(f"  File job.py, line {{i}} in step", flush=True)
+        sys.exit(1)"""), 2)
+    assert code == 3 and "rank 1 failed (exit code 3)" in out, out
+
+
 GLOO = "[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
 
 
