@@ -25,7 +25,7 @@ import re
 import time
 
 import pytest
-from jobs.forks import ForkServer
+from jobs.forks import TENSORFLOW_IF_INSTALLED, ForkServer
 from jobs.procs import suite_xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -138,7 +138,8 @@ WARNINGS_AS_ERRORS = ["-W", "error", "-W", "ignore::DeprecationWarning", "-W", "
 def page_server():
     """One process imports what the pages import (about 9 s of CPU: Keras, JAX, optax, mirrorax) and forks
     a fresh child per page (``tests/jobs/forks.py``): no page sees another's state or pays the imports."""
-    server = ForkServer(["jax", "keras", "numpy", "optax", "mirrorax"], _environment(), WARNINGS_AS_ERRORS)
+    server = ForkServer(["jax", "keras", "numpy", "optax", "mirrorax", TENSORFLOW_IF_INSTALLED], _environment(),
+                        WARNINGS_AS_ERRORS)
     yield server
     server.close()
 

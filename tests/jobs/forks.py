@@ -24,12 +24,20 @@ import threading
 import time
 from pathlib import Path
 
+# What keras.utils.set_random_seed imports when it is installed (keras-hub's tensorflow-text brings it):
+# about 5 s of CPU in every child that seeds, paid once in the server. For the ``modules`` of a ForkServer.
+TENSORFLOW_IF_INSTALLED = "tensorflow?"
+
 # The server: reads a job per line on stdin, forks it, answers {"started": pid} at once and {"exit", "pid"} when it
 # ends. One thread, no lock: a select loop over stdin that reaps finished children in between.
 SERVER = r"""
 import json, os, select, sys, time, traceback
 for module in sys.argv[1].split(","):
-    __import__(module)
+    try:
+        __import__(module.rstrip("?"))
+    except ImportError:
+        if not module.endswith("?"):  # "name?": imported where installed
+            raise
 from jax._src import xla_bridge
 assert not xla_bridge.backends_are_initialized(), "JAX's backend started before the fork"
 
@@ -84,7 +92,8 @@ while not done or running:
 
 
 class ForkServer:
-    """Starts the server (``python *flags -c SERVER``) with ``env``, importing ``modules``."""
+    """Starts the server (``python *flags -c SERVER``) with ``env``, importing ``modules`` (``"name?"``: where
+    installed)."""
 
     def __init__(self, modules: list[str], env: dict[str, str], flags: list[str] | None = None,
                  ready_timeout: float = 300) -> None:

@@ -2,7 +2,8 @@
 
 Most of the suite's process tests start Python processes (a job, the launcher and its ranks, the CLI, a
 benchmark's children), and each fresh one spends about 8 s of CPU importing JAX, Keras, optax, Orbax and
-mirrorax before it runs a line of the job: a third of the whole suite. ``python_path()`` returns a small
+mirrorax before it runs a line of the job (5 s more for TensorFlow, which ``keras.utils.set_random_seed``
+imports where it is installed): a third of the whole suite. ``python_path()`` returns a small
 executable, the *shim*, that the tests use in place of ``sys.executable``. The shim (a bare ``python -SE``,
 ~20 ms) hands its arguments, environment, working directory and its stdin/stdout/stderr to a server that
 imported those libraries once (without starting JAX's backend, which forbids a fork) and forks a child that
@@ -38,8 +39,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-# The libraries imported once per server (not the backend: see the module's docstring).
-PRELOAD = ("numpy", "jax", "keras", "optax", "orbax.checkpoint", "mirrorax")
+# The libraries imported once per server (not the backend: see the module's docstring); "?": where installed.
+# TensorFlow is what keras.utils.set_random_seed imports when it is installed (keras-hub's tensorflow-text
+# brings it): about 5 s of CPU in every job that seeds, paid once here.
+PRELOAD = ("numpy", "jax", "keras", "optax", "orbax.checkpoint", "mirrorax", "tensorflow?")
 # Environment variables read at import, by Python or by the preloaded libraries: a child whose value
 # differs from the server's runs the real interpreter. JAX_* options are handled one by one (SERVER).
 _IMPORT_TIME = ("KERAS_BACKEND", "KERAS_HOME", "PYTHONPATH", "PYTHONSAFEPATH", "PYTHONHOME",
@@ -99,7 +102,11 @@ import json, os, select, signal, socket, sys
 SOCKET, SHIM, REAL = sys.argv[1], sys.argv[2], sys.argv[3]
 PRELOAD, IMPORT_TIME = sys.argv[4].split(","), sys.argv[5].split(",")
 for module in PRELOAD:
-    __import__(module)
+    try:
+        __import__(module.rstrip("?"))
+    except ImportError:
+        if not module.endswith("?"):
+            raise
 from jax._src import xla_bridge
 from jax._src import config as jax_config
 assert not xla_bridge.backends_are_initialized(), "JAX's backend started before the fork"

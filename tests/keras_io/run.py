@@ -55,7 +55,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/, for its fork server
-from jobs.forks import ForkServer  # noqa: E402
+from jobs.forks import TENSORFLOW_IF_INSTALLED, ForkServer  # noqa: E402
 from jobs.procs import suite_xla_flags  # noqa: E402
 
 SEED = 1337
@@ -242,12 +242,13 @@ _SERVER: list[ForkServer] = []
 
 def _server() -> ForkServer:
     """The process every worker is forked from (``tests/jobs/forks.py``), started at the first worker: it
-    imports JAX, Keras and numpy once (about 7 s of CPU a worker saved), not mirrorax, so that plain Keras's
+    imports JAX, Keras and numpy once (about 7 s of CPU a worker saved), and TensorFlow where installed (what
+    the programs' ``keras.utils.set_random_seed`` imports: 5 s more), not mirrorax, so that plain Keras's
     process holds nothing of it; a worker is still a fresh process in which nothing has run."""
     if not _SERVER or _SERVER[0].proc.poll() is not None:
         env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(NUM_DEVICES),
                    XLA_FLAGS=_xla_flags())
-        _SERVER[:] = [ForkServer(["jax", "keras", "numpy"], env)]
+        _SERVER[:] = [ForkServer(["jax", "keras", "numpy", TENSORFLOW_IF_INSTALLED], env)]
         atexit.register(_SERVER[0].close)
     return _SERVER[0]
 
