@@ -4,12 +4,12 @@ import io
 import json
 import os
 import subprocess
-import sys
 
 import jax
 import keras
 import numpy as np
 import pytest
+from jobs.procs import clean_env, python
 
 import mirrorax as mx
 from mirrorax import planner
@@ -162,16 +162,12 @@ _MEMORY_SCRIPT = os.path.join(os.path.dirname(__file__), "jobs", "plan_memory.py
 def test_planned_peak_is_within_20_percent_of_the_process_growth(shard):
     """On CPU the 4 simulated devices share one process: fit grows it by 4 x the plan's per-device peak,
     less the model's own copy of the weights that fit takes over (tests/jobs/plan_memory.py)."""
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    # Freed buffers go back to the OS at once, so the RSS counts live memory: glibc's dynamic mmap
-    # threshold otherwise rises to the largest block freed (up to 32 MiB) and keeps later blocks of that
-    # size in its heap after they are freed. Without this, shard="all" measured 1.12-1.28x the plan in
-    # 5 runs, with it 1.07-1.09x (optimizer 1.02x, replicated 1.015x).
-    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    proc = subprocess.run([sys.executable, _MEMORY_SCRIPT, shard, "4"], capture_output=True, text=True,
-                          timeout=280, env=env)
+    # The job sets glibc's mmap threshold to 64 KiB, so freed buffers go back to the OS at once and the RSS
+    # counts live memory: the dynamic threshold otherwise rises to the largest block freed (up to 32 MiB)
+    # and keeps later blocks of that size in the heap after they are freed. Without it, shard="all"
+    # measured 1.12-1.28x the plan in 5 runs, with it 1.07-1.09x (optimizer 1.02x, replicated 1.015x).
+    proc = subprocess.run(python(_MEMORY_SCRIPT, shard, "4"), capture_output=True, text=True, timeout=280,
+                          env=clean_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["planned"] == r["held"]  # state bytes on device 0: predicted == measured

@@ -5,17 +5,23 @@ process by about ``N`` times the plan's per-device peak. The model's own copy of
 before fit, is resident at the baseline and is let go of when fit takes the values over, so it is
 subtracted from the prediction. Prints one JSON line.
 
-Run it with ``MALLOC_MMAP_THRESHOLD_=65536`` (the test does): glibc then returns every freed buffer to
+It sets glibc's mmap threshold to 64 KiB first (``mallopt``, what ``MALLOC_MMAP_THRESHOLD_=65536`` does at
+a process's start, so that it holds in a forked ``python`` too): glibc then returns every freed buffer to
 the OS at once, and the RSS counts live memory rather than blocks its heap kept after they were freed.
 
 Usage: python plan_memory.py SHARD DEVICES
 """
 
+import ctypes
 import gc
 import json
 import os
 import sys
 import threading
+
+M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+if not ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 65536):
+    sys.exit("plan_memory.py: mallopt(M_MMAP_THRESHOLD) failed: the RSS would count freed blocks")
 
 SHARD = None if sys.argv[1] == "none" else sys.argv[1]
 DEVICES = int(sys.argv[2])
