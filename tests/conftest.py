@@ -5,9 +5,12 @@ Simulated devices are configured here, once, before anything imports JAX's backe
 """
 
 import atexit
+import json
 import os
+import resource
 import shutil
 import tempfile
+import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ["JAX_NUM_CPU_DEVICES"] = "8"
@@ -29,6 +32,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # Keras prints a progress bar per fit call otherwise; the tests check outputs, not bars.
+
+# MIRRORAX_TEST_CPU_LOG=DIR: each test's CPU and wall in DIR/tests.jsonl (pytest_runtest_* below), each
+# forked job's CPU in DIR/jobs.jsonl (jobs/zygote.py); tests/tools/cpu_report.py DIR prints the profile.
+CPU_LOG = os.environ.get("MIRRORAX_TEST_CPU_LOG")
+if CPU_LOG:
+    os.makedirs(CPU_LOG, exist_ok=True)
+    os.environ.setdefault("ZYGOTE_CPU_LOG", os.path.join(CPU_LOG, "jobs.jsonl"))
 
 import jax  # noqa: E402
 
@@ -65,15 +75,13 @@ def _fresh_keras_state():
 # that took the last long module ends. xdist hands modules out by their number of tests, most first, so
 # that the long modules with few tests (the CLI, the benchmark harness, the resume and float64 jobs) came
 # last and one worker ran them while the other had nothing left. Longest first instead (the modules'
-# measured wall on one worker, largest first, tests/README.md "Times"); the rest by number of tests, as
+# measured wall, largest first: MIRRORAX_TEST_CPU_LOG above); the rest by number of tests, as
 # xdist would. Only the order of modules changes: a module's tests stay together and in their order.
-LONGEST_FIRST = [
-    "test_keras_io.py", "test_cli.py", "test_faults_checkpoint.py", "test_faults_launch.py",
-    "test_keras_callbacks_write.py", "test_equivalence.py", "test_keras_callbacks.py", "test_keras_compile.py",
-    "test_docs.py", "test_multiprocess.py", "test_launch.py", "test_benchmarks_smoke.py", "test_keras_order.py",
-    "test_preemption.py", "test_resume.py", "test_plan.py", "test_keras_fit.py", "test_keras_programs.py",
-    "test_keras_rows.py", "test_checkpoint.py", "test_cluster.py", "test_float64.py",
-    "test_keras_order_multiprocess.py",
+LONGEST_FIRST = [  # the modules' wall in a full run (tests/tools/cpu_report.py), 2026-12-03, over ~30 s
+    "test_mesh2d.py", "test_keras_io.py", "test_docs.py", "test_multiprocess.py", "test_plan.py", "test_cli.py",
+    "test_faults_launch.py", "test_keras_fit.py", "test_benchmarks_smoke.py", "test_custom_loops.py",
+    "test_preemption.py", "test_launch.py", "test_bad_inputs.py", "test_checkpoint.py",
+    "test_keras_callbacks_write.py", "test_resume.py", "test_cluster.py", "test_equivalence.py", "test_keras_rows.py",
 ]
 
 
@@ -83,3 +91,25 @@ def pytest_collection_modifyitems(session, config, items):
     for item in items:
         counts[item.path.name] = counts.get(item.path.name, 0) + 1
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -counts[item.path.name], item.path.name))
+
+
+_CPU_START: dict[str, tuple[float, float, float]] = {}
+
+
+def _cpu_now() -> tuple[float, float, float]:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.perf_counter(), own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+def pytest_runtest_setup(item):
+    if CPU_LOG:
+        _CPU_START[item.nodeid] = _cpu_now()
+
+
+def pytest_runtest_logreport(report):
+    if not CPU_LOG or report.when != "teardown" or report.nodeid not in _CPU_START:
+        return
+    (wall0, own0, kids0), (wall1, own1, kids1) = _CPU_START.pop(report.nodeid), _cpu_now()
+    with open(os.path.join(CPU_LOG, "tests.jsonl"), "a") as log:  # setup to teardown, one line per test
+        log.write(json.dumps({"id": report.nodeid, "wall": wall1 - wall0, "self": own1 - own0,
+                              "kids": kids1 - kids0}) + "\n")
