@@ -115,6 +115,19 @@ def test_a_peer_aborted_by_the_lost_peer_is_not_named_as_the_cause(then):
 
 
 
+def test_a_kill_that_reaches_the_launcher_after_the_survivors_abort_is_still_named():
+    """Rank 0 aborts without a word and rank 1's death by SIGKILL reaches the launcher 0.3 s later (as it does
+    through a wrapper process or a later reap): after an abort the launcher lets the group settle, and names
+    the killed rank, not the one that aborted first."""
+    code, out, _ = _launch(_child(f"""
+        import os, signal, time
+        time.sleep(max(0.0, {time.time() + 1.5!r} - time.time()))
+        if os.environ["MIRRORAX_PROCESS_ID"] == "1":
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.abort()"""), 2)
+    assert code == 128 + signal.SIGKILL and "rank 1 failed (killed by signal SIGKILL)" in out, out
+
 def test_a_survivor_that_exits_with_a_status_after_its_lost_peer_line_is_not_named():
     """No signal in sight: rank 1 exits with status 3, and rank 0, 5 ms later (the same poll of the
     launcher), prints gloo's lost-peer line, a stack longer than the report's tail, and exits with status

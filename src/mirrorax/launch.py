@@ -291,9 +291,11 @@ class _Group:
             return self.end_stuck(*stuck, readers, tails)
         # A process stopped (SIGSTOP, Ctrl-Z, a debugger) answers nothing; seen now, before it is killed.
         frozen = {r for r, c in enumerate(self.children) if c.poll() is None and _state(c.pid) in ("T", "t")}
-        if failed is not None and failed[1] > 0:
+        if failed is not None and (failed[1] > 0 or failed[1] == -signal.SIGABRT):
             # A process that raised exits 1; the others usually leave by themselves within a second, naming the
             # process that failed first (mirrorax._failure); let them, so that the report can name the right rank.
+            # An abort is how gloo and XLA end a survivor whose peer died: the peer's death may reach us a
+            # moment after it (through a wrapper process, a later reap), and it is the one to name.
             self.wait_for(self.children, SETTLE_SECONDS)
         own = [c.poll() for c in self.children]
         self.stop_all()
