@@ -85,18 +85,21 @@ def test_the_rank_that_failed_first_is_named_not_the_first_to_exit():
     assert code == 1 and "rank 0 failed (exit code 1)" in out, out
 
 
+def _at_one_moment(rank1: str, rank0: str) -> tuple[int, str]:
+    """Two ranks wait for one shared start time, then rank 1 runs the lines ``rank1`` and rank 0 the lines
+    ``rank0`` (``os``, ``signal``, ``sys`` and ``time`` imported): their ends land within a poll or two of
+    the launcher. Returns the exit code and the report."""
+    code, out, _ = _launch(_child(
+        f"import os, signal, sys, time\ntime.sleep(max(0.0, {time.time() + 1.5!r} - time.time()))\n"
+        f"if os.environ['MIRRORAX_PROCESS_ID'] == '1':\n{textwrap.indent(textwrap.dedent(rank1), '    ')}"
+        f"else:\n{textwrap.indent(textwrap.dedent(rank0), '    ')}"), 2)
+    return code, out
+
+
 def _survivor_aborts_after_the_kill(then: str) -> tuple[int, str]:
     """Rank 1 is SIGKILLed and rank 0 runs ``then`` (ending in an abort) 5 ms later, within the same poll
-    of the launcher (both wait for a shared start time). Returns the exit code and the report."""
-    code, out, _ = _launch(_child(f"""
-        import os, signal, sys, time
-        time.sleep(max(0.0, {time.time() + 1.5!r} - time.time()))
-        if os.environ["MIRRORAX_PROCESS_ID"] == "1":
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(0.005)
-        {then}
-        os.abort()"""), 2)
-    return code, out
+    of the launcher. Returns the exit code and the report."""
+    return _at_one_moment("os.kill(os.getpid(), signal.SIGKILL)\n", f"time.sleep(0.005)\n{then}\nos.abort()\n")
 
 
 @pytest.mark.parametrize("then", [
@@ -119,29 +122,20 @@ def test_a_kill_that_reaches_the_launcher_after_the_survivors_abort_is_still_nam
     """Rank 0 aborts without a word and rank 1's death by SIGKILL reaches the launcher 0.3 s later (as it does
     through a wrapper process or a later reap): after an abort the launcher lets the group settle, and names
     the killed rank, not the one that aborted first."""
-    code, out, _ = _launch(_child(f"""
-        import os, signal, time
-        time.sleep(max(0.0, {time.time() + 1.5!r} - time.time()))
-        if os.environ["MIRRORAX_PROCESS_ID"] == "1":
-            time.sleep(0.3)
-            os.kill(os.getpid(), signal.SIGKILL)
-        os.abort()"""), 2)
+    code, out = _at_one_moment("time.sleep(0.3)\nos.kill(os.getpid(), signal.SIGKILL)\n", "os.abort()\n")
     assert code == 128 + signal.SIGKILL and "rank 1 failed (killed by signal SIGKILL)" in out, out
 
 def test_a_survivor_that_exits_with_a_status_after_its_lost_peer_line_is_not_named():
     """No signal in sight: rank 1 exits with status 3, and rank 0, 5 ms later (the same poll of the
     launcher), prints gloo's lost-peer line, a stack longer than the report's tail, and exits with status
     1. Only the lost-peer line, seen among all of rank 0's lines, says that rank 0 followed rank 1."""
-    code, out, _ = _launch(_child(f"""
-        import os, sys, time
-        time.sleep(max(0.0, {time.time() + 1.5!r} - time.time()))
-        if os.environ["MIRRORAX_PROCESS_ID"] == "1":
-            sys.exit(3)
+    code, out = _at_one_moment("sys.exit(3)\n", f"""
         time.sleep(0.005)
         print("terminate called after throwing an instance of 'gloo::IoException'", flush=True)
         for i in range({launch_lib.TAIL_LINES + 10}):
             print(f"  File job.py, line {{i}} in step", flush=True)
-        sys.exit(1)"""), 2)
+        sys.exit(1)
+        """)
     assert code == 3 and "rank 1 failed (exit code 3)" in out, out
 
 
