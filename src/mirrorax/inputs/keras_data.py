@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ClassWeighted", "keras_build_read", "is_py_dataset", "as_batches", "Batches", "num_batches", "row_count"]
+__all__ = ["ClassWeighted", "keras_build_read", "as_batches", "num_batches", "row_count"]
 
 
 class ClassWeighted:
@@ -52,7 +52,7 @@ def keras_build_read(model: Any, x: Any, arrays: bool, shuffle: Any, batch_size:
         if builds:
             keras_order.build_read(shuffle, row_count(x), batch_size)
         return None
-    if not is_py_dataset(x):
+    if not _is_py_dataset(x):
         return None
     first = None
     if builds:
@@ -63,7 +63,7 @@ def keras_build_read(model: Any, x: Any, arrays: bool, shuffle: Any, batch_size:
     return first
 
 
-def is_py_dataset(data: Any) -> bool:
+def _is_py_dataset(data: Any) -> bool:
     return hasattr(data, "__getitem__") and hasattr(data, "num_batches") and hasattr(data, "on_epoch_end")
 
 
@@ -72,10 +72,10 @@ def as_batches(x: Any, shuffle: Any = False, first: Any = None) -> Any:
     trainer peeks at to build the model is still trained on."""
     from collections.abc import Iterator
 
-    return x if isinstance(x, Iterator) else Batches(x, shuffle, first)
+    return x if isinstance(x, Iterator) else _Batches(x, shuffle, first)
 
 
-class Batches:
+class _Batches:
     """A Keras ``PyDataset`` (or any other iterable of batches) as one iteration per epoch, as Keras's
     data adapter reads it: the dataset's ``on_epoch_begin``, its batches (in the order of
     ``random.shuffle`` when ``shuffle`` and it has a length), its ``on_epoch_end``.
@@ -90,7 +90,7 @@ class Batches:
 
     def __iter__(self) -> Any:
         data = self.data
-        if not is_py_dataset(data):
+        if not _is_py_dataset(data):
             yield from data
             return
         if not self._looked:
