@@ -137,6 +137,70 @@ def test_kubernetes_pod_without_indexed_job_is_not_probed(env):
     assert cluster.job_from_env() is None
 
 
+class _CloudTpuWithoutMetadata:
+    """JAX's Cloud-TPU detector on a TPU host without the GCE metadata server: its environment variables
+    are there, but reading the job queries the server and raises (requests.ConnectionError there)."""
+
+    opt_in_only_method = False
+    name = "gketpu"
+    __name__ = "GkeTpuCluster"
+
+    @classmethod
+    def is_env_present(cls):
+        return True
+
+    @classmethod
+    def get_process_count(cls):
+        raise ConnectionError("HTTPConnectionPool(host='metadata.google.internal', port=80): Max retries exceeded")
+
+
+class _ProbeRaises:
+    """A detector whose very probe fails (no network, a missing optional package)."""
+
+    opt_in_only_method = False
+    name = "gcetpu"
+    __name__ = "GceTpuCluster"
+
+    @classmethod
+    def is_env_present(cls):
+        raise OSError("[Errno 101] Network is unreachable")
+
+
+def test_a_detector_that_raises_is_no_job_and_says_so_once(env, monkeypatch, capsys):
+    from jax._src import clusters
+
+    monkeypatch.setattr(clusters.ClusterEnv, "_cluster_types", [_ProbeRaises, _CloudTpuWithoutMetadata])
+    assert cluster.job_from_env() is None
+    err = capsys.readouterr().err
+    # The probe that failed says nothing (no job looked present); the one that found its environment says
+    # what failed, that the run goes on alone, and how to join a job instead: one line.
+    assert err.count("\n") == 1 and "GceTpuCluster" not in err and "gcetpu" not in err
+    assert err.startswith("mirrorax: JAX's 'gketpu' cluster detector found its environment but failed to read "
+                          "the job (ConnectionError: HTTPConnectionPool(host='metadata.google.internal'")
+    assert "running as one process" in err and "MIRRORAX_COORDINATOR=host:port" in err
+    # The explicit settings come first and never reach the detectors.
+    env(MIRRORAX_COORDINATOR="h0:1", MIRRORAX_NUM_PROCESSES=2, MIRRORAX_PROCESS_ID=1)
+    assert cluster.job_from_env().process_id == 1
+    assert capsys.readouterr().err == ""
+
+
+def test_a_strategy_starts_where_the_detector_raises(env, monkeypatch, capsys):
+    from jax._src import clusters
+
+    import mirrorax as mx
+
+    monkeypatch.setattr(clusters.ClusterEnv, "_cluster_types", [_ProbeRaises, _CloudTpuWithoutMetadata])
+    strategy = mx.MirroredStrategy()
+    assert strategy.num_replicas_in_sync == len(jax_devices()) and not cluster.is_initialized()
+    assert "running as one process" in capsys.readouterr().err
+
+
+def jax_devices():
+    import jax
+
+    return jax.devices()
+
+
 def test_process_helpers_before_any_job():
     assert _discovery.split_address("[::1]:80") == ("::1", 80)
     if not cluster.is_initialized():

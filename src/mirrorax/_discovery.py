@@ -12,6 +12,7 @@ import glob
 import importlib.util
 import json
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -206,16 +207,44 @@ def _detect(kinds: Sequence[Any]) -> ClusterInfo | None:
         if env.__name__ == "K8sCluster" and ("JOB_COMPLETION_INDEX" not in os.environ
                                   or importlib.util.find_spec("kubernetes") is None):
             continue
-        if not env.is_env_present():
+        # A detector that raises (a Cloud TPU host without the GCE metadata server, no network, a missing
+        # optional package) means "not this environment": a one-host run must start wherever JAX does.
+        try:
+            present = env.is_env_present()
+        except (AttributeError, TypeError):
+            raise  # the private interface changed under us: _from_jax_detectors says so
+        except Exception:  # noqa: BLE001 - a probe that fails is "absent": it found no job to join
             continue
-        count = env.get_process_count()
-        if count <= 1:
-            return None
-        port = os.environ.get("JAX_COORDINATOR_PORT")
-        address = os.environ.get("JAX_COORDINATOR_ADDRESS") or env.get_coordinator_address(
-            timeout_secs=60, override_coordinator_port=port)
-        return make_info(address, count, env.get_process_id(), _local_ids(env), env.name or env.__name__)
+        if not present:
+            continue
+        try:
+            count = env.get_process_count()
+            if count <= 1:
+                return None
+            port = os.environ.get("JAX_COORDINATOR_PORT")
+            address = os.environ.get("JAX_COORDINATOR_ADDRESS") or env.get_coordinator_address(
+                timeout_secs=60, override_coordinator_port=port)
+            process_id = env.get_process_id()
+        except (AttributeError, TypeError):
+            raise  # the private interface changed under us: _from_jax_detectors says so
+        except Exception as e:  # noqa: BLE001 - the environment looked like a cluster but could not be read
+            _say(f"mirrorax: JAX's {env.name or env.__name__!r} cluster detector found its environment but "
+                 f"failed to read the job ({type(e).__name__}: {_first_line(e)}); running as one process. To "
+                 "join a multi-process job, set MIRRORAX_COORDINATOR=host:port, MIRRORAX_NUM_PROCESSES and "
+                 "MIRRORAX_PROCESS_ID (or call mx.initialize(...)).")
+            continue
+        return make_info(address, count, process_id, _local_ids(env), env.name or env.__name__)
     return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else "no message"
+
+
+def _say(message: str) -> None:
+    """One line on stderr (never a warning: a warning filter set to "error" would stop the run again)."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def _without_jax_detectors(why: str) -> None:
