@@ -77,8 +77,11 @@ class DeviceState:
 
         ``from_host``: the values come from this process's model (initial weights, weights set by the
         user), which may differ between processes: every replica then takes process 0's values.
+
+        The model's device buffers are taken over, not copied (its variables let go of them before a
+        step donates them, as Keras's own ``fit`` does): the state never lives twice on the devices.
         """
-        return self.strategy.place(tree, self.layout(tree), broadcast=from_host)
+        return self.strategy.place(tree, self.layout(tree), broadcast=from_host, take=True)
 
     def fresh_metrics(self, previous: PyTree | None = None) -> PyTree:
         """The metric accumulators at their reset values, replicated (equal on every process by

@@ -298,16 +298,31 @@ class BatchMesh:
         return jax.tree.map(lambda a: self.state_sharding(np.shape(a), role), tree)
 
     # -- placing values ------------------------------------------------------------------------------
-    def place(self, tree: Any, shardings: Any, *, broadcast: bool = True) -> Any:
+    def place(self, tree: Any, shardings: Any, *, broadcast: bool = True, take: bool = False) -> Any:
         """``tree`` placed with ``shardings`` (a matching tree of ``NamedSharding``), in buffers of its own.
 
         ``broadcast``: on several processes every process takes process 0's values (see :meth:`replicate`).
+        ``take``: the caller hands its device buffers over (a model whose variables let go of them, as
+        Keras's own ``fit`` donates its variables): a leaf already laid out as asked is used as it is, and
+        one laid out otherwise is moved with no copy on the devices it already holds, so that placing a
+        state never holds two copies of it (a buffer given twice is copied once, to be donated safely).
         """
         if broadcast and self.process_count > 1:
             tree = broadcast_from_primary(tree)
         leaves, treedef = jax.tree.flatten(tree)
         targets = treedef.flatten_up_to(shardings)  # type: ignore[attr-defined]  # jaxlib has no PyTreeDef stub
         on_device = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
+        if take and self.process_count == 1 and on_device:
+            seen: set[int] = set()
+            shared = []
+            for i in on_device:
+                if id(leaves[i]) in seen:
+                    shared.append(i)
+                seen.add(id(leaves[i]))
+            moved = [i for i in on_device if i not in shared and leaves[i].sharding != targets[i]]
+            for i, a in zip(moved, jax.device_put([leaves[i] for i in moved], [targets[i] for i in moved])):
+                leaves[i] = a
+            on_device = shared  # the rest is placed; a buffer given twice is copied below
         if self.process_count == 1 and on_device:
             # Device to devices, no host copy. device_put(..., may_alias=False) still reuses the source's
             # buffer for the mesh's copy on the source's device (jax 0.10), so copy on that device first.

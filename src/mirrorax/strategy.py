@@ -193,12 +193,14 @@ class MirroredStrategy:
         dict ``tree``, each key's variable path (what a layout map matches)."""
         return self._layout.state_layout(tree, role, paths)
 
-    def place(self, tree: Any, shardings: Any, *, broadcast: bool = True) -> Any:
+    def place(self, tree: Any, shardings: Any, *, broadcast: bool = True, take: bool = False) -> Any:
         """``tree`` placed with ``shardings`` (a matching tree of ``NamedSharding``), in buffers of its own.
 
         ``broadcast``: on several processes every process takes process 0's values (see :meth:`replicate`).
+        ``take``: the caller hands its device buffers over instead (they are used where already laid out as
+        asked, and may be donated to a step later): placing then never holds a second copy.
         """
-        return self._layout.place(tree, shardings, broadcast=broadcast)
+        return self._layout.place(tree, shardings, broadcast=broadcast, take=take)
 
     @property
     def batch_axis(self) -> AxisName:
