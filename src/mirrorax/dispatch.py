@@ -266,10 +266,15 @@ class StrategyFunction:
         body = self._per_replica_body(args) if self._per_replica else self._fn
         return jax.make_jaxpr(body)(*args)
 
+    def signature(self, *args: Any) -> Any:
+        """A hashable key of ``args``' signature (tree, shapes, dtypes, layouts): two calls with equal keys run
+        one compiled program. ``jax.ShapeDtypeStruct``s with shardings key like the arrays they stand for."""
+        leaves, treedef = jax.tree.flatten(args)
+        return treedef, _signature(leaves)
+
     def _for(self, args: tuple[Any, ...], called: bool = False) -> Any:
         """The jitted program for ``args``' signature, built the first time it is seen."""
-        leaves, treedef = jax.tree.flatten(args)
-        key = (treedef, _signature(leaves))
+        key = self.signature(*args)
         entry = self._compiled.get(key)
         if entry is None or (called and not entry[1]):
             fn = self._compile(args) if entry is None else entry[0]

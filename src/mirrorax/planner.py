@@ -15,6 +15,7 @@ import dataclasses
 import math
 import os
 import re
+import weakref
 from collections.abc import Sequence
 from typing import IO, Any
 
@@ -30,7 +31,7 @@ from mirrorax.step import StepFunctions
 from mirrorax.strategy import MirroredStrategy, get_strategy
 from mirrorax.traffic import Traffic, collective_bytes, traffic_of
 
-__all__ = ["Plan", "plan", "plan_step", "at_fit_start", "parse_bytes"]
+__all__ = ["Plan", "plan", "plan_step", "at_fit_start", "parse_bytes", "remember_trainer"]
 
 MODES: tuple[Any, ...] = (None, "optimizer", "all")
 
@@ -185,7 +186,7 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
     Example:
       >>> print(mx.plan(model, x_train[:1], y_train[:1], batch_size=256, device_memory="24GB"))
     """
-    held = _Steps.of(model_or_trainer)
+    held = _Steps.of(model_or_trainer) or _Steps.of(_trainer_of(model_or_trainer))
     model = held.model if held is not None else model_or_trainer
     # A Keras model made under a strategy's scope is planned on that strategy, as its fit runs.
     base = strategy or (held.steps.strategy if held is not None else strategy_of(model) or get_strategy())
@@ -194,13 +195,19 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
     memory = parse_bytes(device_memory) if device_memory is not None else _device_memory(base.devices)
     source = make_source(x, y, float_dtype=held.steps.adapter.float_dtype)
     # One row stands for the shapes: the plan is of a full global batch, not of a batch cut to that row.
-    sample = dataclasses.replace(source.sample(1, base.batch_mesh), rows=None)
-    result = plan_step(held.steps, held.device, sample, batch_size, memory, hosts=hosts)
+    # A full batch of arrays carries its real rows as fit's batches do (all of them), so the program planned
+    # is the one fit compiles and runs: a plan after a fit of the same shapes compiles nothing.
+    one = source.sample(1, base.batch_mesh)
+
+    def full(b: int) -> Batch:
+        return dataclasses.replace(one, rows=b if isinstance(one.rows, int) else None)
+
+    result = plan_step(held.steps, held.device, full(batch_size), batch_size, memory, hosts=hosts)
     if memory is not None and search:
         for mode in MODES:
             other = held.in_mode(mode)
             result.largest_batch[mode] = _largest(
-                lambda b, o=other: plan_step(o.steps, o.device, sample, b).peak_bytes, memory,
+                lambda b, o=other: plan_step(o.steps, o.device, full(b), b).peak_bytes, memory,
                 base.num_replicas_in_sync, batch_size)
     return result
 
@@ -309,6 +316,13 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
         batch["num_real"] = jax.ShapeDtypeStruct((), np.float32, sharding=s.replicated)
     if isinstance(sample.rows, int):  # as the fit's batches carry it (a first batch short of the global one: cut)
         batch["rows"] = RealRows(min(sample.rows, padded))
+    # One compiled program, one reading: fit plans at every start (where the device's memory is known) and
+    # mx.plan after a fit plans the program that fit runs. Reading a large program's analyses and text
+    # took ~0.5 s a call on a TPU (a 219M-parameter LM), paid by every fit.
+    key = (steps.train.signature(abstract, batch), batch_size) if hosts is None else None
+    known = _PLANS.setdefault(steps.train, {}).get(key) if key is not None else None
+    if known is not None:
+        return dataclasses.replace(known, device_memory=memory, largest_batch={})
     compiled = steps.train.lower(abstract, batch).compile()
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -316,7 +330,7 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
     param_bytes = _per_device_bytes(abstract.params, layouts.params)
     text = compiled.as_text()
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
-    return Plan(shard=s.shard, num_devices=len(s.devices), batch_size=batch_size, param_bytes=param_bytes,
+    made = Plan(shard=s.shard, num_devices=len(s.devices), batch_size=batch_size, param_bytes=param_bytes,
                 optimizer_bytes=_per_device_bytes(abstract.optimizer, layouts.optimizer),
                 model_state_bytes=_per_device_bytes(abstract.model_state, layouts.model_state),
                 gradient_bytes=param_bytes,  # a gradient has its parameter's layout: whole, or the same slice
@@ -324,6 +338,29 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
                 temp_bytes=int(mem.temp_size_in_bytes), peak_bytes=int(peak), flops=float(cost.get("flops", 0.0)),
                 collective_bytes=collective_bytes(text), device_memory=memory,
                 traffic=traffic_of(text, list(np.asarray(s.mesh.devices).flat), hosts))
+    if key is not None:
+        _PLANS[steps.train][key] = dataclasses.replace(made, largest_batch={})
+    return made
+
+
+# The plans read off each train step function's compiled programs (see plan_step), and the trainer each
+# model was last given (mx.plan(model) then plans the program that trainer's fit runs).
+_PLANS: weakref.WeakKeyDictionary[Any, dict[Any, Plan]] = weakref.WeakKeyDictionary()
+_TRAINERS: dict[int, weakref.ref[Any]] = {}
+
+
+def remember_trainer(model: Any, trainer: Any) -> None:
+    """Records that ``trainer`` (which holds ``steps`` and ``device_state``) trains ``model``: ``mx.plan(model)``
+    plans on its step functions and state, so a plan after its fit compiles nothing."""
+    for k in [k for k, ref in _TRAINERS.items() if ref() is None]:
+        del _TRAINERS[k]
+    _TRAINERS[id(model)] = weakref.ref(trainer)
+
+
+def _trainer_of(model: Any) -> Any:
+    ref = _TRAINERS.get(id(model))
+    trainer = ref() if ref is not None else None
+    return trainer if trainer is not None and getattr(trainer, "model", None) is model else None
 
 
 def at_fit_start(model: Any, steps: StepFunctions, device: DeviceState, sample: Batch, batch_size: int, *,

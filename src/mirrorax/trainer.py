@@ -119,6 +119,7 @@ class Trainer:
         self.loop = Loop(self.device_state, self.steps, model, prefetch=self.prefetch,
                          steps_per_execution=steps_per_execution)
         self.stream: IO[str] = sys.stdout
+        planner.remember_trainer(model, self)  # mx.plan(model) plans this trainer's own step
         # NaN/inf in array inputs are refused up front unless non-finite steps are to be skipped or
         # ignored: then the user has chosen to train on past them.
         self._refuse_nonfinite = on_nonfinite == "raise"
@@ -133,6 +134,7 @@ class Trainer:
     def model(self, model: Any) -> None:
         self._model = model
         self.loop.model = model
+        planner.remember_trainer(model, self)
 
     @property
     def state(self) -> TrainState | None:
