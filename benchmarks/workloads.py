@@ -6,6 +6,9 @@ Every system trains the same thing on the same seeded data with the same global 
 * ``cnn``         (b) ``mirrorax.zoo.digits_cnn()``, the ``mirrorax train`` CNN, on 8x8x1 digits-shaped data.
 * ``transformer`` (c) a decoder-only language model: 4 pre-LayerNorm blocks, width 256, 4 heads, feed-forward
   1024, sequence 128, vocabulary 1024, next-token cross-entropy; ``bf16`` uses Keras' ``mixed_bfloat16``.
+* ``lm``          (d) the same model at an accelerator's size: 12 blocks, width 1024, 8 heads, feed-forward
+  4096, sequence 1024, vocabulary 32768 (219M parameters), global batch 8; meant for one accelerator in
+  ``mixed_bfloat16`` (``benchmarks/accelerator.py``), far too slow for a CPU.
 
 Keras systems (mirrorax, the hand-written JAX loop, ``model.fit``, tf.distribute) build the model with
 :func:`build_keras_model`; the PyTorch peer builds the equivalent ``nn.Module`` in ``peers/torch_ddp.py``.
@@ -38,8 +41,10 @@ class Workload:
       quick_steps: timed steps per timed run with ``--quick``.
       timeout_s: a run (one subprocess) that takes longer is killed and recorded as a timeout.
       rounds: processes per (devices, system) in a full run (each does a warm-up and timed runs).
-      seq_len: sequence length (language model only).
-      vocab: vocabulary size (language model only).
+      seq_len: sequence length (language models only).
+      vocab: vocabulary size (language models only).
+      layers, width, heads, ffn: the blocks, the model width, the attention heads and the feed-forward
+        width (language models only).
     """
 
     name: str
@@ -52,6 +57,15 @@ class Workload:
     rounds: int = 2
     seq_len: int = 0
     vocab: int = 0
+    layers: int = 0
+    width: int = 0
+    heads: int = 0
+    ffn: int = 0
+
+    @property
+    def is_lm(self) -> bool:
+        """Whether this is a language model (samples are sequences of ``seq_len`` tokens)."""
+        return self.seq_len > 0
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -61,20 +75,24 @@ WORKLOADS: dict[str, Workload] = {
                     quick_steps=30, timeout_s=240),
     # On 2 CPU cores a step of the LM takes about a second: one round, few steps, still the issue's sizes.
     "transformer": Workload("transformer", "(c) Transformer LM 4x256, seq 128", batch=16, steps=5, warmup=2,
-                            quick_steps=2, timeout_s=420, rounds=1, seq_len=128, vocab=1024),
+                            quick_steps=2, timeout_s=420, rounds=1, seq_len=128, vocab=1024, layers=4, width=256,
+                            heads=4, ffn=1024),
+    "lm": Workload("lm", "(d) LM 12x1024, seq 1024, 219M parameters", batch=8, steps=16, warmup=3, quick_steps=8,
+                   timeout_s=420, rounds=1, seq_len=1024, vocab=32768, layers=12, width=1024, heads=8, ffn=4096),
 }
 """The workloads by name."""
 
-ALIASES: dict[str, str] = {"a": "mlp", "b": "cnn", "c": "transformer", "lm": "transformer"}
-"""The issue's letters (and ``lm``) for the workload names."""
+ALIASES: dict[str, str] = {"a": "mlp", "b": "cnn", "c": "transformer", "d": "lm"}
+"""The issue's letters for the workload names."""
 
-# Transformer sizes (the issue's: 4 layers, width 256, sequence 128). ``MIRRORAX_BENCH_TINY_LM=1`` (set by
-# ``benchmarks/gpu_h200.py --cpu-smoke`` for its processes) shrinks it to one small block, so that a smoke
-# run checks the whole path without compiling the real model: a plumbing check, never a measurement.
+# ``MIRRORAX_BENCH_TINY_LM=1`` (set by the accelerator script's ``--cpu-smoke`` for its processes) shrinks
+# both language models to one small block, so that a smoke run checks the whole path without compiling the
+# real model: a plumbing check, never a measurement.
 TINY_LM = os.environ.get("MIRRORAX_BENCH_TINY_LM") == "1"
-LM_LAYERS, LM_WIDTH, LM_HEADS, LM_FFN = (1, 64, 2, 256) if TINY_LM else (4, 256, 4, 1024)
 if TINY_LM:
-    WORKLOADS["transformer"] = dataclasses.replace(WORKLOADS["transformer"], seq_len=16, vocab=256)
+    for _name in ("transformer", "lm"):
+        WORKLOADS[_name] = dataclasses.replace(WORKLOADS[_name], seq_len=16, vocab=256, layers=1, width=64,
+                                               heads=2, ffn=256)
 
 
 def get(name: str) -> Workload:
@@ -95,7 +113,7 @@ def make_data(workload: Workload, num_samples: int, seed: int = 0) -> tuple[np.n
 
     Returns:
       ``(x, y)``: mlp ``float32 (n, 784)`` and ``int32 (n,)``; cnn ``float32 (n, 8, 8, 1)`` and
-      ``int32 (n,)``; transformer ``int32 (n, seq)`` tokens and ``int32 (n, seq)`` next tokens.
+      ``int32 (n,)``; the language models ``int32 (n, seq)`` tokens and ``int32 (n, seq)`` next tokens.
     """
     rng = np.random.default_rng(seed)
     if workload.name == "mlp":
@@ -119,7 +137,7 @@ def build_keras_model(workload: Workload) -> Any:
         return _zoo().mlp()
     if workload.name == "cnn":
         return _zoo().digits_cnn()
-    return _transformer_lm(keras, workload.seq_len, workload.vocab)
+    return _transformer_lm(keras, workload)
 
 
 def _zoo() -> Any:
@@ -145,7 +163,7 @@ def _zoo() -> Any:
     return sys.modules["_mirrorax_zoo"]
 
 
-def _transformer_lm(keras: Any, seq_len: int, vocab: int) -> Any:
+def _transformer_lm(keras: Any, wl: Workload) -> Any:
     """A decoder-only LM: token + learned position embeddings, pre-LN blocks with causal attention."""
 
     class PositionEmbedding(keras.layers.Layer):
@@ -158,20 +176,20 @@ def _transformer_lm(keras: Any, seq_len: int, vocab: int) -> Any:
         def call(self, x: Any) -> Any:
             return x + keras.ops.cast(self.pos, x.dtype)[None]
 
-    tokens = keras.Input((seq_len,), dtype="int32")
-    x = keras.layers.Embedding(vocab, LM_WIDTH)(tokens)
+    tokens = keras.Input((wl.seq_len,), dtype="int32")
+    x = keras.layers.Embedding(wl.vocab, wl.width)(tokens)
     x = PositionEmbedding()(x)
-    for _ in range(LM_LAYERS):
+    for _ in range(wl.layers):
         h = keras.layers.LayerNormalization(epsilon=1e-5)(x)
-        h = keras.layers.MultiHeadAttention(LM_HEADS, LM_WIDTH // LM_HEADS)(h, h, use_causal_mask=True)
+        h = keras.layers.MultiHeadAttention(wl.heads, wl.width // wl.heads)(h, h, use_causal_mask=True)
         x = keras.layers.Add()([x, h])
         h = keras.layers.LayerNormalization(epsilon=1e-5)(x)
-        h = keras.layers.Dense(LM_FFN, activation="gelu")(h)
-        h = keras.layers.Dense(LM_WIDTH)(h)
+        h = keras.layers.Dense(wl.ffn, activation="gelu")(h)
+        h = keras.layers.Dense(wl.width)(h)
         x = keras.layers.Add()([x, h])
     x = keras.layers.LayerNormalization(epsilon=1e-5)(x)
-    logits = keras.layers.Dense(vocab, dtype="float32")(x)
-    return keras.Model(tokens, logits, name="transformer_lm")
+    logits = keras.layers.Dense(wl.vocab, dtype="float32")(x)
+    return keras.Model(tokens, logits, name=f"{wl.name}_lm")
 
 
 def compile_args(workload: Workload) -> dict[str, Any]:
@@ -180,7 +198,7 @@ def compile_args(workload: Workload) -> dict[str, Any]:
 
     return {
         "optimizer": keras.optimizers.Adam(1e-3),
-        "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=workload.name == "transformer"),
+        "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=workload.is_lm),
         "metrics": ["accuracy"],
     }
 
@@ -193,7 +211,7 @@ def flops_per_sample(workload: Workload, num_params: int) -> float:
     backward pass, so ``12 * layers * T^2 * width`` per sequence; the causal half is counted as well
     because dense attention computes the whole score matrix.
     """
-    if workload.name != "transformer":
+    if not workload.is_lm:
         return 6.0 * num_params
     t = workload.seq_len
-    return 6.0 * num_params * t + 12.0 * LM_LAYERS * t * t * LM_WIDTH
+    return 6.0 * num_params * t + 12.0 * workload.layers * t * t * workload.width

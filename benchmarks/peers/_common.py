@@ -32,7 +32,7 @@ def parse_args(system: str, argv: list[str] | None = None) -> argparse.Namespace
     """Parses a system process's command line (the same flags for every system)."""
     p = argparse.ArgumentParser(prog=f"python -m benchmarks.peers.{system}",
                                 description=f"Time one workload with {system} on N devices.")
-    p.add_argument("--workload", required=True, help="mlp | cnn | transformer (or a | b | c)")
+    p.add_argument("--workload", required=True, help="mlp | cnn | transformer | lm (or a | b | c | d)")
     p.add_argument("--devices", type=int, default=1, help="number of devices (simulated CPU devices on CPU)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per timed run (workload default)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps before timing (workload default)")

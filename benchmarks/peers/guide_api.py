@@ -85,7 +85,7 @@ def run(args: Any) -> None:
     model = workloads.build_keras_model(wl)
     x_host, y_host = workloads.make_data(wl, args.batch * max(args.steps, args.warmup), seed=args.seed)
     loop = GuideLoop(model, workloads.compile_args(wl)["optimizer"], strategy, x_host, y_host, args.batch,
-                     from_logits=wl.name == "transformer")
+                     from_logits=wl.is_lm)
 
     t0 = time.perf_counter()
     loop.steps(args.warmup)

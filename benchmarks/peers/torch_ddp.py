@@ -42,13 +42,13 @@ def build_module(workload: Any) -> Any:
 
         def __init__(self) -> None:
             super().__init__()
-            d, t = workloads.LM_WIDTH, workload.seq_len
+            d, t = workload.width, workload.seq_len
             self.embed = nn.Embedding(workload.vocab, d)
             self.pos = nn.Parameter(torch.randn(t, d) * 0.02)
-            layer = nn.TransformerEncoderLayer(d, workloads.LM_HEADS, workloads.LM_FFN, dropout=0.0,
+            layer = nn.TransformerEncoderLayer(d, workload.heads, workload.ffn, dropout=0.0,
                                                activation="gelu", batch_first=True, norm_first=True,
                                                layer_norm_eps=1e-5)
-            self.blocks = nn.TransformerEncoder(layer, workloads.LM_LAYERS, enable_nested_tensor=False)
+            self.blocks = nn.TransformerEncoder(layer, workload.layers, enable_nested_tensor=False)
             self.norm = nn.LayerNorm(d, eps=1e-5)
             self.head = nn.Linear(d, workload.vocab)
             self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(t), persistent=False)
