@@ -27,7 +27,6 @@ def build_module(workload: Any) -> Any:
     import torch
     from torch import nn
 
-    from benchmarks import workloads
 
     if workload.name == "mlp":
         return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10))
