@@ -477,10 +477,14 @@ class KerasAdapter(ModelAdapter):
         # every device of the strategy): no device-to-host round trip and no second buffer (Keras's own
         # JAX trainer hands its state back the same way). The variables let go of them (release) before
         # the trainer donates them to the next step.
+        # A variable that already holds the very array (lent at fit start, again at the epoch's end and in
+        # fit's finally) is left alone: Keras's assign costs ~20 us a variable, which a 219M-parameter LM's
+        # 600 variables paid three times a fit call (a fit of 16 steps of 0.12 s lost 1.5%).
         pairs = []
         for v, a in zip(self._written_variables(), _local_replicas(self._written_values(state))):
-            keep_layout(v, getattr(a, "sharding", None))
-            v.assign(a)
+            if v._value is not a:
+                keep_layout(v, getattr(a, "sharding", None))
+                _lend(v, a)
             pairs.append((v, v._value))
         self._lent_values = pairs
 
@@ -581,6 +585,32 @@ def layout_paths(variables: Sequence[Any], trainable: Sequence[Any]) -> list[str
         refs = [p for prefix, p in by_prefix.items() if name.startswith(prefix)]
         out.append(max(refs, key=len) if refs and v.path not in by_prefix.values() else v.path)
     return out
+
+
+def _lend(variable: Any, value: Any) -> None:
+    """``variable.assign(value)``; for an array of the variable's dtype already laid out as the variable is
+    (``keep_layout``), what that assign comes to (``_direct_assign``: the value held), without its
+    conversion, shape check and placement, which cost a large model's write-back more than its step."""
+    layout = getattr(variable, "_layout", None)
+    if type(value) is _ArrayImpl and (layout is value.sharding or layout == value.sharding) and \
+            _dtype_name(value.dtype) == variable.dtype and value.shape == variable._shape and not _in_stateless_scope():
+        variable._value = value
+    else:
+        variable.assign(value)
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype.name)  # (numpy computes a dtype's name anew on every read: ~10 us)
+
+
+def _in_stateless_scope() -> bool:
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+    return bool(in_stateless_scope())
+
+
+_ArrayImpl: Any = type(jnp.zeros(()))  # the concrete jax.Array type (isinstance of jax.Array is slow)
 
 
 def keep_layout(variable: Any, sharding: jax.sharding.Sharding | None) -> None:
