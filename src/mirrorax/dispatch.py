@@ -24,9 +24,10 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -37,7 +38,7 @@ from mirrorax.replica import ReplicaContext, replica_scope, varies_over
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh
 
-__all__ = ["StrategyFunction", "InFlight"]
+__all__ = ["StrategyFunction", "InFlight", "Traced"]
 
 PyTree = Any
 
@@ -115,6 +116,29 @@ class InFlight:
         self.last_done = aux
         if on_done is not None:
             on_done(aux)
+
+
+class Traced:
+    """One trace of a function for one signature: its jaxpr and its outputs' shapes.
+
+    :attr:`replay` computes what the function computes by evaluating the jaxpr, without running the
+    function's Python again; ``jax.jit(traced.replay)`` compiles the same program as ``jax.jit(fn)``.
+    """
+
+    def __init__(self, closed: Any, shapes: PyTree) -> None:
+        self.closed, self.shapes = closed, shapes
+        self._out_tree = jax.tree.structure(shapes)
+        self._run = jax.extend.core.jaxpr_as_fun(closed)
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any], args: tuple[Any, ...]) -> Traced:
+        """Traces ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct`` s), compiling nothing."""
+        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+        return cls(closed, shapes)
+
+    def replay(self, *args: Any) -> Any:
+        """The traced function's outputs for ``args`` (of the traced signature)."""
+        return jax.tree.unflatten(self._out_tree, self._run(*jax.tree.leaves(args)))
 
 
 def _batch_axis_of(a: Any, axis_name: str | tuple[str, ...]) -> bool:
@@ -195,11 +219,15 @@ class StrategyFunction:
         a pytree of them (a prefix of the outputs' tree, as ``jax.jit``'s), or a callable that takes the
         positional arguments (abstract or concrete) and returns one. Known layouts spare the shape probe
         that the rules need, a second trace of ``fn`` per signature.
+      ready: picks from a call's outputs the one the window waits on: an output made anew by every call
+        and never donated by a later one (e.g. a step's packed flags). ``None``: the program returns one
+        more output for that, a scalar token. Each output of a step costs host time on an accelerator
+        (about 7 us a step on a TPU v5e), which a loop of small steps pays every step.
     """
 
     def __init__(self, mesh: BatchMesh, window: InFlight, fn: Callable[..., Any], *,
                  donate_argnums: int | Sequence[int] = (), per_replica: bool = False,
-                 out_shardings: OutShardings = None) -> None:
+                 out_shardings: OutShardings = None, ready: Callable[[Any], Any] | None = None) -> None:
         if not callable(fn):
             raise TypeError(f"Expected a callable for fn. Received: {fn!r} (of type {type(fn).__name__}).")
         check_out_shardings(out_shardings)
@@ -213,6 +241,11 @@ class StrategyFunction:
         self._donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         self._per_replica = per_replica
         self._out_shardings_arg = out_shardings
+        if ready is not None and not callable(ready):
+            raise TypeError(f"ready must be a callable of the outputs (e.g. lambda out: out[1]); received {ready!r} "
+                            f"(of type {type(ready).__name__}).")
+        self._ready = ready
+        self._adopted: dict[Any, Traced] = {}  # signature -> a trace made elsewhere (adopt)
         # signature -> (jitted program, whether a call ran it: ``lower`` alone compiles for no call)
         self._compiled: dict[Any, tuple[Callable[..., Any], bool]] = {}
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
@@ -224,7 +257,7 @@ class StrategyFunction:
             raise TypeError(f"{getattr(self._fn, '__name__', 'fn')} (compiled by strategy.jit) takes positional "
                             f"arguments only; received keyword(s) {sorted(kwargs)}. Pass them positionally, or bind "
                             "constants first: strategy.jit(functools.partial(fn, scale=2.0)).")
-        out, token = self._for(args, called=True)(*args)
+        out, token = self._caller(self._for(args, called=True))(*args)
         self._window.push(token)
         return out
 
@@ -244,7 +277,19 @@ class StrategyFunction:
           ...     strategy.in_flight.push(loss, token)
           >>> strategy.in_flight.drain()
         """
-        return self._for(args, called=True)
+        return self._caller(self._for(args, called=True))
+
+    def _caller(self, jitted: Any) -> Callable[..., tuple[Any, Any]]:
+        """``jitted`` called as ``program()`` returns it: ``(outputs, what marks the call done)``."""
+        ready = self._ready
+        if ready is None:
+            return cast(Callable[..., tuple[Any, Any]], jitted)
+
+        def call(*args: Any) -> tuple[Any, Any]:
+            out = jitted(*args)
+            return out, ready(out)
+
+        return call
 
     def lower(self, *args: Any) -> Any:
         """``jax.jit(...).lower`` of the program this call would run (for ``compile()``,
@@ -252,13 +297,20 @@ class StrategyFunction:
         shardings; a later call with arrays like them runs the same program."""
         return self._for(args).lower(*args)
 
-    def trace(self, *args: Any) -> None:
+    def trace(self, *args: Any) -> Traced | None:
         """Traces ``fn`` once with ``args``' shapes, as a call would (per replica: inside ``jax.shard_map``
-        and the replica context), compiling nothing; e.g. to learn what ``fn`` touches."""
+        and the replica context), compiling nothing; e.g. to learn what ``fn`` touches. Returns the trace
+        in the global view (:meth:`adopt` hands it to a function of the same computation), else ``None``."""
         if self._per_replica:
             self._per_replica_body(args)  # traces fn once (which outputs vary over the replicas)
-        else:
-            jax.eval_shape(self._fn, *args)
+            return None
+        return Traced.of(self._fn, args)
+
+    def adopt(self, traced: Traced, *args: Any) -> None:
+        """Takes ``traced`` (:meth:`trace` of a function computing what this one does, with these ``args``)
+        as this function's own trace for ``args``' signature: compiling it then traces ``fn`` no more."""
+        if not self._per_replica:
+            self._adopted[self.signature(*args)] = traced
 
     def make_jaxpr(self, *args: Any) -> Any:
         """``jax.make_jaxpr`` of what a call with ``args`` computes (per replica: the ``jax.shard_map``), its
@@ -297,8 +349,15 @@ class StrategyFunction:
         out_shardings = given(*args) if callable(given) else given
         if callable(given) and out_shardings is not None:
             check_out_shardings(out_shardings, received="out_shardings(*args)")
-        if out_shardings is None:  # the rules of this module's docstring
-            out_shardings = self._out_shardings(args, jax.eval_shape(body, *args))
+        if out_shardings is None:  # the rules of this module's docstring need the outputs' shapes
+            # One trace of fn serves both: the shapes, and the program (jit replays the trace's jaxpr, which
+            # runs none of fn's Python again: a Keras model's trace takes seconds).
+            traced = self._adopted.pop(self.signature(*args), None) or Traced.of(body, args)
+            out_shardings = self._out_shardings(args, traced.shapes)
+            body = traced.replay
+
+        if self._ready is not None:  # the window waits on an output the caller named
+            return jax.jit(body, donate_argnums=self._donate, out_shardings=out_shardings)
 
         def with_token(*a: Any) -> tuple[Any, jax.Array]:
             # A fresh output of this program: ready exactly when the call is done, and never donated by

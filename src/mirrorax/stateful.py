@@ -406,10 +406,12 @@ class StatefulFunction:
             found["touched"], found["assigned"] = list(scope.touched.values()), list(scope.assigned.values())
             return out
 
-        StrategyFunction(self._mesh, self._window, probe, per_replica=self._per_replica).trace(*args)
+        traced = StrategyFunction(self._mesh, self._window, probe, per_replica=self._per_replica).trace(*args)
         _initialize_created_variables()
         variables, assigned = found["touched"], found["assigned"]
         if not variables:
+            if traced is not None:  # the probe computed just what fn does: its trace is the plain program's
+                self._plain.adopt(traced, *args)
             return None
         # (the window is not involved: the stateful function pushes its calls as the plain one would)
         entry = _Entry(variables, assigned, None)  # type: ignore[arg-type]  # the program needs the split
