@@ -25,8 +25,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from mirrorax._host import host_value
 from mirrorax.dispatch import InFlight
 
@@ -120,10 +118,13 @@ class BatchCallbacks(EpochHook):
       end_hook: ``(index, logs, state) -> state``: runs ``on_train_batch_end`` with the state exposed to the
         model, and returns the state to go on from (a callback may have changed the model).
       model: the Keras model (its ``stop_training`` flag) or any object.
+      logs: a step's ``aux`` -> its batch logs (:meth:`mirrorax.step.StepFunctions.batch_logs`).
     """
 
-    def __init__(self, hooks: Callbacks, steps_per_execution: int, end_hook: Any, model: Any) -> None:
+    def __init__(self, hooks: Callbacks, steps_per_execution: int, end_hook: Any, model: Any,
+                 logs: Callable[[Any], Any]) -> None:
         self.hooks, self.spe, self.end_hook, self.model = hooks, steps_per_execution, end_hook, model
+        self.logs = logs
         self.begin = hooks.listens["train_begin"]
         self.end = hooks.listens["train_end"]
 
@@ -137,7 +138,7 @@ class BatchCallbacks(EpochHook):
             return None
         # As Keras: an execution ends at begin + steps_per_execution - 1, a short last one too.
         index = run.start_batch + run.before - run.before % self.spe + self.spe - 1
-        run.state = self.end_hook(index, run.aux["logs"], run.state)
+        run.state = self.end_hook(index, self.logs(run.aux), run.state)
         run.relook = True  # a callback may have placed new values
         return Outcome.STOP if getattr(self.model, "stop_training", False) else None
 
@@ -207,7 +208,8 @@ class HaltWatch(EpochHook):
     that mode says.
     """
 
-    def __init__(self, interval: float = 0.5) -> None:
+    def __init__(self, halted: Callable[[Any], bool], interval: float = 0.5) -> None:
+        self.halted = halted  # a finished step's aux -> its flag (StepFunctions.halted)
         self.interval = interval
         self.last_look = time.perf_counter()
 
@@ -216,7 +218,7 @@ class HaltWatch(EpochHook):
         if done is None or time.perf_counter() - self.last_look <= self.interval:
             return None
         self.last_look = time.perf_counter()
-        return Outcome.HALT if np.any(host_value(done["halted"])) else None
+        return Outcome.HALT if self.halted(done) else None
 
 
 def _frozen(run: EpochRun, steps: StepFunctions) -> bool:

@@ -15,9 +15,10 @@ import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from mirrorax._host import host_value
 from mirrorax._watchdog import leaving
 
-__all__ = ["Callbacks", "check_available"]
+__all__ = ["Callbacks", "check_available", "PackedLogs"]
 
 _BATCH_HOOKS = {
     "train_begin": ("on_train_batch_begin", "on_batch_begin"),
@@ -135,7 +136,7 @@ class Callbacks:
         if self.keras:
             if method in _LAZY_BATCH_ENDS and len(args) == 2 and isinstance(args[1], Mapping) and \
                     not getattr(self._list, _LAZY_BATCH_ENDS[method], False) and \
-                    not any(isinstance(v, Mapping) for v in args[1].values()):
+                    (isinstance(args[1], PackedLogs) or not any(isinstance(v, Mapping) for v in args[1].values())):
                 logs = LazyLogs(args[1])
                 for cb in self._list.callbacks:
                     getattr(cb, method)(args[0], logs=logs)
@@ -154,6 +155,38 @@ _LAZY_BATCH_ENDS = {"on_train_batch_end": "_async_train", "on_batch_end": "_asyn
                     "on_test_batch_end": "_async_test"}
 
 
+class PackedLogs(Mapping[str, float]):
+    """A batch's logs packed in one small device array (a train step's one output beside the state), read
+    to the host once, when a value is first read; the names need no read.
+
+    Args:
+      names: the logs' names, in the array's order. packed: the array. offset: where the logs start in it.
+    """
+
+    def __init__(self, names: Sequence[str], packed: Any, offset: int = 0) -> None:
+        self.names, self.packed, self.offset = tuple(names), packed, offset
+        self._host: dict[str, float] | None = None
+
+    def on_host(self) -> dict[str, float]:
+        """The logs as Python floats (waits for the step that made them, the first time)."""
+        if self._host is None:
+            values = host_value(self.packed)
+            self._host = {n: float(values[self.offset + i]) for i, n in enumerate(self.names)}
+        return self._host
+
+    def __getitem__(self, key: str) -> float:
+        return self.on_host()[key]
+
+    def __iter__(self) -> Any:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.names
+
+
 class LazyLogs(dict):
     """A batch's logs that come to the host when a callback first reads a value.
 
@@ -164,12 +197,16 @@ class LazyLogs(dict):
 
     def __init__(self, logs: Mapping[str, Any] | None = None) -> None:
         logs = logs or {}
-        super().__init__((k, logs[k]) for k in sorted(logs))
+        self._packed = logs if isinstance(logs, PackedLogs) else None
+        super().__init__((k, None if self._packed is not None else logs[k]) for k in sorted(logs))
         self._pending = bool(logs)
 
     def _fill(self) -> None:
         if self._pending:
             self._pending = False
+            if self._packed is not None:  # floats already, read in one transfer
+                super().update(self._packed.on_host())
+                return
             from keras.src.utils import python_utils
 
             super().update(python_utils.pythonify_logs(dict(super().items())))

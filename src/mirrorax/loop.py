@@ -152,10 +152,10 @@ class Loop:
         progress = Progress(mode, total, epoch + 1, epochs,
                             lambda: self.adapter.metric_results(host_tree(run.state.metrics)), stream=out)
         callbacks = None if hooks is None else epoch_lib.BatchCallbacks(
-            hooks, self.steps_per_execution, self._train_batch_end(hooks), self.model)
+            hooks, self.steps_per_execution, self._train_batch_end(hooks), self.model, steps.batch_logs)
         loop_hooks: list[epoch_lib.EpochHook] = [h for h in (
             callbacks,
-            epoch_lib.HaltWatch(),
+            epoch_lib.HaltWatch(steps.halted),
             None if watch is None else epoch_lib.PreemptionStop(watch, saver, steps, epoch),
             None if saver is None else epoch_lib.PeriodicSave(saver, steps, epoch),
             epoch_lib.ProgressHook(progress)) if h is not None]
