@@ -2,8 +2,14 @@
 
 Tolerances: weights after two epochs of Adam atol=1e-4, rtol=1e-5 (float32 reductions reassociate
 across devices and Adam divides by sqrt(v), which magnifies those last-bit differences where a gradient
-is tiny; measured: <= 1e-6 at 1-5 devices, 2.4e-5 at 8); epoch and evaluate losses rtol=1e-5;
-predictions rtol=1e-5/atol=1e-6; accuracies and row counts exactly (up to float32 printing, 1e-7).
+is tiny); epoch and evaluate losses rtol=1e-5; predictions, which follow from those weights, rtol=1e-4 /
+atol=1e-5; accuracies and row counts exactly (up to float32 printing, 1e-7).
+
+Measured (2026-12-05): weights 3e-8 / 9.1e-5 / 3.5e-7 and predictions 2.5e-7 / 6.7e-5 / 3.2e-7 relative at
+1 / 5 / 8 devices. The 5-device figure is Adam's: the same run with SGD differs by 6e-8 and without
+Dropout by 2.6e-7, its first step by 3.7e-7 as at 3 and 8 devices, and it moved between 2.4e-5 and 9.1e-5
+when the step's outputs changed (which reorders XLA's reductions, not the maths); predictions were held
+to 1e-5 while the weights were allowed 1e-4, a bar the 5-device run passed at 9.97e-6 by chance.
 """
 
 import numpy as np
@@ -52,7 +58,7 @@ def test_fit_evaluate_predict_match_keras_single_device(keras_reference, n):
 
     pred = trainer.predict(xt, batch_size=64)
     assert pred.shape == (len(xt), 10)
-    np.testing.assert_allclose(pred, ref_pred, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(pred, ref_pred, rtol=1e-4, atol=1e-5)
     # Two programs per step kind, as Keras's jit: the full batches, and the short last one.
     assert trainer.compile_counts() == {"train": 2, "train_many": 0, "evaluate": 2, "predict": 2}
 
