@@ -357,3 +357,29 @@ def test_replica_modes_and_a_permute_from_hlo_text():
     assert (a.within_bytes, a.across_bytes, b.within_bytes, b.across_bytes) == (0, 4 * 16, 4 * 16, 0)
     with pytest.raises(ValueError, match="divide the program's 4 devices"):
         traffic_of(hlo, d, hosts=3)
+
+
+@pytest.mark.parametrize("entry", ["trainer", "scope"])
+def test_fit_traces_its_step_once_with_the_plan_at_its_start(entry, monkeypatch):
+    """Where the device memory is known, fit plans (lowers and compiles) its step before step 1: that trace
+    and compile are the ones step 1 runs, for the Trainer and for model.fit under a scope alike."""
+    monkeypatch.setenv("MIRRORAX_DEVICE_MEMORY", "16GB")
+    x, y = _data(96)
+    s = mx.MirroredStrategy(devices=jax.devices()[:2])
+    with s.scope():
+        model = _model()
+    trainer = mx.Trainer(model, s) if entry == "trainer" else None
+
+    def fit(batch_size):
+        if trainer is not None:
+            trainer.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
+        else:
+            model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
+
+    fit(32)  # builds the model (Keras's own symbolic build traces it too)
+    calls = []
+    call = type(model).call
+    monkeypatch.setattr(type(model), "call", lambda self, *a, **k: calls.append(1) or call(self, *a, **k))
+    with _Compiles() as counted:
+        fit(48)  # a new global batch: one new program
+    assert len(calls) == 1 and counted.count == 1, (calls, counted.count)
