@@ -22,8 +22,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["parse_args", "use_cpu_devices", "peak_rss_mb", "time_runs", "write_result", "main_guard",
-           "make_batches"]
+__all__ = ["parse_args", "use_cpu_devices", "peak_rss_mb", "device_memory", "time_runs", "write_result",
+           "main_guard", "make_batches"]
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -115,6 +115,21 @@ def time_runs(run_once: Callable[[], None], repeats: int, samples_per_run: int) 
     return rates
 
 
+def device_memory() -> dict[str, Any]:
+    """The first device's allocator figures where JAX keeps them (GPUs, TPUs; CPU devices keep none):
+    ``device_peak_bytes`` (the process's peak in use) and ``device_bytes_limit``; empty otherwise."""
+    if "jax" not in sys.modules:
+        return {}
+    import jax
+
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - platforms without memory stats
+        return {}
+    out = {"device_peak_bytes": stats.get("peak_bytes_in_use"), "device_bytes_limit": stats.get("bytes_limit")}
+    return {k: int(v) for k, v in out.items() if v is not None}
+
+
 def _versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for mod in ("jax", "keras", "tensorflow", "torch"):
@@ -128,7 +143,7 @@ def write_result(args: argparse.Namespace, **fields: Any) -> dict[str, Any]:
     result = {
         "system": args.system, "workload": args.workload, "devices": args.devices, "batch": args.batch,
         "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "bf16": bool(args.bf16),
-        "status": "ok", "peak_rss_mb": peak_rss_mb(), "versions": _versions(),
+        "status": "ok", "peak_rss_mb": peak_rss_mb(), "versions": _versions(), **device_memory(),
     }
     result.update(fields)
     text = json.dumps(result, indent=1)

@@ -82,12 +82,8 @@ def _per_device_memory(trainer: Any, x: Any, y: Any, batch: int) -> dict[str, An
     d0 = trainer.strategy.devices[0]
     held = sum(sh.data.nbytes for g in ("params", "optimizer", "model_state")
                for a in jax.tree.leaves(trainer.state[g]) for sh in a.addressable_shards if sh.device == d0)
-    p = plan_of(trainer, x[:1], y[:1], batch_size=batch, search=False)
-    try:  # what the allocator saw (GPUs, TPUs; CPU devices keep no such count)
-        device_peak = (d0.memory_stats() or {}).get("peak_bytes_in_use")
-    except Exception:  # noqa: BLE001 - platforms without memory stats
-        device_peak = None
-    return {"device_peak_bytes": device_peak, "state_bytes_per_device": int(held),
+    p = plan_of(trainer, x[:1], y[:1], batch_size=batch, search=False)  # fit's own program: no compile
+    return {"state_bytes_per_device": int(held),
             "planned_state_bytes": int(p.state_bytes),
             "temp_bytes_per_device": int(p.temp_bytes), "peak_bytes_per_device": int(p.peak_bytes),
             "flops_per_step": float(p.flops), "collective_bytes_per_step": int(p.collective_bytes)}

@@ -1,0 +1,358 @@
+"""The accelerator table in one command: every mirrorax entry point against the hand-written JAX loop and
+plain Keras, on the four workloads, with speed, MFU, peak device memory and time to first step.
+
+Run from the repository root, on a machine with an accelerator (a TPU or GPU that JAX sees)::
+
+    python -m benchmarks.accelerator                  # the whole table (about 9 minutes on one TPU v5e)
+    python -m benchmarks.accelerator --workloads lm   # some workloads, some systems (--systems jax,mirrorax)
+    python -m benchmarks.accelerator --cpu-smoke      # the same path on 1 CPU device at tiny sizes (CI)
+
+The systems, on the same model, data, optimizer and global batch (``benchmarks/workloads.py``):
+
+* ``jax``: the hand-written loop (``benchmarks/peers/jax_loop.py``): ``stateless_call`` / ``stateless_apply``
+  in one ``jax.jit`` step, the state donated, each batch placed one step ahead, 2 steps in flight;
+* ``mirrorax``: ``mx.Trainer(model).fit`` of a model compiled under ``MirroredStrategy().scope()``;
+* ``keras_scope``: that model's own ``model.fit`` (the TF program unchanged);
+* ``guide_api``: the keras.io guide's loop on ``strategy.jit`` (``benchmarks/peers/guide_api.py``);
+* ``keras_fit``: plain Keras ``model.fit`` (no strategy).
+
+How it measures. The small workloads (``mlp``, ``cnn``, ``transformer``) run every system in ONE process
+per workload, alternating chunks in ABBA order over the rounds (the ratio to the hand loop is the median of
+the per-round ratios, so drift hits all alike); a chunk is one ``fit`` call (one ``steps(n)`` call of a hand
+loop) of the workload's steps, its set-up included. The language model ``lm`` runs each system in a process
+of its own, so that the device's peak memory (``memory_stats()["peak_bytes_in_use"]``) is that system's.
+Every process first runs a tiny Keras ``fit`` and a tiny mirrorax ``fit`` (the one-time costs of a process:
+imports, JAX's and Keras's first programs), then each system's **time to first step**: its first call of
+one step, from the call to the step's state being ready (the step's trace and compile included), then a
+warm-up call, then the timed chunks. MFU: model FLOPs per sample (``workloads.flops_per_sample``: ``6 x
+params`` per token plus attention) times samples/s over the device's dense bf16 peak (``--peak-tflops``;
+known: TPU v5e 197, v4 275, v5p 459, v6e 918, H100/H200 989 TFLOP/s). ``mx.plan`` is called after each
+mirrorax system's timed runs and must compile nothing (``plan_compiles``).
+
+Writes ``<out>/results.json`` (every process's raw figures) and ``<out>/results.md`` (the table), after
+every process, so a run cut short keeps what it measured; ``<out>`` defaults to
+``benchmarks/results/accelerator-<UTC time>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import workloads  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SYSTEMS = ("jax", "mirrorax", "keras_scope", "guide_api", "keras_fit")
+LABELS = {"jax": "hand-written JAX loop", "mirrorax": "Trainer.fit", "keras_scope": "model.fit under scope",
+          "guide_api": "guide loop on strategy.jit", "keras_fit": "plain Keras fit"}
+# Dense bf16 peaks, TFLOP/s per device, by jax's device_kind.
+PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v4": 275.0, "TPU v5p": 459.0, "TPU v5": 459.0,
+               "TPU v6 lite": 918.0, "NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H200": 989.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one workload is measured on an accelerator.
+
+    Attributes:
+      steps: steps per timed chunk (one ``fit`` call); rounds: chunks per system; warmup: steps of the
+      warm-up call after the first step; bf16: Keras's ``mixed_bfloat16`` policy; alone: one process per
+      system (its own peak device memory) instead of one per workload.
+    """
+
+    steps: int
+    rounds: int = 3
+    warmup: int = 10
+    bf16: bool = False
+    alone: bool = False
+
+
+PLANS = {"mlp": Plan(2000), "cnn": Plan(2000), "transformer": Plan(1000, bf16=True),
+         "lm": Plan(16, warmup=2, bf16=True, alone=True)}
+SMOKE = {"mlp": Plan(4, rounds=2, warmup=1), "cnn": Plan(4, rounds=2, warmup=1),
+         "transformer": Plan(3, rounds=2, warmup=1, bf16=True),
+         "lm": Plan(2, rounds=2, warmup=1, bf16=True, alone=True)}
+
+
+# -- the systems (in a child process) --------------------------------------------------------------------
+class Runner:
+    """One system on one workload: ``call(n)`` trains ``n`` steps and returns when the state is ready."""
+
+    def __init__(self, call: Any, model: Any, trainer: Any = None) -> None:
+        self.call, self.model, self.trainer = call, model, trainer
+
+
+def build(system: str, wl: workloads.Workload, x: Any, y: Any, devices: list[Any]) -> Runner:
+    """The system's model, optimizer and loop on ``devices`` (built, not yet compiled)."""
+    import jax
+    import keras
+
+    import mirrorax as mx
+    from benchmarks.peers.guide_api import GuideLoop
+    from benchmarks.peers.jax_loop import HandLoop
+
+    keras.utils.set_random_seed(0)
+    batch = wl.batch
+    if system == "jax":
+        model = workloads.build_keras_model(wl)
+        spec = workloads.compile_args(wl)
+        mesh = jax.make_mesh((len(devices),), ("batch",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
+        hand = HandLoop(model, spec["optimizer"], spec["loss"], mesh,
+                        [(x[i:i + batch], y[i:i + batch]) for i in range(0, len(x) - batch + 1, batch)])
+        return Runner(hand.steps, model)
+    if system == "guide_api":
+        model = workloads.build_keras_model(wl)
+        guide = GuideLoop(model, workloads.compile_args(wl)["optimizer"], mx.MirroredStrategy(devices=devices),
+                          x, y, batch, from_logits=wl.is_lm)
+        return Runner(guide.steps, model)
+    if system == "keras_fit":
+        if len(devices) > 1:
+            keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+        model = workloads.build_keras_model(wl)
+        model.compile(**workloads.compile_args(wl))
+
+        def keras_fit(n: int) -> None:
+            model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=n, shuffle=False, verbose=0)
+            jax.block_until_ready([v.value for v in model.variables])
+
+        return Runner(keras_fit, model)
+    strategy = mx.MirroredStrategy(devices=devices)
+    with strategy.scope():
+        model = workloads.build_keras_model(wl)
+        model.compile(**workloads.compile_args(wl))
+    if system == "keras_scope":
+        def scope_fit(n: int) -> None:
+            model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=n, shuffle=False, verbose=0)
+            jax.block_until_ready([v.value for v in model.variables])
+
+        return Runner(scope_fit, model, trainer=model)
+    trainer = mx.Trainer(model, strategy)
+
+    def trainer_fit(n: int) -> None:
+        trainer.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=n, shuffle=False, verbose=0)
+        jax.block_until_ready(trainer.state)
+
+    return Runner(trainer_fit, model, trainer=trainer)
+
+
+def _process_warmup(devices: list[Any]) -> None:
+    """A process's one-time costs, paid before any system is timed: a tiny plain Keras fit and a tiny
+    mirrorax fit (imports, JAX's and Keras's first programs)."""
+    import keras
+    import numpy as np
+
+    import mirrorax as mx
+
+    x, y = np.zeros((8, 4), np.float32), np.zeros((8,), np.int32)
+    for under in (None, mx.MirroredStrategy(devices=devices)):
+        if under is None:
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+            model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        else:
+            with under.scope():
+                model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+                model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+
+
+class _Compiles:
+    """Counts XLA compiles (and persistent-cache loads) while active."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def _duration(self, event: str, duration: float, **kwargs: Any) -> None:
+        if event.endswith("backend_compile_duration"):
+            self.count += 1
+
+    def _event(self, event: str, **kwargs: Any) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            self.count += 1
+
+    def __enter__(self) -> _Compiles:
+        import jax
+
+        jax.monitoring.register_event_duration_secs_listener(self._duration)
+        jax.monitoring.register_event_listener(self._event)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import jax
+
+        jax.monitoring.unregister_event_duration_listener(self._duration)
+        jax.monitoring.unregister_event_listener(self._event)
+
+
+def child(workload: str, systems: list[str], plan: Plan, out_path: str) -> None:
+    """Measures ``systems`` on ``workload`` in this process; appends one JSON line per system to ``out_path``."""
+    import jax
+    import keras
+
+    import mirrorax as mx
+
+    wl = workloads.get(workload)
+    devices = jax.devices()[:1]
+    if plan.bf16:
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    x, y = workloads.make_data(wl, wl.batch * max(plan.steps, plan.warmup, 1))
+    _process_warmup(devices)
+    runners, results = {}, {}
+    for s in systems:
+        runners[s] = build(s, wl, x, y, devices)
+        t0 = time.perf_counter()
+        runners[s].call(1)
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        runners[s].call(plan.warmup)
+        params = int(runners[s].model.count_params())
+        results[s] = {"system": s, "workload": workload, "first_step_s": first,
+                      "warmup_s": time.perf_counter() - t0, "chunk_s": [], "steps": plan.steps, "batch": wl.batch,
+                      "bf16": plan.bf16, "num_params": params, "seq_len": wl.seq_len,
+                      "flops_per_sample": workloads.flops_per_sample(wl, params), "device_kind": devices[0].device_kind}
+        print(f"{workload} {s}: first step {first:.2f} s", flush=True)
+    for r in range(plan.rounds):
+        for s in systems if r % 2 == 0 else systems[::-1]:
+            t0 = time.perf_counter()
+            runners[s].call(plan.steps)
+            results[s]["chunk_s"].append(time.perf_counter() - t0)
+    for s in systems:
+        trainer = runners[s].trainer
+        if trainer is not None:  # mx.plan of what was just trained: fit's own program, no compile
+            x1, y1 = x[:1], y[:1]
+            with _Compiles() as counted:
+                mx.plan(trainer, x1, y1, batch_size=wl.batch, search=False)
+            results[s]["plan_compiles"] = counted.count
+    if plan.alone:
+        stats = devices[0].memory_stats() or {}
+        for s in systems:
+            results[s]["device_peak_bytes"] = stats.get("peak_bytes_in_use")
+    with open(out_path, "a") as f:
+        for s in systems:
+            f.write(json.dumps(results[s]) + "\n")
+
+
+# -- the table (in the parent) ---------------------------------------------------------------------------
+def summarize(rows: list[dict[str, Any]], peak_tflops: float | None) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per workload and system: samples/s (median chunk), tokens/s, the ratio to the hand loop, MFU, peak
+    device memory and time to first step."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    by = {(r["workload"], r["system"]): r for r in rows}
+    for (w, s), r in by.items():
+        rates = [r["steps"] * r["batch"] / t for t in r["chunk_s"]]
+        rate = statistics.median(rates) if rates else float("nan")
+        hand = by.get((w, "jax"))
+        ratio = None
+        if hand is not None and hand["chunk_s"] and r["chunk_s"]:
+            if len(hand["chunk_s"]) == len(r["chunk_s"]) and not PLANS.get(w, Plan(1)).alone:
+                ratio = statistics.median(h / t for h, t in zip(hand["chunk_s"], r["chunk_s"]))  # per round
+            else:
+                ratio = rate / statistics.median(hand["steps"] * hand["batch"] / t for t in hand["chunk_s"])
+        peak = peak_tflops or PEAK_TFLOPS.get(r.get("device_kind", ""))
+        flops = r["flops_per_sample"] * rate
+        out.setdefault(w, {})[s] = {
+            "samples_per_s": rate, "tokens_per_s": rate * r["seq_len"] if r["seq_len"] else None,
+            "ratio_to_hand": ratio, "mfu": flops / (peak * 1e12) if peak else None,
+            "device_peak_mib": r["device_peak_bytes"] / 2**20 if r.get("device_peak_bytes") else None,
+            "first_step_s": r["first_step_s"], "plan_compiles": r.get("plan_compiles"),
+            "step_ms": 1e3 / (rate / r["batch"]) if rate else None}
+    return out
+
+
+def markdown(summary: dict[str, dict[str, dict[str, Any]]], device: str) -> str:
+    """The table: a row per workload and system."""
+    lines = [f"Device: {device}. Ratio: samples/s over the hand-written loop's (>= 0.98 is the bar).", "",
+             "| workload | system | samples/s | tokens/s | ms/step | / hand loop | MFU | peak device MiB | "
+             "first step s | plan compiles |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def f(v: Any, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    for w, systems in summary.items():
+        for s in SYSTEMS:
+            if s not in systems:
+                continue
+            v = systems[s]
+            lines.append(f"| {w} | {LABELS[s]} | {v['samples_per_s']:,.1f} | {f(v['tokens_per_s'], ',.0f')} | "
+                         f"{f(v['step_ms'], '.3f')} | {f(v['ratio_to_hand'], '.3f')} | "
+                         f"{f(v['mfu'] and 100 * v['mfu'], '.1f')}{'%' if v['mfu'] else ''} | "
+                         f"{f(v['device_peak_mib'], ',.0f')} | {v['first_step_s']:.2f} | "
+                         f"{f(v['plan_compiles'], 'd')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the table; returns 0 if every process ran."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.accelerator", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default="mlp,cnn,transformer,lm")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--rounds", type=int, default=None, help="timed chunks per system (default 3)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak (default: known)")
+    p.add_argument("--timeout", type=float, default=420.0, help="seconds per process (default 420)")
+    p.add_argument("--cpu-smoke", action="store_true", help="1 CPU device, tiny sizes: checks the path only")
+    p.add_argument("--out", default=None)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    plans = SMOKE if args.cpu_smoke else PLANS
+    names = [workloads.get(w.strip()).name for w in args.workloads.split(",") if w.strip()]
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        p.error(f"unknown system(s) {unknown}; expected among {list(SYSTEMS)}")
+    if args.child:
+        os.environ.setdefault("KERAS_BACKEND", "jax")
+        plan = plans[args.child]
+        if args.rounds:
+            plan = dataclasses.replace(plan, rounds=args.rounds)
+        child(args.child, systems, plan, args.child_out)
+        return 0
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    out = args.out or os.path.join(REPO, "benchmarks", "results", f"accelerator-{stamp}")
+    os.makedirs(out, exist_ok=True)
+    raw = os.path.join(out, "results.jsonl")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", KERAS_BACKEND="jax")
+    env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "src"), env.get("PYTHONPATH", "")])
+    if args.cpu_smoke:
+        env.update(JAX_PLATFORMS="cpu", MIRRORAX_BENCH_TINY_LM="1", JAX_NUM_CPU_DEVICES="1")
+    failed = []
+    command = "python -m benchmarks.accelerator " + " ".join(argv if argv is not None else sys.argv[1:])
+    for w in names:
+        groups = [[s] for s in systems] if plans[w].alone else [systems]
+        for group in groups:
+            cmd = [sys.executable, "-m", "benchmarks.accelerator", "--child", w, "--systems", ",".join(group),
+                   "--child-out", raw] + (["--rounds", str(args.rounds)] if args.rounds else []) + \
+                  (["--cpu-smoke"] if args.cpu_smoke else [])
+            t0 = time.monotonic()
+            try:
+                rc = subprocess.run(cmd, cwd=REPO, env=env, timeout=args.timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            print(f"{w} {','.join(group)}: rc {rc} in {time.monotonic() - t0:.0f} s", flush=True)
+            if rc != 0:
+                failed.append(f"{w}/{','.join(group)}: {rc}")
+            rows = [json.loads(line) for line in open(raw)] if os.path.exists(raw) else []
+            summary = summarize(rows, args.peak_tflops)
+            device = rows[0]["device_kind"] if rows else "?"
+            with open(os.path.join(out, "results.json"), "w") as f:
+                json.dump({"date": stamp, "command": command, "device": device, "failed": failed,
+                           "summary": summary, "runs": rows}, f, indent=1)
+            with open(os.path.join(out, "results.md"), "w") as f:
+                f.write(f"{stamp}, `{command}`\n\n" + markdown(summary, device)
+                        + (f"\nFailed: {failed}\n" if failed else ""))
+    print(open(os.path.join(out, "results.md")).read(), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
