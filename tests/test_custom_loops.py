@@ -195,18 +195,29 @@ def _linear_data(n: int = 22):
     return x, (x @ np.array([1.0, -2.0, 0.5], np.float32)).astype(np.float32)
 
 
-def test_jit_compiles_once_and_lays_out_outputs():
+def test_jit_compiles_once_per_row_count_and_lays_out_outputs():
     s = strategy(3)
     step = _linear_step(s)
     params = s.replicate({"w": np.zeros(3, np.float32), "b": np.float32(0)})
     dist = s.experimental_distribute_dataset(_linear_data(), batch_size=8)  # 8, 8, 6: padded to 9 rows
+    per_examples = []
     for _ in range(2):
         for batch in dist:
             params, loss, per_example = step(params, batch)
-    assert step.compile_count == 1
+            per_examples.append(per_example)
+    assert step.compile_count == 2  # the batches of 8 real rows, and the short one of 6 (TF retraces too)
     assert all(p.sharding == s.replicated for p in jax.tree.leaves(params))  # the state stays replicated
     assert loss.shape == () and loss.sharding == s.replicated
-    assert per_example.shape == (9,) and per_example.sharding == s.batch_sharding  # batch-shaped: split
+    # one value per example: the real rows only (the step never saw the padding), whole on every device
+    assert [p.shape for p in per_examples[:3]] == [(8,), (8,), (6,)]
+    assert per_example.sharding == s.replicated
+    np.testing.assert_array_equal(s.gather(per_example), np.asarray(per_example))  # once, not once per replica
+    assert [r.shape for r in s.experimental_local_results(per_examples[0])] == [(3,), (3,), (2,)]  # rows 0-2, 3-5, 6-7
+    # a batch with no padding (9 rows on 3 devices) keeps its per-example values split
+    even = next(iter(s.experimental_distribute_dataset(_linear_data(9), batch_size=9)))
+    _, _, per_example = step(params, even)
+    assert per_example.shape == (9,) and per_example.sharding == s.batch_sharding
+    assert step.compile_count == 3
 
 
 def test_jit_matches_one_device_with_sgd():
@@ -363,6 +374,45 @@ def test_reduce_and_gather():
     np.testing.assert_allclose(tree["b"][0], per_replica.sum(axis=0))
     ids = s.run(lambda: mx.get_replica_context().replica_id_in_sync_group.astype(jnp.float32))
     assert float(s.reduce("sum", ids)) == 3 and isinstance(s.gather(ids), np.ndarray)
+
+
+def test_per_example_outputs_give_the_real_rows_only():
+    """Predictions collected over an uneven dataset: every example once, in order, no padding row, per
+    replica (run: the replicas keep the padding, gather drops it) and in the global view (jit: the step
+    saw the real rows only), on any device count."""
+    x, y = _linear_data(22)  # batches of 8, 8, 6: on 3 devices padded to 9 rows; on 4 to 8, 8, 8
+    w = np.array([0.5, -1.0, 2.0], np.float32)
+
+    def predict(w, batch):
+        return batch.data[0] @ w
+
+    want = x @ w
+    for n in (1, 3, 4):
+        s = strategy(n)
+        dist = s.experimental_distribute_dataset((x, y), batch_size=8)
+        params = s.replicate(w)
+        jitted = s.jit(predict)
+        # asked to stay split: so they do where the real rows divide by the devices, else come back whole
+        split = s.jit(predict, out_shardings=s.batch_sharding)
+        run, glob, local, sums, kept = [], [], [], [], []
+        for batch in dist:
+            out = s.run(predict, args=(params, batch))
+            run.append(s.gather(out))
+            local.append(np.concatenate(s.experimental_local_results(out)))
+            sums.append(s.reduce("sum", out, axis=0))
+            glob.append(np.asarray(jitted(params, batch)))  # the user's own read: real rows only
+            rows = split(params, batch)
+            kept.append(s.gather(rows))
+            assert rows.sharding == (s.batch_sharding if len(rows) % n == 0 else s.replicated)
+        for got in (run, local, glob, kept):
+            np.testing.assert_allclose(np.concatenate(got), want, rtol=1e-6, err_msg=f"{n} devices")
+        np.testing.assert_allclose(sums, [want[:8].sum(), want[8:16].sum(), want[16:].sum()], rtol=1e-5)
+        if n == 3:  # the short batch, 6 real rows of 9: the replicas hold 3, 3 and 0 of them
+            assert [len(r) for r in s.experimental_local_results(out)] == [3, 3, 0]
+            with pytest.raises(ValueError, match=r"axis=0"):
+                s.reduce("sum", out)  # element-wise over replicas holding 3, 3 and 0 real rows: refused
+            with pytest.raises(ValueError, match=r"axis=0"):
+                s.gather(out, axis=1)
 
 
 def test_errors_say_what_was_received():
