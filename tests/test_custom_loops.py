@@ -435,6 +435,7 @@ def test_per_example_outputs_give_the_real_rows_only():
         jitted = s.jit(predict)
         # asked to stay split: so they do where the real rows divide by the devices, else come back whole
         split = s.jit(predict, out_shardings=s.batch_sharding)
+        plain = s.jit(predict, out_shardings=s.batch_sharding, stateful=False)  # the same rule without the trace
         run, glob, local, sums, kept = [], [], [], [], []
         for batch in dist:
             out = s.run(predict, args=(params, batch))
@@ -445,6 +446,7 @@ def test_per_example_outputs_give_the_real_rows_only():
             rows = split(params, batch)
             kept.append(s.gather(rows))
             assert rows.sharding == (s.batch_sharding if len(rows) % n == 0 else s.replicated)
+            np.testing.assert_array_equal(np.asarray(plain(params, batch)), np.asarray(rows))
         for got in (run, local, glob, kept):
             np.testing.assert_allclose(np.concatenate(got), want, rtol=1e-6, err_msg=f"{n} devices")
         np.testing.assert_allclose(sums, [want[:8].sum(), want[8:16].sum(), want[16:].sum()], rtol=1e-5)

@@ -37,8 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
 
+from mirrorax.replica import find_batch
+
 __all__ = ["PaddingIgnoredWarning", "padding_outputs", "warn_padding", "masked_metric_updates", "unmasked_metrics",
-           "per_row_leaves", "even_layouts"]
+           "per_row_leaves", "even_out_shardings", "even_layouts"]
 
 
 class PaddingIgnoredWarning(UserWarning):
@@ -130,6 +132,21 @@ def per_row_leaves(out: Any, rows: int) -> list[bool]:
     """For each leaf of ``out`` (traced in a step whose batch has ``rows`` rows), whether it holds one row
     per example: its leading axis has the batch's rows."""
     return [bool(jnp.ndim(a)) and jnp.shape(a)[0] == rows for a in jax.tree.leaves(out)]
+
+
+def even_out_shardings(given: Any, shapes: Callable[..., Any], replicated: Any, replicas: int) -> Callable[..., Any]:
+    """``out_shardings`` (a sharding, a pytree of them or a callable of the arguments) for a step in the
+    global view: as given, except for a batch cut to a count of rows the ``replicas`` do not divide, where
+    an output the given layout would split unevenly is ``replicated`` (:func:`even_layouts`; ``shapes(*args)``
+    gives the outputs' shapes then)."""
+    def out_shardings(*args: Any) -> Any:
+        user = given(*args) if callable(given) else given
+        rows = getattr(find_batch(args), "rows", None)
+        if user is None or rows is None or rows % replicas == 0:
+            return user
+        return even_layouts(user, shapes(*args), replicated)
+
+    return out_shardings
 
 
 def even_layouts(shardings: Any, shapes: Any, fallback: Any) -> Any:

@@ -46,7 +46,7 @@ import numpy as np
 
 from mirrorax.dispatch import InFlight, OutShardings, StrategyFunction
 from mirrorax.padding import (
-    even_layouts,
+    even_out_shardings,
     masked_metric_updates,
     padding_outputs,
     per_row_leaves,
@@ -284,20 +284,14 @@ class StatefulFunction:
         """``out_shardings`` as given, except that an output the given layout would split unevenly (one row per
         real example of a batch cut to a count the devices do not divide: 64 rows on 3 devices) is
         replicated: an array is split into equal parts only."""
-        replicated, replicas = self._mesh.replicated, self._mesh.num_replicas_in_sync
-
-        def out_shardings(*args: Any) -> Any:
-            user = given(*args) if callable(given) else given
-            rows = getattr(find_batch(args), "rows", None)
-            if user is None or rows is None or rows % replicas == 0:
-                return user
+        def shapes(*args: Any) -> Any:  # what the step's trace recorded (its discovery trace ran first)
             traced = self._traced.get(self._tracing)
-            if traced is None:  # (no Keras variable can exist: a trace has no state to guard)
+            if traced is None:  # (no Keras imported, no discovery trace: no variable to guard either)
                 jax.eval_shape(self._fn, *args)
-                traced = self._traced.get(self._tracing)
-            return user if traced is None else even_layouts(user, traced.shapes, replicated)
+                traced = self._traced[self._tracing]
+            return traced.shapes
 
-        return out_shardings
+        return even_out_shardings(given, shapes, self._mesh.replicated, self._mesh.num_replicas_in_sync)
 
     @property
     def compile_count(self) -> int:

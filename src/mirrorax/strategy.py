@@ -31,6 +31,7 @@ from mirrorax.inputs.distributed import DistributedDataset
 from mirrorax.inputs.iterables import PerProcessDataset
 from mirrorax.inputs.source import InputContext
 from mirrorax.mesh import AxisName, BatchMesh, ShardMode, check_shard
+from mirrorax.padding import even_out_shardings
 from mirrorax.replica import ReduceOp, batch_scope, find_batch, real_rows_view, resolve_op, rows_of
 from mirrorax.stateful import StatefulFunction, check_not_tf_function
 
@@ -333,8 +334,11 @@ class MirroredStrategy:
                 return StatefulFunction(self._layout, self._window, f, donate_argnums=donate_argnums,
                                         out_shardings=out_shardings)
             check_not_tf_function(f, "strategy.jit")
-            return StrategyFunction(self._layout, self._window, _global_view(f, self.batch_sharding),
-                                    donate_argnums=donate_argnums, out_shardings=out_shardings)
+            step = _global_view(f, self.batch_sharding)
+            layouts = out_shardings if out_shardings is None else even_out_shardings(
+                out_shardings, functools.partial(jax.eval_shape, step), self.replicated, self.num_replicas_in_sync)
+            return StrategyFunction(self._layout, self._window, step, donate_argnums=donate_argnums,
+                                    out_shardings=layouts)
 
         return make if fn is None else make(fn)
 
