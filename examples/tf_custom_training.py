@@ -2,10 +2,13 @@
 
 The program of ``tf_custom_training_tf.py`` (the tutorial as TensorFlow runs it) with the lines a port
 changes; ``tests/test_custom_loops.py`` counts them (at most 10 beyond the imports and the strategy line)
-and checks 1 vs 3 devices and the restored model. The input pipeline stays ``tf.data`` and the model
-``tf.keras`` (Keras 3, here on JAX); the step keeps its Keras objects; ``strategy.run`` runs it.
+and checks 2 and 3 devices against 1 and the restored model, on data that does not fill the last global
+batch. The input pipeline stays ``tf.data`` and the model ``tf.keras`` (Keras 3, here on JAX); the step
+keeps its Keras objects, its metrics too: they count the real rows of a short batch, as TF's do.
 
-Run: ``python examples/tf_custom_training.py``, or ``main(devices=jax.devices()[:3], global_batch_size=192)``.
+Run: ``python examples/tf_custom_training.py`` (the tutorial's 60,000 / 10,000 rows), or
+``main(devices=jax.devices()[:3], global_batch_size=192, num_train=300, num_test=100)``;
+``tests/tools/tutorial_sizes.py`` compares device counts at the real sizes.
 """
 # fmt: off
 # ruff: noqa: E111, E114, E501, UP032
@@ -20,7 +23,7 @@ import tensorflow as tf  # noqa: E402
 import mirrorax as mx  # noqa: E402
 
 
-def load_fashion_mnist(num_train=384, num_test=192, seed=0):
+def load_fashion_mnist(num_train=60000, num_test=10000, seed=0):
   """Fashion-MNIST-shaped data (uint8 28x28 images, labels 0-9): a noisy pattern per class."""
   rng = np.random.default_rng(seed)
   patterns = rng.uniform(0, 255, (10, 28, 28))
@@ -31,9 +34,9 @@ def load_fashion_mnist(num_train=384, num_test=192, seed=0):
   return make(num_train), make(num_test)
 
 
-def main(devices=None, global_batch_size=None, epochs=2, checkpoint_dir=None, seed=1):
+def main(devices=None, global_batch_size=None, epochs=2, checkpoint_dir=None, seed=1, num_train=60000, num_test=10000):
   tf.keras.utils.set_random_seed(seed)
-  (train_images, train_labels), (test_images, test_labels) = load_fashion_mnist()
+  (train_images, train_labels), (test_images, test_labels) = load_fashion_mnist(num_train, num_test)
 
   # Add a dimension to the array -> new shape == (28, 28, 1)
   # This is done because the first layer in our model is a convolutional
@@ -149,7 +152,7 @@ def main(devices=None, global_batch_size=None, epochs=2, checkpoint_dir=None, se
   def distributed_test_step(dataset_inputs):
     return strategy.run(test_step, args=(dataset_inputs,))
 
-  history = {"train_loss": [], "train_accuracy": [], "test_loss": [], "test_accuracy": []}
+  history = {"train_loss": [], "train_accuracy": [], "test_loss": [], "test_accuracy": [], "train_rows": [], "test_rows": []}
   for epoch in range(EPOCHS):
     # TRAIN LOOP
     total_loss = 0.0
@@ -170,7 +173,7 @@ def main(devices=None, global_batch_size=None, epochs=2, checkpoint_dir=None, se
     print(template.format(epoch + 1, train_loss,
                            train_accuracy.result() * 100, test_loss.result(),
                            test_accuracy.result() * 100))
-    for key, value in zip(history, (train_loss, train_accuracy.result(), test_loss.result(), test_accuracy.result())):
+    for key, value in zip(history, (train_loss, train_accuracy.result(), test_loss.result(), test_accuracy.result(), train_accuracy.count, test_accuracy.count)):
       history[key].append(float(value))
 
     test_loss.reset_state()

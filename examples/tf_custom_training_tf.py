@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 
-def load_fashion_mnist(num_train=384, num_test=192, seed=0):
+def load_fashion_mnist(num_train=60000, num_test=10000, seed=0):
   """Fashion-MNIST-shaped data (uint8 28x28 images, labels 0-9): a noisy pattern per class."""
   rng = np.random.default_rng(seed)
   patterns = rng.uniform(0, 255, (10, 28, 28))
@@ -27,9 +27,9 @@ def load_fashion_mnist(num_train=384, num_test=192, seed=0):
   return make(num_train), make(num_test)
 
 
-def main(devices=None, global_batch_size=None, epochs=2, checkpoint_dir=None, seed=1):
+def main(devices=None, global_batch_size=None, epochs=2, checkpoint_dir=None, seed=1, num_train=60000, num_test=10000):
   tf.keras.utils.set_random_seed(seed)
-  (train_images, train_labels), (test_images, test_labels) = load_fashion_mnist()
+  (train_images, train_labels), (test_images, test_labels) = load_fashion_mnist(num_train, num_test)
 
   # Add a dimension to the array -> new shape == (28, 28, 1)
   # This is done because the first layer in our model is a convolutional
@@ -147,7 +147,7 @@ def main(devices=None, global_batch_size=None, epochs=2, checkpoint_dir=None, se
   def distributed_test_step(dataset_inputs):
     return strategy.run(test_step, args=(dataset_inputs,))
 
-  history = {"train_loss": [], "train_accuracy": [], "test_loss": [], "test_accuracy": []}
+  history = {"train_loss": [], "train_accuracy": [], "test_loss": [], "test_accuracy": [], "train_rows": [], "test_rows": []}
   for epoch in range(EPOCHS):
     # TRAIN LOOP
     total_loss = 0.0
@@ -168,7 +168,7 @@ def main(devices=None, global_batch_size=None, epochs=2, checkpoint_dir=None, se
     print(template.format(epoch + 1, train_loss,
                            train_accuracy.result() * 100, test_loss.result(),
                            test_accuracy.result() * 100))
-    for key, value in zip(history, (train_loss, train_accuracy.result(), test_loss.result(), test_accuracy.result())):
+    for key, value in zip(history, (train_loss, train_accuracy.result(), test_loss.result(), test_accuracy.result(), train_accuracy.count, test_accuracy.count)):
       history[key].append(float(value))
 
     test_loss.reset_state()

@@ -30,6 +30,7 @@ def test_arrays_are_cut_padded_and_masked_per_process():
         else:  # process 1: the third row of each batch, then padding (a copy of a real row, masked)
             assert rows == [[2, 0], [5, 3], [8, 6], [9, 9]] and masks == [[1, 0], [1, 0], [1, 0], [0, 0]]
         assert [b.num_real for b in batches] == [3, 3, 3, 1]  # the global count, on every process
+        assert [b.rows for b in batches] == [3, 3, 3, 1]  # and static: the global view cuts each batch to it
 
 
 def test_shuffle_order_depends_on_seed_and_pass_not_on_devices():
@@ -50,9 +51,22 @@ def test_iterable_batches_padded_to_the_first_batch_size():
     batches = _host(ds)
     assert ds.batch_size == 4 and [b.mask.tolist() for b in batches] == [[1, 1, 1, 1], [1, 1, 1, 0]]
     assert [b.num_real for b in batches] == [4, 3]
+    assert [b.rows for b in batches] == [4, 3]  # an iterable of global batches: its padding at the end
     with pytest.raises(ValueError, match="more than batch_size=4"):
         _host(DistributedDataset(_fake(4), [(np.ones((4, 2)),), (np.ones((6, 2)),)]))
     with pytest.raises(ValueError, match="batch_size is required"):
         DistributedDataset(_fake(4), np.ones((4, 2)))
     with pytest.raises(ValueError, match="shuffle=True applies to arrays"):
         DistributedDataset(_fake(4), items[:2], shuffle=True)
+
+
+def test_per_process_pipelines_on_several_processes_leave_the_count_to_the_devices():
+    from mirrorax.inputs.iterables import PerProcessDataset
+    from mirrorax.inputs.source import InputContext
+
+    items = [(np.ones((2, 2)),), (np.ones((1, 2)),)]  # this process's share of global batches of 4
+    ds = DistributedDataset(_fake(4, 2, 0), PerProcessDataset(items, InputContext(2, 0, 4)))
+    batches = list(ds._iterable_batches())
+    # each process pads its own share: the global count, and where the padding sits, only the devices know
+    assert [b.mask.tolist() for b in batches] == [[1, 1], [1, 0]]
+    assert [b.num_real for b in batches] == [None, None] and [b.rows for b in batches] == [None, None]

@@ -24,7 +24,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("cluster", "launch"),
     ("consistency",),
     ("mesh",),
-    ("dispatch", "stateful"),
+    ("dispatch", "padding", "stateful"),
     ("inputs", "inputs.source", "inputs.batch", "inputs.position", "inputs.keras_order", "inputs.keras_data",
      "inputs.streams", "inputs.placement", "inputs.prefetch", "inputs.arrays", "inputs.iterables", "inputs.make",
      "inputs.distributed"),

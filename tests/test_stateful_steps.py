@@ -48,7 +48,7 @@ def _train(n: int, mode: str, epochs: int = 2, batch_size: int = 16):
 
         (loss, predictions), grads = mx.value_and_grad(loss_fn, model.trainable_variables, has_aux=True)()
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        accuracy.update_state(labels, predictions, sample_weight=inputs.mask)
+        accuracy.update_state(labels, predictions)  # TF's form: no mask to pass
         return loss
 
     step = s.jit(train_step) if mode == "jit" else (lambda b: s.run(train_step, args=(b,)))
@@ -66,8 +66,10 @@ def test_stateful_step_equals_one_device(mode):
     for a, b in zip(one.trainable_variables, three.trainable_variables):
         np.testing.assert_allclose(np.asarray(a.value), np.asarray(b.value), rtol=0, atol=1e-5)
     assert int(opt3.iterations.value) == int(opt1.iterations.value) == 8  # 4 batches x 2 epochs
-    # the metric counted each real row once per epoch, the padding rows never
+    # the metric counted each real row once per epoch, the padding rows never (jit: the step saw the real
+    # rows only; run: the replicas' padding rows were given sample_weight 0)
     np.testing.assert_allclose(float(acc3.count.value), 100.0)
+    np.testing.assert_allclose(float(acc1.count.value), 100.0)
     np.testing.assert_allclose(float(acc3.result()), float(acc1.result()), rtol=1e-6)
     # the new values stay on the strategy's devices (no host copy between steps)
     for v in three.trainable_variables + optimizer_variables(opt3) + acc3.variables:
@@ -160,16 +162,15 @@ def test_value_and_grad_per_replica_is_the_global_mean_gradient():
 def test_compute_average_loss_tf_form():
     s = strategy(3)
     batch = next(iter(s.experimental_distribute_dataset((X[:10], Y[:10]), batch_size=10)))  # 12 rows, 2 padding
-    loss = jnp.arange(12, dtype=jnp.float32)
 
     def step(inputs):
+        loss = inputs[0][:, 0]  # one value per row of the step's batch
         return (mx.compute_average_loss(loss, global_batch_size=20),  # TF's divisor, the step's mask
                 mx.compute_average_loss(loss))                          # the step's mask and count
 
-    tf_form, ours = s.jit(step)(batch)
-    real = np.asarray(batch.mask) > 0
-    np.testing.assert_allclose(float(tf_form), np.arange(12)[real].sum() / 20, rtol=1e-6)
-    np.testing.assert_allclose(float(ours), np.arange(12)[real].mean(), rtol=1e-6)
+    for tf_form, ours in (s.jit(step)(batch), s.reduce("sum", s.run(step, args=(batch,)))):
+        np.testing.assert_allclose(float(tf_form), X[:10, 0].sum() / 20, rtol=1e-6)
+        np.testing.assert_allclose(float(ours), X[:10, 0].mean(), rtol=1e-6)
     # no batch anywhere: TF's default divisor, the rows times the replicas
     np.testing.assert_allclose(float(mx.compute_average_loss(jnp.ones(4))), 1.0)
 
@@ -281,6 +282,80 @@ def test_checkpoint_names_a_wrong_argument(tmp_path):
         mx.Checkpoint(step=3)
     with pytest.raises(mx.CheckpointError, match="received None"):
         mx.Checkpoint(step=keras.Variable(0)).restore(None)
+
+
+@pytest.mark.parametrize("mode", ["jit", "run"])
+def test_metric_sample_weight_is_the_users_times_the_mask(mode):
+    s = strategy(3)
+    mean, total = keras.metrics.Mean(), keras.metrics.Sum()
+    weights = np.linspace(0.5, 2.0, 10).astype(np.float32)
+
+    def step(inputs):
+        images, w = inputs
+        mean.update_state(images[:, 0], sample_weight=w)
+        total.update_state(jnp.sum(w * inputs.mask))  # a scalar, not one value per row: left as given
+        return jnp.zeros(())
+
+    fn = s.jit(step) if mode == "jit" else (lambda b: s.run(step, args=(b,)))
+    for batch in s.experimental_distribute_dataset((X[:10], weights), batch_size=4):  # 4, 4, 2 rows of 6
+        fn(batch)
+    np.testing.assert_allclose(float(mean.count.value), weights.sum(), rtol=1e-6)
+    np.testing.assert_allclose(float(mean.result()), (X[:10, 0] * weights).sum() / weights.sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(total.result()), weights.sum(), rtol=1e-6)
+
+
+def test_metric_without_sample_weight_is_named_when_it_counts_padding():
+    class Rows(keras.metrics.Metric):
+        def __init__(self):
+            super().__init__(name="rows_seen")
+            self.n = self.add_variable((), "zeros", name="n")
+
+        def update_state(self, values):  # no sample_weight: the padding cannot be left out
+            self.n.assign(self.n + jnp.shape(values)[0])
+
+        def result(self):
+            return self.n.value
+
+    s = strategy(3)
+    rows = Rows()
+
+    def step(inputs):
+        (images,) = inputs
+        rows.update_state(images)
+        return mx.compute_average_loss(images[:, 0])
+
+    with pytest.warns(mx.PaddingIgnoredWarning, match=r"metric 'rows_seen' \(its update_state takes no sample_weight"):
+        for batch in s.experimental_distribute_dataset((X[:10],), batch_size=4):
+            s.run(step, args=(batch,))
+    assert float(rows.n.value) == 18  # 3 batches of 6 rows, padding included, as the warning says
+    rows.reset_state()
+    step_jit = s.jit(step)
+    for batch in s.experimental_distribute_dataset((X[:10],), batch_size=4):
+        step_jit(batch)  # the global view: the real rows only, nothing to warn about
+    assert float(rows.n.value) == 10
+
+
+def test_global_view_of_a_count_only_the_devices_know():
+    """A batch without its static count (as per-process pipelines on several processes give: each process pads
+    its own share) cannot be cut: the global view sees its padding, masked, as a replica does."""
+    s = strategy(2)
+    model, _, _, accuracy = _objects()
+    mask = np.array([1, 1, 1, 0, 1, 1, 0, 0], np.float32)  # each process's share padded at its own end
+    x, y = X[[0, 1, 2, 0, 3, 4, 3, 3]], Y[[0, 1, 2, 0, 3, 4, 3, 3]]
+    placed = [jax.device_put(a, s.batch_sharding) for a in (x, y, mask)]
+    batch = mx.DistributedBatch(tuple(placed[:2]), placed[2], s.replicate(np.float32(5)), padded=True)
+
+    @s.jit
+    def step(inputs):
+        images, labels = inputs
+        predictions = model(images)
+        accuracy.update_state(labels, predictions)  # given the mask as its sample_weight
+        return predictions, jnp.mean(predictions)  # a plain mean: the padding enters it
+
+    with pytest.warns(mx.PaddingIgnoredWarning, match=r"its real rows known to the devices only.*output\[1\]"):
+        predictions, _ = step(batch)
+    assert float(accuracy.count.value) == 5.0
+    np.testing.assert_allclose(s.gather(predictions), np.asarray(model(X[:5])), atol=1e-6)  # the real rows
 
 
 def test_metric_counts_every_replicas_rows_per_replica():

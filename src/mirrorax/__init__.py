@@ -28,6 +28,7 @@ from mirrorax.inputs.distributed import DistributedDataset as DistributedDataset
 from mirrorax.mesh import hybrid_mesh as hybrid_mesh
 from mirrorax.models.base import ModelAdapter as ModelAdapter
 from mirrorax.models.functional import FunctionalModel as FunctionalModel
+from mirrorax.padding import PaddingIgnoredWarning as PaddingIgnoredWarning
 from mirrorax.planner import Plan as Plan
 from mirrorax.planner import plan as plan
 from mirrorax.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
@@ -40,7 +41,6 @@ from mirrorax.replica import masked_mean as masked_mean
 from mirrorax.replica import scale_regularization_loss as scale_regularization_loss
 from mirrorax.results import History as History
 from mirrorax.results import NonFiniteLossError as NonFiniteLossError
-from mirrorax.stateful import PaddingIgnoredWarning as PaddingIgnoredWarning
 from mirrorax.stateful import grad as grad
 from mirrorax.stateful import value_and_grad as value_and_grad
 from mirrorax.strategy import InputContext as InputContext

@@ -15,8 +15,10 @@ gradient of a replicated value (the state) comes out already summed over the rep
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["ReduceOp", "ReplicaContext", "get_replica_context", "compute_average_loss", "masked_mean",
-           "scale_regularization_loss", "batch_scope", "find_batch"]
+           "scale_regularization_loss", "batch_scope", "find_batch", "real_rows_view", "keep_padding_view",
+           "RowValues", "mark_rows", "rows_of"]
 
 PyTree = Any
 
@@ -159,6 +162,18 @@ def find_batch(args: Any) -> Any:
     return found[0] if len(found) == 1 else None
 
 
+def real_rows_view(args: Any, sharding: Any) -> Any:
+    """``args`` (any pytree) with each :class:`mirrorax.DistributedBatch` that knows its real rows cut to them:
+    what a step in the global view is given (inside its trace; see ``DistributedBatch.real_rows_only``)."""
+    return jax.tree.map(lambda b: b.real_rows_only(sharding) if _is_batch(b) else b, args, is_leaf=_is_batch)
+
+
+def keep_padding_view(args: Any) -> Any:
+    """``args`` with each :class:`mirrorax.DistributedBatch` without its static count, its padding kept: what
+    ``strategy.run`` hands its replicas (as many rows on each), one program for every row count."""
+    return jax.tree.map(lambda b: b.keep_padding() if _is_batch(b) else b, args, is_leaf=_is_batch)
+
+
 @contextlib.contextmanager
 def batch_scope(batch: Any) -> Iterator[None]:
     """Makes ``batch`` the step's batch while it traces: :func:`compute_average_loss` without a batch
@@ -277,3 +292,37 @@ def masked_mean(values: Any, batch: Any) -> jax.Array:
     if not jnp.issubdtype(values.dtype, jnp.floating):
         values = values.astype(jnp.float32)
     return compute_average_loss(values, batch)
+
+
+# -- per-row values of a batch with padding --------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RowValues:
+    """How an array a step returned holds one row per example of a batch with padding.
+
+    Attributes:
+      per_replica: the rows each replica held (the batch's rows over ``num_replicas_in_sync``): replica
+        ``r`` held rows ``r * per_replica`` on, and its real rows are the first of those.
+      mask: ``None`` when the array holds the batch's real rows only (a step in the global view, given
+        the batch cut to them); else the batch's ``mask``, split as the array is: the array keeps every
+        row, padding included (a step per replica), and the mask says which rows are real.
+    """
+
+    per_replica: int
+    mask: Any = None
+
+
+_ROW_VALUES: dict[int, RowValues] = {}
+
+
+def mark_rows(value: Any, rows: RowValues) -> None:
+    """Records that ``value`` (a ``jax.Array`` a step returned) holds one row per example as ``rows``
+    says, for as long as ``value`` lives (``strategy.gather`` and ``experimental_local_results`` then
+    give its real rows only)."""
+    key = id(value)
+    _ROW_VALUES[key] = rows
+    weakref.finalize(value, _ROW_VALUES.pop, key, None)
+
+
+def rows_of(value: Any) -> RowValues | None:
+    """What :func:`mark_rows` recorded for ``value``, or ``None``."""
+    return _ROW_VALUES.get(id(value))

@@ -34,25 +34,40 @@ respect to Keras variables (TF's ``GradientTape.gradient(loss, model.trainable_v
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jax_core
 
 from mirrorax.dispatch import InFlight, OutShardings, StrategyFunction
-from mirrorax.replica import batch_scope, find_batch, get_replica_context, varies_over
+from mirrorax.padding import (
+    even_out_shardings,
+    masked_metric_updates,
+    padding_outputs,
+    per_row_leaves,
+    unmasked_metrics,
+    warn_padding,
+)
+from mirrorax.replica import (
+    RowValues,
+    batch_scope,
+    find_batch,
+    get_replica_context,
+    keep_padding_view,
+    mark_rows,
+    real_rows_view,
+    varies_over,
+)
 
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh
 
-__all__ = ["StatefulFunction", "PaddingIgnoredWarning", "value_and_grad", "grad", "check_not_tf_function",
-           "check_no_variables"]
+__all__ = ["StatefulFunction", "value_and_grad", "grad", "check_not_tf_function", "check_no_variables"]
 
 PyTree = Any
 _SCOPE_CLASS: Any = None
@@ -143,57 +158,6 @@ def check_no_variables(args: Any, where: str) -> None:
                 "or pass the values: [v.value for v in model.trainable_variables].")
 
 
-class PaddingIgnoredWarning(UserWarning):
-    """A step was given a padded batch but its results never read the batch's ``mask``.
-
-    A :class:`mirrorax.DistributedBatch` keeps every example: the short last batch of an uneven dataset
-    (and every batch whose size the device count does not divide) is padded with copies of real rows,
-    marked 0 in ``mask``. A step whose loss is a plain mean (``jnp.mean(loss)``) counts those copies as
-    examples. Warned once per step function, the first time a padded batch reaches a step whose
-    traced program has a reduced output (a loss, new weights) that depends on the data but none that
-    depends on the mask. Fix: :func:`mirrorax.compute_average_loss` (or the mask itself, e.g.
-    :func:`mirrorax.masked_mean`), or ``experimental_distribute_dataset(..., drop_remainder=True)``.
-    """
-
-
-# Primitives whose sub-program maps its inputs and outputs one to one (the rest count as a whole).
-_CALLS = frozenset({"pjit", "jit", "shard_map", "closed_call", "core_call", "remat", "checkpoint",
-                    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
-
-
-def _depends(jaxpr: Any, sources: list[bool]) -> list[bool]:
-    """For each output of ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``), whether it depends on an input marked in
-    ``sources``. Errs towards "depends" (a loop or branch passes any marked input to all its outputs)."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    marked = {v for v, m in zip(jaxpr.invars, sources) if m}
-
-    def hit(v: Any) -> bool:
-        return not isinstance(v, jax_core.Literal) and v in marked
-
-    for eqn in jaxpr.eqns:
-        ins = [hit(v) for v in eqn.invars]
-        if not any(ins):
-            continue
-        sub = next((p for p in eqn.params.values() if isinstance(p, (jax_core.Jaxpr, jax_core.ClosedJaxpr))
-                    and len(getattr(p, "jaxpr", p).invars) == len(ins)
-                    and len(getattr(p, "jaxpr", p).outvars) == len(eqn.outvars)), None)
-        outs = _depends(sub, ins) if sub is not None and eqn.primitive.name in _CALLS else [True] * len(eqn.outvars)
-        marked.update(v for v, m in zip(eqn.outvars, outs) if m)
-    return [hit(v) for v in jaxpr.outvars]
-
-
-def ignores_padding(jaxpr: Any, leaves: list[Any], batch: Any) -> bool:
-    """Whether the program ``jaxpr`` (inputs: ``leaves``) has an output reduced over the rows (not one row per
-    example: a loss, new weights) that depends on ``batch``'s data while no output depends on its mask."""
-    data = {id(a) for a in jax.tree.leaves(batch.data)}
-    if not any(_depends(jaxpr, [a is batch.mask for a in leaves])):
-        rows = np.shape(batch.mask)[0]
-        shapes = [v.aval.shape for v in getattr(jaxpr, "jaxpr", jaxpr).outvars]
-        reached = _depends(jaxpr, [id(a) in data for a in leaves])
-        return any(r and not (shape and shape[0] == rows) for r, shape in zip(reached, shapes))
-    return False
-
-
 class _Probe:
     _value: Any = None
 
@@ -241,6 +205,20 @@ class _Entry:
         self.seen: list[Any] = [None] * len(self.kept)  # the kept variables' values last passed
 
 
+class _Traced:
+    """What a trace of a step saw of its outputs: which hold one row per example, their paths, the metrics it
+    could not give the mask, and their shapes."""
+
+    __slots__ = ("per_row", "paths", "unmasked", "shapes")
+
+    def __init__(self, per_row: list[bool], paths: list[str], unmasked: list[str], shapes: Any) -> None:
+        self.per_row, self.paths, self.unmasked, self.shapes = per_row, paths, unmasked, shapes
+
+
+def _shape_of(a: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+
+
 def _shape_key(args: tuple[Any, ...]) -> Any:
     leaves, treedef = jax.tree.flatten(args)
     return treedef, tuple((np.shape(a), getattr(a, "dtype", type(a))) for a in leaves)
@@ -263,18 +241,31 @@ class StatefulFunction:
         self._window = window
 
         user_fn = fn
+        sharding = mesh.batch_sharding
 
         @functools.wraps(user_fn)
-        def with_batch(*args: Any) -> Any:  # the step's batch, for compute_average_loss in TF's form
-            with batch_scope(find_batch(args)):
+        def with_batch(*args: Any) -> Any:
+            if not per_replica:  # the global view: a batch whose real rows are known reaches fn cut to them
+                args = real_rows_view(args, sharding)
+            batch = find_batch(args)  # the step's batch, for compute_average_loss in TF's form
+            # Padding the step sees (per replica; a count only the devices know): Keras metrics get the mask.
+            mask = batch.mask if batch is not None and getattr(batch, "has_padding", True) else None
+            with batch_scope(batch), masked_metric_updates(mask), unmasked_metrics() as unmasked:
                 out = user_fn(*args)
             # a Keras variable returned (apply_gradients returns the step counter) comes back as its value
-            return jax.tree.map(lambda x: x.value if _is_variable(x) else x, out, is_leaf=_is_variable)
+            out = jax.tree.map(lambda x: x.value if _is_variable(x) else x, out, is_leaf=_is_variable)
+            if self._tracing is not None and batch is not None:  # what the call being made returns
+                paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(out)[0]]
+                self._traced[self._tracing] = _Traced(per_row_leaves(out, np.shape(batch.mask)[0]), paths,
+                                                      list(unmasked), jax.tree.map(_shape_of, out))
+            return out
 
         self._fn = fn = with_batch
         self._per_replica = per_replica
         self._where = where
         self._donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        if out_shardings is not None and not per_replica:
+            out_shardings = self._even_outputs(out_shardings)
         self._out_shardings = out_shardings
         self._plain = StrategyFunction(mesh, window, fn, donate_argnums=donate_argnums, per_replica=per_replica,
                                        out_shardings=out_shardings)
@@ -286,6 +277,21 @@ class StatefulFunction:
                              out_shardings=None if mesh.has_layout_map else mesh.replicated)
         self._padding_checked: set[Any] = set()  # signatures whose use of the mask was checked
         self._padding_warned = False
+        self._tracing: Any = None  # the signature of the call being made (its traces record what fn returns)
+        self._traced: dict[Any, _Traced] = {}
+
+    def _even_outputs(self, given: OutShardings) -> Callable[..., Any]:
+        """``out_shardings`` as given, except that an output the given layout would split unevenly (one row per
+        real example of a batch cut to a count the devices do not divide: 64 rows on 3 devices) is
+        replicated: an array is split into equal parts only."""
+        def shapes(*args: Any) -> Any:  # what the step's trace recorded (its discovery trace ran first)
+            traced = self._traced.get(self._tracing)
+            if traced is None:  # (no Keras imported, no discovery trace: no variable to guard either)
+                jax.eval_shape(self._fn, *args)
+                traced = self._traced[self._tracing]
+            return traced.shapes
+
+        return even_out_shardings(given, shapes, self._mesh.replicated, self._mesh.num_replicas_in_sync)
 
     @property
     def compile_count(self) -> int:
@@ -294,19 +300,33 @@ class StatefulFunction:
 
     def lower(self, *args: Any) -> Any:
         """``jax.jit(...).lower`` of the program a call with ``args`` runs (the variables' values first)."""
-        entry = self._entry(args)
-        if entry is None:
-            return self._plain.lower(*args)
-        return entry.function.lower(self._values(entry.assigned), self._values(entry.kept), *args)
+        with self._call(args):
+            entry = self._entry(args)
+            if entry is None:
+                return self._plain.lower(*args)
+            return entry.function.lower(self._values(entry.assigned), self._values(entry.kept), *args)
+
+    @contextlib.contextmanager
+    def _call(self, args: tuple[Any, ...]) -> Iterator[Any]:
+        """Marks the traces made inside as those of ``args``' signature (they record what the step returns)."""
+        key = _shape_key(args)
+        self._tracing = key
+        try:
+            yield key
+        finally:
+            self._tracing = None
 
     def program(self, *args: Any) -> Any:
         """The compiled program of a step that touches no Keras variable (see
         :meth:`mirrorax.dispatch.StrategyFunction.program`); a stateful step is called as a function."""
-        if self._entry(args) is not None:
+        with self._call(args):
+            stateful = self._entry(args) is not None
+        if stateful:
             raise TypeError(f"{getattr(self._fn, '__name__', 'fn')} reads or assigns Keras variables: call it as a "
                             "function (it writes the new values back after each call). program() is for steps whose "
                             "state is an explicit argument.")
-        return self._plain.program(*args)
+        with self._call(args):
+            return self._plain.program(*args)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tf = sys.modules.get("tensorflow")
@@ -317,19 +337,42 @@ class StatefulFunction:
                             f"{self._where} compiles the step with XLA itself.")
         if kwargs:
             return self._plain(*args, **kwargs)  # raises, naming the fix
-        entry = self._entry(args)
-        if not self._padding_warned:
+        batch = find_batch(args)
+        real = getattr(batch, "rows", None)
+        if batch is not None and self._per_replica:
+            # Every replica holds as many rows, padding included: one program serves every row count.
+            args = keep_padding_view(args)
             batch = find_batch(args)
-            if batch is not None and getattr(batch, "padded", False):
-                self._check_padding(args, batch, entry)
-        if entry is None:
-            return self._plain(*args)
-        out, new = entry.function(self._owned(entry), self._kept(entry), *args)
-        direct = _current_scope() is None
-        for i, (v, value) in enumerate(zip(entry.assigned, new)):
-            _write(v, value, direct)
-            entry.written[i] = value
+        padding = batch is not None and bool(getattr(batch, "has_padding", False))
+        with self._call(args) as key:
+            entry = self._entry(args, key)
+            sees = padding and (self._per_replica or real is None)
+            if sees and not self._padding_warned and getattr(batch, "padded", False):
+                self._check_padding(args, batch, entry, key, real)
+            if entry is None:
+                out = self._plain(*args)
+            else:
+                out, new = entry.function(self._owned(entry), self._kept(entry), *args)
+                direct = _current_scope() is None
+                for i, (v, value) in enumerate(zip(entry.assigned, new)):
+                    _write(v, value, direct)
+                    entry.written[i] = value
+        if padding:
+            self._mark_rows(out, key, batch)
         return out
+
+    def _mark_rows(self, out: Any, key: Any, batch: Any) -> None:
+        """Records the outputs holding one row per example of ``batch`` (which has padding), so that
+        ``strategy.gather`` & co. give their real rows only."""
+        traced = self._traced.get(key)
+        leaves = jax.tree.leaves(out)
+        if traced is None or len(traced.per_row) != len(leaves):
+            return
+        cut = not self._per_replica and getattr(batch, "rows", None) is not None
+        rows = RowValues(np.shape(batch.mask)[0] // self._mesh.num_replicas_in_sync, None if cut else batch.mask)
+        for leaf, per_row in zip(leaves, traced.per_row):
+            if per_row and isinstance(leaf, jax.Array):
+                mark_rows(leaf, rows)
 
     def _owned(self, entry: _Entry) -> list[Any]:
         """The assigned variables' values, to be donated to the call: the arrays the last call wrote when
@@ -361,32 +404,36 @@ class StatefulFunction:
         seen[:] = self._values(entry.kept)
         return list(seen)
 
-    def _check_padding(self, args: tuple[Any, ...], batch: Any, entry: _Entry | None) -> None:
-        """Warns once if ``args`` (holding the padded ``batch``) go to a program that ignores the mask
+    def _check_padding(self, args: tuple[Any, ...], batch: Any, entry: _Entry | None, key: Any,
+                       real: int | None) -> None:
+        """Warns once if ``args`` (holding ``batch``, whose padding the step sees; ``real`` of its rows are
+        real, ``None``: known to the devices only) go to a program that lets the padding into a result
         (checked once per signature: a trace, nothing compiled)."""
-        key = _shape_key(args)
         if key in self._padding_checked:
             return
         self._padding_checked.add(key)
         if entry is None:
             jaxpr, leaves = self._plain.make_jaxpr(*args), jax.tree.leaves(args)
+            variables: list[Any] = []
         else:
             values = (self._values(entry.assigned), self._values(entry.kept))
             jaxpr, leaves = entry.function.make_jaxpr(*values, *args), jax.tree.leaves((values, *args))
-        if ignores_padding(jaxpr, leaves, batch):
-            self._padding_warned = True
-            name = getattr(self._fn, "__name__", "fn")
-            warnings.warn(
-                f"{self._where} received a padded batch (the short last batch of an uneven dataset, or a batch size "
-                f"the device count does not divide), but {name} never reads the batch's mask: its padding rows, "
-                "copies of real rows, enter its loss and updates as examples. Leave them out with "
-                "mx.compute_average_loss(per_example_loss) (or the batch's mask, e.g. mx.masked_mean), or "
-                "drop the short batch: strategy.experimental_distribute_dataset(..., drop_remainder=True).",
-                PaddingIgnoredWarning, stacklevel=3)
+            variables = entry.assigned
+        traced = self._traced.get(key)
+        paths = traced.paths if traced is not None else []
+        names = [f"output{p}" for p in paths] + [f"variable {getattr(v, 'path', v)!r}" for v in variables]
+        entered = [names[i] if len(names) == len(jaxpr.out_avals) else f"output {i}"
+                   for i in padding_outputs(jaxpr, leaves, batch)]
+        metrics = sorted(set(traced.unmasked)) if traced is not None else []
+        if not entered and not metrics:
+            return
+        self._padding_warned = True
+        warn_padding(self._where, getattr(self._fn, "__name__", "fn"), real, np.shape(batch.mask)[0],
+                     self._mesh.num_replicas_in_sync if self._per_replica else None, entered, metrics)
 
     # -- building -------------------------------------------------------------------------------------
-    def _entry(self, args: tuple[Any, ...]) -> _Entry | None:
-        key = _shape_key(args)
+    def _entry(self, args: tuple[Any, ...], key: Any = None) -> _Entry | None:
+        key = _shape_key(args) if key is None else key
         if key in self._state:
             return self._state[key]
         check_no_variables(args, self._where)

@@ -15,6 +15,7 @@ with :func:`on_scope`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -30,7 +31,8 @@ from mirrorax.inputs.distributed import DistributedDataset
 from mirrorax.inputs.iterables import PerProcessDataset
 from mirrorax.inputs.source import InputContext
 from mirrorax.mesh import AxisName, BatchMesh, ShardMode, check_shard
-from mirrorax.replica import ReduceOp, resolve_op
+from mirrorax.padding import even_out_shardings
+from mirrorax.replica import ReduceOp, batch_scope, find_batch, real_rows_view, resolve_op, rows_of
 from mirrorax.stateful import StatefulFunction, check_not_tf_function
 
 __all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "InputContext", "get_strategy", "current_scope",
@@ -257,14 +259,17 @@ class MirroredStrategy:
           seed: the shuffle seed.
           drop_remainder: leave out a batch with fewer than ``batch_size`` rows, as ``tf.data``'s
             ``batch(..., drop_remainder=True)`` does (arrays: each pass's short last batch; an iterable:
-            any short item). ``False`` (default): every example is used, the short batch padded and
-            masked: a step's loss must then leave the padding out (:func:`mirrorax.compute_average_loss`
-            or the batch's ``mask``), or a :class:`mirrorax.PaddingIgnoredWarning` says it does not.
-            Not for :meth:`distribute_datasets_from_function` on several processes (batch there).
+            any short item). ``False`` (default): every example is used, as by ``tf.data``. A short batch
+            is placed padded (the fixed shape) and a step sees what TF's would: in the global view
+            (:meth:`jit`) the batch cut to its real rows; per replica (:meth:`run`) the padding stays,
+            masked (Keras metrics and :func:`mirrorax.compute_average_loss` leave it out; a
+            :class:`mirrorax.PaddingIgnoredWarning` names a result that lets it in). Not for
+            :meth:`distribute_datasets_from_function` on several processes (batch there).
 
         Returns:
           A :class:`mirrorax.DistributedDataset`: each ``iter()`` is one pass; each batch has the same
-          fixed shape (padded, with ``mask`` and ``num_real``), so a step compiles once.
+          fixed shape (padded, with ``mask``, ``num_real`` and, where the host knows it, the static count
+          ``rows``): a step compiles once for the full batches and once for a short one.
 
         Example:
           >>> dist = strategy.experimental_distribute_dataset((x, y), batch_size=256, shuffle=True)
@@ -284,6 +289,12 @@ class MirroredStrategy:
         all-reduce. Compiled once per input signature. Replicated arguments stay replicated, batch
         arguments stay split. Every call is pushed into :attr:`in_flight`: at most ``max_in_flight`` calls
         are outstanding, without the caller writing any waits.
+
+        A :class:`mirrorax.DistributedBatch` argument that knows its real rows (arrays, iterables of global
+        batches) reaches ``fn`` cut to them, as TF's short last batch is: ``fn`` is the single-device
+        program on those rows (a plain mean, a Keras metric, BatchNormalization and every per-example
+        value see the real rows only; one program per row count). An output with one row per example
+        then holds those rows only (replicated); :meth:`gather` gives them once.
 
         Args:
           fn: the step, e.g. ``step(state, batch) -> (state, loss)``.
@@ -325,8 +336,11 @@ class MirroredStrategy:
                 return StatefulFunction(self._layout, self._window, f, donate_argnums=donate_argnums,
                                         out_shardings=out_shardings)
             check_not_tf_function(f, "strategy.jit")
-            return StrategyFunction(self._layout, self._window, f, donate_argnums=donate_argnums,
-                                    out_shardings=out_shardings)
+            step = _global_view(f, self.batch_sharding)
+            layouts = out_shardings if out_shardings is None else even_out_shardings(
+                out_shardings, functools.partial(jax.eval_shape, step), self.replicated, self.num_replicas_in_sync)
+            return StrategyFunction(self._layout, self._window, step, donate_argnums=donate_argnums,
+                                    out_shardings=layouts)
 
         return make if fn is None else make(fn)
 
@@ -344,6 +358,13 @@ class MirroredStrategy:
         :meth:`reduce` and :meth:`gather`. Compiled once per ``fn`` and signature (pass the same
         function each step); the same dispatch bound as :meth:`jit`.
 
+        Every replica holds as many rows, so a short batch's padding rows reach ``fn``, 0 in
+        ``batch.mask``: each Keras metric's ``update_state`` with one value per row is given the mask as
+        its ``sample_weight`` (times its own), :func:`mirrorax.compute_average_loss` leaves them out, and
+        :meth:`gather`, :meth:`experimental_local_results` and ``reduce(..., axis=0)`` drop them from an
+        output with one row per example. A result reduced over the rows without the mask is named by a
+        :class:`mirrorax.PaddingIgnoredWarning`.
+
         Example:
           >>> def replica_step(state, batch):
           ...     # loss_fn ends in mx.compute_average_loss: this replica's share of the global mean
@@ -355,8 +376,12 @@ class MirroredStrategy:
         wrapped = self._run_functions.get(fn)
         if wrapped is None:
             check_not_tf_function(fn, "strategy.run")
+            @functools.wraps(fn)
+            def per_replica(a: tuple[Any, ...], k: dict[str, Any]) -> Any:
+                return fn(*a, **k)
+
             wrapped = self._run_functions[fn] = StatefulFunction(
-                self._layout, self._window, lambda a, k: fn(*a, **k), per_replica=True, where="strategy.run")
+                self._layout, self._window, per_replica, per_replica=True, where="strategy.run")
         return wrapped(tuple(args), dict(kwargs or {}))
 
     def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
@@ -372,7 +397,13 @@ class MirroredStrategy:
           op: ``"sum"``, ``"mean"`` or ``"max"`` (any case: TF's ``"SUM"``), :class:`mirrorax.ReduceOp`, or
             ``tf.distribute.ReduceOp.SUM`` / ``MEAN``.
           value: the pytree to reduce.
-          axis: an axis of each replica's value to reduce too, or ``None``.
+          axis: an axis of each replica's value to reduce too, or ``None``. A value a step returned with one
+            row per example of a batch with padding takes ``axis=0`` only: the op over its real rows (TF's
+            reduction over the replicas and the examples; ``"mean"`` divides by the real rows).
+
+        Raises:
+          ValueError: ``op`` is not a known reduction; a value with one row per example of a batch with padding
+            and an ``axis`` other than 0.
 
         Example:
           >>> total = strategy.reduce("sum", per_replica_loss)
@@ -382,6 +413,14 @@ class MirroredStrategy:
         combine = ops[kind]
 
         def one(v: Any) -> Any:
+            if rows_of(v) is not None:  # one row per example of a batch with padding: its real rows
+                if axis != 0:
+                    raise ValueError(
+                        f"reduce({kind!r}, value, axis={axis!r}) received a value with one row per example of a "
+                        f"batch with padding (shape {tuple(np.shape(v))}): its replicas hold different numbers of "
+                        "real rows, so they cannot be combined element-wise. Reduce over the examples too "
+                        f"(strategy.reduce({kind!r}, value, axis=0)), or take the rows with strategy.gather(value).")
+                return combine(self._real_rows(v), axis=0)
             per = self._per_replica_values(v)
             out = combine(per, axis=0)
             return combine(out, axis=axis) if axis is not None else out
@@ -391,14 +430,25 @@ class MirroredStrategy:
     def gather(self, value: Any, axis: int = 0) -> Any:
         """The replicas' values of ``value`` (a pytree) concatenated along ``axis``, as host numpy on every process.
 
-        For a batch-split array and ``axis=0`` this is the global array itself (padding rows included:
-        use the batch's ``mask`` to drop them). A replicated value is concatenated ``num_replicas_in_sync``
-        times, as TF does for mirrored values.
+        For a batch-split array and ``axis=0`` this is the global array itself. An output a :meth:`run` or
+        :meth:`jit` step returned with one row per example of a batch with padding gives its real rows only,
+        in order (the padding rows are dropped). A replicated value is concatenated
+        ``num_replicas_in_sync`` times, as TF does for mirrored values.
+
+        Raises:
+          ValueError: ``axis`` is not 0 for a value with one row per example of a batch with padding.
 
         Example:
           >>> predictions = strategy.gather(strategy.run(predict_fn, args=(params, batch)))
         """
         def one(v: Any) -> Any:
+            if rows_of(v) is not None:
+                if axis != 0:
+                    raise ValueError(
+                        f"gather(value, axis={axis!r}) received a value with one row per example of a batch with "
+                        f"padding (shape {tuple(np.shape(v))}): its replicas hold different numbers of real rows. "
+                        "Gather it along its examples: strategy.gather(value, axis=0).")
+                return self._real_rows(v)
             per = self._per_replica_values(v)
             if per.ndim == 1:  # one scalar per replica
                 return per
@@ -410,16 +460,32 @@ class MirroredStrategy:
         """This process's replicas' values of ``value`` (a pytree), one host-numpy tree per local replica,
         in mesh order (TF's ``strategy.experimental_local_results``).
 
-        A per-replica value (from :meth:`run`) gives each replica's own scalar or rows; a replicated one
-        gives the same value once per replica.
+        A per-replica value (from :meth:`run`) gives each replica's own scalar or rows (of a batch with
+        padding, its real rows only: possibly none); a replicated one gives the same value once per replica.
 
         Example:
           >>> per_replica_loss = strategy.run(train_step, args=(batch,))
           >>> strategy.experimental_local_results(per_replica_loss)   # (loss of replica 0, of replica 1, ...)
         """
         mine = [i for i, d in enumerate(self.devices) if d in set(self.local_devices)]
-        per = jax.tree.map(self._per_replica_values, value)
-        return tuple(jax.tree.map(lambda p, i=i: p[i], per) for i in mine)
+        leaves, treedef = jax.tree.flatten(value)
+        per = [self._replica_rows(v) if rows_of(v) is not None else self._per_replica_values(v) for v in leaves]
+        return tuple(jax.tree.unflatten(treedef, [p[i] for p in per]) for i in mine)
+
+    def _real_rows(self, v: Any) -> np.ndarray:
+        """The real rows of ``v``, an output with one row per example of a batch with padding."""
+        rows = rows_of(v)
+        assert rows is not None
+        host = host_value(v)
+        return host if rows.mask is None else host[host_value(rows.mask) > 0]
+
+    def _replica_rows(self, v: Any) -> list[np.ndarray]:
+        """Each replica's real rows of ``v`` (see :meth:`_real_rows`), in mesh order."""
+        rows = rows_of(v)
+        assert rows is not None
+        host, k = host_value(v), rows.per_replica
+        real = np.ones(len(host), bool) if rows.mask is None else host_value(rows.mask) > 0
+        return [host[r * k:(r + 1) * k][real[r * k:(r + 1) * k]] for r in range(self.num_replicas_in_sync)]
 
     def _per_replica_values(self, v: Any) -> np.ndarray:
         """``(num_replicas, ...)``: each replica's value of ``v``."""
@@ -472,6 +538,18 @@ class MirroredStrategy:
         shape = "" if self.mesh.axis_names == ("batch",) else f"mesh={dict(self.mesh.shape)}, "
         return (f"MirroredStrategy({shape}num_replicas_in_sync={self.num_replicas_in_sync}, "
                 f"processes={self.process_count}, platform={','.join(kinds)})")
+
+
+def _global_view(fn: Callable[..., Any], sharding: NamedSharding) -> Callable[..., Any]:
+    """``fn`` as ``strategy.jit(fn, stateful=False)`` traces it: a batch that knows its real rows cut to
+    them, and the step's batch known to :func:`mirrorax.compute_average_loss`."""
+    @functools.wraps(fn)
+    def step(*args: Any) -> Any:
+        args = real_rows_view(args, sharding)
+        with batch_scope(find_batch(args)):
+            return fn(*args)
+
+    return step
 
 
 MultiWorkerMirroredStrategy = MirroredStrategy

@@ -1,0 +1,301 @@
+"""What a custom step sees of a batch's padding, and what it returns of it.
+
+A :class:`mirrorax.DistributedBatch` has one fixed shape: a short batch (the last of an uneven dataset, or
+one whose size the device count does not divide) is padded with copies of real rows, 0 in its ``mask``.
+TF's last batch is simply shorter. So that a step gives TF's numbers:
+
+* **Global view** (``strategy.jit``): a batch whose real rows the host knows (arrays, iterables of global
+  batches) reaches the step cut to them (:func:`mirrorax.replica.real_rows_view`): the step is the
+  single-device program on the real rows, whatever it does with them.
+* **Per replica** (``strategy.run``, and the global view of a batch whose count only the devices know):
+  each replica has as many rows, so the padding stays. Every Keras metric's ``update_state`` called in the
+  step with one value per row is given the mask as its ``sample_weight`` (times the user's own), so its
+  state counts the real rows only (:func:`masked_metric_updates`); :func:`mirrorax.compute_average_loss`
+  and :func:`mirrorax.masked_mean` leave the padding out of losses.
+* **Outputs.** An output with one row per example of a batch with padding is recorded
+  (:func:`mirrorax.replica.mark_rows`), so that ``strategy.gather``, ``experimental_local_results`` and
+  ``reduce(..., axis=0)`` give its real rows only: in the global view the step's output holds those rows
+  only; per replica it keeps the fixed shape and the record holds the mask.
+* What remains ambiguous is warned once per step function (:class:`PaddingIgnoredWarning`), naming what
+  the padding enters: an output reduced over the rows without the mask (a plain ``jnp.mean``, a
+  BatchNormalization statistic per replica), or a metric whose ``update_state`` takes no ``sample_weight``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jax_core
+
+from mirrorax.replica import find_batch
+
+__all__ = ["PaddingIgnoredWarning", "padding_outputs", "warn_padding", "masked_metric_updates", "unmasked_metrics",
+           "per_row_leaves", "even_out_shardings", "even_layouts"]
+
+
+class PaddingIgnoredWarning(UserWarning):
+    """A step sees the padding rows of a batch and lets them into a result.
+
+    A :class:`mirrorax.DistributedBatch` keeps every example: the short last batch of an uneven dataset
+    (and every batch whose size the device count does not divide) is padded with copies of real rows,
+    marked 0 in ``mask``. A step in the global view (``strategy.jit``) never sees them when the host
+    knows the real rows (arrays, iterables of global batches: it is given the batch cut to those). Per
+    replica (``strategy.run``), and for per-process pipelines on several processes, each replica holds
+    padding rows too: Keras metrics get the mask as their ``sample_weight``, and
+    :func:`mirrorax.compute_average_loss` leaves them out, but a plain mean (``jnp.mean(loss)``), a
+    BatchNormalization statistic or a metric whose ``update_state`` has no ``sample_weight`` counts them.
+
+    Warned once per step function, the first time such a batch reaches a step whose traced program has an
+    output reduced over the rows (not one row per example) that depends on the batch's data but not on its
+    mask, or that updates such a metric; the message names them. Fix:
+    :func:`mirrorax.compute_average_loss` (or the mask itself, e.g. :func:`mirrorax.masked_mean`), or
+    ``experimental_distribute_dataset(..., drop_remainder=True)``.
+    """
+
+
+# -- which outputs let the padding in --------------------------------------------------------------------
+# Primitives whose sub-program maps its inputs and outputs one to one (the rest count as a whole).
+_CALLS = frozenset({"pjit", "jit", "shard_map", "closed_call", "core_call", "remat", "checkpoint",
+                    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def _depends(jaxpr: Any, sources: list[bool]) -> list[bool]:
+    """For each output of ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``), whether it depends on an input marked in
+    ``sources``. Errs towards "depends" (a loop or branch passes any marked input to all its outputs)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    marked = {v for v, m in zip(jaxpr.invars, sources) if m}
+
+    def hit(v: Any) -> bool:
+        return not isinstance(v, jax_core.Literal) and v in marked
+
+    for eqn in jaxpr.eqns:
+        ins = [hit(v) for v in eqn.invars]
+        if not any(ins):
+            continue
+        sub = next((p for p in eqn.params.values() if isinstance(p, (jax_core.Jaxpr, jax_core.ClosedJaxpr))
+                    and len(getattr(p, "jaxpr", p).invars) == len(ins)
+                    and len(getattr(p, "jaxpr", p).outvars) == len(eqn.outvars)), None)
+        outs = _depends(sub, ins) if sub is not None and eqn.primitive.name in _CALLS else [True] * len(eqn.outvars)
+        marked.update(v for v, m in zip(eqn.outvars, outs) if m)
+    return [hit(v) for v in jaxpr.outvars]
+
+
+def padding_outputs(jaxpr: Any, leaves: list[Any], batch: Any) -> list[int]:
+    """The outputs of the program ``jaxpr`` (inputs: ``leaves``) that let ``batch``'s padding in: reduced over
+    the rows (not one row per example, as a prediction is: the caller drops those rows), depending on the
+    batch's data but not on its mask (a plain mean, a BatchNormalization statistic)."""
+    data = {id(a) for a in jax.tree.leaves(batch.data)}
+    rows = np.shape(batch.mask)[0]
+    shapes = [v.aval.shape for v in getattr(jaxpr, "jaxpr", jaxpr).outvars]
+    masked = _depends(jaxpr, [a is batch.mask for a in leaves])
+    reached = _depends(jaxpr, [id(a) in data for a in leaves])
+    return [i for i, (r, m, shape) in enumerate(zip(reached, masked, shapes))
+            if r and not m and not (shape and shape[0] == rows)]
+
+
+def warn_padding(where: str, name: str, real: int | None, rows: int, replicas: int | None, entered: list[str],
+                 metrics: list[str]) -> None:
+    """Warns (:class:`PaddingIgnoredWarning`) that the step ``name`` given to ``where`` saw a batch of ``rows``
+    rows (``real`` of them real; ``None``: known to the devices only), per replica on ``replicas`` replicas
+    (``None``: the global view), and that the padding enters the results named in ``entered`` and the
+    state of the ``metrics``."""
+    count = f"{real} real rows of {rows}" if real is not None else "its real rows known to the devices only"
+    if replicas is not None:
+        view = (f"each replica runs {name} on {rows // replicas} rows, the padding rows (copies of real rows, 0 in "
+                "batch.mask) included")
+    else:
+        view = (f"{name} sees every row, the padding rows (copies of real rows, 0 in batch.mask) included: a "
+                "per-process pipeline's real rows are known to the devices only, so the batch is not cut")
+    what = [f"{', '.join(entered[:6])}{', ...' if len(entered) > 6 else ''} (reduced over the rows without "
+            "the mask)"] if entered else []
+    what += [f"the state of metric {m!r} (its update_state takes no sample_weight)" for m in metrics]
+    warnings.warn(
+        f"{where} received a padded batch ({count}: the short last batch of an uneven dataset, or a batch size "
+        f"the device count does not divide), and {view}. Keras metrics get the mask as their sample_weight and "
+        f"mx.compute_average_loss leaves the padding out, but it enters {'; '.join(what)}. Leave it out with "
+        "mx.compute_average_loss(per_example_loss) or the batch's mask (e.g. mx.masked_mean), or drop the short "
+        "batch: strategy.experimental_distribute_dataset(..., drop_remainder=True).",
+        PaddingIgnoredWarning, stacklevel=4)
+
+
+def per_row_leaves(out: Any, rows: int) -> list[bool]:
+    """For each leaf of ``out`` (traced in a step whose batch has ``rows`` rows), whether it holds one row
+    per example: its leading axis has the batch's rows."""
+    return [bool(jnp.ndim(a)) and jnp.shape(a)[0] == rows for a in jax.tree.leaves(out)]
+
+
+def even_out_shardings(given: Any, shapes: Callable[..., Any], replicated: Any, replicas: int) -> Callable[..., Any]:
+    """``out_shardings`` (a sharding, a pytree of them or a callable of the arguments) for a step in the
+    global view: as given, except for a batch cut to a count of rows the ``replicas`` do not divide, where
+    an output the given layout would split unevenly is ``replicated`` (:func:`even_layouts`; ``shapes(*args)``
+    gives the outputs' shapes then)."""
+    def out_shardings(*args: Any) -> Any:
+        user = given(*args) if callable(given) else given
+        rows = getattr(find_batch(args), "rows", None)
+        if user is None or rows is None or rows % replicas == 0:
+            return user
+        return even_layouts(user, shapes(*args), replicated)
+
+    return out_shardings
+
+
+def even_layouts(shardings: Any, shapes: Any, fallback: Any) -> Any:
+    """``shardings`` (a prefix of ``shapes``' tree, as ``out_shardings`` is) with ``fallback`` for each leaf
+    whose shape its sharding cannot split evenly (one row per real example of a batch cut to a count the
+    devices do not divide: an array is split into equal parts only)."""
+    def one(sharding: Any, shape: Any) -> Any:
+        try:
+            sharding.shard_shape(shape.shape)
+        except (ValueError, AttributeError):  # (jax's IndivisibleError is a ValueError)
+            return fallback
+        return sharding
+
+    try:
+        full = jax.tree.broadcast(shardings, shapes)
+    except (ValueError, TypeError):  # not a prefix of the outputs: jax.jit names the mismatch
+        return shardings
+    return jax.tree.map(one, full, shapes)
+
+
+# -- Keras metrics given the mask ------------------------------------------------------------------------
+_state = threading.local()  # .masks: a stack (None: no masking); .inside: depth of patched calls
+_lock = threading.Lock()
+_installed: dict[Any, Callable[..., Any]] = {}  # class -> its own update_state, while patched
+_users = 0
+
+
+def _masks() -> list[Any]:
+    stack = getattr(_state, "masks", None)
+    if stack is None:
+        stack = _state.masks = []
+    return stack
+
+
+def _with_mask(original: Callable[..., Any], metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+               mask: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of ``metric.update_state`` with ``mask`` in the sample weight, when its first argument
+    holds one value per row of the step's batch; unchanged otherwise."""
+    try:
+        signature = inspect.signature(original)
+        bound = signature.bind(metric, *args, **kwargs)
+    except (TypeError, ValueError):
+        return args, kwargs
+    names = list(signature.parameters)
+    first = bound.arguments.get(names[1]) if len(names) > 1 else None
+    rows = np.shape(mask)[0]
+    if first is None or not jnp.ndim(first) or jnp.shape(first)[0] != rows:
+        return args, kwargs  # not one value per row (a scalar, another batch's values): left as given
+    if "sample_weight" not in signature.parameters:
+        unmasked = getattr(_state, "unmasked", None)
+        if unmasked is not None:
+            unmasked.append(getattr(metric, "name", type(metric).__name__))
+        return args, kwargs
+    weight = bound.arguments.get("sample_weight")
+    if weight is None:
+        weight = mask
+    else:
+        weight = jnp.asarray(weight)
+        weight = weight * jnp.reshape(mask, (rows,) + (1,) * (weight.ndim - 1)).astype(weight.dtype) \
+            if weight.ndim else weight * mask
+    bound.arguments["sample_weight"] = weight
+    return bound.args[1:], bound.kwargs
+
+
+def _patched(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def update_state(self: Any, *args: Any, **kwargs: Any) -> Any:
+        masks = _masks()
+        inside = getattr(_state, "inside", 0)
+        if not masks or masks[-1] is None or inside:  # not in a step, or a metric called by a metric
+            return original(self, *args, **kwargs)
+        args, kwargs = _with_mask(original, self, args, kwargs, masks[-1])
+        _state.inside = inside + 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _state.inside = inside
+
+    update_state.__mirrorax_original__ = original  # type: ignore[attr-defined]
+    return update_state
+
+
+def _metric_classes(base: Any) -> Iterator[Any]:
+    seen: set[Any] = set()
+    todo = [base]
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        yield cls
+        todo.extend(cls.__subclasses__())
+
+
+def _install() -> None:
+    global _users
+    keras = sys.modules.get("keras")
+    with _lock:
+        _users += 1
+        if keras is None:
+            return
+        # Every class that defines update_state itself (Keras's and the user's metrics), walked on each
+        # install: a metric class defined since the last one is included.
+        for cls in _metric_classes(keras.metrics.Metric):
+            own = cls.__dict__.get("update_state")
+            if callable(own) and cls not in _installed and not hasattr(own, "__mirrorax_original__"):
+                _installed[cls] = own
+                cls.update_state = _patched(own)
+
+
+def _uninstall() -> None:
+    global _users
+    with _lock:
+        _users -= 1
+        if _users == 0:
+            for cls, own in _installed.items():
+                cls.update_state = own
+            _installed.clear()
+
+
+@contextlib.contextmanager
+def masked_metric_updates(mask: Any) -> Iterator[None]:
+    """While a step traces: each Keras metric's ``update_state`` whose first argument has one value per
+    row of ``mask`` is given ``mask`` as its sample weight (times the one passed), so its state counts
+    the real rows only. ``mask=None``: no masking (a step that sees no padding, inside one that does).
+
+    Keras metrics' ``update_state`` methods are wrapped while any step traces under this (on any thread;
+    the wrappers act only on the thread whose step set a mask) and restored after.
+    """
+    _install()
+    stack = _masks()
+    stack.append(mask)
+    try:
+        yield
+    finally:
+        stack.pop()
+        _uninstall()
+
+
+@contextlib.contextmanager
+def unmasked_metrics() -> Iterator[list[str]]:
+    """Collects the names of the metrics :func:`masked_metric_updates` could not mask (their
+    ``update_state`` takes no ``sample_weight``) while the block runs."""
+    outer = getattr(_state, "unmasked", None)
+    names: list[str] = []
+    _state.unmasked = names
+    try:
+        yield names
+    finally:
+        _state.unmasked = outer
+        if outer is not None:
+            outer.extend(names)
