@@ -228,6 +228,35 @@ def test_a_full_batch_carries_its_row_count_as_a_short_one_does():
     assert Batch(np.zeros((8, 2)), np.zeros(8), mask, mask, rows=None).real_rows() is None
 
 
+class _Counted(_Reiterable):
+    """A re-iterable dataset that counts its passes and the batches read from them."""
+
+    def __init__(self, x, y, bs):
+        super().__init__(x, y, bs)
+        self.passes, self.reads = 0, 0
+
+    def __iter__(self):
+        self.passes += 1
+        for item in _batches(self.x, self.y, self.bs):
+            self.reads += 1
+            yield item
+
+
+def test_the_look_at_the_first_batch_is_the_first_pass_own():
+    """The trainer sizes and builds from the first batch of the pass it then runs: one pass per call, each
+    batch read once (a tf.data .cache() is filled by a whole pass; nothing is read and dropped)."""
+    x, y, _, _ = flat_digits(100)
+    trainer = mx.Trainer(dense(), strategy(2))
+    data = _Counted(x, y, 32)  # 4 batches, the last of 4 rows
+    logs = trainer.evaluate(data)
+    assert (data.passes, data.reads) == (1, 4)
+    assert logs["loss"] == pytest.approx(trainer.evaluate(x, y, batch_size=32)["loss"], rel=1e-6)
+    pred = trainer.predict(_Counted(x, y, 32))
+    assert pred.shape[0] == len(x)
+    data = _Counted(x, y, 32)
+    trainer.fit(data, epochs=2, verbose=0)
+    assert (data.passes, data.reads) == (2, 8)
+
 
 def test_tensors_frames_and_jax_arrays_are_arrays_as_keras_reads_them():
     """What Keras's data adapters slice as arrays (array_slicing.can_slice_array) is arrays here too:

@@ -580,3 +580,29 @@ def test_tf_tensors_give_keras_numbers_in_fit_evaluate_and_predict():
     assert got.shape == (1, 1)
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
+
+@pytest.mark.slow  # a process of its own (tests/jobs/cached_pipeline.py), pinned to one core
+def test_cached_pipeline_evaluate_and_predict_read_every_row_as_keras_pinned_to_one_core():
+    """A ``.cache()``d tf.data pipeline after a seeded reshuffle: evaluate and predict under the scope read it
+    in one pass, as Keras's own calls do (the look at the first batch is that pass's), so they use every row,
+    in Keras's order, and the cache is whole afterwards: 20 of 20 trials on one core. Reading a batch from an
+    iterator of its own and dropping it (as mirrorax did) started the source twice and reshuffled, and on one
+    core could leave the cache completed with the rows read so far (evaluate averaging 32 of 150 rows)."""
+    import json
+    import os
+    import subprocess
+
+    from jobs.procs import clean_env, python
+
+    script = os.path.join(os.path.dirname(__file__), "jobs", "cached_pipeline.py")
+    proc = subprocess.run(python(script, "20"), capture_output=True, text=True, timeout=280,
+                          env=clean_env(JAX_NUM_CPU_DEVICES="4"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    trials = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(trials) == 20
+    for trial in trials:
+        plain, scoped = trial["plain"], trial["scoped"]
+        assert (scoped["generator_runs"], scoped["rows_after"], len(scoped["predict"])) == (1, 400, 400)
+        assert (plain["generator_runs"], plain["rows_after"]) == (1, 400)
+        np.testing.assert_allclose(scoped["evaluate"], plain["evaluate"], rtol=1e-5)
+        np.testing.assert_allclose(scoped["predict"], plain["predict"], rtol=1e-5, atol=1e-6)
