@@ -226,3 +226,67 @@ def test_a_full_batch_carries_its_row_count_as_a_short_one_does():
     stacked = Batch(np.zeros((2, 8, 2)), np.zeros((2, 8)), np.ones((2, 8)), np.ones((2, 8)), rows=(8, 3))
     assert stacked.real_rows() == RealRows((8, 3))
     assert Batch(np.zeros((8, 2)), np.zeros(8), mask, mask, rows=None).real_rows() is None
+
+
+class _Counted(_Reiterable):
+    """A re-iterable dataset that counts its passes and the batches read from them."""
+
+    def __init__(self, x, y, bs):
+        super().__init__(x, y, bs)
+        self.passes, self.reads = 0, 0
+
+    def __iter__(self):
+        self.passes += 1
+        for item in _batches(self.x, self.y, self.bs):
+            self.reads += 1
+            yield item
+
+
+def test_the_look_at_the_first_batch_is_the_first_pass_own():
+    """The trainer sizes and builds from the first batch of the pass it then runs: one pass per call, each
+    batch read once (a tf.data .cache() is filled by a whole pass; nothing is read and dropped)."""
+    x, y, _, _ = flat_digits(100)
+    trainer = mx.Trainer(dense(), strategy(2))
+    data = _Counted(x, y, 32)  # 4 batches, the last of 4 rows
+    logs = trainer.evaluate(data)
+    assert (data.passes, data.reads) == (1, 4)
+    assert logs["loss"] == pytest.approx(trainer.evaluate(x, y, batch_size=32)["loss"], rel=1e-6)
+    pred = trainer.predict(_Counted(x, y, 32))
+    assert pred.shape[0] == len(x)
+    data = _Counted(x, y, 32)
+    trainer.fit(data, epochs=2, verbose=0)
+    assert (data.passes, data.reads) == (2, 8)
+
+
+def test_tensors_frames_and_jax_arrays_are_arrays_as_keras_reads_them():
+    """What Keras's data adapters slice as arrays (array_slicing.can_slice_array) is arrays here too:
+    tf.Tensor, jax.Array, pandas, dicts of them; a tf.data.Dataset is an iterable of batches."""
+    tf = pytest.importorskip("tensorflow")
+    pd = pytest.importorskip("pandas")
+    import jax.numpy as jnp
+
+    from mirrorax.inputs.arrays import ArraySource
+    from mirrorax.inputs.make import is_array_tree, make_source
+
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    for arrays in (tf.constant(x), jnp.asarray(x), {"a": tf.constant(x), "b": tf.convert_to_tensor([1, 2, 3, 4, 5, 6])},
+                   pd.DataFrame(x), tf.RaggedTensor.from_tensor(tf.constant(x)), tf.sparse.from_dense(x)):
+        assert is_array_tree(arrays), type(arrays)
+    assert not is_array_tree(tf.data.Dataset.from_tensor_slices(x).batch(2))
+    assert not is_array_tree(iter([x]))
+    # keras.io's one-row inference: a dict of one-row tensors from Python lists
+    one = make_source({"age": tf.convert_to_tensor([60]), "thal": tf.convert_to_tensor([[0, 1, 0]])})
+    assert isinstance(one, ArraySource) and one.num_examples == 1
+    assert one.x["age"].dtype == np.int32 and one.x["thal"].shape == (1, 3)
+    src = make_source(tf.constant(x), tf.constant(np.arange(6.0)))
+    np.testing.assert_array_equal(src.x, x)
+    # pandas as Keras slices it: a Series is one column
+    frame = pd.DataFrame({"u": np.arange(6.0), "v": np.arange(6, 12)})
+    assert make_source(dict(frame)).x["u"].shape == (6, 1)
+    np.testing.assert_array_equal(make_source(frame).x, frame.to_numpy().astype(np.float32))
+    # a ragged tensor whose rows are of one length is its dense tensor; others are refused with the fix
+    np.testing.assert_array_equal(make_source(tf.RaggedTensor.from_tensor(tf.constant(x))).x, x)
+    with pytest.raises(ValueError, match=r"x is a tf.RaggedTensor whose rows have different lengths.*to_tensor\(\)"):
+        make_source(tf.ragged.constant([[1.0, 2.0], [3.0]]))
+    with pytest.raises(TypeError, match=r"x\['s'\] is a tf.SparseTensor .*tf.sparse.to_dense"):
+        make_source({"s": tf.sparse.from_dense(x)})

@@ -547,3 +547,62 @@ def test_keras_hub_task_fit_preprocesses_and_trains_on_mirrorax():
     counts = mx.keras_fit.trainer_of(lm).compile_counts()
     assert counts["train"] == 1 and counts["evaluate"] == 1  # mirrorax's programs, not Keras's
     assert all(v.value.sharding.device_set == set(s.devices) for v in lm.trainable_variables)
+
+
+def test_tf_tensors_give_keras_numbers_in_fit_evaluate_and_predict():
+    """tf.Tensor inputs are arrays, as Keras's data adapters read them: fit(tf_x, tf_y) in Keras's shuffle
+    order, evaluate and predict; and keras.io's one-row inference ("Structured data classification from
+    scratch"): predict on a dict of ``tf.convert_to_tensor([value])``."""
+    tf = pytest.importorskip("tensorflow")
+    x, y, xt, yt = flat_digits(100)
+    tx, ty, txt, tyt = (tf.constant(a) for a in (x, y, xt, yt))
+    ref = _tanh_dense()
+    ref_hist = ref.fit(tx, ty, batch_size=32, epochs=2, verbose=0).history  # shuffle=True
+    with strategy(4).scope():
+        model = _tanh_dense()
+    hist = model.fit(tx, ty, batch_size=32, epochs=2, verbose=0).history
+    np.testing.assert_allclose(hist["loss"], ref_hist["loss"], rtol=1e-5)
+    assert_weights_close(model, ref, 1e-5, 1e-6)
+    np.testing.assert_allclose(model.evaluate(txt, tyt, verbose=0), ref.evaluate(txt, tyt, verbose=0), rtol=1e-5)
+    np.testing.assert_allclose(model.predict(txt, verbose=0), ref.predict(txt, verbose=0), rtol=1e-5, atol=1e-6)
+
+    def functional():
+        keras.utils.set_random_seed(2)
+        inputs = {"age": keras.Input((1,), name="age"), "thal": keras.Input((3,), name="thal", dtype="int32")}
+        h = keras.layers.concatenate([inputs["age"], keras.ops.cast(inputs["thal"], "float32")])
+        return keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid")(keras.layers.Dense(4)(h)))
+
+    sample = {"age": tf.convert_to_tensor([60]), "thal": tf.convert_to_tensor([[0, 1, 0]])}  # (1,) and (1, 3)
+    with strategy(4).scope():
+        scoped = functional()
+    want = functional().predict(sample, verbose=0)
+    got = scoped.predict(sample, verbose=0)
+    assert got.shape == (1, 1)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.slow  # a process of its own (tests/jobs/cached_pipeline.py), pinned to one core
+def test_cached_pipeline_evaluate_and_predict_read_every_row_as_keras_pinned_to_one_core():
+    """A ``.cache()``d tf.data pipeline after a seeded reshuffle: evaluate and predict under the scope read it
+    in one pass, as Keras's own calls do (the look at the first batch is that pass's), so they use every row,
+    in Keras's order, and the cache is whole afterwards: 20 of 20 trials on one core. Reading a batch from an
+    iterator of its own and dropping it (as mirrorax did) started the source twice and reshuffled, and on one
+    core could leave the cache completed with the rows read so far (evaluate averaging 32 of 150 rows)."""
+    import json
+    import os
+    import subprocess
+
+    from jobs.procs import clean_env, python
+
+    script = os.path.join(os.path.dirname(__file__), "jobs", "cached_pipeline.py")
+    proc = subprocess.run(python(script, "20"), capture_output=True, text=True, timeout=280,
+                          env=clean_env(JAX_NUM_CPU_DEVICES="4"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    trials = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(trials) == 20
+    for trial in trials:
+        plain, scoped = trial["plain"], trial["scoped"]
+        assert (scoped["generator_runs"], scoped["rows_after"], len(scoped["predict"])) == (1, 400, 400)
+        assert (plain["generator_runs"], plain["rows_after"]) == (1, 400)
+        np.testing.assert_allclose(scoped["evaluate"], plain["evaluate"], rtol=1e-5)
+        np.testing.assert_allclose(scoped["predict"], plain["predict"], rtol=1e-5, atol=1e-6)

@@ -36,3 +36,43 @@ def test_float16_mixed_precision_uses_dynamic_loss_scaling():
     assert model.layers[0].compute_dtype == "float16" and model.layers[-1].compute_dtype == "float32"
     assert np.isfinite(hist.history["loss"]).all() and hist.history["loss"][-1] < hist.history["loss"][0]
     assert all(w.dtype == np.float32 for w in model.get_weights())
+
+
+def test_mixed_bfloat16_history_loss_and_evaluate_are_keras_data_parallels():
+    """Keras's ``mixed_bfloat16`` policy (bfloat16 outputs): History's loss and evaluate are the numbers
+    Keras's own step gives on the same 4 devices (Keras DataParallel, the rounding baseline), not only its
+    weights. Within Keras's one program XLA may keep the outputs in float32 on their way into the loss; a
+    loss summed per replica took them rounded to bfloat16 first, and History differed by 4e-5..4e-4."""
+    import jax
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(100, 16)).astype(np.float32), rng.integers(0, 4, 100)
+
+    def run(scope, fit_in_scope):
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+        try:
+            with scope():
+                keras.utils.set_random_seed(1)
+                model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="tanh"),
+                                          keras.layers.Dense(4, activation="softmax")])
+                model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+                if fit_in_scope:  # Keras's distribution must be current while its fit runs
+                    return _mixed_run(model, x, y)
+            return _mixed_run(model, x, y)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+
+    data_parallel = keras.distribution.DataParallel(devices=jax.devices()[:4])
+    want_hist, want_eval, want_weights = run(data_parallel.scope, True)
+    got_hist, got_eval, got_weights = run(strategy(4).scope, False)
+    assert got_weights[0].dtype == np.float32
+    for got, want in zip(got_weights, want_weights):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got_hist["loss"], want_hist["loss"], rtol=2e-7)
+    np.testing.assert_allclose(got_eval, want_eval, rtol=2e-7)
+    assert got_hist["accuracy"] == want_hist["accuracy"]
+
+
+def _mixed_run(model, x, y):
+    hist = model.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0).history
+    return hist, model.evaluate(x, y, batch_size=20, verbose=0), model.get_weights()

@@ -47,6 +47,7 @@ def check_batch_size(batch_size: Any) -> int:
 def to_numeric(a: Any, what: str, float_dtype: Any = np.float32) -> np.ndarray:
     """``a`` as a numeric numpy array; float32/float64 become ``float_dtype`` (the model's), as Keras's own
     data adapters cast floats to ``floatx``, and int64 becomes int32."""
+    a = _composite_dense(a, what)
     if hasattr(a, "numpy") and not isinstance(a, np.ndarray):
         a = a.numpy()
     try:
@@ -76,6 +77,31 @@ def to_numeric(a: Any, what: str, float_dtype: Any = np.float32) -> np.ndarray:
                              f"first (e.g. np.unique({what}, return_inverse=True)[1] for ids).")
         arr = arr.astype(np.int32)
     return arr
+
+
+def _composite_dense(a: Any, what: str) -> Any:
+    """``a`` as Keras's data adapters densify it for JAX: a pandas ``Series`` as one column (``(n, 1)``,
+    Keras's ``PandasSeriesSliceable``), a ``tf.RaggedTensor`` whose rows are all one length as its dense
+    tensor. A ragged tensor of varying lengths and a ``tf.SparseTensor`` are refused: Keras pads each batch
+    of a ragged one to its own longest row (a new shape per batch) and hands JAX sparse batches, where
+    mirrorax compiles one dense shape."""
+    cls = type(a)
+    if cls.__name__ == "Series" and cls.__module__.startswith("pandas"):
+        return np.expand_dims(a.to_numpy(), -1)
+    if "tensorflow.python." not in cls.__module__:
+        return a
+    if cls.__name__ == "RaggedTensor":
+        dense = a.to_tensor()
+        if int(np.prod(dense.shape)) == int(np.size(a.flat_values)):
+            return dense
+        raise ValueError(f"{what} is a tf.RaggedTensor whose rows have different lengths (shape {a.shape}). Keras "
+                         "pads each batch to its own longest row, a new shape per batch; mirrorax compiles one "
+                         f"shape. Pad every row to one length first: {what}.to_tensor() (or, for text, "
+                         "TextVectorization(output_sequence_length=...)).")
+    if cls.__name__ == "SparseTensor":
+        raise TypeError(f"{what} is a tf.SparseTensor (shape {a.shape}); mirrorax feeds dense batches. Densify "
+                        f"it first: tf.sparse.to_dense({what}).")
+    return a
 
 
 def tree_numeric(tree: Any, what: str, float_dtype: Any = np.float32) -> Any:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from mirrorax import _keras_env
-from mirrorax.inputs import keras_data
+from mirrorax.inputs import keras_data, keras_order
 from mirrorax.models.base import attach_strategy, strategy_of
 from mirrorax.strategy import MirroredStrategy, on_scope
 
@@ -289,7 +289,9 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
     if arrays and batch_size is None and steps_per_epoch:
         # Keras's ArrayDataAdapter: the steps cover the rows once
         batch_size = -(-keras_data.row_count(x) // steps_per_epoch)
-    first = keras_data.keras_build_read(self, x, arrays, shuffle, batch_size or 32)
+    build = keras_data.keras_build_read(self, x, arrays, shuffle, batch_size or 32)
+    if not arrays:
+        x = keras_data.as_batches(x, shuffle, build)
     if class_weight is not None:
         if arrays:
             from mirrorax.inputs.make import class_weights
@@ -298,16 +300,12 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
         else:  # batches (a PyDataset, a generator): each one weighted as Keras's data adapters do
             from collections.abc import Iterator
 
-            batches = keras_data.as_batches(x, shuffle, first)
-            x = keras_data.ClassWeighted(batches, class_weight)
-            if isinstance(batches, Iterator):  # a generator stays one-shot (see keras_data.as_batches)
-                x = iter(x)
+            weighted = keras_data.ClassWeighted(x, class_weight)
+            x = iter(weighted) if isinstance(x, Iterator) else weighted  # a generator stays one-shot
     if (validation_data is not None and not isinstance(validation_data, tuple)
             and is_array_tree(validation_data)):
         raise ValueError("validation_data must be a tuple (x_val, y_val) or (x_val, y_val, sample_weight), or an "
                          f"iterable of such batches; received {type(validation_data).__name__}.")
-    if not arrays:
-        x = keras_data.as_batches(x, shuffle, first)
     hooks_lib.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         steps = steps_per_epoch or keras_data.num_batches(x, batch_size or (None if not arrays else 32))
@@ -346,7 +344,8 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: int | None = 
     from mirrorax.inputs.make import is_array_tree
 
     if not is_array_tree(x):
-        x = keras_data.as_batches(x)
+        build = keras_data.build_read(x) if keras_order.keras_builds(self) else None
+        x = keras_data.as_batches(x, build=build)
     steps = _capped_steps(steps)
     hooks_lib.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
@@ -369,7 +368,8 @@ def _predict(self: Any, x: Any, batch_size: int | None = None, verbose: Any = "a
     from mirrorax.inputs.make import is_array_tree
 
     if not is_array_tree(x):
-        x = keras_data.as_batches(x)
+        build = keras_data.build_read(x) if keras_order.keras_builds(self, predict=True) else None
+        x = keras_data.as_batches(x, build=build)
     steps = _capped_steps(steps)
     hooks_lib.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):

@@ -55,30 +55,41 @@ class IterableSource:
         self.iterable = iterable
         self.float_dtype = np.dtype(float_dtype)
         self._first: Any = None
+        self._opened: tuple[Iterator[Any], Any] | None = None  # the pass peek() began, and its first item
 
     def peek(self) -> tuple[PyTree, PyTree, Any]:
-        """The first item, split into ``(x, y, w)`` (for sizing and building); consumes nothing."""
+        """The first item, split into ``(x, y, w)`` (for sizing and building); consumes nothing.
+
+        The item is read from the pass the next iteration trains on, whose iterator stays open: that pass
+        starts with it. So the input is iterated once per pass, as Keras iterates it: a tf.data pipeline's
+        ``.cache()`` is filled by a whole pass (an iterator dropped half-read can leave it truncated), a
+        reshuffling ``shuffle(seed=...)`` gives Keras's order, a generator loses no item. An iterable that
+        can show its first batch without a pass (``first_batch()``: a Keras ``PyDataset``, read by index)
+        is asked instead."""
         if self._first is None:
-            it = iter(self.iterable)
-            try:
-                raw = next(it)
-            except StopIteration:
-                raise ValueError(f"The input iterable yielded no batch: received an empty "
-                                 f"{type(self.iterable).__name__}. Pass a non-empty dataset (a generator "
-                                 "or iterator is spent after one pass: pass a fresh one).") from None
+            look = getattr(self.iterable, "first_batch", None)
+            if callable(look):
+                raw = look()
+            else:
+                it = self._iter()
+                try:
+                    raw = next(it)
+                except StopIteration:
+                    raise ValueError(f"The input iterable yielded no batch: received an empty "
+                                     f"{type(self.iterable).__name__}. Pass a non-empty dataset (a generator "
+                                     "or iterator is spent after one pass: pass a fresh one).") from None
+                self._opened = (it, raw)
             x, y, w = _split(raw)
             self._first = (tree_numeric(x, "x", self.float_dtype), tree_numeric(y, "y", self.float_dtype), w)
-            if it is self.iterable or isinstance(self.iterable, Iterator):
-                # A one-shot iterator: the peeked item must still be trained on.
-                self._unread = raw
         return self._first
 
     def _iter(self) -> Iterator[Any]:
-        it = iter(self.iterable)
-        unread = self.__dict__.pop("_unread", None)
-        if unread is not None:
-            return itertools.chain([unread], it)
-        return it
+        """A pass: the one :meth:`peek` began (its first item again, then the rest), else a new iteration."""
+        opened, self._opened = self._opened, None
+        if opened is not None:
+            it, first = opened
+            return itertools.chain([first], it)
+        return iter(self.iterable)
 
     @property
     def labels_checked(self) -> bool:
@@ -150,7 +161,8 @@ class IterableSource:
         input has its own state; only process 0 writes ``meta``)."""
         if isinstance(self.iterable, (Iterator, InputState)) or (self.per_process and process_count > 1):
             return None
-        tracker = InputState(self.iterable)
+        tracker = InputState(self.iterable, opened=self._opened)  # the pass peek() began goes on there
+        self._opened = None
         self.iterable = tracker
         return tracker
 

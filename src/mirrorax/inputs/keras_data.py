@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ClassWeighted", "keras_build_read", "as_batches", "num_batches", "row_count"]
+__all__ = ["ClassWeighted", "BuildRead", "keras_build_read", "build_read", "as_batches", "num_batches", "row_count"]
 
 
 class ClassWeighted:
@@ -22,28 +22,53 @@ class ClassWeighted:
 
     def __init__(self, data: Any, class_weight: Any) -> None:
         self.data, self.class_weight = data, class_weight
+        look = getattr(data, "first_batch", None)
+        if callable(look):  # the data shows its first batch without a pass (see _Batches): so do these
+            self.first_batch = lambda: self._weighted(look())
 
     def __iter__(self) -> Any:
+        for item in self.data:
+            yield self._weighted(item)
+
+    def _weighted(self, item: Any) -> Any:
         import keras
 
         from mirrorax.inputs.make import class_weights
 
-        for item in self.data:
-            x, y, w = keras.utils.unpack_x_y_sample_weight(item)
-            yield x, y, class_weights(np.asarray(y), self.class_weight, w)
+        x, y, w = keras.utils.unpack_x_y_sample_weight(item)
+        return x, y, class_weights(np.asarray(y), self.class_weight, w)
 
     def __len__(self) -> int:
         return len(self.data)
 
 
-def keras_build_read(model: Any, x: Any, arrays: bool, shuffle: Any, batch_size: int) -> Any:
-    """What Keras's ``fit`` reads before training, for the random state and the dataset's hooks to be
-    where Keras leaves them: the first batch, to build a model not built yet (its order drawn and
-    dropped), then the reset of its iterator (a ``PyDataset``'s ``on_epoch_end``).
+class BuildRead:
+    """The batch Keras reads to build a model before its first pass (``Trainer._symbolic_build`` in ``fit``
+    and ``evaluate``, ``predict``'s read for unbuilt layers), and the iterator it came from.
+
+    Keras reads it from an iterator of its own and drops that iterator when its epoch iterator resets,
+    before the first pass makes a new one. The trainer's look at the first batch is this batch (no other
+    read), and the iterator is held until the first pass begins (:class:`_Batches`), so the input sees the
+    iterators Keras makes, in Keras's order: a reshuffling ``shuffle`` gives Keras's passes, and what a
+    ``.cache()`` keeps of the dropped iterator's reading is what it keeps in Keras.
+
+    Attributes:
+      batch: the batch read. iterator: the iterator it came from (``None`` for a ``PyDataset``, read by
+        index).
+    """
+
+    def __init__(self, batch: Any, iterator: Any = None) -> None:
+        self.batch, self.iterator = batch, iterator
+
+
+def keras_build_read(model: Any, x: Any, arrays: bool, shuffle: Any, batch_size: int) -> BuildRead | None:
+    """What Keras's ``fit`` reads before training, for the random state and the dataset's hooks and
+    iterators to be where Keras leaves them: the first batch, to build a model not built yet (its order
+    drawn and dropped), then the reset of its iterator (a ``PyDataset``'s ``on_epoch_end``).
 
     Returns:
-      The batch read from a ``PyDataset`` (the trainer's look at the first batch then reads nothing
-      more), else ``None``.
+      The batch read (the trainer's look at the first batch then reads nothing more), or ``None``: none
+      read (arrays, a built model, a generator).
     """
     from mirrorax.inputs import keras_order
 
@@ -53,26 +78,55 @@ def keras_build_read(model: Any, x: Any, arrays: bool, shuffle: Any, batch_size:
             keras_order.build_read(shuffle, row_count(x), batch_size)
         return None
     if not _is_py_dataset(x):
-        return None
+        return build_read(x) if builds else None
     first = None
     if builds:
         x.on_epoch_begin()
         n = x.num_batches
-        first = x[keras_order.batch_indices(n, bool(shuffle))[0] if n else 0]
+        first = BuildRead(x[keras_order.batch_indices(n, bool(shuffle))[0] if n else 0])
     x.on_epoch_end()
     return first
+
+
+def build_read(x: Any) -> BuildRead | None:
+    """Keras's read of a batch to build a model, from an iterator of its own, for an input Keras reads
+    that way: a tf.data pipeline, a torch ``DataLoader``, a grain loader (``None`` for anything else: a
+    generator keeps its first item for the pass, as Keras keeps it; a ``PyDataset`` is read by index in
+    :func:`keras_build_read`; an empty input is refused where it is first read)."""
+    if not (_is_tf_dataset(x) or _is_keras_loader(x)):
+        return None
+    it = iter(x)
+    try:
+        return BuildRead(next(it), it)
+    except StopIteration:
+        return None
+
+
+def _is_tf_dataset(x: Any) -> bool:
+    """Keras's ``is_tf_dataset``: a ``tf.data.Dataset`` (or TF's distributed datasets)."""
+    return any(c.__name__ in ("DatasetV2", "DistributedDataset", "DistributedDatasetsFromFunction")
+               and "tensorflow.python." in c.__module__ for c in type(x).__mro__)
+
+
+def _is_keras_loader(x: Any) -> bool:
+    """A torch ``DataLoader`` or a grain dataset or loader: what Keras's data adapters iterate besides
+    tf.data, ``PyDataset``s and generators."""
+    return any(c.__name__ == "DataLoader" and "torch.utils.data" in c.__module__
+               or c.__name__ in ("MapDataset", "IterDataset", "DataLoader") and "grain" in c.__module__
+               for c in type(x).__mro__)
 
 
 def _is_py_dataset(data: Any) -> bool:
     return hasattr(data, "__getitem__") and hasattr(data, "num_batches") and hasattr(data, "on_epoch_end")
 
 
-def as_batches(x: Any, shuffle: Any = False, first: Any = None) -> Any:
+def as_batches(x: Any, shuffle: Any = False, build: BuildRead | None = None) -> Any:
     """``x`` as an iterable of batches: a one-shot iterator (a generator) stays itself, so the batch the
-    trainer peeks at to build the model is still trained on."""
+    trainer peeks at to build the model is still trained on. ``build``: the batch Keras read to build the
+    model (:func:`keras_build_read`), the trainer's look at the first batch."""
     from collections.abc import Iterator
 
-    return x if isinstance(x, Iterator) else _Batches(x, shuffle, first)
+    return x if isinstance(x, Iterator) else _Batches(x, shuffle, build)
 
 
 class _Batches:
@@ -80,22 +134,28 @@ class _Batches:
     data adapter reads it: the dataset's ``on_epoch_begin``, its batches (in the order of
     ``random.shuffle`` when ``shuffle`` and it has a length), its ``on_epoch_end``.
 
-    The first iteration is the trainer's look at the first batch (for shapes), which reads ``first``
-    (the batch Keras's fit read, see :func:`keras_build_read`) or else batch 0, and nothing else.
+    The trainer's look at the first batch (for shapes) is :meth:`first_batch` where there is one without
+    a pass: the batch Keras read to build the model (``build``), or a ``PyDataset``'s batch 0, by index.
+    Otherwise the look is the first batch of the first pass (``IterableSource.peek``). The iterator Keras
+    read its batch from is dropped when the first pass begins, as Keras drops it.
     """
 
-    def __init__(self, data: Any, shuffle: Any = False, first: Any = None) -> None:
-        self.data, self.shuffle, self.first = data, bool(shuffle), first
-        self._looked = False
+    def __init__(self, data: Any, shuffle: Any = False, build: BuildRead | None = None) -> None:
+        self.data, self.shuffle = data, bool(shuffle)
+        self._held = None
+        if build is not None:  # held here alone: dropped when the first pass begins
+            self._held, build.iterator = build.iterator, None
+        if build is not None:
+            batch = build.batch
+            self.first_batch = lambda: batch
+        elif _is_py_dataset(data):
+            self.first_batch = lambda: data[0]
 
     def __iter__(self) -> Any:
+        self._held = None  # Keras's build iterator: dropped before the pass makes its own
         data = self.data
         if not _is_py_dataset(data):
             yield from data
-            return
-        if not self._looked:
-            self._looked = True
-            yield data[0] if self.first is None else self.first
             return
         from mirrorax.inputs.keras_order import batch_indices
 

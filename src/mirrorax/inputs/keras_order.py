@@ -68,11 +68,14 @@ def batch_indices(num_batches: int, shuffle: bool) -> list[int]:
     return [int(i) for i in broadcast_from_primary(np.asarray(indices, np.int64))]
 
 
-def keras_builds(model: Any) -> bool:
-    """Whether Keras's ``fit`` would read a batch to build ``model`` first: its layers, compiled metrics
-    or compiled loss are not built yet (``Trainer._symbolic_build``'s test). A fit after the first
-    (Keras's or mirrorax's: both build them) reads none."""
+def keras_builds(model: Any, *, predict: bool = False) -> bool:
+    """Whether Keras's ``fit`` (or ``evaluate``) would read a batch to build ``model`` first: its layers,
+    compiled metrics or compiled loss are not built yet (``Trainer._symbolic_build``'s test). A fit after
+    the first (Keras's or mirrorax's: both build them) reads none. ``predict``: Keras's ``predict``
+    reads one only for unbuilt layers."""
     layers = all(layer.built for layer in model._flatten_layers())
+    if predict:
+        return not layers
     metrics = getattr(model, "_compile_metrics", None)
     loss = getattr(model, "_compile_loss", None)
     return not layers or (metrics is not None and not metrics.built) or (loss is not None and not loss.built)

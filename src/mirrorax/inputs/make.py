@@ -75,17 +75,34 @@ def validation_source(validation_data: Any, *, float_dtype: Any = np.float32, ch
 
 
 def is_array_tree(x: Any) -> bool:
-    if isinstance(x, (np.ndarray, jax.Array)) or hasattr(x, "__array__") and not isinstance(x, Iterator):
-        return not isinstance(x, (str, bytes)) and not _looks_iterable_dataset(x)
+    """Whether ``x`` is arrays (one, or a dict/list/tuple of them) as Keras's data adapters read it
+    (``array_slicing.can_slice_array``): numpy, ``jax.Array``, a ``tf.Tensor`` (``tf.RaggedTensor`` and
+    ``tf.SparseTensor`` too, refused later with the fix), pandas, anything with ``__array__``; also a
+    nested list of numbers. Anything else (a ``tf.data.Dataset``, a ``PyDataset``, a generator, a
+    ``DataLoader``) is an iterable of batches."""
+    if _is_array(x):
+        return True
     if isinstance(x, Mapping):
-        return all(is_array_tree(v) for v in x.values())
+        return len(x) > 0 and all(is_array_tree(v) for v in x.values())
     if isinstance(x, (tuple, list)):
         return len(x) > 0 and (is_nested_numbers(x) or all(is_array_tree(v) for v in x))
     return False
 
 
-def _looks_iterable_dataset(x: Any) -> bool:
-    return type(x).__module__.startswith(("tensorflow", "torch.utils"))
+def _is_array(x: Any) -> bool:
+    """One array as Keras's data adapters take it (not a structure of them, not a string, not an iterator)."""
+    if isinstance(x, (str, bytes, Iterator)):
+        return False
+    return isinstance(x, (np.ndarray, jax.Array)) or hasattr(x, "__array__") or _is_tf_tensor(x)
+
+
+def _is_tf_tensor(x: Any) -> bool:
+    # Keras's data_adapter_utils.is_tensorflow_tensor: a Tensor subclass, a RaggedTensor or a SparseTensor
+    # of TensorFlow (the two composites have no __array__). Read from the class: TensorFlow is not imported.
+    cls = type(x)
+    if cls.__name__ in ("RaggedTensor", "SparseTensor"):
+        return "tensorflow.python." in cls.__module__
+    return any(c.__name__ == "Tensor" and "tensorflow.python." in c.__module__ for c in cls.__mro__)
 
 
 def class_weights(y: Any, class_weight: Any, sample_weight: Any) -> np.ndarray:

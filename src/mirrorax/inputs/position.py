@@ -39,11 +39,14 @@ class InputState:
 
     KEEP = 256  # states kept behind the newest read: more than any read-ahead (prefetch, steps per dispatch)
 
-    def __init__(self, iterable: Any) -> None:
+    def __init__(self, iterable: Any, opened: tuple[Iterator[Any], Any] | None = None) -> None:
         self.iterable = iterable
         self.restored = False  # whether the last positioned iteration took the input's own state
         self._pending: tuple[int, dict[str, Any] | None] | None = None
         self._states: dict[int, dict[str, Any] | None] = {}
+        # An iteration begun before tracking (the source's look at the first batch): its iterator and the
+        # item it read. The first epoch from batch 0 continues it; a positioned one (a resume) drops it.
+        self._opened = opened
 
     def __len__(self) -> int:
         return len(self.iterable)
@@ -57,6 +60,9 @@ class InputState:
         start, saved = self._pending or (0, None)
         self._pending = None
         self.restored = False
+        opened, self._opened = self._opened, None
+        if opened is not None and start == 0 and saved is None:
+            return self._read(opened[0], 0, first=opened[1])
         if saved is not None and saved.get("kind") == "torchdata" and _loader_state(self.iterable):
             self.iterable.load_state_dict(_decode(saved))
             self.restored = True
@@ -66,7 +72,9 @@ class InputState:
             self.restored = True
         return self._read(it, start)
 
-    def _read(self, it: Iterator[Any], start: int) -> Iterator[Any]:
+    def _read(self, it: Iterator[Any], start: int, first: Any = None) -> Iterator[Any]:
+        """``it``'s items from batch ``start``; ``first``: an item already read from ``it`` (the state before
+        it is not known: a checkpoint there replays)."""
         kind = "grain" if _iterator_state(it) else "torchdata" if _loader_state(self.iterable) else None
         self._states.clear()
         if not self.restored:
@@ -74,11 +82,15 @@ class InputState:
                 if next(it, _END) is _END:
                     return
         index = start
+        held = _END if first is None else first
         while True:
-            if kind:
-                self._states[index] = self._capture(it, kind)
-                self._states.pop(index - self.KEEP, None)
-            item = next(it, _END)
+            if held is not _END:
+                item, held = held, _END
+            else:
+                if kind:
+                    self._states[index] = self._capture(it, kind)
+                    self._states.pop(index - self.KEEP, None)
+                item = next(it, _END)
             if item is _END:
                 return
             yield item

@@ -39,7 +39,11 @@ def update(model: Any, values: list[Any], loss: Any, batch: dict[str, PyTree], y
     refs = model.metrics_variables
     cm = model._compile_metrics
     mask, weights = batch["mask"], batch["sample_weight"] * batch["mask"]
-    where = batch_sums.current()
+    # Outputs in a lower precision than float32 (a mixed_bfloat16 model's): the loss and metrics on the
+    # global batch, as Keras computes them. Within one program XLA may keep such an output's value in
+    # float32 on its way into the loss (excess precision); summed per replica, the output would be
+    # rounded to its own type first, and the loss would not be Keras's.
+    where = batch_sums.current() if _full_precision(y_pred) else None
     packed: list[Any] = []
     totals: list[Any] = []
     if where is not None:
@@ -142,6 +146,12 @@ def update_compile_metrics(cm: Any, y: Any, y_pred: Any, mask: Any, weights: Any
         if (skip is not None and id(metric) in skip) or (only is not None and id(metric) not in only):
             continue
         metric.update_state(y_t, y_p, sample_weight=w if _per_example(metric, y_t, y_p) else None)
+
+
+def _full_precision(y_pred: Any) -> bool:
+    """Whether no floating output is narrower than float32 (bfloat16 and float16 outputs are)."""
+    return all(not jnp.issubdtype(p.dtype, jnp.floating) or jnp.finfo(p.dtype).bits >= 32
+               for p in jax.tree.leaves(y_pred))
 
 
 def _unmasked(y_pred: Any) -> bool:
