@@ -116,6 +116,32 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
     assert "XLA MFU" in proc.stdout and "mirrorax_all / replicated" in proc.stdout
 
 
+def test_accelerator_table_cpu_smoke(tmp_path):
+    """``python -m benchmarks.accelerator --cpu-smoke``: the accelerator table's whole path on one CPU device
+    at tiny sizes: a shared process interleaving the systems (mlp), a process per system (the LM), every
+    figure of the table, and mx.plan after each mirrorax fit compiling nothing. The plumbing, not the speed."""
+    proc = subprocess.run(python("-m", "benchmarks.accelerator", "--cpu-smoke", "--workloads", "mlp,lm", "--systems",
+                                 "jax,mirrorax,keras_scope", "--peak-tflops", "1", "--out", str(tmp_path)),
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    summary = result["summary"]
+    assert sorted(summary) == ["lm", "mlp"] and result["failed"] == []
+    for w in ("mlp", "lm"):
+        rows = summary[w]
+        assert sorted(rows) == ["jax", "keras_scope", "mirrorax"]
+        assert rows["jax"]["ratio_to_hand"] == 1.0
+        for s, r in rows.items():
+            assert r["samples_per_s"] > 0 and r["first_step_s"] > 0 and r["mfu"] > 0 and r["ratio_to_hand"] > 0
+            assert r["plan_compiles"] == (None if s == "jax" else 0), (w, s, r)
+    assert all(r["tokens_per_s"] > 0 for r in summary["lm"].values())
+    # one process per system for the LM: each has its own peak (CPU devices keep none: absent here)
+    runs = [r for r in result["runs"] if r["workload"] == "lm"]
+    assert len(runs) == 3 and all(r["seq_len"] == 16 for r in runs)
+    table = (tmp_path / "results.md").read_text()
+    assert "| lm | model.fit under scope |" in table and "python -m benchmarks.accelerator --cpu-smoke" in table
+
+
 def test_gpu_script_names_the_systems_when_one_is_unknown(capsys):
     from benchmarks import gpu_h200
 
