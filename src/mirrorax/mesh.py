@@ -351,13 +351,14 @@ class BatchMesh:
 
         return jax.tree.unflatten(treedef, [put(a, t) for a, t in zip(leaves, targets)])
 
-    def replicate(self, tree: Any, *, broadcast: bool = True) -> Any:
-        """A copy of ``tree`` on every device (:attr:`replicated`), never aliasing the caller's buffers.
+    def replicate(self, tree: Any, *, broadcast: bool = True, take: bool = False) -> Any:
+        """A copy of ``tree`` on every device (:attr:`replicated`), never aliasing the caller's buffers
+        (``take``: reusing them where it can, as :meth:`place` says).
 
         ``broadcast``: on several processes every replica holds process 0's values. ``False`` for values
         that every process already holds alike (e.g. read from one checkpoint).
         """
-        return self.place(tree, jax.tree.map(lambda _: self._replicated, tree), broadcast=broadcast)
+        return self.place(tree, jax.tree.map(lambda _: self._replicated, tree), broadcast=broadcast, take=take)
 
     def __repr__(self) -> str:
         kinds = sorted({d.platform for d in self._devices})

@@ -228,15 +228,21 @@ class MirroredStrategy:
         return self._layout.process_axes
 
     # -- the custom-loop API -----------------------------------------------------------------------
-    def replicate(self, tree: Any) -> Any:
-        """A copy of ``tree`` on every device (``NamedSharding(mesh, P())``), as one state.
+    def replicate(self, tree: Any, *, copy: bool = False) -> Any:
+        """``tree`` on every device (``NamedSharding(mesh, P())``), as one state.
 
-        The copy never aliases the caller's buffers (a donated step cannot delete them). On several
-        processes every replica holds process 0's values (broadcast): the replicas really are one state,
-        even when each process initialised its own model differently.
+        As ``jax.device_put`` does, an array already on the strategy's devices keeps its buffers: one
+        laid out so is used as it is, one on some of them is moved with no copy where it already lies.
+        The state is then never twice on a device (the keras.io guide's replicated Keras variables: a
+        219M-parameter LM held 5,218 MiB on a TPU with copies, against the hand-written loop's 2,708), and
+        a step that donates it frees the arrays given, as it would after ``jax.device_put``: pass
+        ``copy=True`` to keep them. On several processes every replica holds process 0's values
+        (broadcast, always a copy): the replicas really are one state, even when each process
+        initialised its own model differently.
 
         Args:
           tree: a pytree of arrays (numpy, ``jax.Array``, Python numbers).
+          copy: buffers of its own, never the caller's (a donated step then cannot delete them).
 
         Returns:
           The same structure of replicated ``jax.Array`` s.
@@ -244,7 +250,7 @@ class MirroredStrategy:
         Example:
           >>> state = strategy.replicate({"params": params, "opt": optimizer.init(params)})
         """
-        return self._layout.replicate(tree)
+        return self._layout.replicate(tree, take=not copy)
 
     def experimental_distribute_dataset(self, data: Any, *, batch_size: int | None = None, shuffle: bool = False,
                                         seed: int = 0, drop_remainder: bool = False) -> DistributedDataset:
