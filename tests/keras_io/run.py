@@ -88,7 +88,11 @@ EXPECTED_FAILURES: dict[str, str] = {}
 # the neighbouring bfloat16 value, 2**-8 apart where float32's are 2**-24, and Adam carries that into every
 # weight. DataParallel cannot place a batch that the devices do not divide: such a program's short batches
 # are multiples of NUM_DEVICES.
-DATA_PARALLEL: dict[str, str] = {}
+DATA_PARALLEL: dict[str, str] = {
+    "float8_training_and_inference_with_transformer":
+        "mixed_bfloat16, then float8: Keras DataParallel and the scope both differ from one device by the "
+        "same amounts after 3 epochs (weights 2.8e-3 and 9.2e-3, losses 4.4e-4 and 6.5e-3)",
+}
 
 
 def programs() -> list[str]:
