@@ -271,21 +271,35 @@ class BatchMesh:
             return self._replicated
         return NamedSharding(self._mesh, P(*spec))
 
-    def _checked_layout(self, path: str, shape: Sequence[int], axes: tuple[Any, ...]) -> list[Any]:
+    def annotated_sharding(self, shape: Sequence[int], axes: Sequence[Any], path: str) -> NamedSharding:
+        """Where a variable whose own annotation names its mesh axes lives (Flax's ``nnx.with_partitioning``:
+        one axis name, a tuple of them or ``None`` per dimension; missing trailing entries: whole), checked
+        against the mesh as a layout map's entries are; :attr:`replicated` when nothing is split.
+
+        Raises:
+          ValueError: ``axes`` names an axis the mesh lacks, or splits a dimension it does not divide
+            (the message names ``path``).
+        """
+        axes = tuple(axes) + (None,) * (len(shape) - len(axes))
+        spec = self._checked_layout(path, shape, axes, source="Its sharding annotation")
+        return self._replicated if all(entry is None for entry in spec) else NamedSharding(self._mesh, P(*spec))
+
+    def _checked_layout(self, path: str, shape: Sequence[int], axes: tuple[Any, ...],
+                        source: str = "The layout map") -> list[Any]:
         sizes = dict(self._mesh.shape)
         if len(axes) != len(shape):
-            raise ValueError(f"The layout map gives the variable {path!r} of shape {tuple(shape)} the layout {axes} "
+            raise ValueError(f"{source} gives the variable {path!r} of shape {tuple(shape)} the layout {axes} "
                              f"({len(axes)} axes for {len(shape)} dimensions). Give one entry per dimension "
                              "(None: not split).")
         for dim, entry in zip(shape, axes):
             names = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
             unknown = [a for a in names if a not in sizes]
             if unknown:
-                raise ValueError(f"The layout map gives the variable {path!r} the layout {axes}, naming axis "
+                raise ValueError(f"{source} gives the variable {path!r} the layout {axes}, naming axis "
                                  f"{unknown[0]!r}; the mesh has axes {tuple(sizes)}.")
             ways = math.prod(sizes[a] for a in names)
             if dim % ways:
-                raise ValueError(f"The layout map splits the variable {path!r} of shape {tuple(shape)} as {axes}: "
+                raise ValueError(f"{source} splits the variable {path!r} of shape {tuple(shape)} as {axes}: "
                                  f"a dimension of {dim} over {ways} devices, which does not divide. Pick a layout "
                                  "whose split axes divide the dimensions, or leave that dimension whole (None).")
         return list(axes)
