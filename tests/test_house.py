@@ -29,7 +29,7 @@ FLOORS: list[tuple[str, ...]] = [
      "inputs.streams", "inputs.placement", "inputs.prefetch", "inputs.arrays", "inputs.iterables", "inputs.make",
      "inputs.distributed"),
     ("models", "models.base", "models.keras_targets", "models.keras_metrics", "models.keras_custom",
-     "models.functional", "models.keras", "models.adapters"),
+     "models.functional", "models.keras", "nnx.model", "models.adapters"),
     ("strategy",),
     ("step",),
     ("device_state",),

@@ -361,3 +361,92 @@ def test_mirrorax_works_without_flax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["3.0", "False"]
+
+
+# -- mx.Trainer with an NNX model -------------------------------------------------------------------------
+def nnx_trainer(n: int, seed: int = 0, optimizer=None):
+    model = CNN(nnx.Rngs(seed))
+    optimizer = optimizer(model) if optimizer is not None else optax.adam(1e-2)
+    return model, mx.Trainer(model, strategy(n), loss="sparse_categorical_crossentropy_from_logits",
+                             optimizer=optimizer, metrics=["accuracy"])
+
+
+def test_trainer_fits_an_nnx_model_as_the_custom_loop_does():
+    """``mx.Trainer(module, optimizer=nnx.Optimizer(...))`` on 3 devices trains the model the custom loop of
+    ``@strategy.jit`` steps trains on 1 (the same batches, Dropout keys and BatchNorm statistics), and writes
+    it back into the module."""
+    model, trainer = nnx_trainer(3, optimizer=lambda m: nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param))
+    history = trainer.fit(data()["x"], data()["y"], batch_size=16, epochs=2, shuffle=False, verbose=0)
+    loop = one_device()
+    trained = host(nnx.state(model))
+    for i, (a, b) in enumerate(zip(loop["state"][:len(trained)], trained)):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5, err_msg=f"model leaf {i}")
+    assert int(model.drop.rngs.count[...]) == 8  # 4 steps x 2 epochs, one Dropout key each
+    # the Trainer's accuracy is the loop's: the same rows counted (its loss is the mean over rows, the loop's
+    # Average the mean over batches)
+    np.testing.assert_allclose(history.history["accuracy"], [e["accuracy"] for e in loop["train"]], rtol=1e-6)
+    with pytest.raises(ValueError, match=r"mixed_precision applies to Keras models"):
+        mx.Trainer(CNN(nnx.Rngs(0)), strategy(1), loss="mse", optimizer=optax.sgd(0.1),
+                   mixed_precision="mixed_bfloat16").fit(data()["x"], data()["y"], batch_size=16, verbose=0)
+
+
+@pytest.mark.slow  # three fits and a checkpoint each
+def test_trainer_resumes_an_nnx_model_exactly(tmp_path):
+    """An epoch on 2 devices with a checkpoint, then the same fit again from a fresh model (other initial
+    weights) on 3 devices: the uninterrupted run's history and model; ``Trainer.load`` writes the checkpoint
+    into a fresh module."""
+    x, y = data()["x"], data()["y"]
+    kw = dict(batch_size=16, shuffle=True, seed=3, verbose=0)
+    whole, t = nnx_trainer(2)
+    want = t.fit(x, y, epochs=2, **kw).history
+    _, first = nnx_trainer(2)
+    first.fit(x, y, epochs=1, checkpoint_dir=tmp_path / "ck", **kw)
+    resumed, again = nnx_trainer(3, seed=7)
+    got = again.fit(x, y, epochs=2, checkpoint_dir=tmp_path / "ck", **kw).history
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+    for a, b in zip(host(nnx.state(whole)), host(nnx.state(resumed))):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+    fresh = CNN(nnx.Rngs(11))
+    loaded = mx.Trainer.load(tmp_path / "ck", fresh, strategy(1), loss="sparse_categorical_crossentropy_from_logits",
+                             optimizer=optax.adam(1e-2), metrics=["accuracy"])
+    for a, b in zip(host(nnx.state(resumed)), host(nnx.state(fresh))):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-7)
+    assert loaded.evaluate(x, y, batch_size=16, verbose=0) == pytest.approx(
+        again.evaluate(x, y, batch_size=16, verbose=0), rel=1e-6)
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        # 16,384 weights: as many as shard= splits (SHARD_MIN_SIZE); no bias before BatchNorm (see CNN)
+        self.hidden = nnx.Linear(16, 1024, use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(1024, rngs=rngs)
+        self.out = nnx.Linear(1024, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.tanh(self.bn(self.hidden(x))))
+
+
+@pytest.mark.slow  # three fits
+@pytest.mark.parametrize("shard", ["optimizer", "all"])
+def test_trainer_shards_an_nnx_models_state(shard):
+    """``shard=`` splits the NNX model's large kernel (and its Adam moments) over 4 devices, with one device's
+    numbers."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(40, 16)).astype(np.float32)
+    y = rng.integers(0, 3, 40)
+
+    def fit(s):
+        model = MLP(nnx.Rngs(0))
+        t = mx.Trainer(model, s, loss="sparse_categorical_crossentropy_from_logits", optimizer=optax.adam(1e-3))
+        t.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return model, t
+
+    one, _ = fit(strategy(1))
+    many, t = fit(mx.MirroredStrategy(jax.devices()[:4], shard=shard))
+    kernel = t.state["params"]["hidden/kernel"]
+    assert kernel.sharding.spec == (P(None, "batch") if shard == "all" else P())
+    assert any(getattr(v.sharding, "spec", P()) == P(None, "batch")
+               for v in jax.tree.leaves(t.state["optimizer"]) if v.shape == (16, 1024))
+    for a, b in zip(host(nnx.state(one)), host(nnx.state(many))):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
