@@ -38,6 +38,8 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
+import numpy as np
+from jax.sharding import NamedSharding
 
 from mirrorax.dispatch import InFlight, OutShardings
 from mirrorax.stateful import StatefulFunction
@@ -250,11 +252,17 @@ class SplitMergeFunction(StatefulFunction):
                             "diverge. Decorate the step with @strategy.jit and call it directly.")
 
     def _placed(self, split: _Split, kinds: Sequence[SplitMerge]) -> list[PyTree]:
-        """Each protocol's state, every leaf in its layout: those laid out otherwise are placed (process 0's
-        values) and written back into the caller's objects, so that the next call finds them placed."""
+        """Each protocol's state on the strategy's mesh: a leaf elsewhere (the objects' first call, an array
+        the user set) is placed where :meth:`SplitMerge.layouts` says (process 0's values) and written back
+        into the caller's objects, so that the next call finds it placed; a leaf on the mesh keeps its layout."""
         states = []
+        mesh = self._mesh.mesh
         for (k, structure), state in zip(split.structure.value, split.states):
             leaves, treedef = jax.tree.flatten(state)
+            if all(type(a) is not np.ndarray and isinstance(getattr(a, "sharding", None), NamedSharding)
+                   and (a.sharding.mesh is mesh or a.sharding.mesh == mesh) for a in leaves):
+                states.append(state)  # the previous call's outputs (checked without the layouts)
+                continue
             key = (k, structure, tuple((getattr(a, "shape", None), getattr(a, "dtype", None)) for a in leaves))
             targets = self._layouts.get(key)
             if targets is None:
