@@ -71,9 +71,9 @@ class SplitMerge(Protocol):
         """New objects from :meth:`split`'s two parts, in order (inside the trace: ``state`` is traced)."""
         ...
 
-    def state(self, structure: Hashable, objects: tuple[Any, ...]) -> PyTree:
-        """The state of merged ``objects`` after the step, in :meth:`split`'s tree; raises ``ValueError``
-        when their structure is no longer ``structure``."""
+    def state(self, structure: Hashable, before: PyTree, objects: tuple[Any, ...]) -> PyTree:
+        """The state of merged ``objects`` after the step, in :meth:`split`'s tree (``before``: the state they
+        were merged from); raises ``ValueError`` when their structure is no longer ``structure``."""
         ...
 
     def update(self, objects: tuple[Any, ...], state: PyTree) -> None:
@@ -318,7 +318,7 @@ def _threaded(fn: Callable[..., Any]) -> Callable[..., Any]:
             return any(p.owns(x) for p in kinds)
 
         out = jax.tree.map(lambda x: returned(x) if owned(x) else x, out, is_leaf=owned)
-        return out, [kinds[k].state(s, merged[k]) for k, s in structure.value]
+        return out, [kinds[k].state(s, state, merged[k]) for (k, s), state in zip(structure.value, states)]
 
     return threaded
 

@@ -57,15 +57,21 @@ class NnxSplitMerge:
         """``nnx.merge``: new objects from the ``GraphDef`` and a (traced) ``State``."""
         return nnx.merge(cast(Any, structure), state)
 
-    def state(self, structure: Hashable, objects: tuple[Any, ...]) -> PyTree:
+    def state(self, structure: Hashable, before: PyTree, objects: tuple[Any, ...]) -> PyTree:
         """The merged objects' ``State`` after the step; their ``GraphDef`` must be ``structure``."""
         graphdef, state = nnx.split(objects)
         if graphdef != structure:
+            def paths(tree: PyTree) -> set[str]:
+                return {_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+            added, removed = sorted(paths(state) - paths(before)), sorted(paths(before) - paths(state))
+            what = (f"variables added: {added}, removed: {removed}" if added or removed else
+                    f"the same {len(paths(state))} variables, but a static attribute or a submodule changed")
             raise ValueError(
-                "The step changed the structure of the NNX objects it was given (it added or removed a variable "
-                "or a submodule, or set a static attribute such as a mode flag). strategy.jit compiles one program "
-                "per structure and writes the new state back into the objects as they came in. Make such changes "
-                "outside the step (e.g. model.train() / model.eval() or nnx.view(...) before calling it).")
+                f"The step changed the structure of the NNX objects it was given ({what}; paths from the first "
+                "object passed, 0/...). strategy.jit compiles one program per structure and writes the new state "
+                "back into the objects as they came in. Make such changes outside the step (e.g. model.train() / "
+                "model.eval() or nnx.view(...) before calling it).")
         return state
 
     def update(self, objects: tuple[Any, ...], state: PyTree) -> None:
