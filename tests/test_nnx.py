@@ -451,3 +451,29 @@ def test_trainer_shards_an_nnx_models_state(shard):
                for v in jax.tree.leaves(t.state["optimizer"]) if v.shape == (16, 1024))
     for a, b in zip(host(nnx.state(one)), host(nnx.state(many))):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+
+
+def test_trainer_honours_sharding_annotations_on_a_2x4_mesh():
+    """``mx.Trainer`` lays an annotated NNX model out as annotated (its Adam moments too), as a Keras layout
+    map: the kernel split over ``"model"``, the same numbers as on one device."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(36, 8)).astype(np.float32)
+    y = rng.integers(0, 4, 36)
+
+    def fit(mesh):
+        with jax.set_mesh(mesh):
+            model = Annotated(nnx.Rngs(0))
+        t = mx.Trainer(model, mx.MirroredStrategy(mesh=mesh), loss="sparse_categorical_crossentropy_from_logits",
+                       optimizer=optax.adam(1e-2))
+        return model, t, t.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
+
+    model, t, losses = fit(jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2))
+    one, _, losses1 = fit(jax.make_mesh((1, 1), ("data", "model"), axis_types=(AxisType.Auto,) * 2,
+                                        devices=jax.devices()[:1]))
+    assert t.state["params"]["dense/kernel"].sharding.spec == P(None, "model")
+    assert t.state["params"]["out/kernel"].sharding.is_fully_replicated
+    slots = [v for v in jax.tree.leaves(t.state["optimizer"]) if v.shape == (8, 16)]
+    assert len(slots) == 2 and all(v.sharding.spec == P(None, "model") for v in slots)  # Adam's mu and nu
+    np.testing.assert_allclose(losses, losses1, rtol=1e-5)
+    for a, b in zip(host(nnx.state(model)), host(nnx.state(one))):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)

@@ -191,10 +191,11 @@ class MirroredStrategy:
         """
         return self._layout.state_sharding(shape, role, path)
 
-    def state_layout(self, tree: Any, role: str, paths: Any = None) -> Any:
+    def state_layout(self, tree: Any, role: str, paths: Any = None, axes: Any = None) -> Any:
         """:meth:`state_sharding` for every leaf of ``tree`` (a tree of arrays or shapes); ``paths``: for a
-        dict ``tree``, each key's variable path (what a layout map matches)."""
-        return self._layout.state_layout(tree, role, paths)
+        dict ``tree``, each key's variable path (what a layout map matches); ``axes``: the variables' own
+        sharding annotations by key (Flax's), for the leaves held under those keys."""
+        return self._layout.state_layout(tree, role, paths, axes)
 
     def place(self, tree: Any, shardings: Any, *, broadcast: bool = True, take: bool = False) -> Any:
         """``tree`` placed with ``shardings`` (a matching tree of ``NamedSharding``), in buffers of its own.

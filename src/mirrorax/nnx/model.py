@@ -100,6 +100,11 @@ class NnxModel(FunctionalModel):
         self.apply_fn = apply
         self.loss, self.optimizer, self.metrics = loss, optimizer, metrics
 
+    def state_axes(self) -> dict[str, tuple[Any, ...]]:
+        """Each annotated parameter's mesh axes (Flax's ``nnx.with_partitioning``), by key."""
+        specs = jax.tree.leaves(nnx.get_partition_spec(nnx.state(self.module, nnx.Param)))
+        return {k: tuple(spec) for k, spec in zip(self._params.keys, specs) if any(a is not None for a in spec)}
+
     # The parameters and the model state are the module's own: read from it, and written into it (the
     # Trainer's write_back sets them after fit).
     @property  # type: ignore[override]
