@@ -298,8 +298,10 @@ class BatchMesh:
             names = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
             unknown = [a for a in names if a not in sizes]
             if unknown:
+                fix = (" Give the strategy a mesh with that axis (MirroredStrategy(mesh=...), the mesh the model was "
+                       "annotated for), or annotate with the mesh's axes." if source != "The layout map" else "")
                 raise ValueError(f"{source} gives the variable {path!r} the layout {axes}, naming axis "
-                                 f"{unknown[0]!r}; the mesh has axes {tuple(sizes)}.")
+                                 f"{unknown[0]!r}; the mesh has axes {tuple(sizes)}.{fix}")
             ways = math.prod(sizes[a] for a in names)
             if dim % ways:
                 raise ValueError(f"{source} splits the variable {path!r} of shape {tuple(shape)} as {axes}: "
