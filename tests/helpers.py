@@ -69,3 +69,25 @@ def train_step_args(trainer: mx.Trainer, x, y, batch_size: int = 24) -> tuple:
     finally:
         dispatch.StrategyFunction.program = original
     return captured["args"]
+
+
+def changed_lines(original: str, port: str) -> list[str]:
+    """The lines a port of a tutorial changes (replaced, removed or added) after its ``# fmt: off`` line, beyond
+    imports and the strategy line (``examples/``: TF's tutorial, Flax's MNIST tutorial)."""
+    import difflib
+
+    def body(text: str) -> list[str]:
+        return text.split("# fmt: off\n", 1)[1].splitlines()
+
+    def counted(line: str) -> bool:
+        s = line.strip()
+        return bool(s) and not (s.startswith(("import ", "from ", "os.environ.setdefault("))
+                                or "MirroredStrategy(" in s)
+
+    a, b = body(original), body(port)
+    changed = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag != "equal":
+            old, new = [x for x in a[i1:i2] if counted(x)], [x for x in b[j1:j2] if counted(x)]
+            changed += (old + new)[:max(len(old), len(new))]
+    return changed

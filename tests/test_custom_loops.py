@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import strategy
+from helpers import changed_lines, strategy
 
 import mirrorax as mx
 
@@ -502,34 +502,13 @@ def test_errors_say_what_was_received():
 
 
 # -- TF's tutorial, ported with its Keras objects (examples/tf_custom_training.py) ----------------------
-def _changed_lines(original: str, port: str) -> list[str]:
-    """The lines a port changes (replaced, removed or added), beyond imports and the strategy line."""
-    import difflib
-
-    def body(text: str) -> list[str]:
-        return text.split("# fmt: off\n", 1)[1].splitlines()
-
-    def counted(line: str) -> bool:
-        s = line.strip()
-        return bool(s) and not (s.startswith(("import ", "from ", "os.environ.setdefault("))
-                                or "MirroredStrategy(" in s)
-
-    a, b = body(original), body(port)
-    changed = []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
-        if tag != "equal":
-            old, new = [x for x in a[i1:i2] if counted(x)], [x for x in b[j1:j2] if counted(x)]
-            changed += (old + new)[:max(len(old), len(new))]
-    return changed
-
-
 def test_tf_custom_training_port_changes_at_most_10_lines():
-    changed = _changed_lines((EXAMPLES / "tf_custom_training_tf.py").read_text(),
+    changed = changed_lines((EXAMPLES / "tf_custom_training_tf.py").read_text(),
                              (EXAMPLES / "tf_custom_training.py").read_text())
     assert 0 < len(changed) <= 10, changed
     # the count sees a change: one more edited line is counted
     port = (EXAMPLES / "tf_custom_training.py").read_text().replace("EPOCHS = epochs", "EPOCHS = epochs + 0")
-    assert len(_changed_lines((EXAMPLES / "tf_custom_training_tf.py").read_text(), port)) == len(changed) + 1
+    assert len(changed_lines((EXAMPLES / "tf_custom_training_tf.py").read_text(), port)) == len(changed) + 1
 
 
 TUTORIAL_ROWS = {"num_train": 300, "num_test": 100}  # at a global batch of 192: 192 + 108, and 100 alone

@@ -106,7 +106,7 @@ def test_bad_trainer_options():
         mx.Trainer(dense(), strategy(1), steps_per_execution=0)
     with pytest.raises(ValueError, match="on_nonfinite must be one of"):
         mx.Trainer(dense(), strategy(1), on_nonfinite="explode")
-    with pytest.raises(TypeError, match="Keras 3 model or a mirrorax.FunctionalModel"):
+    with pytest.raises(TypeError, match="Keras 3 model, a Flax NNX module or a mirrorax.FunctionalModel"):
         mx.Trainer(object(), strategy(1))
 
 

@@ -24,12 +24,12 @@ FLOORS: list[tuple[str, ...]] = [
     ("cluster", "launch"),
     ("consistency",),
     ("mesh",),
-    ("dispatch", "padding", "stateful"),
+    ("dispatch", "padding", "stateful", "split_merge", "nnx.split_merge"),
     ("inputs", "inputs.source", "inputs.batch", "inputs.position", "inputs.keras_order", "inputs.keras_data",
      "inputs.streams", "inputs.placement", "inputs.prefetch", "inputs.arrays", "inputs.iterables", "inputs.make",
      "inputs.distributed"),
     ("models", "models.base", "models.keras_targets", "models.keras_metrics", "models.keras_custom",
-     "models.functional", "models.keras", "models.adapters"),
+     "models.functional", "models.keras", "nnx.model", "models.adapters"),
     ("strategy",),
     ("step",),
     ("device_state",),
@@ -39,6 +39,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("planner", "loop"),
     ("trainer",),
     ("keras_fit",),
+    ("nnx",),  # the Flax NNX wing's door (imports flax); its modules stand on the engine's floors
     ("mirrorax",),  # the package's __init__: the public API, re-exported
     ("zoo",),
     ("cli",),

@@ -41,6 +41,7 @@ from mirrorax.replica import masked_mean as masked_mean
 from mirrorax.replica import scale_regularization_loss as scale_regularization_loss
 from mirrorax.results import History as History
 from mirrorax.results import NonFiniteLossError as NonFiniteLossError
+from mirrorax.split_merge import register_front_end as _register_front_end
 from mirrorax.stateful import grad as grad
 from mirrorax.stateful import value_and_grad as value_and_grad
 from mirrorax.strategy import InputContext as InputContext
@@ -52,6 +53,13 @@ from mirrorax.traffic import Traffic as Traffic
 from mirrorax.traffic import traffic as traffic
 from mirrorax.train_state import TrainState as TrainState
 from mirrorax.trainer import Trainer as Trainer
+
+
+def _load_nnx() -> None:  # the Flax NNX wing, loaded by the first step called while flax.nnx is imported
+    import mirrorax.nnx  # noqa: F401  (registers its split/merge protocol)
+
+
+_register_front_end("flax.nnx", _load_nnx)
 
 if TYPE_CHECKING:  # loaded on first use (below); imported here for type checkers and the API reference
     from mirrorax.checkpoint import Checkpointer as Checkpointer

@@ -61,15 +61,17 @@ class DeviceState:
     # -- layout and placement ------------------------------------------------------------------------
     def layout(self, state: TrainState | dict[str, PyTree]) -> TrainState | dict[str, PyTree]:
         """Where each leaf of a state (arrays or shapes) lives: :meth:`MirroredStrategy.state_layout` for
-        the model's and optimizer's variables (by their paths, for a layout map), replicated for the
-        others (a dict of some groups: a dict)."""
+        the model's and optimizer's variables (by their paths, for a layout map; by the parameters' own
+        annotations, :meth:`ModelAdapter.state_axes`), replicated for the others (a dict of some groups: a
+        dict)."""
         s = self.strategy
         groups = state.as_dict() if isinstance(state, TrainState) else state
         # A layout map lays out every variable by its path, BatchNorm's statistics too.
         paths = self.adapter.state_paths() if s.batch_mesh.has_layout_map else {}
+        axes = self.adapter.state_axes()  # the parameters' own annotations (Flax's), for them and their slots
         roles = {**SHARDED_GROUPS, "model_state": "model_state"}
-        layouts = {k: s.state_layout(v, roles[k], paths.get(k)) if k in roles
-                   else jax.tree.map(lambda _: s.replicated, v) for k, v in groups.items()}
+        layouts = {k: s.state_layout(v, roles[k], paths.get(k), axes if k in SHARDED_GROUPS else None)
+                   if k in roles else jax.tree.map(lambda _: s.replicated, v) for k, v in groups.items()}
         return TrainState(**layouts) if isinstance(state, TrainState) else layouts
 
     def place(self, tree: TrainState | dict[str, PyTree], *, from_host: bool = True) -> Any:

@@ -240,13 +240,15 @@ class BatchMesh:
         """The state layout mode: ``None`` (replicated), ``"optimizer"`` or ``"all"``."""
         return self._shard
 
-    def state_sharding(self, shape: Sequence[int], role: str, path: str | None = None) -> NamedSharding:
+    def state_sharding(self, shape: Sequence[int], role: str, path: str | None = None,
+                       axes: Sequence[Any] | None = None) -> NamedSharding:
         """Where a state variable of ``shape`` lives.
 
-        First as the layout map says for ``path`` (the variable's path, e.g. ``"dense/kernel"``; Keras's
-        ``LayoutMap`` lookup), replicated where it matches none. Then, when the mode shards its ``role``
-        (``"params"`` or ``"optimizer"``) and it has at least :data:`SHARD_MIN_SIZE` elements, split over
-        :attr:`shard_axis` on its largest axis still whole that divides by that axis's size.
+        First as the variable's own annotation ``axes`` says (Flax's ``nnx.with_partitioning``: the mesh axes
+        of each dimension), else as the layout map says for ``path`` (the variable's path, e.g.
+        ``"dense/kernel"``; Keras's ``LayoutMap`` lookup), replicated where it matches none. Then, when the
+        mode shards its ``role`` (``"params"`` or ``"optimizer"``) and it has at least :data:`SHARD_MIN_SIZE`
+        elements, split over :attr:`shard_axis` on its largest axis still whole that divides by that axis's size.
 
         Raises:
           ValueError: the layout map's entry for ``path`` does not fit ``shape``.
@@ -256,7 +258,10 @@ class BatchMesh:
           PartitionSpec('batch', None)
         """
         spec: list[Any] = [None] * len(shape)
-        if self._layouts is not None and path is not None:
+        if axes is not None:
+            padded = tuple(axes) + (None,) * (len(shape) - len(axes))
+            spec = self._checked_layout(str(path), shape, padded, source="Its sharding annotation")
+        elif self._layouts is not None and path is not None:
             axes = self._layouts(path)
             if axes is not None:
                 spec = self._checked_layout(path, shape, axes)
@@ -271,28 +276,54 @@ class BatchMesh:
             return self._replicated
         return NamedSharding(self._mesh, P(*spec))
 
-    def _checked_layout(self, path: str, shape: Sequence[int], axes: tuple[Any, ...]) -> list[Any]:
+    def annotated_sharding(self, shape: Sequence[int], axes: Sequence[Any], path: str) -> NamedSharding:
+        """Where a variable whose own annotation names its mesh axes lives (Flax's ``nnx.with_partitioning``:
+        one axis name, a tuple of them or ``None`` per dimension; missing trailing entries: whole), checked
+        against the mesh as a layout map's entries are; :attr:`replicated` when nothing is split.
+
+        Raises:
+          ValueError: ``axes`` names an axis the mesh lacks, or splits a dimension it does not divide
+            (the message names ``path``).
+        """
+        return self.state_sharding(shape, "variable", path, axes)
+
+    def _checked_layout(self, path: str, shape: Sequence[int], axes: tuple[Any, ...],
+                        source: str = "The layout map") -> list[Any]:
         sizes = dict(self._mesh.shape)
         if len(axes) != len(shape):
-            raise ValueError(f"The layout map gives the variable {path!r} of shape {tuple(shape)} the layout {axes} "
+            raise ValueError(f"{source} gives the variable {path!r} of shape {tuple(shape)} the layout {axes} "
                              f"({len(axes)} axes for {len(shape)} dimensions). Give one entry per dimension "
                              "(None: not split).")
         for dim, entry in zip(shape, axes):
             names = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
             unknown = [a for a in names if a not in sizes]
             if unknown:
-                raise ValueError(f"The layout map gives the variable {path!r} the layout {axes}, naming axis "
-                                 f"{unknown[0]!r}; the mesh has axes {tuple(sizes)}.")
+                fix = (" Give the strategy a mesh with that axis (MirroredStrategy(mesh=...), the mesh the model was "
+                       "annotated for), or annotate with the mesh's axes." if source != "The layout map" else "")
+                raise ValueError(f"{source} gives the variable {path!r} the layout {axes}, naming axis "
+                                 f"{unknown[0]!r}; the mesh has axes {tuple(sizes)}.{fix}")
             ways = math.prod(sizes[a] for a in names)
             if dim % ways:
-                raise ValueError(f"The layout map splits the variable {path!r} of shape {tuple(shape)} as {axes}: "
+                raise ValueError(f"{source} splits the variable {path!r} of shape {tuple(shape)} as {axes}: "
                                  f"a dimension of {dim} over {ways} devices, which does not divide. Pick a layout "
                                  "whose split axes divide the dimensions, or leave that dimension whole (None).")
         return list(axes)
 
-    def state_layout(self, tree: Any, role: str, paths: Mapping[str, str] | None = None) -> Any:
+    def state_layout(self, tree: Any, role: str, paths: Mapping[str, str] | None = None,
+                     axes: Mapping[str, Sequence[Any]] | None = None) -> Any:
         """:meth:`state_sharding` for every leaf of ``tree`` (a tree of arrays or shapes); ``paths``: for a
-        dict ``tree``, each key's variable path (what a layout map matches)."""
+        dict ``tree``, each key's variable path (what a layout map matches); ``axes``: variables' own
+        annotations by key, applied to every leaf held under that key in a dict anywhere in ``tree`` (a
+        parameter, and its optimizer slots, e.g. Adam's ``mu[key]``)."""
+        if axes:
+            def one(path: tuple[Any, ...], a: Any) -> NamedSharding:
+                key = next((k.key for k in reversed(path)
+                            if isinstance(k, jax.tree_util.DictKey) and k.key in axes), None)
+                if key is None or len(axes[key]) > np.ndim(a):
+                    return self.state_sharding(np.shape(a), role, paths.get(key) if paths and key else None)
+                return self.state_sharding(np.shape(a), role, str(key), axes[key])
+
+            return jax.tree_util.tree_map_with_path(one, tree)
         if paths and isinstance(tree, Mapping):
             return {k: self.state_sharding(np.shape(v), role, paths.get(k)) for k, v in tree.items()}
         return jax.tree.map(lambda a: self.state_sharding(np.shape(a), role), tree)

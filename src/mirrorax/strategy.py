@@ -33,6 +33,7 @@ from mirrorax.inputs.source import InputContext
 from mirrorax.mesh import AxisName, BatchMesh, ShardMode, check_shard
 from mirrorax.padding import even_out_shardings
 from mirrorax.replica import ReduceOp, batch_scope, find_batch, real_rows_view, resolve_op, rows_of
+from mirrorax.split_merge import SplitMergeFunction
 from mirrorax.stateful import StatefulFunction, check_not_tf_function
 
 __all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "InputContext", "get_strategy", "current_scope",
@@ -190,10 +191,11 @@ class MirroredStrategy:
         """
         return self._layout.state_sharding(shape, role, path)
 
-    def state_layout(self, tree: Any, role: str, paths: Any = None) -> Any:
+    def state_layout(self, tree: Any, role: str, paths: Any = None, axes: Any = None) -> Any:
         """:meth:`state_sharding` for every leaf of ``tree`` (a tree of arrays or shapes); ``paths``: for a
-        dict ``tree``, each key's variable path (what a layout map matches)."""
-        return self._layout.state_layout(tree, role, paths)
+        dict ``tree``, each key's variable path (what a layout map matches); ``axes``: the variables' own
+        sharding annotations by key (Flax's), for the leaves held under those keys."""
+        return self._layout.state_layout(tree, role, paths, axes)
 
     def place(self, tree: Any, shardings: Any, *, broadcast: bool = True, take: bool = False) -> Any:
         """``tree`` placed with ``shardings`` (a matching tree of ``NamedSharding``), in buffers of its own.
@@ -313,12 +315,15 @@ class MirroredStrategy:
             ``jax.ShapeDtypeStruct`` s there). A callable may return ``None`` for the default rules.
           stateful: let ``fn`` read and assign Keras variables (``model(x)``, ``optimizer.apply_gradients``,
             ``metric.update_state``): found by tracing ``fn`` once per signature, passed in as values and
-            written back after each call, kept on the devices (:mod:`mirrorax.stateful`). ``False`` skips
-            that trace, for a step whose whole state is explicit.
+            written back after each call, kept on the devices (:mod:`mirrorax.stateful`); and take objects
+            among its arguments that it updates in place, as ``@nnx.jit`` steps take Flax NNX modules,
+            ``nnx.Optimizer``, metrics and ``nnx.Rngs`` (split, merged in the trace and written back:
+            :mod:`mirrorax.split_merge`). ``False`` skips both, for a step whose whole state is explicit.
 
         Returns:
           A :class:`mirrorax.dispatch.StrategyFunction` (``stateful=False``) or a
-          :class:`mirrorax.stateful.StatefulFunction`: call it like ``fn``; ``.program(*args)`` gives the
+          :class:`mirrorax.split_merge.SplitMergeFunction` (a :class:`mirrorax.stateful.StatefulFunction`):
+          call it like ``fn``; ``.program(*args)`` gives the
           compiled program of one signature (of a step that touches no Keras variable) for a loop that
           pushes into :attr:`in_flight` itself; ``.lower(*args)`` gives ``jax.jit``'s lowering.
 
@@ -337,10 +342,10 @@ class MirroredStrategy:
         """
         check_out_shardings(out_shardings)
 
-        def make(f: Callable[..., Any]) -> StrategyFunction | StatefulFunction:
+        def make(f: Callable[..., Any]) -> StrategyFunction | SplitMergeFunction:
             if stateful:
-                return StatefulFunction(self._layout, self._window, f, donate_argnums=donate_argnums,
-                                        out_shardings=out_shardings)
+                return SplitMergeFunction(self._layout, self._window, f, donate_argnums=donate_argnums,
+                                          out_shardings=out_shardings)
             check_not_tf_function(f, "strategy.jit")
             step = _global_view(f, self.batch_sharding)
             layouts = out_shardings if out_shardings is None else even_out_shardings(
@@ -386,7 +391,7 @@ class MirroredStrategy:
             def per_replica(a: tuple[Any, ...], k: dict[str, Any]) -> Any:
                 return fn(*a, **k)
 
-            wrapped = self._run_functions[fn] = StatefulFunction(
+            wrapped = self._run_functions[fn] = SplitMergeFunction(
                 self._layout, self._window, per_replica, per_replica=True, where="strategy.run")
         return wrapped(tuple(args), dict(kwargs or {}))
 

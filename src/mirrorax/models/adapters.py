@@ -1,4 +1,5 @@
-"""Which adapter a model gets: a Keras 3 model or a :class:`mirrorax.FunctionalModel`.
+"""Which adapter a model gets: a Keras 3 model, a :class:`mirrorax.FunctionalModel`, or a Flax NNX module
+(the NNX wing's ``NnxModel``, imported only for one).
 
 Above the adapters it chooses between (``base`` knows none of them).
 """
@@ -15,13 +16,19 @@ __all__ = ["adapt"]
 
 def adapt(model: Any, *, loss: Any = None, optimizer: Any = None, metrics: Any = None,
           mixed_precision: str | None = None) -> ModelAdapter:
-    """The adapter for ``model``: a Keras 3 model or a :class:`mirrorax.FunctionalModel`.
+    """The adapter for ``model``: a Keras 3 model, a :class:`mirrorax.FunctionalModel` or a Flax NNX module
+    (as :class:`mirrorax.nnx.NnxModel`).
 
     Raises:
       TypeError: ``model`` is of a kind mirrorax does not train.
     """
     if isinstance(model, ModelAdapter):
         return model
+    if any(c.__module__.startswith("flax.nnx") and c.__name__ == "Module" for c in type(model).__mro__):
+        from mirrorax.nnx.model import NnxModel  # the Flax NNX wing (flax is imported: model is its object)
+
+        model = NnxModel(model, loss=loss, optimizer=optimizer, metrics=metrics or ())
+        loss = optimizer = metrics = None  # the NnxModel's own now (an nnx.Optimizer read as its transform)
     if isinstance(model, FunctionalModel):
         if mixed_precision is not None:
             raise ValueError(f"mixed_precision applies to Keras models; received mixed_precision={mixed_precision!r} "
@@ -33,5 +40,6 @@ def adapt(model: Any, *, loss: Any = None, optimizer: Any = None, metrics: Any =
         from mirrorax.models.keras import KerasAdapter
 
         return KerasAdapter(model, loss=loss, optimizer=optimizer, metrics=metrics, mixed_precision=mixed_precision)
-    raise TypeError(f"Trainer takes a Keras 3 model or a mirrorax.FunctionalModel; received {model!r} (of type "
-                    f"{type(model).__name__}). Wrap plain JAX code as FunctionalModel(apply_fn, params, ...).")
+    raise TypeError(f"Trainer takes a Keras 3 model, a Flax NNX module or a mirrorax.FunctionalModel; received "
+                    f"{model!r} (of type {type(model).__name__}). Wrap plain JAX code as FunctionalModel(apply_fn, "
+                    "params, ...).")

@@ -145,6 +145,12 @@ class ModelAdapter(abc.ABC):
         path). ``{}``: no paths (a layout map then matches nothing)."""
         return {}
 
+    def state_axes(self) -> dict[str, tuple[Any, ...]]:
+        """The parameters' own sharding annotations (Flax's ``nnx.with_partitioning``): for each key of the
+        ``params`` group, the mesh axes of each dimension; the optimizer's slots held under the same key
+        follow them. ``{}``: none (the layout map and ``shard=`` decide)."""
+        return {}
+
     def model_changed(self) -> bool:
         """Whether the model's values were replaced since they were lent (``set_weights``,
         ``load_weights``, Keras's own ``fit`` or ``evaluate``): the trainer then continues from them."""

@@ -84,6 +84,10 @@ class FunctionalModel:
         self.optimizer = optimizer
         self.metrics = metrics
 
+    def state_axes(self) -> dict[str, tuple[Any, ...]]:
+        """The parameters' own sharding annotations by key (see :meth:`ModelAdapter.state_axes`); none here."""
+        return {}
+
     def adapter(self, *, loss: Any = None, optimizer: Any = None, metrics: Any = None) -> ModelAdapter:
         return _FunctionalAdapter(self, loss if loss is not None else self.loss,
                                   optimizer if optimizer is not None else self.optimizer,
@@ -124,6 +128,9 @@ class _FunctionalAdapter(ModelAdapter):
                   if np.issubdtype(np.asarray(a).dtype, np.floating)]
         self.float_dtype = np.dtype(jax.dtypes.canonicalize_dtype(np.result_type(np.float32, *floats)))
         self._output_shape: tuple[int, ...] | None = None
+
+    def state_axes(self):
+        return self.model.state_axes()
 
     def _apply(self, params, model_state, x, training):
         if self.stateful:

@@ -1,0 +1,27 @@
+"""Flax NNX programs on the strategy: mirrorax's wing for Flax's NNX API (``pip install "mirrorax[flax]"``).
+
+* ``@strategy.jit`` in place of ``@nnx.jit``: a step that takes NNX objects (a model, ``nnx.Optimizer``,
+  ``nnx.MultiMetric``, ``nnx.Rngs``) and updates them in place runs on every device of the strategy,
+  over global batches of ``strategy.experimental_distribute_dataset`` (a short batch cut to its real
+  rows), with the one-device numbers (:mod:`mirrorax.nnx.split_merge`).
+* ``mx.Trainer(module, loss=..., optimizer=...)``: an ``nnx.Module`` trained by the Trainer's engine
+  (checkpoints, resume, preemption, ``shard=``, ``mx.plan``), written back into it (:class:`NnxModel`).
+
+``import mirrorax`` never imports Flax: the package loads this wing the first time a step is called while
+``flax.nnx`` is imported. Importing it registers :data:`NNX` with the engine.
+"""
+
+try:
+    import flax.nnx  # noqa: F401
+except ImportError as error:  # pragma: no cover - exercised with flax hidden (tests/test_nnx.py)
+    raise ImportError("mirrorax.nnx needs Flax NNX (flax>=0.12), which could not be imported: install it with "
+                      'pip install "mirrorax[flax]" (or pip install "flax>=0.12").') from error
+
+from mirrorax.nnx.model import NnxModel as NnxModel
+from mirrorax.nnx.split_merge import NNX as NNX
+from mirrorax.nnx.split_merge import NnxSplitMerge as NnxSplitMerge
+from mirrorax.split_merge import register
+
+register(NNX)
+
+__all__ = ["NNX", "NnxModel", "NnxSplitMerge"]

@@ -1,0 +1,125 @@
+"""A Flax NNX model for ``mx.Trainer``: its variables as the engine's state, written back into the model.
+
+``mx.Trainer(model, loss=..., optimizer=...)`` with an ``nnx.Module`` trains it as a
+:class:`mirrorax.FunctionalModel` whose parameters are the module's ``nnx.Param`` variables and whose
+``model_state`` is everything else it holds (BatchNorm statistics, the ``Rngs`` streams of Dropout), each
+a flat dict keyed by the variable's path (``"conv/kernel"``: what a checkpoint names and a layout map
+matches). Inside the step the module is merged from them (``nnx.merge``), put in training or inference
+mode (``train()`` / ``eval()``), called, and its new state split off; after ``fit`` the trained values are
+written into the caller's module (``nnx.update``), so ``model(x)`` and ``nnx.state(model)`` read them.
+So the Trainer's whole engine applies: checkpoints and exact resume, preemption, ``shard=``, ``mx.plan``,
+gradient accumulation, ``on_nonfinite``.
+
+The optimizer is an optax transform, or an ``nnx.Optimizer`` whose transform (``.tx``) is used: the
+Trainer keeps the optimizer's state itself (it is in the checkpoints), and does not write it into the
+``nnx.Optimizer``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+
+from mirrorax.models.functional import FunctionalModel
+
+__all__ = ["NnxModel"]
+
+PyTree = Any
+
+
+def _split(module: Any) -> tuple[Any, Any, Any]:
+    """``(graphdef, params, rest)``: the module's ``nnx.Param`` variables and everything else it holds."""
+    parts: tuple[Any, ...] = nnx.split(module, nnx.Param, ...)
+    return parts[0], parts[1], parts[2]
+
+
+def _key(path: tuple[Any, ...]) -> str:
+    keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    return "/".join(keys[:-1] if keys and keys[-1] == "value" else keys)
+
+
+def _is_prng_key(a: Any) -> bool:
+    dtype = getattr(a, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+class _Flat:
+    """One ``nnx.State`` as a flat dict of arrays keyed by path, and back (typed PRNG keys as their data)."""
+
+    def __init__(self, state: Any) -> None:
+        flat, self.treedef = jax.tree_util.tree_flatten_with_path(state)
+        self.keys = [_key(p) for p, _ in flat]
+        if len(set(self.keys)) != len(self.keys):
+            raise ValueError(f"Two variables of the NNX model share a path: {sorted(self.keys)}.")
+        self.impls = [jax.random.key_impl(a) if _is_prng_key(a) else None for _, a in flat]
+
+    def to_dict(self, state: Any) -> dict[str, Any]:
+        leaves = self.treedef.flatten_up_to(state)  # type: ignore[attr-defined]  # jaxlib has no PyTreeDef stub
+        return {k: jax.random.key_data(a) if impl is not None else a
+                for k, a, impl in zip(self.keys, leaves, self.impls)}
+
+    def to_state(self, values: dict[str, Any]) -> Any:
+        leaves = [jax.random.wrap_key_data(values[k], impl=impl) if impl is not None else values[k]
+                  for k, impl in zip(self.keys, self.impls)]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+class NnxModel(FunctionalModel):
+    """An ``nnx.Module`` as a :class:`mirrorax.FunctionalModel` (see the module's docstring); made by
+    ``mx.Trainer(module, ...)``, which passes its ``loss``, ``optimizer`` and ``metrics`` here.
+
+    Args:
+      module: the ``nnx.Module``: its ``nnx.Param`` variables are trained, its other variables are the
+        model state; trained values are written back into it.
+      loss, metrics: as :class:`mirrorax.FunctionalModel` takes them (the model's outputs are ``y_pred``).
+      optimizer: an optax ``GradientTransformation``, or an ``nnx.Optimizer`` (its ``tx``).
+    """
+
+    def __init__(self, module: Any, *, loss: Any, optimizer: Any, metrics: Any = ()) -> None:
+        if isinstance(optimizer, nnx.Optimizer):
+            optimizer = optimizer.tx
+        graphdef, params, rest = _split(module)
+        self.module = module
+        self._graphdef = graphdef
+        self._params, self._rest = _Flat(params), _Flat(rest)
+
+        def apply(params: dict[str, Any], model_state: dict[str, Any] | None, x: Any, training: bool) -> Any:
+            merged = nnx.merge(graphdef, self._params.to_state(params), self._rest.to_state(model_state or {}))
+            if training:
+                merged.train()
+            else:
+                merged.eval()
+            y = merged(x)
+            new = _split(merged)[2]
+            return y, self._rest.to_dict(new)
+
+        # FunctionalModel's fields, but params and model_state are the module's own (the properties below):
+        # its __init__ would store host copies of them, and so write numpy arrays into the module.
+        self.apply_fn = apply
+        self.loss, self.optimizer, self.metrics = loss, optimizer, metrics
+
+    def state_axes(self) -> dict[str, tuple[Any, ...]]:
+        """Each annotated parameter's mesh axes (Flax's ``nnx.with_partitioning``), by key."""
+        specs = jax.tree.leaves(nnx.get_partition_spec(nnx.state(self.module, nnx.Param)))
+        return {k: tuple(spec) for k, spec in zip(self._params.keys, specs) if any(a is not None for a in spec)}
+
+    # The parameters and the model state are the module's own: read from it, and written into it (the
+    # Trainer's write_back sets them after fit).
+    @property  # type: ignore[override]
+    def params(self) -> dict[str, Any]:
+        return self._params.to_dict(nnx.state(self.module, nnx.Param))
+
+    @params.setter
+    def params(self, values: dict[str, Any]) -> None:
+        nnx.update(self.module, self._params.to_state(dict(values)))
+
+    @property  # type: ignore[override]
+    def model_state(self) -> dict[str, Any]:
+        return self._rest.to_dict(_split(self.module)[2])
+
+    @model_state.setter
+    def model_state(self, values: dict[str, Any] | None) -> None:
+        if values is not None:
+            nnx.update(self.module, self._rest.to_state(dict(values)))
