@@ -147,9 +147,11 @@ def _batch_axis_of(a: Any, axis_name: str | tuple[str, ...]) -> bool:
     return spec is not None and len(spec) > 0 and spec[0] == axis_name
 
 
-_ArrayImpl: Any = None
-try:  # the concrete array type: its ``aval`` is one cheap attribute (``isinstance(a, jax.Array)`` is not)
-    from jax._src.array import ArrayImpl as _ArrayImpl
+ARRAY_TYPE: Any = None
+"""The concrete ``jax.Array`` type (``type(a) is ARRAY_TYPE`` is cheap; ``isinstance(a, jax.Array)`` is not), or
+``None`` on a JAX that moved it (callers then take their general path)."""
+try:
+    from jax._src.array import ArrayImpl as ARRAY_TYPE
 except ImportError:  # pragma: no cover - a JAX without it: the general path below
     pass
 
@@ -161,7 +163,7 @@ def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
     # that lowering ahead (e.g. ``mx.plan`` at fit start) and calling share one compiled program.
     out: list[tuple[Any, ...]] = []
     for a in leaves:
-        if type(a) is _ArrayImpl:
+        if type(a) is ARRAY_TYPE:
             aval = a.aval
             out.append((aval.shape, aval.dtype, a.sharding))
         elif isinstance(a, (jax.Array, jax.ShapeDtypeStruct)):

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mirrorax._host import host_value
+from mirrorax.dispatch import ARRAY_TYPE
 from mirrorax.models import keras_custom, keras_metrics
 from mirrorax.models.base import ModelAdapter, SparseTarget, real_count
 from mirrorax.models.keras_targets import check_target_shape, fits, loss_entries, output_spec, resolve, shape_text
@@ -592,7 +593,7 @@ def _lend(variable: Any, value: Any) -> None:
     (``keep_layout``), what that assign comes to (``_direct_assign``: the value held), without its
     conversion, shape check and placement, which cost a large model's write-back more than its step."""
     layout = getattr(variable, "_layout", None)
-    if type(value) is _ArrayImpl and (layout is value.sharding or layout == value.sharding) and \
+    if type(value) is ARRAY_TYPE and (layout is value.sharding or layout == value.sharding) and \
             _dtype_name(value.dtype) == variable.dtype and value.shape == variable._shape and not _in_stateless_scope():
         variable._value = value
     else:
@@ -609,8 +610,6 @@ def _in_stateless_scope() -> bool:
 
     return bool(in_stateless_scope())
 
-
-_ArrayImpl: Any = type(jnp.zeros(()))  # the concrete jax.Array type (isinstance of jax.Array is slow)
 
 
 def keep_layout(variable: Any, sharding: jax.sharding.Sharding | None) -> None:
