@@ -345,12 +345,13 @@ class BatchMesh:
         on_device = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
         if take and self.process_count == 1 and on_device:
             seen: set[int] = set()
-            shared = []
+            shared = []  # the second and later places of a buffer given more than once
             for i in on_device:
                 if id(leaves[i]) in seen:
                     shared.append(i)
                 seen.add(id(leaves[i]))
-            moved = [i for i in on_device if i not in shared and leaves[i].sharding != targets[i]]
+            again = set(shared)
+            moved = [i for i in on_device if i not in again and leaves[i].sharding != targets[i]]
             for i, a in zip(moved, jax.device_put([leaves[i] for i in moved], [targets[i] for i in moved])):
                 leaves[i] = a
             on_device = shared  # the rest is placed; a buffer given twice is copied below
