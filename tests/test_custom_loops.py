@@ -288,6 +288,41 @@ def test_jit_compiles_once_per_row_count_and_lays_out_outputs():
     assert step.compile_count == 3
 
 
+def test_a_loop_of_one_signature_looks_its_arguments_up_once(monkeypatch):
+    """Steps of one signature run the last call's program without a per-leaf look at the arguments (about a
+    microsecond a leaf on the host, every step); a call of another signature (the short last batch, a new
+    dtype) still finds its own program, and its padding is still left out."""
+    from mirrorax.dispatch import StrategyFunction
+
+    looked = []
+    signature = StrategyFunction.signature
+    monkeypatch.setattr(StrategyFunction, "signature", lambda self, *a: (looked.append(1), signature(self, *a))[1])
+    s = strategy(3)
+    step = _linear_step(s)
+    x, y = _linear_data(40)  # 8 x 5 rows, then a batch of 8 real rows split over 3 devices: 9 with padding
+    params = s.replicate({"w": np.zeros(3, np.float32), "b": np.float32(0)})
+    full = list(s.experimental_distribute_dataset((x[:24], y[:24]), batch_size=6))  # 4 batches, no padding
+    for batch in full[:2]:
+        params, _, _ = step(params, batch)
+    before = len(looked)
+    for batch in full[2:] * 3:
+        params, loss, _ = step(params, batch)
+    assert len(looked) == before  # 6 more steps, no signature looked up
+    w, b = np.asarray(params["w"]), float(params["b"])  # (the step donates params)
+    short = next(iter(s.experimental_distribute_dataset((x[:8], y[:8]), batch_size=8)))
+    _, loss, per_example = step(params, short)  # another signature after fast calls: its own program
+    want = (x[:8] @ w + b - y[:8]) ** 2
+    np.testing.assert_allclose(np.asarray(per_example), want, rtol=1e-5)  # the 8 real rows, no padding row
+    np.testing.assert_allclose(float(loss), want.mean(), rtol=1e-5)
+    assert len(looked) > before
+    f = s.jit(lambda a: a * 2)
+    for a in (np.ones(3, np.float32), np.ones(3, np.float32), np.ones(3, np.int32), np.ones(4, np.float32)):
+        out = f(s.replicate(a))
+        assert out.dtype == a.dtype and out.shape == a.shape  # a new dtype or shape: traced, not the last program
+        np.testing.assert_array_equal(np.asarray(out), a * 2)
+    assert step.compile_count == 2
+
+
 def test_jit_matches_one_device_with_sgd():
     x, y = _linear_data()
 

@@ -41,7 +41,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from mirrorax.dispatch import InFlight, OutShardings
+from mirrorax.dispatch import MISSED, InFlight, OutShardings
 from mirrorax.stateful import StatefulFunction
 
 if TYPE_CHECKING:
@@ -206,10 +206,15 @@ class SplitMergeFunction(StatefulFunction):
 
     # -- calling -------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs:
+            out = self._call_fast(args)  # the last call took no objects and its program fits: no split to look for
+            if out is not MISSED:
+                return out
         kinds = protocols()
         split = split_args(args, kinds) if kinds and not kwargs else None
         if split is None:
             return super().__call__(*args, **kwargs)
+        self._plain_last = False  # (the next call with objects looks for them again)
         self._check_global_view(split)
         states = self._placed(split, kinds)
         out, new = self._function(split)(split.structure, states, *split.args)

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mirrorax.dispatch import InFlight, OutShardings, StrategyFunction
+from mirrorax.dispatch import MISSED, InFlight, OutShardings, StrategyFunction
 from mirrorax.padding import (
     even_out_shardings,
     masked_metric_updates,
@@ -277,6 +277,7 @@ class StatefulFunction:
                              out_shardings=None if mesh.has_layout_map else mesh.replicated)
         self._padding_checked: set[Any] = set()  # signatures whose use of the mask was checked
         self._padding_warned = False
+        self._plain_last = False  # the last call ran the plain program and needed nothing more (_call_fast)
         self._tracing: Any = None  # the signature of the call being made (its traces record what fn returns)
         self._traced: dict[Any, _Traced] = {}
 
@@ -328,13 +329,30 @@ class StatefulFunction:
         with self._call(args):
             return self._plain.program(*args)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def _check_not_in_tf_function(self) -> None:
         tf = sys.modules.get("tensorflow")
         if tf is not None and tf.inside_function():
             raise TypeError(f"{self._where} was called while TensorFlow traces a tf.function (a @tf.function left on "
                             "the function that calls it, e.g. distributed_train_step). TensorFlow would run the "
                             "step once while tracing and keep its result as a constant. Remove @tf.function: "
                             f"{self._where} compiles the step with XLA itself.")
+
+    def _call_fast(self, args: tuple[Any, ...]) -> Any:
+        """The call through the last call's program when that call needed nothing of this class (no Keras
+        variable, no padding to mark, the global view), else :data:`~mirrorax.dispatch.MISSED`: a loop of one
+        signature then pays no per-leaf look at its arguments (:meth:`StrategyFunction.call_fast`). Whether
+        a call needs more follows from its signature, which JAX's dispatch checks (another one misses)."""
+        if not self._plain_last:
+            return MISSED
+        self._check_not_in_tf_function()
+        return self._plain.call_fast(args)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs:
+            out = self._call_fast(args)
+            if out is not MISSED:
+                return out
+        self._check_not_in_tf_function()
         if kwargs:
             return self._plain(*args, **kwargs)  # raises, naming the fix
         batch = find_batch(args)
@@ -349,8 +367,11 @@ class StatefulFunction:
             sees = padding and (self._per_replica or real is None)
             if sees and not self._padding_warned and getattr(batch, "padded", False):
                 self._check_padding(args, batch, entry, key, real)
+            # (set before the call: a call that raises leaves it off)
+            self._plain_last = False
             if entry is None:
                 out = self._plain(*args)
+                self._plain_last = not padding and not self._per_replica
             else:
                 out, new = entry.function(self._owned(entry), self._kept(entry), *args)
                 direct = _current_scope() is None
