@@ -42,7 +42,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from mirrorax.dispatch import InFlight, OutShardings
-from mirrorax.stateful import StatefulFunction
+from mirrorax.keras.stateful import StatefulFunction
 
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh

@@ -30,11 +30,11 @@ from mirrorax.dispatch import InFlight, OutShardings, StrategyFunction, check_ou
 from mirrorax.inputs.distributed import DistributedDataset
 from mirrorax.inputs.iterables import PerProcessDataset
 from mirrorax.inputs.source import InputContext
+from mirrorax.keras.stateful import StatefulFunction, check_not_tf_function
 from mirrorax.mesh import AxisName, BatchMesh, ShardMode, check_shard
 from mirrorax.padding import even_out_shardings
 from mirrorax.replica import ReduceOp, batch_scope, find_batch, real_rows_view, resolve_op, rows_of
 from mirrorax.split_merge import SplitMergeFunction
-from mirrorax.stateful import StatefulFunction, check_not_tf_function
 
 __all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "InputContext", "get_strategy", "current_scope",
            "on_scope"]

@@ -262,7 +262,7 @@ def fit_case(case: str, strategy, keras_hub=None) -> dict[str, np.ndarray]:
         x, y = mlp_data()
         history = model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     specs = {}  # as the fit's state has them (read first: reading the model's weights hands the state over)
-    for path, value in mx.keras_fit.trainer_of(model).device_state.live.params.items():
+    for path, value in mx.keras.fit.trainer_of(model).device_state.live.params.items():
         spec = tuple(getattr(value.sharding, "spec", ()))  # one device: a SingleDeviceSharding
         specs[path] = [list(s) if isinstance(s, tuple) else s for s in spec + (None,) * (value.ndim - len(spec))]
     out = {f"w{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from mirrorax import _keras_env
-from mirrorax.inputs import keras_data, keras_order
+from mirrorax.keras import data as keras_data
+from mirrorax.keras import env as _keras_env
+from mirrorax.keras import order as keras_order
 from mirrorax.models.base import attach_strategy, strategy_of
 from mirrorax.strategy import MirroredStrategy, on_scope
 
@@ -177,7 +178,7 @@ def _mirror_variables(model: Any, strategy: MirroredStrategy) -> None:
     evaluate or predict (``KerasAdapter.write_back``). A model being constructed has none yet."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from mirrorax.models.keras import keep_layout, layout_paths
+    from mirrorax.keras.adapter import keep_layout, layout_paths
 
     if strategy.process_count > 1:  # each process's model holds whole values on its own devices
         local = NamedSharding(Mesh(np.array(strategy.local_devices), ("batch",)), PartitionSpec())
@@ -212,7 +213,7 @@ def trainer_of(model: Any) -> Trainer:
     cached = model.__dict__.get("_mirrorax_trainer")
     if cached is not None and cached[0] == key:
         return cached[1]
-    from mirrorax.models.keras import KerasAdapter
+    from mirrorax.keras.adapter import KerasAdapter
 
     # Keras's predict needs no compile: an uncompiled model gets an adapter for predict alone.
     adapter = KerasAdapter(model, predict_only=True)

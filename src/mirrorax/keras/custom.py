@@ -94,7 +94,7 @@ def exact_metrics(model: Any, batch: dict[str, Any]) -> Iterator[None]:
     """While an override is traced: its metric updates count real rows, with the user's weights."""
     from keras.src.trainers.trainer import Trainer as KerasTrainer
 
-    from mirrorax.models.keras_metrics import update_compile_metrics
+    from mirrorax.keras.metrics import update_compile_metrics
 
     mask = batch["mask"]
     tracker = model._loss_tracker

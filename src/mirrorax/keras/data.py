@@ -70,7 +70,7 @@ def keras_build_read(model: Any, x: Any, arrays: bool, shuffle: Any, batch_size:
       The batch read (the trainer's look at the first batch then reads nothing more), or ``None``: none
       read (arrays, a built model, a generator).
     """
-    from mirrorax.inputs import keras_order
+    from mirrorax.keras import order as keras_order
 
     builds = keras_order.keras_builds(model)
     if arrays:
@@ -157,7 +157,7 @@ class _Batches:
         if not _is_py_dataset(data):
             yield from data
             return
-        from mirrorax.inputs.keras_order import batch_indices
+        from mirrorax.keras.order import batch_indices
 
         n = data.num_batches
         data.on_epoch_begin()

@@ -29,9 +29,10 @@ import numpy as np
 
 from mirrorax._host import host_value
 from mirrorax.dispatch import ARRAY_TYPE
-from mirrorax.models import keras_custom, keras_metrics
+from mirrorax.keras import custom as keras_custom
+from mirrorax.keras import metrics as keras_metrics
+from mirrorax.keras.targets import check_target_shape, fits, loss_entries, output_spec, resolve, shape_text
 from mirrorax.models.base import ModelAdapter, SparseTarget, real_count
-from mirrorax.models.keras_targets import check_target_shape, fits, loss_entries, output_spec, resolve, shape_text
 
 __all__ = ["KerasAdapter", "check_keras_backend", "keep_layout"]
 
