@@ -17,6 +17,7 @@ from typing import Any
 
 from mirrorax._host import host_value
 from mirrorax._watchdog import leaving
+from mirrorax.keras import _internals as internals
 
 __all__ = ["Callbacks", "check_available", "PackedLogs"]
 
@@ -32,14 +33,7 @@ _BATCH_HOOKS = {
 
 def _overrides(cb: Any, names: Sequence[str]) -> bool:
     """Whether ``cb`` implements one of the hooks ``names`` (not Keras's default no-op)."""
-    try:
-        from keras.src import utils
-
-        is_default: Callable[[Any], bool] = utils.is_default
-    except ImportError:  # pragma: no cover - Keras is a dependency
-        def is_default(method: Any) -> bool:
-            return False
-    return any(callable(getattr(cb, n, None)) and not is_default(getattr(cb, n)) for n in names)
+    return any(callable(getattr(cb, n, None)) and not internals.is_default(getattr(cb, n)) for n in names)
 
 
 def check_available(callbacks: Any) -> None:
@@ -207,9 +201,7 @@ class LazyLogs(dict):
             if self._packed is not None:  # floats already, read in one transfer
                 super().update(self._packed.on_host())
                 return
-            from keras.src.utils import python_utils
-
-            super().update(python_utils.pythonify_logs(dict(super().items())))
+            super().update(internals.pythonify_logs(dict(super().items())))
 
     def __getitem__(self, key: Any) -> Any:
         self._fill()
@@ -310,8 +302,6 @@ def _as_keras_callback(cb: Any, keras: Any) -> Any:
 
 def _is_keras_model(model: Any) -> bool:
     try:
-        from keras.src.trainers.trainer import Trainer as KerasTrainer
+        return internals.is_keras_trainer(model)  # keras.Model, or a layer mixed with a Trainer
     except ImportError:  # pragma: no cover
         return False
-
-    return isinstance(model, KerasTrainer)  # keras.Model, or a layer mixed with a Trainer

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from mirrorax.keras import _internals as internals
 from mirrorax.keras import data as keras_data
 from mirrorax.keras import env as _keras_env
 from mirrorax.keras import order as keras_order
@@ -54,14 +55,13 @@ def enter(strategy: MirroredStrategy) -> None:
         if _open_scopes > 1:
             return
         try:
-            from keras.src.backend.jax.trainer import JAXTrainer
-            from keras.src.trainers.trainer import Trainer as KerasTrainer
+            JAXTrainer, KerasTrainer = internals.jax_trainer(), internals.keras_trainer()
         except ImportError:  # no Keras, or Keras on another backend: nothing to attach to
             return
         _saved["init"] = JAXTrainer.__init__
         _saved["compile"] = KerasTrainer.compile
-        JAXTrainer.__init__ = _wrap(JAXTrainer.__init__, "creating a model")  # type: ignore[method-assign]
-        KerasTrainer.compile = _wrap(KerasTrainer.compile, "compile")  # type: ignore[method-assign]
+        JAXTrainer.__init__ = _wrap(JAXTrainer.__init__, "creating a model")
+        KerasTrainer.compile = _wrap(KerasTrainer.compile, "compile")
 
 
 def leave() -> None:
@@ -71,11 +71,9 @@ def leave() -> None:
         _open_scopes -= 1
         if _open_scopes or not _saved:
             return
-        from keras.src.backend.jax.trainer import JAXTrainer
-        from keras.src.trainers.trainer import Trainer as KerasTrainer
-
-        JAXTrainer.__init__ = _saved.pop("init")  # type: ignore[method-assign]
-        KerasTrainer.compile = _saved.pop("compile")  # type: ignore[method-assign]
+        JAXTrainer, KerasTrainer = internals.jax_trainer(), internals.keras_trainer()
+        JAXTrainer.__init__ = _saved.pop("init")
+        KerasTrainer.compile = _saved.pop("compile")
 
 
 def _check_scope(strategy: MirroredStrategy) -> None:
@@ -109,10 +107,9 @@ def _wrap(original: Callable[..., Any], what: str) -> Callable[..., Any]:
 
 def _attach(model: Any, strategy: MirroredStrategy) -> None:
     import keras
-    from keras.src.trainers.trainer import Trainer as KerasTrainer
 
     # A model is a layer mixed with a Trainer (keras.Model is one; Keras's own tests build others).
-    if not (isinstance(model, KerasTrainer) and isinstance(model, keras.layers.Layer)):
+    if not (internals.is_keras_trainer(model) and isinstance(model, keras.layers.Layer)):
         return
     attach_strategy(model, strategy)
     _mirror_variables(model, strategy)
@@ -125,7 +122,7 @@ def _attach(model: Any, strategy: MirroredStrategy) -> None:
 
 def _keras_own(method: Any) -> Any:
     """Keras's own function behind ``method`` (itself, or what a dispatcher stands in for)."""
-    return getattr(method, "_mirrorax_keras_own", method)
+    return getattr(method, "mirrorax_keras_own", method)
 
 
 def _through_override(name: str) -> Callable[..., Any]:
@@ -135,8 +132,7 @@ def _through_override(name: str) -> Callable[..., Any]:
 
     def routed(self: Any, *args: Any, **kwargs: Any) -> Any:
         global _overriding
-        from keras.src.backend.jax.trainer import JAXTrainer
-
+        JAXTrainer = internals.jax_trainer()
         with _lock:
             _overriding += 1
             if _overriding == 1:
@@ -167,7 +163,7 @@ def _dispatcher(name: str, own: Callable[..., Any]) -> Callable[..., Any]:
             return _METHODS[name](self, *args, **kwargs)
         return own(self, *args, **kwargs)  # another model, or another thread: Keras's own
 
-    dispatch._mirrorax_keras_own = own  # type: ignore[attr-defined]
+    dispatch.mirrorax_keras_own = own  # type: ignore[attr-defined]
     return dispatch
 
 
@@ -208,8 +204,8 @@ def trainer_of(model: Any) -> Trainer:
     exception; ``mx.Trainer(model, on_nonfinite="raise")`` remains the explicit way to get one."""
     _keras_env.check_distribution("fit, evaluate or predict")
     strategy = strategy_of(model)
-    key = (id(strategy), id(getattr(model, "optimizer", None)), id(getattr(model, "_compile_loss", None)),
-           id(getattr(model, "_compile_metrics", None)), model.steps_per_execution)
+    key = (id(strategy), id(getattr(model, "optimizer", None)), id(internals.compile_loss(model)),
+           id(internals.compile_metrics(model)), model.steps_per_execution)
     cached = model.__dict__.get("_mirrorax_trainer")
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -283,10 +279,8 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
             raise ValueError(f"validation_split={validation_split} needs x as arrays (it holds out the last share of "
                              f"the rows, as Keras does); received x of type {type(x).__name__}. Pass "
                              "validation_data=... instead.")
-        from keras.src.trainers.data_adapters import array_slicing
-
-        (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
-            (x, y, sample_weight), validation_split=validation_split)
+        (x, y, sample_weight), validation_data = internals.train_validation_split(
+            (x, y, sample_weight), validation_split)
     if arrays and batch_size is None and steps_per_epoch:
         # Keras's ArrayDataAdapter: the steps cover the rows once
         batch_size = -(-keras_data.row_count(x) // steps_per_epoch)
