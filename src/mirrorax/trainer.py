@@ -87,7 +87,7 @@ class Trainer:
     _epochs_end_with_data = False
     # The data order: (seed, pass) for arrays, the same on any device count and replayed on resume
     # (False); or Keras's fit's own, drawn from numpy's global state when a pass starts, each fit's
-    # passes counted from its first epoch as Keras's iterator counts them (True: inputs/keras_order.py).
+    # passes counted from its first epoch as Keras's iterator counts them (True: keras/order.py).
     _keras_order = False
 
     def __init__(self, model: Any, strategy: MirroredStrategy | None = None, *, loss: Any = None,

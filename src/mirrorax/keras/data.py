@@ -1,10 +1,10 @@
 """Keras's data arguments as the Trainer's batches, read as Keras's data adapters read them.
 
-A Keras model's ``fit`` under a scope (:mod:`mirrorax.keras_fit`) takes what Keras's ``fit`` takes: arrays,
+A Keras model's ``fit`` under a scope (:mod:`mirrorax.keras.fit`) takes what Keras's ``fit`` takes: arrays,
 a ``keras.utils.PyDataset``, a generator or any iterable of batches, with ``class_weight``. What Keras reads
 before training (the first batch, to build a model; a ``PyDataset``'s epoch hooks) is read here at the same
 moments, so the random state and the dataset's hooks are where Keras leaves them
-(:mod:`mirrorax.inputs.keras_order` draws the order).
+(:mod:`mirrorax.keras.order` draws the order).
 """
 
 from __future__ import annotations

@@ -224,7 +224,7 @@ def trainer_of(model: Any) -> Trainer:
 def _keras_fit_trainer() -> type[Trainer]:
     """The Trainer behind ``model.fit``, with Keras's reading of ``steps_per_epoch`` (at most that many
     batches, an epoch ending where the data does, with Keras's "ran out of data" warning) and Keras's
-    own shuffle order (:mod:`mirrorax.inputs.keras_order`)."""
+    own shuffle order (:mod:`mirrorax.keras.order`)."""
     from mirrorax.trainer import Trainer
 
     class KerasFitTrainer(Trainer):
@@ -252,7 +252,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
          shuffle: bool | Literal["batch"] = True, class_weight: Any = None, sample_weight: Any = None,
          initial_epoch: int = 0, steps_per_epoch: int | None = None, validation_steps: int | None = None,
          validation_batch_size: int | None = None, validation_freq: int = 1) -> Any:
-    """Keras's ``Model.fit``, on every device of the model's strategy (see ``mirrorax.keras_fit``)."""
+    """Keras's ``Model.fit``, on every device of the model's strategy (see ``mirrorax.keras.fit``)."""
     self._assert_compile_called("fit")
     fallback = _eager_fallback(self, "fit")
     if fallback is not None:
