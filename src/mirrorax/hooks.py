@@ -129,7 +129,7 @@ class Callbacks:
     def _call(self, method: str, *args: Any) -> None:
         if self.keras:
             if method in _LAZY_BATCH_ENDS and len(args) == 2 and isinstance(args[1], Mapping) and \
-                    not getattr(self._list, _LAZY_BATCH_ENDS[method], False) and \
+                    not internals.runs_batch_ends_async(self._list, _LAZY_BATCH_ENDS[method]) and \
                     (isinstance(args[1], PackedLogs) or not any(isinstance(v, Mapping) for v in args[1].values())):
                 logs = LazyLogs(args[1])
                 for cb in self._list.callbacks:
@@ -143,10 +143,9 @@ class Callbacks:
                 fn(*args)
 
 
-# Batch-end hooks whose logs are flat device scalars, and the CallbackList flag that makes Keras run them
-# on a thread (every callback async-safe): then Keras's own path waits for nothing either.
-_LAZY_BATCH_ENDS = {"on_train_batch_end": "_async_train", "on_batch_end": "_async_train",
-                    "on_test_batch_end": "_async_test"}
+# Batch-end hooks whose logs are flat device scalars, and the kind of batch hooks that Keras runs on a thread
+# when every callback is async-safe: then Keras's own path waits for nothing either.
+_LAZY_BATCH_ENDS = {"on_train_batch_end": "train", "on_batch_end": "train", "on_test_batch_end": "test"}
 
 
 class PackedLogs(Mapping[str, float]):

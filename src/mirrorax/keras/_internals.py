@@ -23,7 +23,8 @@ __all__ = [
     "flatten_y", "fn_and_kwargs", "flatten_layers", "symbolic_build", "call_has_training_arg", "inputs_struct",
     "history_operation", "batch_norm_moments", "set_batch_norm_moments", "batch_norm_reduction_axes",
     "variable_value", "set_variable_value", "variable_layout", "set_variable_layout", "variable_shape",
-    "direct_assign", "assign_direct", "jax_state", "set_jax_state", "jax_state_synced", "initial_epoch",
+    "direct_assign", "assign_direct", "jax_state", "set_jax_state", "jax_state_synced", "runs_batch_ends_async",
+    "initial_epoch",
 ]
 
 
@@ -286,6 +287,12 @@ def jax_state_synced(model: Any) -> bool:
 def set_jax_state(model: Any, state: Any, synced: bool) -> None:
     model._jax_state = state
     model._jax_state_synced = synced
+
+
+def runs_batch_ends_async(callback_list: Any, kind: str) -> bool:
+    """Whether a ``CallbackList`` runs its ``kind`` (``"train"`` or ``"test"``) batch-end hooks on its worker
+    thread (every callback async-safe: Keras's own ``History`` / ``ProgbarLogger``)."""
+    return bool(getattr(callback_list, f"_async_{kind}", False))
 
 
 def initial_epoch(model: Any) -> int | None:
