@@ -2,7 +2,8 @@
 
 Its modules stand on the engine's floors (``tests/test_house.py``), each beside what it serves:
 
-* :mod:`~mirrorax.keras.env`: Keras settings a scope cannot honour (another backend, a global distribution);
+** :mod:`~mirrorax.keras.env`: Keras settings a scope cannot honour (another backend, a global distribution);
+* :mod:`~mirrorax.keras.callbacks`: Keras's side of a fit's callbacks (:mod:`mirrorax.hooks` drives them);
 * :mod:`~mirrorax.keras.stateful`: steps that read and assign Keras variables (``strategy.jit``, ``mx.grad``);
 * :mod:`~mirrorax.keras.order` / :mod:`~mirrorax.keras.data`: Keras's shuffle order and its data arguments;
 * :mod:`~mirrorax.keras.adapter`: a Keras model as pure functions (:mod:`~mirrorax.keras.custom`: its custom

@@ -263,8 +263,8 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
                         validation_batch_size=validation_batch_size, validation_freq=validation_freq)
     import keras
 
-    from mirrorax import hooks as hooks_lib
     from mirrorax.inputs.make import is_array_tree
+    from mirrorax.keras import callbacks as keras_callbacks
 
     trainer = trainer_of(self)
     arrays = is_array_tree(x)
@@ -301,7 +301,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
             and is_array_tree(validation_data)):
         raise ValueError("validation_data must be a tuple (x_val, y_val) or (x_val, y_val, sample_weight), or an "
                          f"iterable of such batches; received {type(validation_data).__name__}.")
-    hooks_lib.check_available(callbacks)
+    keras_callbacks.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         steps = steps_per_epoch or keras_data.num_batches(x, batch_size or (None if not arrays else 32))
         callbacks = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
@@ -335,14 +335,14 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: int | None = 
                          "sample_weight, steps, callbacks and return_dict (as Keras's Model.evaluate).")
     import keras
 
-    from mirrorax import hooks as hooks_lib
     from mirrorax.inputs.make import is_array_tree
+    from mirrorax.keras import callbacks as keras_callbacks
 
     if not is_array_tree(x):
         build = keras_data.build_read(x) if keras_order.keras_builds(self) else None
         x = keras_data.as_batches(x, build=build)
     steps = _capped_steps(steps)
-    hooks_lib.check_available(callbacks)
+    keras_callbacks.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
                                                  steps=steps or keras_data.num_batches(x, batch_size or 32), model=self)
@@ -359,14 +359,14 @@ def _predict(self: Any, x: Any, batch_size: int | None = None, verbose: Any = "a
         return fallback(x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
     import keras
 
-    from mirrorax import hooks as hooks_lib
     from mirrorax.inputs.make import is_array_tree
+    from mirrorax.keras import callbacks as keras_callbacks
 
     if not is_array_tree(x):
         build = keras_data.build_read(x) if keras_order.keras_builds(self, predict=True) else None
         x = keras_data.as_batches(x, build=build)
     steps = _capped_steps(steps)
-    hooks_lib.check_available(callbacks)
+    keras_callbacks.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
                                                  steps=steps or keras_data.num_batches(x, batch_size or 32), model=self)
