@@ -5,7 +5,7 @@ cross-entropy, an accuracy metric) on the same placed batches, each with its own
 
 * **stateful**: TF's form, ``model(x, training=True)`` inside ``mx.value_and_grad``,
   ``optimizer.apply_gradients``, ``metric.update_state``; the strategy threads the variables
-  (:mod:`mirrorax.stateful`) and writes them back after each call;
+  (:mod:`mirrorax.keras.stateful`) and writes them back after each call;
 * **stateless**: the keras.io JAX guide's form, ``model.stateless_call`` / ``optimizer.stateless_apply``
   / ``metric.stateless_update_state`` on an explicit, donated state.
 

@@ -56,7 +56,7 @@ def test_seed_program_under_scope_trains_on_every_device_with_keras_numbers(kera
     pred = model.predict(xt, batch_size=64, verbose=0)
     assert isinstance(pred, np.ndarray) and pred.shape == (len(xt), 10)
     np.testing.assert_allclose(pred, ref_pred, rtol=1e-5, atol=1e-6)
-    assert mx.keras_fit.trainer_of(model).compile_counts()["train"] == 2  # full batches and the short last one
+    assert mx.keras.fit.trainer_of(model).compile_counts()["train"] == 2  # full batches and the short last one
 
 
 def test_model_made_outside_any_scope_is_plain_keras():
@@ -69,7 +69,7 @@ def test_model_made_outside_any_scope_is_plain_keras():
     assert JAXTrainer.__init__ is init  # and restored when it closes: nothing global outlives it
     outside = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     outside.compile(optimizer="sgd", loss="mse")
-    assert "fit" not in outside.__dict__ and mx.keras_fit.strategy_of(outside) is None
+    assert "fit" not in outside.__dict__ and mx.keras.fit.strategy_of(outside) is None
     assert "fit" in inside.__dict__
     outside.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0)  # Keras's own loop, one device
     assert len(outside.trainable_variables[0].value.sharding.device_set) == 1
@@ -516,7 +516,7 @@ def test_a_class_that_overrides_fit_runs_its_override_and_trains_on_mirrorax():
     np.testing.assert_allclose(model.predict(x, batch_size=16, verbose=0), probs, rtol=1e-5, atol=1e-6)
     assert model.calls == ["fit", "fit", "evaluate", "predict"] and ref.calls == ["fit", "fit"]  # the overrides ran
     # Their super() calls ran on mirrorax: its programs, its layout on the 8 devices.
-    assert mx.keras_fit.trainer_of(model).compile_counts() == {"train": 1, "train_many": 0, "evaluate": 1,
+    assert mx.keras.fit.trainer_of(model).compile_counts() == {"train": 1, "train_many": 0, "evaluate": 1,
                                                                "predict": 1}
     assert model.trainable_variables[0].value.sharding.device_set == set(s.devices)
     assert JAXTrainer.fit is keras_fit  # Keras's fit is its own again once the override returned
@@ -544,7 +544,7 @@ def test_keras_hub_task_fit_preprocesses_and_trains_on_mirrorax():
     loss = history.history["loss"]
     assert len(loss) == 2 and loss[1] < loss[0]
     assert np.isfinite(lm.evaluate(x, tokens[:, 1:], batch_size=8, verbose=0)).all()
-    counts = mx.keras_fit.trainer_of(lm).compile_counts()
+    counts = mx.keras.fit.trainer_of(lm).compile_counts()
     assert counts["train"] == 1 and counts["evaluate"] == 1  # mirrorax's programs, not Keras's
     assert all(v.value.sharding.device_set == set(s.devices) for v in lm.trainable_variables)
 

@@ -211,7 +211,7 @@ def test_pass_order_is_keras_array_adapter_order(shuffle):
     rows in batches of 32: a short last batch), and leaves the state where Keras's leaves it."""
     from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 
-    from mirrorax.inputs.keras_order import pass_order
+    from mirrorax.keras.order import pass_order
 
     np.random.seed(3)
     adapter = ArrayDataAdapter(np.arange(100), batch_size=32, shuffle=shuffle)

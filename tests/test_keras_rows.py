@@ -115,7 +115,7 @@ def test_a_model_contracting_the_batch_axis_sees_keras_rows(n, keras_batch_dot):
     m = scoped(batch_dot_model, n)
     assert_same(run_batch_dot(m), keras_batch_dot)
     # A full-batch and a tail program per step kind, as Keras's jit retraces for the short batch.
-    assert mx.keras_fit.trainer_of(m).compile_counts()["train"] == 2
+    assert mx.keras.fit.trainer_of(m).compile_counts()["train"] == 2
 
 
 @pytest.mark.slow

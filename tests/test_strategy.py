@@ -19,7 +19,7 @@ import pytest
 from helpers import strategy
 
 import mirrorax as mx
-from mirrorax.keras_fit import trainer_of
+from mirrorax.keras.fit import trainer_of
 
 pytestmark = pytest.mark.multi_device
 

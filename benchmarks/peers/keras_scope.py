@@ -43,9 +43,9 @@ def run(args: Any) -> None:
     t0 = time.perf_counter()
     fit(args.warmup)
     warmup_s = time.perf_counter() - t0
-    counts = mx.keras_fit.trainer_of(model).compile_counts()
+    counts = mx.keras.fit.trainer_of(model).compile_counts()
     rates = _common.time_runs(lambda: fit(args.steps), args.repeats, args.steps * args.batch)
-    after = mx.keras_fit.trainer_of(model).compile_counts()
+    after = mx.keras.fit.trainer_of(model).compile_counts()
     note = "model.fit under strategy.scope()" + ("" if after == counts else f"; RECOMPILED: {counts} -> {after}")
     _common.write_result(args, samples_per_s=rates, warmup_s=warmup_s, device_kind=devices[0].device_kind,
                          num_params=int(model.count_params()), note=note, compile_counts=after)

@@ -15,8 +15,6 @@ Example:
 
 from typing import TYPE_CHECKING
 
-# keras_fit is imported for what importing it does: strategy.scope() then routes the Keras models made in it.
-from mirrorax import keras_fit  # noqa: F401
 from mirrorax._version import __version__ as __version__
 from mirrorax.cache import enable_compilation_cache as enable_compilation_cache
 from mirrorax.cluster import ClusterError as ClusterError
@@ -25,6 +23,11 @@ from mirrorax.cluster import initialize as initialize
 from mirrorax.consistency import ReplicaMismatchError as ReplicaMismatchError
 from mirrorax.inputs.distributed import DistributedBatch as DistributedBatch
 from mirrorax.inputs.distributed import DistributedDataset as DistributedDataset
+
+# mirrorax.keras.fit is imported for what importing it does: strategy.scope() then routes the Keras models made in it.
+from mirrorax.keras import fit as _keras_fit  # noqa: F401
+from mirrorax.keras.stateful import grad as grad
+from mirrorax.keras.stateful import value_and_grad as value_and_grad
 from mirrorax.mesh import hybrid_mesh as hybrid_mesh
 from mirrorax.models.base import ModelAdapter as ModelAdapter
 from mirrorax.models.functional import FunctionalModel as FunctionalModel
@@ -42,8 +45,6 @@ from mirrorax.replica import scale_regularization_loss as scale_regularization_l
 from mirrorax.results import History as History
 from mirrorax.results import NonFiniteLossError as NonFiniteLossError
 from mirrorax.split_merge import register_front_end as _register_front_end
-from mirrorax.stateful import grad as grad
-from mirrorax.stateful import value_and_grad as value_and_grad
 from mirrorax.strategy import InputContext as InputContext
 from mirrorax.strategy import MirroredStrategy as MirroredStrategy
 from mirrorax.strategy import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
@@ -66,7 +67,7 @@ if TYPE_CHECKING:  # loaded on first use (below); imported here for type checker
     from mirrorax.checkpoint import CheckpointError as CheckpointError
     from mirrorax.checkpoint import CheckpointMismatchError as CheckpointMismatchError
     from mirrorax.checkpoint import CheckpointWarning as CheckpointWarning
-    from mirrorax.object_checkpoint import Checkpoint as Checkpoint
+    from mirrorax.keras.checkpoint import Checkpoint as Checkpoint
 
 # The checkpoint layer imports Orbax and TensorStore (~25 MB of resident memory): loaded on first use.
 _LAZY = {"Checkpoint", "CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer"}
@@ -74,7 +75,7 @@ _LAZY = {"Checkpoint", "CheckpointError", "CheckpointMismatchError", "Checkpoint
 
 def __getattr__(name: str):  # PEP 562
     if name == "Checkpoint":
-        from mirrorax import object_checkpoint
+        from mirrorax.keras import checkpoint as object_checkpoint
 
         return object_checkpoint.Checkpoint
     if name in _LAZY:

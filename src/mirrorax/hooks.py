@@ -11,14 +11,15 @@ Keras's ``CallbackList`` turns them into floats on a worker thread when every ba
 
 from __future__ import annotations
 
-import importlib.util
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mirrorax._host import host_value
 from mirrorax._watchdog import leaving
+from mirrorax.keras import _internals as internals
+from mirrorax.keras import callbacks as keras_callbacks
 
-__all__ = ["Callbacks", "check_available", "PackedLogs"]
+__all__ = ["Callbacks", "PackedLogs"]
 
 _BATCH_HOOKS = {
     "train_begin": ("on_train_batch_begin", "on_batch_begin"),
@@ -28,51 +29,6 @@ _BATCH_HOOKS = {
     "predict_begin": ("on_predict_batch_begin",),
     "predict_end": ("on_predict_batch_end",),
 }
-
-
-def _overrides(cb: Any, names: Sequence[str]) -> bool:
-    """Whether ``cb`` implements one of the hooks ``names`` (not Keras's default no-op)."""
-    try:
-        from keras.src import utils
-
-        is_default: Callable[[Any], bool] = utils.is_default
-    except ImportError:  # pragma: no cover - Keras is a dependency
-        def is_default(method: Any) -> bool:
-            return False
-    return any(callable(getattr(cb, n, None)) and not is_default(getattr(cb, n)) for n in names)
-
-
-def check_available(callbacks: Any) -> None:
-    """Raises at once, with what to install, when a callback needs a package that is missing.
-
-    ``keras.callbacks.TensorBoard`` writes its event files with TensorFlow's ``tf.summary``, whose
-    ``scalar`` / ``histogram`` / ``image`` come from the ``tensorboard`` package: without TensorFlow it
-    fails with ``No module named 'tensorflow'`` at ``set_model``; without ``tensorboard`` (which
-    ``tensorflow`` / ``tensorflow-cpu`` no longer install, from 2.21) with ``TBNotInstalledError`` at the
-    end of the first epoch, after that epoch's work.
-
-    Raises:
-      ImportError: a ``TensorBoard`` callback and no TensorFlow or no ``tensorboard`` installed.
-    """
-    try:
-        import keras
-    except ImportError:  # pragma: no cover - Keras is a dependency
-        return
-    members = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else callbacks
-    if not isinstance(members, (list, tuple)):
-        return
-    for cb in members:
-        if not isinstance(cb, keras.callbacks.TensorBoard):
-            continue
-        missing = [name for name, module in (("tensorflow-cpu", "tensorflow"), ("tensorboard", "tensorboard"))
-                   if importlib.util.find_spec(module) is None]
-        if missing:
-            raise ImportError(
-                f"keras.callbacks.TensorBoard(log_dir={getattr(cb, 'log_dir', None)!r}) writes its logs with "
-                "TensorFlow's tf.summary, which needs both the `tensorflow` and the `tensorboard` packages; "
-                f"missing here: {', '.join(missing)}. Install them with `pip install tensorflow-cpu tensorboard` "
-                "(the CPU build of TensorFlow is enough: it only writes the logs, training stays on JAX; since "
-                "TensorFlow 2.21 it no longer brings `tensorboard` along), or remove the TensorBoard callback.")
 
 
 class Callbacks:
@@ -87,8 +43,8 @@ class Callbacks:
 
     def __init__(self, callbacks: Any, model: Any, *, add_history: bool = False, add_progbar: bool = False,
                  **params: Any) -> None:
-        self.keras = _is_keras_model(model)
-        check_available(callbacks)
+        self.keras = keras_callbacks.is_keras_model(model)
+        keras_callbacks.check_available(callbacks)
         if self.keras:
             import keras
 
@@ -97,7 +53,7 @@ class Callbacks:
                 if params:  # the caller's (Keras's fit) params win: ours only fill what is missing
                     callbacks.set_params({**params, **(callbacks.params or {})})
             else:
-                callbacks = [_as_keras_callback(cb, keras) for cb in callbacks or []]
+                callbacks = [keras_callbacks.as_keras_callback(cb, keras) for cb in callbacks or []]
                 self._list = keras.callbacks.CallbackList(callbacks, add_history=add_history,
                                                           add_progbar=add_progbar, model=model, **params)
             members = list(self._list.callbacks)
@@ -107,7 +63,8 @@ class Callbacks:
                 if hasattr(cb, "set_model"):
                     cb.set_model(model)
             self._list = members
-        self.listens = {kind: any(_overrides(cb, names) for cb in members) for kind, names in _BATCH_HOOKS.items()}
+        self.listens = {kind: any(keras_callbacks.implements(cb, names) for cb in members)
+                        for kind, names in _BATCH_HOOKS.items()}
 
     @property
     def callback_list(self) -> Any:
@@ -135,7 +92,7 @@ class Callbacks:
     def _call(self, method: str, *args: Any) -> None:
         if self.keras:
             if method in _LAZY_BATCH_ENDS and len(args) == 2 and isinstance(args[1], Mapping) and \
-                    not getattr(self._list, _LAZY_BATCH_ENDS[method], False) and \
+                    not keras_callbacks.runs_async(self._list, _LAZY_BATCH_ENDS[method]) and \
                     (isinstance(args[1], PackedLogs) or not any(isinstance(v, Mapping) for v in args[1].values())):
                 logs = LazyLogs(args[1])
                 for cb in self._list.callbacks:
@@ -149,10 +106,9 @@ class Callbacks:
                 fn(*args)
 
 
-# Batch-end hooks whose logs are flat device scalars, and the CallbackList flag that makes Keras run them
-# on a thread (every callback async-safe): then Keras's own path waits for nothing either.
-_LAZY_BATCH_ENDS = {"on_train_batch_end": "_async_train", "on_batch_end": "_async_train",
-                    "on_test_batch_end": "_async_test"}
+# Batch-end hooks whose logs are flat device scalars, and the kind of batch hooks that Keras runs on a thread
+# when every callback is async-safe: then Keras's own path waits for nothing either.
+_LAZY_BATCH_ENDS = {"on_train_batch_end": "train", "on_batch_end": "train", "on_test_batch_end": "test"}
 
 
 class PackedLogs(Mapping[str, float]):
@@ -207,9 +163,7 @@ class LazyLogs(dict):
             if self._packed is not None:  # floats already, read in one transfer
                 super().update(self._packed.on_host())
                 return
-            from keras.src.utils import python_utils
-
-            super().update(python_utils.pythonify_logs(dict(super().items())))
+            super().update(internals.pythonify_logs(dict(super().items())))
 
     def __getitem__(self, key: Any) -> Any:
         self._fill()
@@ -267,51 +221,3 @@ class LazyLogs(dict):
     def __or__(self, other: Any) -> Any:
         self._fill()
         return dict(super().items()) | other
-
-
-_HOOK_NAMES = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_test_begin", "on_test_end",
-               "on_predict_begin", "on_predict_end", "on_batch_begin", "on_batch_end", "on_train_batch_begin",
-               "on_train_batch_end", "on_test_batch_begin", "on_test_batch_end", "on_predict_batch_begin",
-               "on_predict_batch_end")
-
-
-def _as_keras_callback(cb: Any, keras: Any) -> Any:
-    """``cb`` as a ``keras.callbacks.Callback``: a plain object with some ``on_*`` methods (what
-    ``Trainer.fit`` accepts for any model) is wrapped, since Keras's ``CallbackList`` calls every hook of
-    every member. Only the hooks ``cb`` has are overridden, so the others stay Keras's no-ops (and batch
-    hooks that no member has are never called)."""
-    if isinstance(cb, keras.callbacks.Callback):
-        return cb
-
-    def forward(name: str) -> Callable[..., Any]:
-        def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return getattr(self.wrapped, name)(*args, **kwargs)
-
-        hook.__name__ = name
-        return hook
-
-    methods: dict[str, Any] = {n: forward(n) for n in _HOOK_NAMES if callable(getattr(cb, n, None))}
-
-    def set_model(self: Any, model: Any) -> None:
-        keras.callbacks.Callback.set_model(self, model)
-        if callable(getattr(self.wrapped, "set_model", None)):
-            self.wrapped.set_model(model)
-
-    def set_params(self: Any, params: Any) -> None:
-        keras.callbacks.Callback.set_params(self, params)
-        if callable(getattr(self.wrapped, "set_params", None)):
-            self.wrapped.set_params(params)
-
-    wrapper = type(type(cb).__name__, (keras.callbacks.Callback,),
-                   dict(methods, set_model=set_model, set_params=set_params))()
-    wrapper.wrapped = cb
-    return wrapper
-
-
-def _is_keras_model(model: Any) -> bool:
-    try:
-        from keras.src.trainers.trainer import Trainer as KerasTrainer
-    except ImportError:  # pragma: no cover
-        return False
-
-    return isinstance(model, KerasTrainer)  # keras.Model, or a layer mixed with a Trainer

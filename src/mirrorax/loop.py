@@ -162,7 +162,7 @@ class Loop:
 
         def placed() -> Iterator[tuple[int, Batch]]:
             # The epoch's first batch is read here, on this thread (not the prefetcher's): Keras's fit
-            # draws a pass's order there (inputs/keras_order.py), so what a callback draws from the same
+            # draws a pass's order there (keras/order.py), so what a callback draws from the same
             # random state stays in step with it.
             first = next(host, None)
             rest = itertools.chain([first], host) if first is not None else iter(())

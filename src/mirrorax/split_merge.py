@@ -26,7 +26,7 @@ writes new arrays and the old ones stay valid.
 Front-ends register their protocol here: :func:`register` for one already imported, or
 :func:`register_front_end` for one loaded the first time a step is called while its library is imported
 (the package registers ``mirrorax.nnx`` for ``flax.nnx``, so that ``import mirrorax`` never imports Flax).
-Keras variables take their own road (``mirrorax.stateful``: found by a tracing scope, not among the
+Keras variables take their own road (``mirrorax.keras.stateful``: found by a tracing scope, not among the
 arguments); DESIGN.md maps that road onto these four moves.
 """
 
@@ -42,7 +42,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from mirrorax.dispatch import MISSED, InFlight, OutShardings
-from mirrorax.stateful import StatefulFunction
+from mirrorax.keras.stateful import StatefulFunction
 
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh
@@ -185,7 +185,7 @@ def split_args(args: tuple[Any, ...], kinds: Sequence[SplitMerge], per_replica: 
 
 
 class SplitMergeFunction(StatefulFunction):
-    """What ``strategy.jit(fn)`` returns: a :class:`~mirrorax.stateful.StatefulFunction` that also takes
+    """What ``strategy.jit(fn)`` returns: a :class:`~mirrorax.keras.stateful.StatefulFunction` that also takes
     objects a registered :class:`SplitMerge` owns among its arguments (see the module's docstring).
 
     A call without such objects is the stateful function's own; with them, the objects are split, their

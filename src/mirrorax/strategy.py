@@ -8,7 +8,7 @@ batch and jitted with these shardings, so XLA inserts the cross-device reduction
 
 This module stands on the mesh (:mod:`mirrorax.mesh`), the dispatch window (:mod:`mirrorax.dispatch`) and
 the inputs (:mod:`mirrorax.inputs`); nothing below imports it back. What happens when a scope opens
-beyond making the strategy current (e.g. ``keras_fit`` routing Keras models) is registered from above
+beyond making the strategy current (e.g. ``mirrorax.keras.fit`` routing Keras models) is registered from above
 with :func:`on_scope`.
 """
 
@@ -30,11 +30,11 @@ from mirrorax.dispatch import InFlight, OutShardings, StrategyFunction, check_ou
 from mirrorax.inputs.distributed import DistributedDataset
 from mirrorax.inputs.iterables import PerProcessDataset
 from mirrorax.inputs.source import InputContext
+from mirrorax.keras.stateful import StatefulFunction, check_not_tf_function
 from mirrorax.mesh import AxisName, BatchMesh, ShardMode, check_shard
 from mirrorax.padding import even_out_shardings
 from mirrorax.replica import ReduceOp, batch_scope, find_batch, real_rows_view, resolve_op, rows_of
 from mirrorax.split_merge import SplitMergeFunction
-from mirrorax.stateful import StatefulFunction, check_not_tf_function
 
 __all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "InputContext", "get_strategy", "current_scope",
            "on_scope"]
@@ -315,14 +315,14 @@ class MirroredStrategy:
             ``jax.ShapeDtypeStruct`` s there). A callable may return ``None`` for the default rules.
           stateful: let ``fn`` read and assign Keras variables (``model(x)``, ``optimizer.apply_gradients``,
             ``metric.update_state``): found by tracing ``fn`` once per signature, passed in as values and
-            written back after each call, kept on the devices (:mod:`mirrorax.stateful`); and take objects
+            written back after each call, kept on the devices (:mod:`mirrorax.keras.stateful`); and take objects
             among its arguments that it updates in place, as ``@nnx.jit`` steps take Flax NNX modules,
             ``nnx.Optimizer``, metrics and ``nnx.Rngs`` (split, merged in the trace and written back:
             :mod:`mirrorax.split_merge`). ``False`` skips both, for a step whose whole state is explicit.
 
         Returns:
           A :class:`mirrorax.dispatch.StrategyFunction` (``stateful=False``) or a
-          :class:`mirrorax.split_merge.SplitMergeFunction` (a :class:`mirrorax.stateful.StatefulFunction`):
+          :class:`mirrorax.split_merge.SplitMergeFunction` (a :class:`mirrorax.keras.stateful.StatefulFunction`):
           call it like ``fn``; ``.program(*args)`` gives the
           compiled program of one signature (of a step that touches no Keras variable) for a loop that
           pushes into :attr:`in_flight` itself; ``.lower(*args)`` gives ``jax.jit``'s lowering.
@@ -593,7 +593,7 @@ def on_scope(enter: ScopeHook, leave: ScopeHook | None = None) -> None:
     """Registers ``enter(strategy)``, called each time a strategy's :meth:`~MirroredStrategy.scope` opens
     (the strategy already current), and ``leave(strategy)``, called when it closes (still current).
 
-    For the layers above the strategy, which the strategy does not import: ``keras_fit`` registers the
+    For the layers above the strategy, which the strategy does not import: ``mirrorax.keras.fit`` registers the
     Keras checks and the routing of models made in a scope when it is imported (``import mirrorax``
     does). Hooks run in registration order on entry, in reverse order on exit; an ``enter`` that raises
     closes the scope again (the ``leave`` of the hooks already entered run) and ``scope()`` raises it.

@@ -26,6 +26,7 @@ from mirrorax.inputs.make import class_weights, is_array_tree, make_source, vali
 from mirrorax.inputs.placement import to_global
 from mirrorax.inputs.source import Source
 from mirrorax.inputs.streams import ran_out_of_data
+from mirrorax.keras import _internals as keras_internals
 from mirrorax.loop import Loop, preempted
 from mirrorax.models.adapters import adapt
 from mirrorax.models.base import ModelAdapter
@@ -86,7 +87,7 @@ class Trainer:
     _epochs_end_with_data = False
     # The data order: (seed, pass) for arrays, the same on any device count and replayed on resume
     # (False); or Keras's fit's own, drawn from numpy's global state when a pass starts, each fit's
-    # passes counted from its first epoch as Keras's iterator counts them (True: inputs/keras_order.py).
+    # passes counted from its first epoch as Keras's iterator counts them (True: keras/order.py).
     _keras_order = False
 
     def __init__(self, model: Any, strategy: MirroredStrategy | None = None, *, loss: Any = None,
@@ -342,8 +343,8 @@ class Trainer:
             hooks.call("on_train_begin")
             # keras.callbacks.BackupAndRestore says where to resume in on_train_begin (Keras's fit reads
             # model._initial_epoch only then); its restored weights are adopted at on_epoch_begin.
-            if resumed is None and getattr(self.model, "_initial_epoch", None):
-                start_epoch = int(self.model._initial_epoch)
+            if resumed is None and keras_internals.initial_epoch(self.model):
+                start_epoch = int(keras_internals.initial_epoch(self.model) or 0)
             first_epoch = start_epoch if self._keras_order else 0
             for epoch in range(start_epoch, epochs):
                 hooks.call("on_epoch_begin", epoch)

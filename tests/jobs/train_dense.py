@@ -130,7 +130,7 @@ def tanh_mlp(seed: int = 3, hidden: int = 256):
 def deep_mlp(seed: int = 4, depth: int = 24, width: int = 128):
     """A tanh MLP of ``depth`` hidden 128 x 128 kernels (16384 elements each: split by ``shard=``), many small
     split leaves like a transformer's: at a fit's end on 2 processes each was gathered by a program of its
-    own, and the queue of them deadlocked XLA:CPU (``models.keras._local_replicas``)."""
+    own, and the queue of them deadlocked XLA:CPU (``keras.adapter._local_replicas``)."""
     import keras
 
     keras.utils.set_random_seed(seed)
@@ -183,7 +183,7 @@ def gemma_lm(keras_hub):
     """keras_hub's ``GemmaCausalLM`` on a Gemma backbone (2 layers of width 32, random weights; a vocabulary
     of 512, so that its embeddings, 16384 elements, are large enough for ``shard=`` to split), no
     preprocessor. Its ``fit`` is keras_hub's ``PipelineModel.fit``, a method its class overrides, whose
-    ``super().fit`` must land in mirrorax's (``keras_fit``), or each process would train alone."""
+    ``super().fit`` must land in mirrorax's (``mirrorax.keras.fit``), or each process would train alone."""
     import keras
 
     keras.utils.set_random_seed(5)
@@ -262,7 +262,7 @@ def fit_case(case: str, strategy, keras_hub=None) -> dict[str, np.ndarray]:
         x, y = mlp_data()
         history = model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     specs = {}  # as the fit's state has them (read first: reading the model's weights hands the state over)
-    for path, value in mx.keras_fit.trainer_of(model).device_state.live.params.items():
+    for path, value in mx.keras.fit.trainer_of(model).device_state.live.params.items():
         spec = tuple(getattr(value.sharding, "spec", ()))  # one device: a SingleDeviceSharding
         specs[path] = [list(s) if isinstance(s, tuple) else s for s in spec + (None,) * (value.ndim - len(spec))]
     out = {f"w{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}

@@ -184,7 +184,7 @@ def _force_no_shuffle(keras: Any) -> None:
     """
     import functools
 
-    from mirrorax import keras_fit
+    from mirrorax.keras import fit as keras_fit
 
     def no_shuffle(fit: Any) -> Any:
         @functools.wraps(fit)

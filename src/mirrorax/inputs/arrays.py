@@ -16,10 +16,10 @@ import numpy as np
 
 from mirrorax.input_checks import FiniteScan, check_labels, check_weights, leaves, tree_numeric
 from mirrorax.inputs.batch import Batch, padded_batch_size, row_counts
-from mirrorax.inputs.keras_order import pass_order
 from mirrorax.inputs.placement import shared_constant
 from mirrorax.inputs.source import no_targets
 from mirrorax.inputs.streams import Stream
+from mirrorax.keras.order import pass_order
 
 if TYPE_CHECKING:
     from mirrorax.inputs.position import InputState

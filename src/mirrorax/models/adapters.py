@@ -37,7 +37,7 @@ def adapt(model: Any, *, loss: Any = None, optimizer: Any = None, metrics: Any =
         return model.adapter(loss=loss, optimizer=optimizer, metrics=metrics)
     mod = type(model).__module__
     if mod.startswith("keras") or any(c.__module__.startswith("keras") for c in type(model).__mro__):
-        from mirrorax.models.keras import KerasAdapter
+        from mirrorax.keras.adapter import KerasAdapter
 
         return KerasAdapter(model, loss=loss, optimizer=optimizer, metrics=metrics, mixed_precision=mixed_precision)
     raise TypeError(f"Trainer takes a Keras 3 model, a Flax NNX module or a mirrorax.FunctionalModel; received "

@@ -188,5 +188,5 @@ def strategy_of(model: Any) -> Any:
 
 
 def attach_strategy(model: Any, strategy: Any) -> None:
-    """Records that ``model`` belongs to ``strategy`` (``mirrorax.keras_fit``, under ``strategy.scope()``)."""
+    """Records that ``model`` belongs to ``strategy`` (``mirrorax.keras.fit``, under ``strategy.scope()``)."""
     object.__setattr__(model, _STRATEGY_ATTR, strategy)

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mirrorax.dispatch import MISSED, InFlight, OutShardings, StrategyFunction
+from mirrorax.keras import _internals as internals
 from mirrorax.padding import (
     even_out_shardings,
     masked_metric_updates,
@@ -89,8 +90,6 @@ def _tracking_scope() -> Any:
     global _SCOPE_CLASS
     if _SCOPE_CLASS is None:
         keras = _keras()
-        from keras.src.backend.common import global_state  # the scope's own switch: no public accessor
-
         class TrackingScope(keras.StatelessScope):  # type: ignore[misc, name-defined]
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 super().__init__(*args, **kwargs)
@@ -104,11 +103,11 @@ def _tracking_scope() -> Any:
                     # Not mapped (a variable the first trace creates or meets): its own value, read as the
                     # enclosing scope sees it. Keras reads some values through this method alone
                     # (regularization losses), where None would fail.
-                    global_state.set_global_attribute("stateless_scope", self.original_scope)
+                    internals.set_stateless_scope(self.original_scope)
                     try:
                         value = variable.value
                     finally:
-                        global_state.set_global_attribute("stateless_scope", self)
+                        internals.set_stateless_scope(self)
                 return value
 
             def add_update(self, update: Any) -> None:
@@ -125,9 +124,7 @@ def _current_scope() -> Any:
     keras = sys.modules.get("keras")
     if keras is None:
         return None
-    from keras.src.backend.common.stateless_scope import get_stateless_scope  # no public accessor
-
-    return get_stateless_scope()
+    return internals.stateless_scope()
 
 
 def _initialize_created_variables() -> None:
@@ -164,7 +161,7 @@ class _Probe:
 
 def _refs(holder: Any, ours: Any) -> int:
     """``sys.getrefcount`` of ``holder._value`` when that is ``ours`` (an array this module wrote), else -1."""
-    raw = getattr(holder, "_value", None)
+    raw = internals.variable_value(holder)
     return sys.getrefcount(raw) if raw is ours and raw is not None else -1
 
 
@@ -172,7 +169,7 @@ def _sole_refs() -> int:
     """What :func:`_refs` returns when only the holder and this module's list hold the value (this
     interpreter's count, measured with the same frames as at a call)."""
     holder, written = _Probe(), [object()]
-    holder._value = written[0]
+    internals.set_variable_value(holder, written[0])
     ours = written[0]  # as StatefulFunction._owned holds it
     return _refs(holder, ours)
 
@@ -183,7 +180,7 @@ _SOLE = _sole_refs()
 def _write(variable: Any, value: Any, direct: bool) -> None:
     """``variable.assign(value)`` for a value the step's program made (a replicated ``jax.Array`` of the
     variable's dtype and shape): set without ``assign``'s conversion and shape check where Keras allows."""
-    setter = getattr(variable, "_direct_assign", None) if direct else None  # Keras has no public fast path
+    setter = internals.direct_assign(variable) if direct else None  # Keras has no public fast path
     if setter is None:
         variable.assign(value)
     else:
@@ -420,7 +417,7 @@ class StatefulFunction:
     def _kept(self, entry: _Entry) -> list[Any]:
         """The read-only variables' values (the ones passed last time when unchanged: no check)."""
         seen = entry.seen
-        if all(getattr(v, "_value", None) is a and a is not None for v, a in zip(entry.kept, seen)):
+        if all(internals.variable_value(v) is a and a is not None for v, a in zip(entry.kept, seen)):
             return seen
         seen[:] = self._values(entry.kept)
         return list(seen)

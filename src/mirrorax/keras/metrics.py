@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import mirrorax.batch_sums as batch_sums
+from mirrorax.keras import _internals as internals
 from mirrorax.models.base import real_count
 
 __all__ = ["update", "update_compile_metrics", "all_metrics", "resets_itself", "compiled_metric_args"]
@@ -37,7 +38,7 @@ def update(model: Any, values: list[Any], loss: Any, batch: dict[str, PyTree], y
     from keras import StatelessScope
 
     refs = model.metrics_variables
-    cm = model._compile_metrics
+    cm = internals.compile_metrics(model)
     mask, weights = batch["mask"], batch["sample_weight"] * batch["mask"]
     # Outputs in a lower precision than float32 (a mixed_bfloat16 model's): the loss and metrics on the
     # global batch, as Keras computes them. Within one program XLA may keep such an output's value in
@@ -62,7 +63,7 @@ def update(model: Any, values: list[Any], loss: Any, batch: dict[str, PyTree], y
             if rows_loss is not None:
                 loss, totals = totals[0].astype(jnp.result_type(loss)), totals[1:]
     with StatelessScope(state_mapping=list(zip(refs, values))) as scope:
-        model._loss_tracker.update_state(loss, sample_weight=real_count(batch))
+        internals.loss_tracker(model).update_state(loss, sample_weight=real_count(batch))
         if cm is not None:
             update_compile_metrics(cm, batch["y"], y_pred, mask, weights,
                                    skip=set(map(id, packed)) if packed else None)
@@ -97,7 +98,7 @@ def all_metrics(metrics: Sequence[Any]) -> Iterator[Any]:
         if m is None:
             continue
         yield m
-        inner = [*getattr(m, "_flat_metrics", []), *getattr(m, "_flat_weighted_metrics", [])]
+        inner = [*internals.flat_metrics(m), *internals.flat_weighted_metrics(m)]
         if type(m).__name__ == "MetricsList":
             inner += list(m.metrics)
         yield from all_metrics(inner)
@@ -106,21 +107,20 @@ def all_metrics(metrics: Sequence[Any]) -> Iterator[Any]:
 def resets_itself(metric: Any) -> bool:
     """Whether ``metric``'s ``reset_state`` is its own (not Keras's, which zeroes the variables)."""
     owner = next((c for c in type(metric).__mro__ if "reset_state" in c.__dict__), None)
-    return owner is not None and not owner.__module__.startswith(("keras.src.metrics.",
-                                                                   "keras.src.trainers.compile_utils"))
+    return owner is not None and not internals.is_keras_builtin(owner)
 
 
 def _known_layout(cm: Any) -> bool:
     """Whether a CompileMetrics has the flat metric lists this module reads (Keras 3's layout)."""
-    return all(hasattr(cm, a) for a in ("_flat_metrics", "_flat_weighted_metrics", "_flatten_y"))
+    return internals.has_flat_metrics(cm)
 
 
 def _compile_metric_items(cm: Any, y: Any, y_pred: Any, mask: Any, weights: Any
                           ) -> Iterator[tuple[Any, Any, Any, Any]]:
     """``(metric, y_true, y_pred, weights)`` for each metric of a built CompileMetrics: ``metrics=`` get
     the mask, ``weighted_metrics=`` get ``sample_weight * mask``."""
-    ys, ps = cm._flatten_y(y), cm._flatten_y(y_pred)
-    for flat, w in ((cm._flat_metrics, mask), (cm._flat_weighted_metrics, weights)):
+    ys, ps = internals.flatten_y(cm, y), internals.flatten_y(cm, y_pred)
+    for flat, w in ((internals.flat_metrics(cm), mask), (internals.flat_weighted_metrics(cm), weights)):
         for m, y_t, y_p in zip(flat, ys, ps):
             if not m:
                 continue
@@ -156,9 +156,7 @@ def _full_precision(y_pred: Any) -> bool:
 
 def _unmasked(y_pred: Any) -> bool:
     """Whether no output carries a Keras mask (a masked loss or metric divides by a global count)."""
-    from keras.src.backend import get_keras_mask
-
-    return all(get_keras_mask(p) is None for p in jax.tree.leaves(y_pred))
+    return all(internals.keras_mask(p) is None for p in jax.tree.leaves(y_pred))
 
 
 def _packable(cm: Any, y: Any, y_pred: Any) -> list[Any]:
@@ -173,19 +171,9 @@ def _packable(cm: Any, y: Any, y_pred: Any) -> list[Any]:
         cm.build(y, y_pred)
     if not _unmasked(y_pred):
         return []
-    adds_up = _sum_based_updates()
+    adds_up = internals.sum_based_metric_updates()
     return [metric for metric, y_t, y_p, _ in _compile_metric_items(cm, y, y_pred, None, None)
             if getattr(type(metric), "update_state", None) in adds_up and _per_example(metric, y_t, y_p)]
-
-
-def _sum_based_updates() -> set[Any]:
-    """The ``update_state`` functions of Keras's metrics whose variables are sums over rows."""
-    from keras.src.metrics import confusion_metrics as cm
-    from keras.src.metrics import reduction_metrics as rm
-
-    return {rm.Sum.update_state, rm.Mean.update_state, rm.MeanMetricWrapper.update_state,
-            cm._ConfusionMatrixConditionCount.update_state, cm.Precision.update_state, cm.Recall.update_state,
-            cm.SensitivitySpecificityBase.update_state, cm.AUC.update_state}
 
 
 def _per_example(metric: Any, y_t: Any, y_p: Any) -> bool:
@@ -193,10 +181,9 @@ def _per_example(metric: Any, y_t: Any, y_p: Any) -> bool:
     weigh. A function that returns one number per batch (``lambda y, p: 0.0``) takes none: Keras counts
     it once per batch, and so does the global batch here (whose padding rows, in a short last batch, such
     a function sees: no mask reaches inside it)."""
-    fn = getattr(metric, "_fn", None)
+    fn, kwargs = internals.fn_and_kwargs(metric)
     if fn is None:
         return True
-    kwargs = getattr(metric, "_fn_kwargs", None) or {}
     try:
         out = jax.eval_shape(lambda a, b: fn(a, b, **kwargs), *(jax.ShapeDtypeStruct(v.shape, v.dtype)
                                                                for v in (y_t, y_p)))
@@ -206,7 +193,7 @@ def _per_example(metric: Any, y_t: Any, y_p: Any) -> bool:
 
 
 def compiled_metric_args(model: Any) -> Any:
-    cm = getattr(model, "_compile_metrics", None)
+    cm = internals.compile_metrics(model)
     if cm is None:
         return None
-    return getattr(cm, "_user_metrics", None)
+    return internals.user_metrics(cm)

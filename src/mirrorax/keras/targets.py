@@ -13,6 +13,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from mirrorax.keras import _internals as internals
+
 __all__ = ["output_spec", "loss_entries", "resolve", "check_target_shape", "fits", "same_rank", "shape_text"]
 
 
@@ -34,12 +36,12 @@ class _LossEntry(NamedTuple):
 def loss_entries(model: Any, output_spec: Any, keras: Any) -> list[Any]:
     """The compiled losses with the output each applies to: Keras's own list once it is built, else (a
     single output whose build just failed) the one compiled loss."""
-    cl = getattr(model, "_compile_loss", None)
+    cl = internals.compile_loss(model)
     if cl is None:
         return []
     if getattr(cl, "built", False):
-        return list(cl._flat_losses)
-    user = getattr(cl, "_user_loss", None)
+        return list(internals.flat_losses(cl))
+    user = internals.user_loss(cl)
     if user is None or isinstance(user, (dict, list, tuple)) or isinstance(output_spec, (dict, list, tuple)):
         return []
     if isinstance(user, str) and user.lower() in ("crossentropy", "ce"):
@@ -48,9 +50,7 @@ def loss_entries(model: Any, output_spec: Any, keras: Any) -> list[Any]:
     name = user if isinstance(user, str) else getattr(loss, "name", getattr(loss, "__name__", "loss"))
     if not isinstance(loss, keras.losses.Loss):
         # As Keras's compile wraps a loss function: the wrapper aligns the ranks of targets and outputs.
-        from keras.src.losses.losses import LossFunctionWrapper
-
-        loss = LossFunctionWrapper(loss, name=name)
+        loss = internals.loss_function_wrapper(loss, name)
     return [_LossEntry((), loss, name)]
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import sys
 
+from mirrorax.keras import _internals as internals
+
 __all__ = ["check_scope", "check_distribution"]
 
 
@@ -47,15 +49,13 @@ def check_distribution(where: str) -> None:
     """
     if "keras" not in sys.modules:
         return
-    from keras.src.distribution import distribution_lib
-
-    dist = distribution_lib.distribution()
-    if dist is None or isinstance(dist, distribution_lib.DataParallel):
+    dist = internals.global_distribution()
+    if dist is None or internals.is_data_parallel(dist):
         # DataParallel asks for what the scope does (replicated variables, split batches): honoured, on
         # the strategy's devices.
         return
     kind = type(dist).__name__
-    if isinstance(dist, distribution_lib.ModelParallel):
+    if internals.is_model_parallel(dist):
         why = ("the strategy lays the variables out itself and would ignore its layout map; give the layout map "
                "to the strategy instead: MirroredStrategy(layout_map=...) lays each variable out as the map says "
                "(its batch_dim_name as batch_axes=...)")

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from mirrorax.inputs.batch import UNWEIGHTED
+from mirrorax.keras import _internals as internals
 from mirrorax.models.base import real_count
 
 __all__ = ["overrides", "extra_slots", "call_train_step", "call_test_step", "call_predict_step",
@@ -39,9 +40,7 @@ _SET = "#set"
 
 def overrides(model: Any, name: str) -> bool:
     """Whether ``model``'s class overrides Keras's JAX ``train_step`` / ``test_step`` / ``predict_step``."""
-    from keras.src.backend.jax.trainer import JAXTrainer
-
-    return getattr(type(model), name, None) is not getattr(JAXTrainer, name)
+    return getattr(type(model), name, None) is not getattr(internals.jax_trainer(), name)
 
 
 def extra_slots(kind: str, names: list[str]) -> dict[str, Any]:
@@ -92,16 +91,15 @@ def _weights(batch: dict[str, Any]) -> Any:
 @contextlib.contextmanager
 def exact_metrics(model: Any, batch: dict[str, Any]) -> Iterator[None]:
     """While an override is traced: its metric updates count real rows, with the user's weights."""
-    from keras.src.trainers.trainer import Trainer as KerasTrainer
-
-    from mirrorax.models.keras_metrics import update_compile_metrics
+    from mirrorax.keras.metrics import update_compile_metrics
 
     mask = batch["mask"]
-    tracker = model._loss_tracker
+    tracker = internals.loss_tracker(model)
     patched = []
-    if type(model).compute_metrics is KerasTrainer.compute_metrics and model._compile_metrics is not None:
+    if type(model).compute_metrics is internals.keras_trainer().compute_metrics and \
+            internals.compile_metrics(model) is not None:
         def compute_metrics(x, y, y_pred, sample_weight=None):
-            update_compile_metrics(model._compile_metrics, y, y_pred, mask, batch["sample_weight"] * mask)
+            update_compile_metrics(internals.compile_metrics(model), y, y_pred, mask, batch["sample_weight"] * mask)
             return model.get_metrics_result()
 
         object.__setattr__(model, "compute_metrics", compute_metrics)

@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from mirrorax import _keras_env
-from mirrorax.inputs import keras_data, keras_order
+from mirrorax.keras import _internals as internals
+from mirrorax.keras import data as keras_data
+from mirrorax.keras import env as _keras_env
+from mirrorax.keras import order as keras_order
 from mirrorax.models.base import attach_strategy, strategy_of
 from mirrorax.strategy import MirroredStrategy, on_scope
 
@@ -53,14 +55,13 @@ def enter(strategy: MirroredStrategy) -> None:
         if _open_scopes > 1:
             return
         try:
-            from keras.src.backend.jax.trainer import JAXTrainer
-            from keras.src.trainers.trainer import Trainer as KerasTrainer
+            JAXTrainer, KerasTrainer = internals.jax_trainer(), internals.keras_trainer()
         except ImportError:  # no Keras, or Keras on another backend: nothing to attach to
             return
         _saved["init"] = JAXTrainer.__init__
         _saved["compile"] = KerasTrainer.compile
-        JAXTrainer.__init__ = _wrap(JAXTrainer.__init__, "creating a model")  # type: ignore[method-assign]
-        KerasTrainer.compile = _wrap(KerasTrainer.compile, "compile")  # type: ignore[method-assign]
+        JAXTrainer.__init__ = _wrap(JAXTrainer.__init__, "creating a model")
+        KerasTrainer.compile = _wrap(KerasTrainer.compile, "compile")
 
 
 def leave() -> None:
@@ -70,11 +71,9 @@ def leave() -> None:
         _open_scopes -= 1
         if _open_scopes or not _saved:
             return
-        from keras.src.backend.jax.trainer import JAXTrainer
-        from keras.src.trainers.trainer import Trainer as KerasTrainer
-
-        JAXTrainer.__init__ = _saved.pop("init")  # type: ignore[method-assign]
-        KerasTrainer.compile = _saved.pop("compile")  # type: ignore[method-assign]
+        JAXTrainer, KerasTrainer = internals.jax_trainer(), internals.keras_trainer()
+        JAXTrainer.__init__ = _saved.pop("init")
+        KerasTrainer.compile = _saved.pop("compile")
 
 
 def _check_scope(strategy: MirroredStrategy) -> None:
@@ -108,10 +107,9 @@ def _wrap(original: Callable[..., Any], what: str) -> Callable[..., Any]:
 
 def _attach(model: Any, strategy: MirroredStrategy) -> None:
     import keras
-    from keras.src.trainers.trainer import Trainer as KerasTrainer
 
     # A model is a layer mixed with a Trainer (keras.Model is one; Keras's own tests build others).
-    if not (isinstance(model, KerasTrainer) and isinstance(model, keras.layers.Layer)):
+    if not (internals.is_keras_trainer(model) and isinstance(model, keras.layers.Layer)):
         return
     attach_strategy(model, strategy)
     _mirror_variables(model, strategy)
@@ -124,7 +122,7 @@ def _attach(model: Any, strategy: MirroredStrategy) -> None:
 
 def _keras_own(method: Any) -> Any:
     """Keras's own function behind ``method`` (itself, or what a dispatcher stands in for)."""
-    return getattr(method, "_mirrorax_keras_own", method)
+    return getattr(method, "mirrorax_keras_own", method)
 
 
 def _through_override(name: str) -> Callable[..., Any]:
@@ -134,8 +132,7 @@ def _through_override(name: str) -> Callable[..., Any]:
 
     def routed(self: Any, *args: Any, **kwargs: Any) -> Any:
         global _overriding
-        from keras.src.backend.jax.trainer import JAXTrainer
-
+        JAXTrainer = internals.jax_trainer()
         with _lock:
             _overriding += 1
             if _overriding == 1:
@@ -166,7 +163,7 @@ def _dispatcher(name: str, own: Callable[..., Any]) -> Callable[..., Any]:
             return _METHODS[name](self, *args, **kwargs)
         return own(self, *args, **kwargs)  # another model, or another thread: Keras's own
 
-    dispatch._mirrorax_keras_own = own  # type: ignore[attr-defined]
+    dispatch.mirrorax_keras_own = own  # type: ignore[attr-defined]
     return dispatch
 
 
@@ -177,7 +174,7 @@ def _mirror_variables(model: Any, strategy: MirroredStrategy) -> None:
     evaluate or predict (``KerasAdapter.write_back``). A model being constructed has none yet."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from mirrorax.models.keras import keep_layout, layout_paths
+    from mirrorax.keras.adapter import keep_layout, layout_paths
 
     if strategy.process_count > 1:  # each process's model holds whole values on its own devices
         local = NamedSharding(Mesh(np.array(strategy.local_devices), ("batch",)), PartitionSpec())
@@ -207,12 +204,12 @@ def trainer_of(model: Any) -> Trainer:
     exception; ``mx.Trainer(model, on_nonfinite="raise")`` remains the explicit way to get one."""
     _keras_env.check_distribution("fit, evaluate or predict")
     strategy = strategy_of(model)
-    key = (id(strategy), id(getattr(model, "optimizer", None)), id(getattr(model, "_compile_loss", None)),
-           id(getattr(model, "_compile_metrics", None)), model.steps_per_execution)
+    key = (id(strategy), id(getattr(model, "optimizer", None)), id(internals.compile_loss(model)),
+           id(internals.compile_metrics(model)), model.steps_per_execution)
     cached = model.__dict__.get("_mirrorax_trainer")
     if cached is not None and cached[0] == key:
         return cached[1]
-    from mirrorax.models.keras import KerasAdapter
+    from mirrorax.keras.adapter import KerasAdapter
 
     # Keras's predict needs no compile: an uncompiled model gets an adapter for predict alone.
     adapter = KerasAdapter(model, predict_only=True)
@@ -227,7 +224,7 @@ def trainer_of(model: Any) -> Trainer:
 def _keras_fit_trainer() -> type[Trainer]:
     """The Trainer behind ``model.fit``, with Keras's reading of ``steps_per_epoch`` (at most that many
     batches, an epoch ending where the data does, with Keras's "ran out of data" warning) and Keras's
-    own shuffle order (:mod:`mirrorax.inputs.keras_order`)."""
+    own shuffle order (:mod:`mirrorax.keras.order`)."""
     from mirrorax.trainer import Trainer
 
     class KerasFitTrainer(Trainer):
@@ -255,7 +252,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
          shuffle: bool | Literal["batch"] = True, class_weight: Any = None, sample_weight: Any = None,
          initial_epoch: int = 0, steps_per_epoch: int | None = None, validation_steps: int | None = None,
          validation_batch_size: int | None = None, validation_freq: int = 1) -> Any:
-    """Keras's ``Model.fit``, on every device of the model's strategy (see ``mirrorax.keras_fit``)."""
+    """Keras's ``Model.fit``, on every device of the model's strategy (see ``mirrorax.keras.fit``)."""
     self._assert_compile_called("fit")
     fallback = _eager_fallback(self, "fit")
     if fallback is not None:
@@ -266,8 +263,8 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
                         validation_batch_size=validation_batch_size, validation_freq=validation_freq)
     import keras
 
-    from mirrorax import hooks as hooks_lib
     from mirrorax.inputs.make import is_array_tree
+    from mirrorax.keras import callbacks as keras_callbacks
 
     trainer = trainer_of(self)
     arrays = is_array_tree(x)
@@ -282,10 +279,8 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
             raise ValueError(f"validation_split={validation_split} needs x as arrays (it holds out the last share of "
                              f"the rows, as Keras does); received x of type {type(x).__name__}. Pass "
                              "validation_data=... instead.")
-        from keras.src.trainers.data_adapters import array_slicing
-
-        (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
-            (x, y, sample_weight), validation_split=validation_split)
+        (x, y, sample_weight), validation_data = internals.train_validation_split(
+            (x, y, sample_weight), validation_split)
     if arrays and batch_size is None and steps_per_epoch:
         # Keras's ArrayDataAdapter: the steps cover the rows once
         batch_size = -(-keras_data.row_count(x) // steps_per_epoch)
@@ -306,7 +301,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
             and is_array_tree(validation_data)):
         raise ValueError("validation_data must be a tuple (x_val, y_val) or (x_val, y_val, sample_weight), or an "
                          f"iterable of such batches; received {type(validation_data).__name__}.")
-    hooks_lib.check_available(callbacks)
+    keras_callbacks.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         steps = steps_per_epoch or keras_data.num_batches(x, batch_size or (None if not arrays else 32))
         callbacks = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
@@ -340,14 +335,14 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: int | None = 
                          "sample_weight, steps, callbacks and return_dict (as Keras's Model.evaluate).")
     import keras
 
-    from mirrorax import hooks as hooks_lib
     from mirrorax.inputs.make import is_array_tree
+    from mirrorax.keras import callbacks as keras_callbacks
 
     if not is_array_tree(x):
         build = keras_data.build_read(x) if keras_order.keras_builds(self) else None
         x = keras_data.as_batches(x, build=build)
     steps = _capped_steps(steps)
-    hooks_lib.check_available(callbacks)
+    keras_callbacks.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
                                                  steps=steps or keras_data.num_batches(x, batch_size or 32), model=self)
@@ -364,14 +359,14 @@ def _predict(self: Any, x: Any, batch_size: int | None = None, verbose: Any = "a
         return fallback(x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
     import keras
 
-    from mirrorax import hooks as hooks_lib
     from mirrorax.inputs.make import is_array_tree
+    from mirrorax.keras import callbacks as keras_callbacks
 
     if not is_array_tree(x):
         build = keras_data.build_read(x) if keras_order.keras_builds(self, predict=True) else None
         x = keras_data.as_batches(x, build=build)
     steps = _capped_steps(steps)
-    hooks_lib.check_available(callbacks)
+    keras_callbacks.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
                                                  steps=steps or keras_data.num_batches(x, batch_size or 32), model=self)

@@ -29,9 +29,11 @@ import numpy as np
 
 from mirrorax._host import host_value
 from mirrorax.dispatch import ARRAY_TYPE
-from mirrorax.models import keras_custom, keras_metrics
+from mirrorax.keras import _internals as internals
+from mirrorax.keras import custom as keras_custom
+from mirrorax.keras import metrics as keras_metrics
+from mirrorax.keras.targets import check_target_shape, fits, loss_entries, output_spec, resolve, shape_text
 from mirrorax.models.base import ModelAdapter, SparseTarget, real_count
-from mirrorax.models.keras_targets import check_target_shape, fits, loss_entries, output_spec, resolve, shape_text
 
 __all__ = ["KerasAdapter", "check_keras_backend", "keep_layout"]
 
@@ -87,9 +89,7 @@ class KerasAdapter(ModelAdapter):
                  mixed_precision: str | None = None, predict_only: bool = False) -> None:
         keras = check_keras_backend()
         self.keras = keras
-        from keras.src.trainers.trainer import Trainer as KerasTrainer
-
-        if not (isinstance(model, KerasTrainer) and isinstance(model, keras.layers.Layer)):  # keras.Model is both
+        if not (internals.is_keras_trainer(model) and isinstance(model, keras.layers.Layer)):  # keras.Model is both
             raise TypeError(f"Expected a keras.Model; received {model!r:.80} (of type {type(model).__name__}). "
                             "Build it with keras.Sequential, the functional API or a keras.Model subclass.")
         self.model = model
@@ -143,14 +143,12 @@ class KerasAdapter(ModelAdapter):
         Keras's own steps. A model compiled without a loss (its losses from ``add_loss``), one with its
         own ``compute_loss``, or its own ``train_step`` (fit) / ``test_step`` (evaluate) takes inputs
         alone."""
-        from keras.src.trainers.trainer import Trainer as KerasTrainer
-
         model = self.model
         if self.predict_only:
             return True
-        if getattr(model, "_compile_loss", None) is None:
+        if internals.compile_loss(model) is None:
             return False
-        if type(model).compute_loss is not KerasTrainer.compute_loss:
+        if type(model).compute_loss is not internals.keras_trainer().compute_loss:
             return False
         return not self.custom["train_step" if what == "fit" else "test_step"]
 
@@ -168,14 +166,14 @@ class KerasAdapter(ModelAdapter):
         self.check_inputs(sample["x"])
         if not full:
             # predict before any fit/evaluate: build the layers only (metrics need targets to build).
-            if not all(layer.built for layer in model._flatten_layers()):
+            if not all(layer.built for layer in internals.flatten_layers(model)):
                 model(jax.tree.map(lambda a: np.asarray(a)[:1], sample["x"]), training=False)
         else:
             # Targets against the outputs first: Keras builds its metrics from the first targets it sees
             # ("accuracy" becomes sparse or one-hot accuracy), so wrong ones must not reach it.
             self._output_spec = output_spec(model, sample["x"], self.keras)
             self.sparse_targets(y, check_shapes=True)
-            model._symbolic_build(data_batch=(sample["x"], y, None))  # weights shape no variable
+            internals.symbolic_build(model, (sample["x"], y, None))  # weights shape no variable
             self.sparse_targets(y, check_shapes=True)  # several outputs: with Keras's list of losses
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and not optimizer.built:
@@ -264,9 +262,8 @@ class KerasAdapter(ModelAdapter):
         ``add_loss`` terms, no ``compute_loss`` of the model's own), recorded for :meth:`_rows_loss`."""
         model = self.model
         self._compiled_loss_only = False
-        from keras.src.trainers.trainer import Trainer as KerasTrainer
-
-        if type(model).compute_loss is not KerasTrainer.compute_loss or model._compile_loss is None:
+        if type(model).compute_loss is not internals.keras_trainer().compute_loss or \
+                internals.compile_loss(model) is None:
             yield
             return
         keras_compute_loss = model.compute_loss
@@ -284,11 +281,11 @@ class KerasAdapter(ModelAdapter):
     def _rows_loss(self, y: Any, y_pred: Any) -> Callable[[Any, Any, Any, Any, Any], Any] | None:
         """The compiled loss of some rows, to be summed over the replicas (``None`` when it does not add
         up so): one output, one loss reduced by ``sum_over_batch_size``, no other loss terms."""
-        cl = self.model._compile_loss
+        cl = internals.compile_loss(self.model)
         one = jax.tree_util.treedef_is_leaf
         if not self._compiled_loss_only or not one(jax.tree.structure(y)) or not one(jax.tree.structure(y_pred)):
             return None
-        flat = getattr(cl, "_flat_losses", None)
+        flat = internals.flat_losses(cl)
         if not flat or len(flat) != 1 or getattr(flat[0][1], "reduction", None) != "sum_over_batch_size":
             return None
 
@@ -359,7 +356,7 @@ class KerasAdapter(ModelAdapter):
             return keras_custom.call_predict_step(self.model, self._unpack("params", state.params),
                                                   self._unpack("model_state", state.model_state), x), \
                 state.model_state
-        kwargs = {"training": False} if self.model._call_has_training_arg else {}
+        kwargs = {"training": False} if internals.call_has_training_arg(self.model) else {}
         y_pred, model_state = self.model.stateless_call(self._unpack("params", state.params),
                                                         self._unpack("model_state", state.model_state), x,
                                                         **kwargs)
@@ -368,7 +365,7 @@ class KerasAdapter(ModelAdapter):
     def check_inputs(self, x):
         try:
             inputs = self.model.inputs
-            struct = getattr(self.model, "_inputs_struct", None)
+            struct = internals.inputs_struct(self.model)
         except (AttributeError, ValueError):  # a subclassed model, or a Sequential without keras.Input
             return
         if not inputs:
@@ -409,7 +406,7 @@ class KerasAdapter(ModelAdapter):
                 continue
             name = "y" + "".join(f"[{p!r}]" for p in entry.path) if nested else "y"
             fn = getattr(entry.loss, "fn", entry.loss)
-            kwargs = getattr(entry.loss, "_fn_kwargs", None) or {}
+            kwargs = internals.fn_and_kwargs(entry.loss)[1]
             if check_shapes:
                 check_target_shape(name, y_t, y_p, entry, fn, self.keras)
             if fn is self.keras.losses.sparse_categorical_crossentropy and kwargs.get("axis", -1) == -1 \
@@ -437,7 +434,7 @@ class KerasAdapter(ModelAdapter):
                                  f"has shape {a.shape}. This is a bug in mirrorax: please report it.")
         # One transfer for all of them (Variable.assign converts and places each value on its own).
         for v, a in zip(variables, jax.device_put([a.astype(v.dtype) for a in values])):
-            v._value = a
+            internals.set_variable_value(v, a)
         self._metric_stash = []
 
     def metric_results(self, metrics) -> dict[str, float]:
@@ -483,10 +480,10 @@ class KerasAdapter(ModelAdapter):
         # 600 variables paid three times a fit call (a fit of 16 steps of 0.12 s lost 1.5%).
         pairs = []
         for v, a in zip(self._written_variables(), _local_replicas(self._written_values(state))):
-            if v._value is not a:
+            if internals.variable_value(v) is not a:
                 keep_layout(v, getattr(a, "sharding", None))
                 _lend(v, a)
-            pairs.append((v, v._value))
+            pairs.append((v, internals.variable_value(v)))
         self._lent_values = pairs
 
     def state_paths(self) -> dict[str, dict[str, str]]:
@@ -500,7 +497,7 @@ class KerasAdapter(ModelAdapter):
         return out
 
     def model_changed(self) -> bool:
-        return any(v._value is not a or a.is_deleted() for v, a in self._lent_values)
+        return any(internals.variable_value(v) is not a or a.is_deleted() for v, a in self._lent_values)
 
     def model_values(self) -> dict[str, PyTree]:
         self._lent_values = []
@@ -513,13 +510,13 @@ class KerasAdapter(ModelAdapter):
         # read the newest values through Callback.model, which calls model.jax_state_sync() (see
         # expose); a variable read any other way mid-fit raises instead of returning stale numbers.
         for v in self._written_variables():
-            v._value = None
+            internals.set_variable_value(v, None)
         # The metrics' totals live in the trainer's state meanwhile (keep_metrics hands them back); their
         # values from before are put back by conceal if the loop ends without new totals.
         if not self._metric_stash:
-            self._metric_stash = [(v, v._value) for v in self.model.metrics_variables]
+            self._metric_stash = [(v, internals.variable_value(v)) for v in self.model.metrics_variables]
         for v in self.model.metrics_variables:
-            v._value = None
+            internals.set_variable_value(v, None)
         self._lent_values = []
 
     def expose(self, state) -> None:
@@ -531,29 +528,28 @@ class KerasAdapter(ModelAdapter):
         values = {g: [next(local) for _ in leaves[g]] for g in self.written_groups}
         names = {"params": "trainable_variables", "model_state": "non_trainable_variables",
                  "optimizer": "optimizer_variables"}
-        m._jax_state = {names[g]: v for g, v in values.items()}
+        exposed = {names[g]: v for g, v in values.items()}
         # A callback reading the metrics mid-epoch gets the running totals.
-        m._jax_state["metrics_variables"] = self._unpack("metrics", state.metrics)
-        m._jax_state_synced = False
-        self._exposed_state = m._jax_state  # Keras wraps it (a TrackedDict): keep what it holds
+        exposed["metrics_variables"] = self._unpack("metrics", state.metrics)
+        internals.set_jax_state(m, exposed, synced=False)
+        self._exposed_state = internals.jax_state(m)  # Keras wraps it (a TrackedDict): keep what it holds
         self._exposed = list(zip(self._written_variables(), [a for v in values.values() for a in v]))
 
     def exposure_read(self) -> bool:
         m = self.model
-        if getattr(m, "_jax_state", None) is self._exposed_state and not getattr(m, "_jax_state_synced", True):
+        if internals.jax_state(m) is self._exposed_state and not internals.jax_state_synced(m):
             return False  # untouched (Keras's own fit or evaluate in a callback replaces or clears it)
         self._lent_values = list(self._exposed)  # a callback read them: Keras's sync put them there
         return True
 
     def conceal(self) -> None:
         m = self.model
-        if self._exposed_state is not None and getattr(m, "_jax_state", None) is self._exposed_state:
-            m._jax_state = None
-            m._jax_state_synced = True
+        if self._exposed_state is not None and internals.jax_state(m) is self._exposed_state:
+            internals.set_jax_state(m, None, synced=True)
         self._exposed, self._exposed_state = [], None
         for v, before in self._metric_stash:
-            if v._value is None:
-                v._value = before
+            if internals.variable_value(v) is None:
+                internals.set_variable_value(v, before)
         self._metric_stash = []
 
     @property
@@ -592,10 +588,11 @@ def _lend(variable: Any, value: Any) -> None:
     """``variable.assign(value)``; for an array of the variable's dtype already laid out as the variable is
     (``keep_layout``), what that assign comes to (``_direct_assign``: the value held), without its
     conversion, shape check and placement, which cost a large model's write-back more than its step."""
-    layout = getattr(variable, "_layout", None)
+    layout = internals.variable_layout(variable)
     if type(value) is ARRAY_TYPE and (layout is value.sharding or layout == value.sharding) and \
-            _dtype_name(value.dtype) == variable.dtype and value.shape == variable._shape and not _in_stateless_scope():
-        variable._value = value
+            _dtype_name(value.dtype) == variable.dtype and value.shape == internals.variable_shape(variable) and \
+            not internals.in_stateless_scope():
+        internals.set_variable_value(variable, value)
     else:
         variable.assign(value)
 
@@ -603,12 +600,6 @@ def _lend(variable: Any, value: Any) -> None:
 @functools.lru_cache(maxsize=64)
 def _dtype_name(dtype: Any) -> str:
     return str(dtype.name)  # (numpy computes a dtype's name anew on every read: ~10 us)
-
-
-def _in_stateless_scope() -> bool:
-    from keras.src.backend.common.stateless_scope import in_stateless_scope
-
-    return bool(in_stateless_scope())
 
 
 
@@ -620,12 +611,12 @@ def keep_layout(variable: Any, sharding: jax.sharding.Sharding | None) -> None:
     ``learning_rate.assign`` keep a strategy model's variables on the strategy's devices, as TF's
     ``MirroredVariable`` stays mirrored, instead of leaving them on the default device.
     """
-    if sharding is None or getattr(variable, "_layout", None) == sharding:
+    if sharding is None or internals.variable_layout(variable) == sharding:
         return
-    variable._layout = sharding
-    value = getattr(variable, "_value", None)
+    internals.set_variable_layout(variable, sharding)
+    value = internals.variable_value(variable)
     if value is not None and not (isinstance(value, jax.Array) and value.is_deleted()):  # (donated: replaced next)
-        variable._direct_assign(value)
+        internals.assign_direct(variable, value)
 
 
 def _as_functional_adjusts(got: tuple[Any, ...], want: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -687,8 +678,8 @@ MIXED_PRECISION = ("bfloat16", "float16")
 def _set_mixed_precision(model: Any, kind: str, keras: Any, *, optax: bool) -> None:
     if kind not in MIXED_PRECISION:
         raise ValueError(f"mixed_precision must be one of {MIXED_PRECISION} or None; received {kind!r}.")
-    outputs = {id(t._keras_history.operation) for t in getattr(model, "outputs", None) or []
-               if hasattr(t, "_keras_history")}
+    outputs = {id(op) for op in map(internals.history_operation, getattr(model, "outputs", None) or [])
+               if op is not None}
     layers = [layer for layer in _layers(model) if not hasattr(layer, "layers")]
     if not outputs and layers:
         outputs = {id(layers[-1])}
@@ -710,7 +701,7 @@ def _is_optax(opt: Any) -> bool:
 
 
 def _layers(model: Any) -> Iterator[Any]:
-    return iter(model._flatten_layers(include_self=False, recursive=True))
+    return iter(internals.flatten_layers(model, include_self=False, recursive=True))
 
 
 @contextlib.contextmanager
@@ -721,7 +712,7 @@ def _loss_trackers_count(model: Any, count: Any) -> Iterator[None]:
     cut to its real rows has exactly those, but a padded one (per-process pipelines) would weigh its
     padding too, and the parts of the logged loss would no longer add up to it.
     """
-    trackers = [m for m in (getattr(getattr(model, "_compile_loss", None), "metrics", None) or []) if m is not None]
+    trackers = [m for m in (getattr(internals.compile_loss(model), "metrics", None) or []) if m is not None]
     for metric in trackers:
         def update_state(values: Any, sample_weight: Any = None, _original: Any = metric.update_state) -> Any:
             return _original(values, sample_weight=count)
@@ -744,22 +735,23 @@ def _masked_batch_norm(model: Any, mask: Any, keras: Any) -> Iterator[None]:
     """
     patched = []
     for layer in _layers(model):
-        if isinstance(layer, keras.layers.BatchNormalization) and hasattr(layer, "_moments"):
-            original = layer._moments
+        original = internals.batch_norm_moments(layer) if isinstance(layer, keras.layers.BatchNormalization) else None
+        if original is not None:
+            axes = internals.batch_norm_reduction_axes(layer)
 
-            def moments(inputs, user_mask, _original=original, _axes=tuple(layer._reduction_axes)):
+            def moments(inputs, user_mask, _original=original, _axes=axes):
                 if user_mask is not None:
                     m = jnp.broadcast_to(jnp.reshape(mask, (-1,) + (1,) * (inputs.ndim - 2)), inputs.shape[:-1])
                     return _original(inputs, m * user_mask.astype(m.dtype))
                 return _masked_moments(inputs, mask, _axes)
 
-            layer._moments = moments
+            internals.set_batch_norm_moments(layer, moments)
             patched.append(layer)
     try:
         yield
     finally:
         for layer in patched:
-            del layer._moments
+            internals.set_batch_norm_moments(layer, None)
 
 
 def _masked_moments(x: Any, mask: Any, axes: tuple[int, ...]) -> tuple[Any, Any]:

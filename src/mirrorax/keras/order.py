@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from mirrorax.consistency import broadcast_from_primary
+from mirrorax.keras import _internals as internals
 
 __all__ = ["pass_order", "build_read", "batch_indices", "keras_builds"]
 
@@ -73,9 +74,9 @@ def keras_builds(model: Any, *, predict: bool = False) -> bool:
     compiled metrics or compiled loss are not built yet (``Trainer._symbolic_build``'s test). A fit after
     the first (Keras's or mirrorax's: both build them) reads none. ``predict``: Keras's ``predict``
     reads one only for unbuilt layers."""
-    layers = all(layer.built for layer in model._flatten_layers())
+    layers = all(layer.built for layer in internals.flatten_layers(model))
     if predict:
         return not layers
-    metrics = getattr(model, "_compile_metrics", None)
-    loss = getattr(model, "_compile_loss", None)
+    metrics = internals.compile_metrics(model)
+    loss = internals.compile_loss(model)
     return not layers or (metrics is not None and not metrics.built) or (loss is not None and not loss.built)

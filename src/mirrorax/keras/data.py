@@ -1,10 +1,10 @@
 """Keras's data arguments as the Trainer's batches, read as Keras's data adapters read them.
 
-A Keras model's ``fit`` under a scope (:mod:`mirrorax.keras_fit`) takes what Keras's ``fit`` takes: arrays,
+A Keras model's ``fit`` under a scope (:mod:`mirrorax.keras.fit`) takes what Keras's ``fit`` takes: arrays,
 a ``keras.utils.PyDataset``, a generator or any iterable of batches, with ``class_weight``. What Keras reads
 before training (the first batch, to build a model; a ``PyDataset``'s epoch hooks) is read here at the same
 moments, so the random state and the dataset's hooks are where Keras leaves them
-(:mod:`mirrorax.inputs.keras_order` draws the order).
+(:mod:`mirrorax.keras.order` draws the order).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def keras_build_read(model: Any, x: Any, arrays: bool, shuffle: Any, batch_size:
       The batch read (the trainer's look at the first batch then reads nothing more), or ``None``: none
       read (arrays, a built model, a generator).
     """
-    from mirrorax.inputs import keras_order
+    from mirrorax.keras import order as keras_order
 
     builds = keras_order.keras_builds(model)
     if arrays:
@@ -157,7 +157,7 @@ class _Batches:
         if not _is_py_dataset(data):
             yield from data
             return
-        from mirrorax.inputs.keras_order import batch_indices
+        from mirrorax.keras.order import batch_indices
 
         n = data.num_batches
         data.on_epoch_begin()
