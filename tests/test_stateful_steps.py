@@ -121,6 +121,100 @@ def test_assigned_values_are_donated_and_a_kept_value_stays_valid(mode):
     assert kernel.value.sharding == s.replicated
 
 
+def _momentum_step(s, model, optimizer, loss_object, mode="jit"):
+    def train_step(inputs):
+        images, labels = inputs
+        grads = mx.grad(lambda: mx.compute_average_loss(loss_object(labels, model(images))), model)()
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return jnp.zeros(())
+
+    return s.jit(train_step) if mode == "jit" else (lambda b: s.run(train_step, args=(b,)))
+
+
+@pytest.mark.parametrize("take", ["value", "jnp.asarray", "assign", "copy", "after_a_new_trace"])
+def test_a_value_the_user_holds_is_never_donated(take):
+    """Donation follows ownership, not reference counts: whatever the user took from a variable through
+    Keras's API (its value, a conversion, an array they assigned, a copy of the variable) survives the
+    steps, and the variable moves on."""
+    import copy
+
+    s = strategy(2)
+    model, optimizer, loss_object, _ = _objects()
+    step = _momentum_step(s, model, optimizer, loss_object)
+    data = s.experimental_distribute_dataset((X[:32], Y[:32]), batch_size=16)
+    batch, tail = list(s.experimental_distribute_dataset((X[:24], Y[:24]), batch_size=16))
+    for b in data:  # the steady state: every assigned value is the engine's
+        step(b)
+    kernel = model.trainable_variables[0]
+    if take == "value":
+        held = kernel.value
+    elif take == "jnp.asarray":
+        held = jnp.asarray(kernel)
+    elif take == "assign":
+        held = s.replicate(np.full(kernel.shape, 0.5, np.float32))
+        kernel.assign(held)
+    elif take == "copy":
+        clone = copy.copy(kernel)
+    else:  # a first call of a new signature traces the step again (its reads are the trace's, not the user's)
+        step(tail)
+        held = kernel.value
+    if take == "copy":
+        held = clone.value  # the copy shares the array the variable held when it was copied
+    before = np.asarray(held).copy()
+    for _ in range(2):
+        step(batch)
+    assert not held.is_deleted()
+    np.testing.assert_array_equal(np.asarray(held), before)
+    assert np.abs(np.asarray(kernel.value) - before).max() > 0
+
+
+@pytest.mark.parametrize("mode", ["jit", "run"])
+def test_steady_state_reuses_the_state_buffers(mode):
+    """Counted on device 0 right after each call is dispatched (the old values are then donated, the new
+    ones not yet written back): the live buffers are the state once, not twice, step after step; a value
+    the user keeps costs exactly one copy of it, once."""
+    s = strategy(2)
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((128,)), keras.layers.Dense(256, activation="tanh"),
+                              keras.layers.Dense(128)])
+    optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+    optimizer.build(model.trainable_variables)
+    loss_object = keras.losses.MeanSquaredError(reduction=None)
+    step = _momentum_step(s, model, optimizer, loss_object, mode)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 128)).astype(np.float32), rng.normal(size=(16, 128)).astype(np.float32)
+    batch = next(iter(s.experimental_distribute_dataset((x, y), batch_size=16)))
+    d0 = jax.devices()[0]
+
+    def live_on_d0() -> int:  # each buffer once (two arrays may view one buffer)
+        buffers = {sh.data.unsafe_buffer_pointer(): sh.data.nbytes for a in jax.live_arrays() if not a.is_deleted()
+                   for sh in a.addressable_shards if sh.device == d0}
+        return sum(buffers.values())
+
+    peaks: list[int] = []
+
+    def stepped() -> None:
+        s.in_flight.after_dispatch(lambda: peaks.append(live_on_d0()))
+        step(batch)
+        s.in_flight.drain()
+
+    for _ in range(6):
+        stepped()
+    kernel = model.trainable_variables[0]
+    kernel_bytes = int(np.prod(kernel.shape)) * 4
+    state = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables + list(optimizer.variables))
+    steady = peaks[2:]
+    assert max(steady) == min(steady), peaks  # nothing accumulates from step to step
+    # the state once, the new values taking the donated buffers' place (twice would be >= 2 x state)
+    assert state <= steady[0] < 1.2 * state, (steady[0], state)
+    kept = kernel.value  # the user keeps one value: the next call copies it (and only it), once
+    stepped()
+    stepped()
+    assert peaks[-2] - steady[0] == kernel_bytes, (peaks, kernel_bytes)
+    assert peaks[-1] == steady[0] + kernel_bytes  # now held by the user, beside the state
+    assert not kept.is_deleted()
+
+
 def test_reset_state_does_not_recompile():
     s = strategy(2)
     model, _, _, accuracy = _objects()

@@ -269,6 +269,11 @@ def direct_assign(variable: Any) -> Callable[[Any], None] | None:
     return getattr(variable, "_direct_assign", None)
 
 
+def has_direct_assign(variable_class: type) -> bool:
+    """Whether variables of this class have the assign :func:`direct_assign` returns."""
+    return hasattr(variable_class, "_direct_assign")
+
+
 def assign_direct(variable: Any, value: Any) -> None:
     """Assigns ``value`` without conversion or shape check, placed by the variable's layout."""
     variable._direct_assign(value)

@@ -13,13 +13,19 @@ them. Keras 3's JAX trainer threads such state the same way:
 2. **The program.** The real trace takes those variables' values as explicit inputs (mapped with
    ``keras.StatelessScope(state_mapping=...)``), collects their assignments and returns the new values
    as outputs, replicated on the strategy's devices. The assigned variables' values are donated (the
-   program reuses their buffers, as Keras's trainer donates its state) when only the variable holds
-   them, i.e. an array the previous call wrote that nobody kept; others (the first call's, one the user
-   assigned or kept as ``v.value``) are copied first, so the user's array stays valid.
+   program reuses their buffers, as Keras's trainer donates its state) when the engine owns them, by an
+   explicit rule rather than by counting references: a value the previous call wrote is owned until
+   anyone reads the variable's value or assigns it through Keras's API (``v.value``, ``v.numpy()``,
+   ``np.asarray(v)``, ``jnp.asarray(v)``, operators, ``v.assign``; copying or pickling it). Any other value
+   (the first call's, one the user assigned, one read since the write) is copied first and the copy is
+   donated, so whatever the user holds stays valid; in a loop that does not look at the variables between
+   steps, every step reuses the buffers. The token is the variable's class: a write switches it to a
+   subclass of its own class that adds no state and switches back at the first such read or assign.
 3. **Write-back.** After the call each assigned variable holds its new value: a ``jax.Array`` on the
    devices (never copied to the host), set without ``assign``'s conversion (the program made it with
-   the variable's dtype, shape and layout), so ``metric.result()``, ``model.predict`` or ``save_weights``
-   outside the step see it, and the next call takes it as its input.
+   the variable's dtype, shape and layout) and owned by the engine, so ``metric.result()``,
+   ``model.predict`` or ``save_weights`` outside the step see it (and, by reading it, leave it to the
+   user), and the next call takes it as its input.
 
 Per replica (``strategy.run``) a variable's new value may differ between the replicas (a metric's
 total over the replica's rows, a BatchNormalization statistic). It is made one value again by the
@@ -37,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -155,42 +162,78 @@ def check_no_variables(args: Any, where: str) -> None:
                 "or pass the values: [v.value for v in model.trainable_variables].")
 
 
-class _Probe:
-    _value: Any = None
+# -- ownership: which values a call may donate --------------------------------------------------------
+# A value a call wrote into a variable is the engine's until someone else may hold it. The token is the
+# variable's class: the write switches the variable to a subclass of its own class (no slot or behaviour
+# added) whose public doors to the value (``value``, hence ``numpy()``, ``np.asarray``, ``jnp.asarray``,
+# operators and indexing; ``assign`` and the direct assign; copy, deepcopy and pickle) switch it back
+# first. A variable still of its owned class holds what the engine wrote, and nobody took it since.
+_OWNED: dict[type, type | None] = {}  # a variable's class -> its owned subclass (None: never owned)
+_OWNED_CLASSES: set[type] = set()
 
 
-def _refs(holder: Any, ours: Any) -> int:
-    """``sys.getrefcount`` of ``holder._value`` when that is ``ours`` (an array this module wrote), else -1."""
-    raw = internals.variable_value(holder)
-    return sys.getrefcount(raw) if raw is ours and raw is not None else -1
+def _owned_class(variable: Any) -> type | None:
+    """The owned subclass of ``variable``'s class (made once per class), or ``None`` when a value can leave
+    the variable without a read (Keras's NNX variables are JAX pytrees: ``jax.tree`` reaches the value)."""
+    base = type(variable)
+    if base in _OWNED:
+        return _OWNED[base]
+    owned: type | None = None
+    if jax.tree_util.treedef_is_leaf(jax.tree.structure(variable)):
+        def release(self: Any) -> None:
+            object.__setattr__(self, "__class__", base)
+
+        def value(self: Any) -> Any:
+            release(self)
+            return self.value
+
+        def assign(self: Any, value: Any) -> Any:
+            release(self)
+            return self.assign(value)
+
+        def direct_assign(self: Any, value: Any) -> Any:
+            release(self)
+            return self._direct_assign(value)
+
+        def reduce_ex(self: Any, protocol: Any) -> Any:  # copy.copy, deepcopy, pickle: of the variable's class
+            release(self)
+            return self.__reduce_ex__(protocol)
+
+        body: dict[str, Any] = {"__slots__": (), "__module__": base.__module__, "__qualname__": base.__qualname__,
+                                "__doc__": base.__doc__, "value": property(value, doc=base.value.__doc__),
+                                "assign": assign, "__reduce_ex__": reduce_ex}
+        if internals.has_direct_assign(base):
+            body["_direct_assign"] = direct_assign
+        metaclass: Any = type(base)
+        owned = metaclass(base.__name__, (base,), body)
+        _OWNED_CLASSES.add(owned)
+    _OWNED[base] = owned
+    return owned
 
 
-def _sole_refs() -> int:
-    """What :func:`_refs` returns when only the holder and this module's list hold the value (this
-    interpreter's count, measured with the same frames as at a call)."""
-    holder, written = _Probe(), [object()]
-    internals.set_variable_value(holder, written[0])
-    ours = written[0]  # as StatefulFunction._owned holds it
-    return _refs(holder, ours)
-
-
-_SOLE = _sole_refs()
+def _is_owned(variable: Any, written: Any) -> bool:
+    """Whether ``variable`` holds ``written`` (what the last call wrote) and nobody took it since."""
+    return type(variable) in _OWNED_CLASSES and written is not None and internals.variable_value(variable) is written
 
 
 def _write(variable: Any, value: Any, direct: bool) -> None:
     """``variable.assign(value)`` for a value the step's program made (a replicated ``jax.Array`` of the
-    variable's dtype and shape): set without ``assign``'s conversion and shape check where Keras allows."""
+    variable's dtype and shape): set without ``assign``'s conversion and shape check where Keras allows,
+    and then owned by the engine (see :func:`_is_owned`)."""
     setter = internals.direct_assign(variable) if direct else None  # Keras has no public fast path
     if setter is None:
-        variable.assign(value)
-    else:
-        setter(value)
+        variable.assign(value)  # (in an enclosing StatelessScope: an update of that scope, not a write)
+        return
+    setter(value)
+    owned = _owned_class(variable) if internals.variable_value(variable) is value else None
+    if owned is not None:
+        object.__setattr__(variable, "__class__", owned)
 
 
 class _Entry:
     """One signature's stateful program and the variables it threads."""
 
-    __slots__ = ("variables", "assigned", "kept", "function", "written", "seen")
+    __slots__ = ("variables", "assigned", "kept", "function", "seen")
 
     def __init__(self, variables: list[Any], assigned: list[Any], function: StrategyFunction) -> None:
         self.variables = variables
@@ -198,7 +241,6 @@ class _Entry:
         mine = {id(v) for v in assigned}
         self.kept = [v for v in variables if id(v) not in mine]  # read only: passed, never donated
         self.function = function
-        self.written: list[Any] = [None] * len(assigned)  # the arrays the last call wrote into ``assigned``
         self.seen: list[Any] = [None] * len(self.kept)  # the kept variables' values last passed
 
 
@@ -277,6 +319,8 @@ class StatefulFunction:
         self._plain_last = False  # the last call ran the plain program and needed nothing more (_call_fast)
         self._tracing: Any = None  # the signature of the call being made (its traces record what fn returns)
         self._traced: dict[Any, _Traced] = {}
+        # id of an assigned variable -> what the last call (of any signature) wrote into it (not kept alive)
+        self._written: dict[int, weakref.ref[Any]] = {}
 
     def _even_outputs(self, given: OutShardings) -> Callable[..., Any]:
         """``out_shardings`` as given, except that an output the given layout would split unevenly (one row per
@@ -372,9 +416,9 @@ class StatefulFunction:
             else:
                 out, new = entry.function(self._owned(entry), self._kept(entry), *args)
                 direct = _current_scope() is None
-                for i, (v, value) in enumerate(zip(entry.assigned, new)):
+                for v, value in zip(entry.assigned, new):
                     _write(v, value, direct)
-                    entry.written[i] = value
+                    self._written[id(v)] = weakref.ref(value)
         if padding:
             self._mark_rows(out, key, batch)
         return out
@@ -393,18 +437,18 @@ class StatefulFunction:
                 mark_rows(leaf, rows)
 
     def _owned(self, entry: _Entry) -> list[Any]:
-        """The assigned variables' values, to be donated to the call: the arrays the last call wrote when
-        nothing else holds them (a ``v.value`` kept by the user is copied first, so it stays valid), else
-        a copy of the current value, in its layout."""
+        """The assigned variables' values, to be donated to the call: the arrays the last call wrote where
+        the engine still owns them (see :func:`_is_owned`), else a copy of the current value, in its layout
+        (a value the user read, kept or assigned stays valid)."""
         values: list[Any] = []
-        copy: list[int] = []  # ours, but held elsewhere too
-        fresh: list[int] = []  # not ours: the first call's, or assigned by the user since
+        copy: list[int] = []  # written by the last call, but read or taken since
+        fresh: list[int] = []  # not ours: the first call's, or assigned since
         for i, v in enumerate(entry.assigned):
-            ours = entry.written[i]
-            refs = _refs(v, ours)
+            ref = self._written.get(id(v))
+            ours = ref() if ref is not None else None
             values.append(ours)
-            if refs != _SOLE:
-                (copy if refs > 0 else fresh).append(i)
+            if not _is_owned(v, ours):
+                (copy if ours is not None and internals.variable_value(v) is ours else fresh).append(i)
         if fresh:
             for i, a in zip(fresh, self._values([entry.assigned[i] for i in fresh])):
                 values[i] = a
