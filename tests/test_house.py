@@ -36,7 +36,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("checkpoint", "object_checkpoint"),
     ("resume",),
     ("epoch",),
-    ("planner", "loop"),
+    ("planner", "fit_plan", "loop"),
     ("trainer",),
     ("keras_fit",),
     ("nnx",),  # the Flax NNX wing's door (imports flax); its modules stand on the engine's floors
