@@ -37,7 +37,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("checkpoint", "keras.checkpoint"),
     ("resume",),
     ("epoch",),
-    ("planner", "loop"),
+    ("planner", "fit_plan", "loop"),
     ("trainer",),
     ("keras.fit",),
     ("nnx",),  # the Flax NNX wing's door (imports flax); its modules stand on the engine's floors

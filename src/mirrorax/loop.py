@@ -14,22 +14,23 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable, Iterator
-from typing import IO, Any
+from typing import Any
 
 import jax
 import numpy as np
 
+from mirrorax import consistency, preemption
 from mirrorax import epoch as epoch_lib
-from mirrorax import preemption
-from mirrorax import resume as resume_lib
 from mirrorax._host import host_tree, host_value
 from mirrorax._watchdog import COMPILING, HOOKS, IDLE, INPUT, STEP, beat, leaving
 from mirrorax.device_state import DeviceState
+from mirrorax.fit_plan import FitPlan
 from mirrorax.hooks import Callbacks
 from mirrorax.inputs.batch import Batch
 from mirrorax.inputs.prefetch import Prefetcher, device_batches
 from mirrorax.inputs.source import Source
-from mirrorax.inputs.streams import Stream, within_pass
+from mirrorax.inputs.streams import ran_out_of_data, within_pass
+from mirrorax.keras import _internals as keras_internals
 from mirrorax.progress import Progress
 from mirrorax.results import NonFiniteLossError
 from mirrorax.step import StepFunctions
@@ -128,14 +129,65 @@ class Loop:
         return outcome
 
     # -- fit ---------------------------------------------------------------------------------------
-    def epoch(self, stream: Stream, position: int, steps_per_epoch: int | None, epoch: int, epochs: int, mode: int,
-              *, out: IO[str], start_batch: int = 0, saver: resume_lib.Saver | None = None,
-              hooks: Callbacks | None, watch: preemption.Watch | None = None,
-              positioned: bool = False) -> tuple[dict[str, float], Progress, int, int]:
-        """One epoch of ``fit``: its logs, its progress line, the steps and the examples it trained on.
+    def fit(self, plan: FitPlan) -> dict[str, float]:
+        """The epochs of a prepared fit (:mod:`mirrorax.fit_plan`), in Keras's order: ``on_train_begin``, then
+        per epoch its callbacks, its steps, its validation, its checkpoint; returns the last finished epoch's
+        logs (``{}``: none).
+
+        Raises:
+          Preempted: SIGTERM (or Ctrl-C) was seen, once the checkpoint is started.
+        """
+        device, hooks = self.device, plan.hooks
+        if hasattr(self.model, "stop_training"):
+            self.model.stop_training = False  # as Keras's fit: a flag left by an interrupted run
+        hooks.call("on_train_begin")
+        # keras.callbacks.BackupAndRestore says where to resume in on_train_begin (Keras's fit reads
+        # model._initial_epoch only then); its restored weights are adopted at on_epoch_begin.
+        restored = None if plan.resumed else keras_internals.initial_epoch(self.model)
+        if restored:
+            plan = plan.starting_at(restored)
+        training_logs: dict[str, float] = {}
+        for epoch in range(plan.start.epoch, plan.epochs):
+            hooks.call("on_epoch_begin", epoch)
+            device.adopt_callback_changes()  # e.g. a learning rate a callback set
+            start_batch = plan.start.batch if epoch == plan.start.epoch else 0
+            logs, progress, steps, samples = self.epoch(plan, epoch, start_batch)
+            if plan.ends_with_data and plan.steps_per_epoch and start_batch + steps < plan.steps_per_epoch \
+                    and not getattr(self.model, "stop_training", False):
+                ran_out_of_data()
+            device.write_back()  # Keras syncs the model before validation: on_test_begin may read it
+            if plan.validation is not None and plan.validate(epoch):
+                vlogs = self.evaluate(plan.validation, plan.validation_batch_size, steps=plan.validation_steps,
+                                      hooks=hooks, warn_short=plan.ends_with_data)
+                logs.update({f"val_{k}": v for k, v in vlogs.items()})
+            sps = progress.finish(steps, samples, logs)
+            plan.history.append(epoch, logs, sps)
+            if consistency.debug_checks():
+                consistency.check_replicas(device.value)
+            if plan.saver is not None:
+                plan.saver.save(device.live, epoch + 1, 0)
+            hooks.call("on_epoch_end", epoch, logs)
+            training_logs = logs
+            device.adopt_callback_changes()
+            if getattr(self.model, "stop_training", False):
+                break
+            # One more look per epoch (the same on every process): a SIGTERM during the epoch's last
+            # batch or its validation stops here, after the epoch-end checkpoint.
+            if plan.watch.reached():
+                raise preempted(device.value, plan.ckpt, epoch + 1, 0)
+        return training_logs
+
+    def epoch(self, plan: FitPlan, epoch: int, start_batch: int = 0) -> tuple[dict[str, float], Progress, int, int]:
+        """Epoch ``epoch`` of ``plan`` from its batch ``start_batch`` (non-zero: resumed mid-epoch): its logs,
+        its progress line, the steps and the examples it trained on.
 
         The loop's hooks: batch callbacks, the halt watch, preemption, periodic saves, progress
-        (:mod:`mirrorax.epoch`). ``out``: where the progress goes."""
+        (:mod:`mirrorax.epoch`)."""
+        stream, saver, hooks = plan.stream, plan.saver, plan.hooks
+        position, steps_per_epoch = stream.epoch_span(epoch - plan.first_epoch, plan.steps_per_epoch)
+        positioned = plan.inputs is not None
+        if plan.inputs is not None and start_batch:
+            plan.inputs.position(start_batch, plan.start.input_state)
         device, steps = self.device, self.steps
         state = device.live
         self.adapter.release()  # the model's variables let go of the buffers the first step donates
@@ -149,14 +201,13 @@ class Loop:
         else:
             host = stream.batches(position, steps_per_epoch, start=start_batch)
         run = epoch_lib.EpochRun(state, self.strategy.in_flight, start_batch, int(host_value(state.step)), total)
-        progress = Progress(mode, total, epoch + 1, epochs,
-                            lambda: self.adapter.metric_results(host_tree(run.state.metrics)), stream=out)
-        callbacks = None if hooks is None else epoch_lib.BatchCallbacks(
-            hooks, self.steps_per_execution, self._train_batch_end(hooks), self.model, steps.batch_logs)
+        progress = Progress(plan.mode, total, epoch + 1, plan.epochs,
+                            lambda: self.adapter.metric_results(host_tree(run.state.metrics)), stream=plan.out)
         loop_hooks: list[epoch_lib.EpochHook] = [h for h in (
-            callbacks,
+            epoch_lib.BatchCallbacks(hooks, self.steps_per_execution, self._train_batch_end(hooks), self.model,
+                                     steps.batch_logs),
             epoch_lib.HaltWatch(steps.halted),
-            None if watch is None else epoch_lib.PreemptionStop(watch, saver, steps, epoch),
+            epoch_lib.PreemptionStop(plan.watch, saver, steps, epoch),
             None if saver is None else epoch_lib.PeriodicSave(saver, steps, epoch),
             epoch_lib.ProgressHook(progress)) if h is not None]
 

@@ -1,20 +1,21 @@
 """``Trainer``: fit / evaluate / predict a model on every device of a :class:`MirroredStrategy`.
 
-The Trainer is orchestration: it turns inputs into sources, runs fit's epochs, validation, checkpoints
-and callbacks in Keras's order, on three parts below it: the state on the devices
-(:mod:`mirrorax.device_state`), the compiled steps (:mod:`mirrorax.step`, public ``strategy.jit``
-functions) and the loop that dispatches them (:mod:`mirrorax.loop`), with at most the strategy's
-``max_in_flight`` steps outstanding; metric values come to the host only when shown.
+The Trainer is orchestration on parts below it: the state on the devices (:mod:`mirrorax.device_state`),
+the compiled steps (:mod:`mirrorax.step`, public ``strategy.jit`` functions), fit's preparation
+(:mod:`mirrorax.fit_plan`: its arguments read once into one record) and the loop that runs fit's epochs,
+evaluate and predict on them (:mod:`mirrorax.loop`), with at most the strategy's ``max_in_flight`` steps
+outstanding; metric values come to the host only when shown. ``fit`` is: prepare, resume, run the epochs,
+finish.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import IO, Any, Literal
+from collections.abc import Sequence
+from typing import IO, Any, Literal, NoReturn
 
-from mirrorax import consistency, planner, preemption
+from mirrorax import fit_plan, planner, preemption
 from mirrorax import resume as resume_lib
 from mirrorax._checks import check_int
 from mirrorax._host import host_tree, host_value
@@ -22,12 +23,10 @@ from mirrorax.device_state import DeviceState
 from mirrorax.hooks import Callbacks
 from mirrorax.input_checks import check_batch_size
 from mirrorax.inputs.arrays import ArraySource
-from mirrorax.inputs.make import class_weights, is_array_tree, make_source, validation_source
+from mirrorax.inputs.make import class_weights, is_array_tree, make_source
 from mirrorax.inputs.placement import to_global
 from mirrorax.inputs.source import Source
-from mirrorax.inputs.streams import ran_out_of_data
-from mirrorax.keras import _internals as keras_internals
-from mirrorax.loop import Loop, preempted
+from mirrorax.loop import Loop
 from mirrorax.models.adapters import adapt
 from mirrorax.models.base import ModelAdapter
 from mirrorax.progress import format_logs, resolve_verbose
@@ -253,157 +252,37 @@ class Trainer:
           CheckpointError: ``checkpoint_dir`` is not writable (raised at once), or holds a checkpoint
             of a different model or of a run with another global batch.
         """
-        mode = resolve_verbose(verbose, self.stream) if self.strategy.is_primary else 0
-        # SIGTERM (and Ctrl-C on one process) are watched from here: one that comes while the model is
-        # built or its step compiled stops fit at its first step, as later (no silent -15).
-        watch = preemption.Watch(self.strategy.process_count)
-        watch.start()
-        ready = False
-        source: Source | None = None
-        val: Source | None = None
-        try:
-            check_int("epochs", epochs, low=0)
-            check_int("initial_epoch", initial_epoch, low=0)
-            check_int("seed", seed, low=0)
-            if steps_per_epoch is not None:
-                check_int("steps_per_epoch", steps_per_epoch)
-            if validation_batch_size is not None:
-                check_batch_size(validation_batch_size)
-            every = resume_lib.check_every(checkpoint_every)
-            # Large arrays are scanned for NaN/inf on a thread, joined below before anything changes.
-            source = make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
-                                 check_finite=self._refuse_nonfinite, scan_in_background=True)
-            if self.adapter.needs_targets("fit"):
-                source.require_targets("fit")
-            batch_size = self._batch_size(source, batch_size)
-            val = validation_source(validation_data, float_dtype=self.adapter.float_dtype,
-                                    check_finite=self._refuse_nonfinite,
-                                    targets=self.adapter.needs_targets("evaluate"), scan_in_background=True)
-            ckpt = None
-            if checkpoint_dir is not None:
-                from mirrorax.checkpoint import Checkpointer
-
-                ckpt = Checkpointer(checkpoint_dir, keep=keep_checkpoints)
-            if callbacks is not None and not isinstance(callbacks, (list, tuple)) and \
-                    type(callbacks).__name__ != "CallbackList":  # (Keras's fit under a scope passes its own list)
-                callbacks = [callbacks]  # one callback, not in a list: as Keras's own fit takes it
-            sample = source.sample(batch_size, self.strategy.batch_mesh)
-            held = self.device_state
-            held.ensure(sample)
-            for s in (source, val):  # shapes against the outputs, labels against the classes: before compiling
-                if s is not None:
-                    s.check_targets(self.adapter)
-            # Labels the host has checked whole need no search and no guard in the step.
-            self.steps.check_labels_in_step(not source.labels_checked)
-            consistency.check_replicas(held.value)  # multi-process: every process holds process 0's values
-            held.write_back()  # lent to the model: what callbacks change on it from here on is adopted
-            # The plan's line (verbose, on process 0; with steps_per_execution > 1 fit runs another program and
-            # says nothing), and will it fit? (only where a device's memory is known): the step is compiled
-            # here, once, for the state just placed; step 1 runs that very program.
-            planner.at_fit_start(self.model, self.steps, held, sample, batch_size, stream=self.stream,
-                                 announce=bool(mode) and self.steps_per_execution == 1)
-            history = History()
-            stream = source.stream(batch_size, self.strategy.batch_mesh, shuffle=shuffle, seed=seed,
-                                   ends_with_data=self._epochs_end_with_data, keras_order=self._keras_order)
-            per_epoch = steps_per_epoch or stream.batches_per_pass
-            hooks = Callbacks(callbacks, self.model, epochs=epochs, steps=per_epoch, verbose=0 if not mode else mode)
-            should_validate = _validation_schedule(validation_freq)
-            if self.strategy.process_count > 1:  # every process must take the same path through each step
-                hooks.listens = {kind: consistency.any_process(v) for kind, v in hooks.listens.items()}
-            run: dict[str, Any] = {"batch_size": batch_size,
-                                   "shuffle": "batch" if shuffle == "batch" else bool(shuffle),
-                                   "seed": int(seed), "steps_per_epoch": steps_per_epoch}
-            if ckpt is not None:  # as configured now, before a resume or a callback changes them
-                run["hyperparameters"] = resume_lib.hyperparameters(held.value)
-            start_epoch, start_batch, input_state = initial_epoch, 0, None
-            training_logs: dict[str, float] = {}
-            inputs = None if ckpt is None else source.track_position(self.strategy.process_count)
-            _wait_checked(source, val)  # the join: nothing of the model, the state or the callbacks changed yet
-            ready = True
-        except Exception:
-            _wait_checked(source, val)  # a NaN the scan finds is the first error, as when it ran up front
-            raise
-        finally:
-            if not ready:
-                watch.close()
+        plan = fit_plan.prepare(
+            self.device_state, self.steps, self.model, x, y, batch_size=batch_size, epochs=epochs,
+            validation_data=validation_data, validation_batch_size=validation_batch_size,
+            validation_steps=validation_steps, validation_freq=validation_freq, shuffle=shuffle, seed=seed,
+            sample_weight=sample_weight, steps_per_epoch=steps_per_epoch, initial_epoch=initial_epoch,
+            callbacks=callbacks, verbose=verbose, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+            keep_checkpoints=keep_checkpoints, out=self.stream, steps_per_execution=self.steps_per_execution,
+            refuse_nonfinite=self._refuse_nonfinite, ends_with_data=self._epochs_end_with_data,
+            keras_order=self._keras_order)
         stopped: preemption.Preempted | None = None
+        training_logs: dict[str, float] = {}
         try:
-            resumed = None
-            if ckpt is not None:
-                resumed = resume_lib.resume(ckpt, held.abstract(), run, history)
-                if resumed is not None:
-                    held.value, start_epoch, start_batch, step, input_state = resumed
-                    if mode:
-                        self.stream.write(f"Resumed from checkpoint step {step} in {ckpt.directory} "
-                                          f"(epoch {start_epoch + 1}, batch {start_batch}).\n")
-            saver = None if ckpt is None else resume_lib.Saver(
-                ckpt, every, run, history, resume_lib.sample_spec(sample), inputs=inputs)
-            if hasattr(self.model, "stop_training"):
-                self.model.stop_training = False  # as Keras's fit: a flag left by an interrupted run
-            hooks.call("on_train_begin")
-            # keras.callbacks.BackupAndRestore says where to resume in on_train_begin (Keras's fit reads
-            # model._initial_epoch only then); its restored weights are adopted at on_epoch_begin.
-            if resumed is None and keras_internals.initial_epoch(self.model):
-                start_epoch = int(keras_internals.initial_epoch(self.model) or 0)
-            first_epoch = start_epoch if self._keras_order else 0
-            for epoch in range(start_epoch, epochs):
-                hooks.call("on_epoch_begin", epoch)
-                held.adopt_callback_changes()  # e.g. a learning rate a callback set
-                position, count = stream.epoch_span(epoch - first_epoch, steps_per_epoch)
-                if inputs is not None and start_batch:
-                    inputs.position(start_batch, input_state)
-                logs, progress, steps, samples = self.loop.epoch(
-                    stream, position, count, epoch, epochs, mode, out=self.stream, start_batch=start_batch,
-                    saver=saver, hooks=hooks, watch=watch, positioned=inputs is not None)
-                if self._epochs_end_with_data and steps_per_epoch and start_batch + steps < steps_per_epoch \
-                        and not getattr(self.model, "stop_training", False):
-                    ran_out_of_data()
-                start_batch = 0
-                held.write_back()  # Keras syncs the model before validation: on_test_begin may read it
-                if val is not None and should_validate(epoch):
-                    vlogs = self.loop.evaluate(val, validation_batch_size or batch_size, steps=validation_steps,
-                                               hooks=hooks, warn_short=self._epochs_end_with_data)
-                    logs.update({f"val_{k}": v for k, v in vlogs.items()})
-                sps = progress.finish(steps, samples, logs)
-                history.append(epoch, logs, sps)
-                if consistency.debug_checks():
-                    consistency.check_replicas(held.value)
-                if saver is not None:
-                    saver.save(held.live, epoch + 1, 0)
-                hooks.call("on_epoch_end", epoch, logs)
-                training_logs = logs
-                held.adopt_callback_changes()
-                if getattr(self.model, "stop_training", False):
-                    break
-                # One more look per epoch (the same on every process): a SIGTERM during the epoch's last
-                # batch or its validation stops here, after the epoch-end checkpoint.
-                if watch.reached():
-                    raise preempted(held.value, ckpt, epoch + 1, 0)
+            training_logs = self.loop.fit(fit_plan.resume(plan, self.device_state))
         except preemption.Preempted as stop:
             stopped = stop
         finally:
             try:
-                held.write_back()
+                self.device_state.write_back()
                 self._finalize_optimizer(epochs)
-                if ckpt is not None:
-                    ckpt.close()
+                if plan.ckpt is not None:
+                    plan.ckpt.close()
             finally:
                 # Only now: a second SIGTERM while the checkpoint is written must not end the process.
-                watch.close()
+                plan.watch.close()
         if stopped is not None:
             # Said only now that the checkpoint is on disk (close waited for the write).
-            if watch.interrupted:  # Ctrl-C on one process: stopped (and saved) like a preemption
-                message = (stopped.message.replace("preempted (SIGTERM)", "interrupted (Ctrl-C)")
-                           .replace(f"; exiting with status {preemption.PREEMPTED_EXIT_CODE}", "")
-                           .replace(" on SIGTERM", " on Ctrl-C"))
-                preemption.announce(message, self.strategy.is_primary)
-                raise KeyboardInterrupt(message)
-            preemption.announce(stopped.message, self.strategy.is_primary)
-            raise stopped
-        hooks.call("on_train_end", training_logs)
+            _raise_stopped(stopped, plan.watch, self.strategy.is_primary)
+        plan.hooks.call("on_train_end", training_logs)
         if hasattr(self.model, "stop_training"):
             self.model.stop_training = False
-        return history
+        return plan.history
 
     def _finalize_optimizer(self, epochs: int) -> None:
         """Keras's end of ``fit``: ``optimizer.finalize_variable_values`` (``use_ema=True`` puts the moving
@@ -513,23 +392,14 @@ class Trainer:
         return self.steps.compile_counts()
 
 
-def _wait_checked(*sources: Source | None) -> None:
-    """Joins the NaN/inf scans of array sources (run on a thread for large arrays), raising what they found.
-
-    ``fit`` joins them at the end of its set-up, after the state is built, the targets checked and the
-    first step compiled where the plan compiles it, and before a checkpoint is restored, a callback hears
-    ``on_train_begin`` or a step runs: a refused input leaves the model, its optimizer and the callbacks
-    as they were. (``ArraySource.batches`` waits too: no batch is ever read from unchecked arrays.)
-    """
-    for s in sources:
-        if isinstance(s, ArraySource):
-            s.wait_checked()
-
-
-def _validation_schedule(freq: Any) -> Callable[[int], bool]:
-    """Keras's ``validation_freq``: every ``freq`` epochs, or after the (1-based) epochs listed."""
-    if isinstance(freq, (list, tuple, set)):
-        wanted = {int(e) for e in freq}
-        return lambda epoch: epoch + 1 in wanted
-    check_int("validation_freq", freq)
-    return lambda epoch: (epoch + 1) % int(freq) == 0
+def _raise_stopped(stopped: preemption.Preempted, watch: preemption.Watch, primary: bool) -> NoReturn:
+    """Says why fit stopped early and raises it: ``stopped`` for SIGTERM, ``KeyboardInterrupt`` for Ctrl-C
+    on one process (stopped, and saved, as a preemption)."""
+    if watch.interrupted:
+        message = (stopped.message.replace("preempted (SIGTERM)", "interrupted (Ctrl-C)")
+                   .replace(f"; exiting with status {preemption.PREEMPTED_EXIT_CODE}", "")
+                   .replace(" on SIGTERM", " on Ctrl-C"))
+        preemption.announce(message, primary)
+        raise KeyboardInterrupt(message)
+    preemption.announce(stopped.message, primary)
+    raise stopped

@@ -1,0 +1,246 @@
+"""``fit``'s preparation: its arguments read once into one record, :class:`FitPlan`, that the epochs run on.
+
+``Trainer.fit`` is three moves: :func:`prepare` (check the arguments, make the sources and the stream,
+build and place the state, check the targets, compile and plan the first step, open the checkpoint and
+the callbacks), :func:`resume` (the newest good checkpoint, if any: the plan's start moves there) and the
+epoch runner (``Loop.fit``, each epoch ``Loop.epoch``), which read what they need from the plan. Nothing
+of the model, its state or its callbacks changes until ``prepare`` has returned: a refused input leaves
+them as they were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import IO, TYPE_CHECKING, Any, Literal
+
+from mirrorax import consistency, planner, preemption
+from mirrorax import resume as resume_lib
+from mirrorax._checks import check_int
+from mirrorax.device_state import DeviceState
+from mirrorax.hooks import Callbacks
+from mirrorax.input_checks import check_batch_size
+from mirrorax.inputs.arrays import ArraySource
+from mirrorax.inputs.make import make_source, validation_source
+from mirrorax.inputs.position import InputState
+from mirrorax.inputs.source import Source
+from mirrorax.inputs.streams import Stream
+from mirrorax.progress import resolve_verbose
+from mirrorax.results import History
+from mirrorax.step import StepFunctions
+
+if TYPE_CHECKING:
+    from mirrorax.checkpoint import Checkpointer
+
+__all__ = ["FitPlan", "Start", "prepare", "resume"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """Where a fit's epochs start: the epoch, the batch within it (a resumed run's), and the input's own
+    saved position (``meta["input_state"]`` of the checkpoint resumed from)."""
+
+    epoch: int
+    batch: int = 0
+    input_state: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FitPlan:
+    """One ``fit``: what its epochs run on, read once from its arguments by :func:`prepare`.
+
+    Attributes:
+      source: the training input; ``validation``: the validation input (``None``: no validation).
+      stream: the training batches of every epoch (``Source.stream``).
+      hooks: the user's callbacks, driven as Keras's fit drives them.
+      watch: SIGTERM / Ctrl-C, watched from the start of ``prepare`` to the end of fit.
+      history: the fit's history (a resumed run's earlier epochs restored into it).
+      ckpt: the checkpoint directory (``None``: no ``checkpoint_dir``); ``saver`` writes to it.
+      run: what a checkpoint records of the run and a resume must find the same (batch, order, seed).
+      inputs: the input's own position, kept in checkpoints (``None``: found by index, or replayed).
+      start: where the epochs start (:func:`resume` and Keras's ``BackupAndRestore`` move it).
+      resumed: whether ``start`` is a checkpoint's.
+      epochs, steps_per_epoch, batch_size: as given to fit (``batch_size`` resolved).
+      validation_batch_size, validation_steps: the validation's batch and batches; ``validate(epoch)``:
+        whether epoch ``epoch`` (0-based) ends with a validation.
+      mode: the progress output's verbosity (0 off this process's primary); ``out``: where it goes.
+      ends_with_data: an epoch ends where the data does (Keras's fit reading of ``steps_per_epoch``).
+      keras_order: Keras's own data order, its passes counted from the fit's first epoch.
+    """
+
+    source: Source
+    validation: Source | None
+    stream: Stream
+    hooks: Callbacks
+    watch: preemption.Watch
+    history: History
+    ckpt: Checkpointer | None
+    saver: resume_lib.Saver | None
+    run: dict[str, Any]
+    inputs: InputState | None
+    start: Start
+    epochs: int
+    steps_per_epoch: int | None
+    batch_size: int
+    validation_batch_size: int
+    validation_steps: int | None
+    validate: Callable[[int], bool]
+    mode: int
+    out: IO[str]
+    ends_with_data: bool
+    keras_order: bool
+    resumed: bool = False
+
+    @property
+    def first_epoch(self) -> int:
+        """The epoch the stream's epochs are counted from: Keras's order counts each fit's passes from
+        its first epoch, as Keras's iterator does; mirrorax's from epoch 0 (a resumed run replays it)."""
+        return self.start.epoch if self.keras_order else 0
+
+    def starting_at(self, epoch: int) -> FitPlan:
+        """The same plan, starting at the beginning of ``epoch``."""
+        return dataclasses.replace(self, start=Start(epoch))
+
+
+def prepare(device: DeviceState, steps: StepFunctions, model: Any, x: Any, y: Any, *, batch_size: int | None,
+            epochs: int, validation_data: Any, validation_batch_size: int | None, validation_steps: int | None,
+            validation_freq: int | Sequence[int], shuffle: bool | Literal["batch"], seed: int, sample_weight: Any,
+            steps_per_epoch: int | None, initial_epoch: int, callbacks: Any, verbose: int | str,
+            checkpoint_dir: Any, checkpoint_every: int | str, keep_checkpoints: int | None, out: IO[str],
+            steps_per_execution: int, refuse_nonfinite: bool, ends_with_data: bool, keras_order: bool) -> FitPlan:
+    """Reads ``fit``'s arguments (as ``Trainer.fit`` documents them) into a :class:`FitPlan`.
+
+    Checks every argument, makes the sources (large arrays scanned for NaN/inf on a thread, joined last),
+    places the state, checks the targets, compiles and plans the first step, opens the checkpoint
+    directory and the callbacks. SIGTERM is watched from the start (one that comes while the step
+    compiles stops fit at its first step); on an error the watch is closed again.
+
+    Args:
+      device, steps, model: the trainer's state on the devices, its step functions and its model.
+      out: where progress goes; ``steps_per_execution``: the trainer's.
+      refuse_nonfinite: refuse NaN/inf in array inputs (``on_nonfinite="raise"``).
+      ends_with_data, keras_order: Keras's fit's readings (see :class:`FitPlan`).
+
+    Raises:
+      ValueError / TypeError: bad inputs, raised before any compilation.
+      CheckpointError: ``checkpoint_dir`` is not writable.
+    """
+    strategy, adapter = steps.strategy, steps.adapter
+    mode = resolve_verbose(verbose, out) if strategy.is_primary else 0
+    watch = preemption.Watch(strategy.process_count)
+    watch.start()
+    ready = False
+    source: Source | None = None
+    val: Source | None = None
+    try:
+        check_int("epochs", epochs, low=0)
+        check_int("initial_epoch", initial_epoch, low=0)
+        check_int("seed", seed, low=0)
+        if steps_per_epoch is not None:
+            check_int("steps_per_epoch", steps_per_epoch)
+        if validation_batch_size is not None:
+            check_batch_size(validation_batch_size)
+        every = resume_lib.check_every(checkpoint_every)
+        # Large arrays are scanned for NaN/inf on a thread, joined below before anything changes.
+        source = make_source(x, y, sample_weight, float_dtype=adapter.float_dtype,
+                             check_finite=refuse_nonfinite, scan_in_background=True)
+        if adapter.needs_targets("fit"):
+            source.require_targets("fit")
+        batch_size = (source.default_batch_size(strategy.process_count) if batch_size is None
+                      else check_batch_size(batch_size))
+        val = validation_source(validation_data, float_dtype=adapter.float_dtype, check_finite=refuse_nonfinite,
+                                targets=adapter.needs_targets("evaluate"), scan_in_background=True)
+        ckpt = None
+        if checkpoint_dir is not None:
+            from mirrorax.checkpoint import Checkpointer
+
+            ckpt = Checkpointer(checkpoint_dir, keep=keep_checkpoints)
+        if callbacks is not None and not isinstance(callbacks, (list, tuple)) and \
+                type(callbacks).__name__ != "CallbackList":  # (Keras's fit under a scope passes its own list)
+            callbacks = [callbacks]  # one callback, not in a list: as Keras's own fit takes it
+        sample = source.sample(batch_size, strategy.batch_mesh)
+        device.ensure(sample)
+        for s in (source, val):  # shapes against the outputs, labels against the classes: before compiling
+            if s is not None:
+                s.check_targets(adapter)
+        # Labels the host has checked whole need no search and no guard in the step.
+        steps.check_labels_in_step(not source.labels_checked)
+        consistency.check_replicas(device.value)  # multi-process: every process holds process 0's values
+        device.write_back()  # lent to the model: what callbacks change on it from here on is adopted
+        # The plan's line (verbose, on process 0; with steps_per_execution > 1 fit runs another program and
+        # says nothing), and will it fit? (only where a device's memory is known): the step is compiled
+        # here, once, for the state just placed; step 1 runs that very program.
+        planner.at_fit_start(model, steps, device, sample, batch_size, stream=out,
+                             announce=bool(mode) and steps_per_execution == 1)
+        history = History()
+        stream = source.stream(batch_size, strategy.batch_mesh, shuffle=shuffle, seed=seed,
+                               ends_with_data=ends_with_data, keras_order=keras_order)
+        per_epoch = steps_per_epoch or stream.batches_per_pass
+        hooks = Callbacks(callbacks, model, epochs=epochs, steps=per_epoch, verbose=0 if not mode else mode)
+        validate = _validation_schedule(validation_freq)
+        if strategy.process_count > 1:  # every process must take the same path through each step
+            hooks.listens = {kind: consistency.any_process(v) for kind, v in hooks.listens.items()}
+        run: dict[str, Any] = {"batch_size": batch_size, "shuffle": "batch" if shuffle == "batch" else bool(shuffle),
+                               "seed": int(seed), "steps_per_epoch": steps_per_epoch}
+        if ckpt is not None:  # as configured now, before a resume or a callback changes them
+            run["hyperparameters"] = resume_lib.hyperparameters(device.value)
+        inputs = None if ckpt is None else source.track_position(strategy.process_count)
+        saver = None if ckpt is None else resume_lib.Saver(
+            ckpt, every, run, history, resume_lib.sample_spec(sample), inputs=inputs)
+        _wait_checked(source, val)  # the join: nothing of the model, the state or the callbacks changed yet
+        ready = True
+    except Exception:
+        _wait_checked(source, val)  # a NaN the scan finds is the first error, as when it ran up front
+        raise
+    finally:
+        if not ready:
+            watch.close()
+    return FitPlan(source=source, validation=val, stream=stream, hooks=hooks, watch=watch, history=history,
+                   ckpt=ckpt, saver=saver, run=run, inputs=inputs, start=Start(initial_epoch), epochs=epochs,
+                   steps_per_epoch=steps_per_epoch, batch_size=batch_size,
+                   validation_batch_size=validation_batch_size or batch_size, validation_steps=validation_steps,
+                   validate=validate, mode=mode, out=out, ends_with_data=ends_with_data, keras_order=keras_order)
+
+
+def resume(plan: FitPlan, device: DeviceState) -> FitPlan:
+    """``plan`` started where the newest good checkpoint of its directory stopped, that checkpoint's
+    state placed on ``device`` and its history restored into ``plan.history``; ``plan`` itself when there
+    is no checkpoint directory or nothing in it.
+
+    Raises:
+      CheckpointError: the checkpoint belongs to a run with another global batch, order or seed.
+      CheckpointMismatchError: it belongs to a different model.
+    """
+    if plan.ckpt is None:
+        return plan
+    resumed = resume_lib.resume(plan.ckpt, device.abstract(), plan.run, plan.history)
+    if resumed is None:
+        return plan
+    device.value = resumed.state
+    if plan.mode:
+        plan.out.write(f"Resumed from checkpoint step {resumed.step} in {plan.ckpt.directory} "
+                       f"(epoch {resumed.epoch + 1}, batch {resumed.batch_in_epoch}).\n")
+    start = Start(resumed.epoch, resumed.batch_in_epoch, resumed.input_state)
+    return dataclasses.replace(plan, start=start, resumed=True)
+
+
+def _wait_checked(*sources: Source | None) -> None:
+    """Joins the NaN/inf scans of array sources (run on a thread for large arrays), raising what they found.
+
+    ``prepare`` joins them at its end, after the state is built, the targets checked and the first step
+    compiled where the plan compiles it, and before a checkpoint is restored, a callback hears
+    ``on_train_begin`` or a step runs: a refused input leaves the model, its optimizer and the callbacks
+    as they were. (``ArraySource.batches`` waits too: no batch is ever read from unchecked arrays.)
+    """
+    for s in sources:
+        if isinstance(s, ArraySource):
+            s.wait_checked()
+
+
+def _validation_schedule(freq: Any) -> Callable[[int], bool]:
+    """Keras's ``validation_freq``: every ``freq`` epochs, or after the (1-based) epochs listed."""
+    if isinstance(freq, (list, tuple, set)):
+        wanted = {int(e) for e in freq}
+        return lambda epoch: epoch + 1 in wanted
+    check_int("validation_freq", freq)
+    return lambda epoch: (epoch + 1) % int(freq) == 0

@@ -1,0 +1,95 @@
+"""``fit``'s preparation and its epoch runner (``mirrorax.fit_plan``, ``Loop.fit`` / ``Loop.epoch``): fit's
+arguments read once into one frozen record, a refused argument leaving no SIGTERM handler behind, and the
+runner starting where the record says. A linear ``FunctionalModel`` on 2 devices: cheap to compile."""
+
+import dataclasses
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import strategy
+
+import mirrorax as mx
+from mirrorax import fit_plan
+
+ROWS, FEATURES, CLASSES = 40, 4, 3
+
+
+def _trainer() -> mx.Trainer:
+    rng = np.random.default_rng(0)
+    params = {"w": rng.normal(0, 0.1, (FEATURES, CLASSES)).astype(np.float32), "b": np.zeros(CLASSES, np.float32)}
+
+    def per_example(yt, logits):
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), yt[:, None], 1)[:, 0]
+
+    model = mx.FunctionalModel(lambda p, xb: xb @ p["w"] + p["b"], params, loss=per_example,
+                               optimizer=optax.sgd(0.1))
+    return mx.Trainer(model, strategy(2))
+
+
+def _data():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(ROWS, FEATURES)).astype(np.float32)
+    return x, (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0).astype(np.int32)
+
+
+def _prepare(trainer: mx.Trainer, x, y, **given) -> fit_plan.FitPlan:
+    args = dict(batch_size=None, epochs=1, validation_data=None, validation_batch_size=None, validation_steps=None,
+                validation_freq=1, shuffle=False, seed=0, sample_weight=None, steps_per_epoch=None,
+                initial_epoch=0, callbacks=None, verbose=0, checkpoint_dir=None, checkpoint_every="epoch",
+                keep_checkpoints=3, out=trainer.stream, steps_per_execution=1, refuse_nonfinite=True,
+                ends_with_data=False, keras_order=False)
+    return fit_plan.prepare(trainer.device_state, trainer.steps, trainer.model, x, y, **{**args, **given})
+
+
+def test_prepare_reads_fit_once_into_a_frozen_record():
+    trainer, (x, y) = _trainer(), _data()
+    plan = _prepare(trainer, x, y, epochs=3, initial_epoch=1, validation_data=(x[:8], y[:8]), validation_freq=[2])
+    try:
+        assert plan.batch_size == 32 and plan.validation_batch_size == 32  # arrays' default; validation's: fit's
+        assert plan.stream.batches_per_pass == 2  # 40 rows in batches of 32: a full one and a short one
+        assert plan.start == fit_plan.Start(1) and not plan.resumed and plan.first_epoch == 0
+        assert [plan.validate(e) for e in range(3)] == [False, True, False]  # after the (1-based) 2nd epoch
+        assert plan.ckpt is None and plan.saver is None and plan.inputs is None
+        assert fit_plan.resume(plan, trainer.device_state) is plan  # no checkpoint_dir: nothing to resume
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            plan.epochs = 5  # type: ignore[misc]
+        moved = plan.starting_at(2)
+        assert moved.start == fit_plan.Start(2) and plan.start == fit_plan.Start(1) and moved.hooks is plan.hooks
+        # Keras's order counts a fit's passes from its first epoch: the stream's epoch 0 is the start's.
+        assert dataclasses.replace(moved, keras_order=True).first_epoch == 2
+    finally:
+        plan.watch.close()
+
+
+@pytest.mark.parametrize("given, match", [
+    (dict(epochs=-1), r"epochs must be an integer >= 0; received -1"),
+    (dict(validation_freq=0), r"validation_freq must be an integer >= 1; received 0"),
+], ids=["epochs", "validation_freq"])
+def test_a_refused_argument_leaves_no_sigterm_handler_behind(given, match):
+    trainer, (x, y) = _trainer(), _data()
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(ValueError, match=match):
+        _prepare(trainer, x, y, **given)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_epoch_runner_starts_where_the_plan_says():
+    x, y = _data()
+    trainer = _trainer()
+    plan = _prepare(trainer, x, y, batch_size=8, epochs=3, steps_per_epoch=2).starting_at(2)
+    try:
+        logs = trainer.loop.fit(plan)
+    finally:
+        plan.watch.close()
+    assert plan.history.epoch == [2] and set(logs) == {"loss"}
+    assert int(trainer.host_state().step) == 2  # one epoch of two steps, not three epochs
+    # The same epoch as fit(initial_epoch=2) runs: the stream's batches 4 and 5 (a pass's last, the next's first).
+    other = _trainer()
+    history = other.fit(x, y, batch_size=8, epochs=3, steps_per_epoch=2, initial_epoch=2, shuffle=False, verbose=0)
+    assert history.history["loss"] == plan.history.history["loss"]
+    for a, b in zip(jax.tree.leaves(trainer.host_state().params), jax.tree.leaves(other.host_state().params)):
+        np.testing.assert_array_equal(a, b)
