@@ -91,3 +91,92 @@ def changed_lines(original: str, port: str) -> list[str]:
             old, new = [x for x in a[i1:i2] if counted(x)], [x for x in b[j1:j2] if counted(x)]
             changed += (old + new)[:max(len(old), len(new))]
     return changed
+
+
+# -- the same small model from either front-end (tests of the engine, not of Keras) ------------------------
+FRONT_ENDS = ("keras", "nnx")
+
+
+def learnable(rows: int = 50, classes: int = 5, seed: int = 0, flat: bool = False):
+    """``rows`` 8x8x1 images (or their 64 features, ``flat``) and labels a linear map of them decides: a task
+    the models learn, so that N devices and 1 device stay on one well-conditioned path."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 8, 8, 1)).astype(np.float32)
+    y = np.argmax(x.reshape(rows, -1) @ rng.normal(size=(64, classes)), axis=1)
+    return (x.reshape(rows, -1) if flat else x), y
+
+
+def front_end_model(front_end: str, kind: str = "cnn", *, seed: int = 0, optimizer: str = "adam",
+                    learning_rate: float = 1e-2, classes: int = 5):
+    """One small smooth model built with Keras or with Flax NNX, and the ``mx.Trainer`` keyword arguments that
+    complete it: ``(model, trainer_kwargs)``.
+
+    kinds: ``"cnn"`` (8x8x1 images: a conv without bias, BatchNorm, GELU, average pooling, Dropout 0.2, a dense
+    head), ``"mlp"`` (64 features: Dense 16 tanh, a dense head), ``"wide"`` (16 features: Dense 1024 without bias,
+    BatchNorm, tanh, a dense head; its 16x1024 kernel is large enough for ``shard=``).
+    """
+    if front_end == "keras":
+        keras.utils.set_random_seed(seed)
+        layers = keras.layers
+        body = {"cnn": [keras.Input((8, 8, 1)), layers.Conv2D(8, 3, padding="same", use_bias=False),
+                        layers.BatchNormalization(), layers.Activation("gelu"), layers.AveragePooling2D(2),
+                        layers.Flatten(), layers.Dropout(0.2)],
+                "mlp": [keras.Input((64,)), layers.Dense(16, activation="tanh")],
+                "wide": [keras.Input((16,)), layers.Dense(1024, use_bias=False), layers.BatchNormalization(),
+                         layers.Activation("tanh")]}[kind]
+        model = keras.Sequential([*body, layers.Dense(classes)])
+        opt = {"adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD}[optimizer](learning_rate)
+        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return model, {}
+    import optax
+    from flax import nnx
+
+    rngs = nnx.Rngs(seed)
+    if kind == "cnn":
+        class Net(nnx.Module):
+            def __init__(self):
+                self.conv = nnx.Conv(1, 8, kernel_size=(3, 3), use_bias=False, rngs=rngs)
+                self.bn = nnx.BatchNorm(8, rngs=rngs)
+                self.drop = nnx.Dropout(0.2, rngs=rngs)
+                self.head = nnx.Linear(8 * 4 * 4, classes, rngs=rngs)
+
+            def __call__(self, x):
+                x = nnx.avg_pool(nnx.gelu(self.bn(self.conv(x))), window_shape=(2, 2), strides=(2, 2))
+                return self.head(self.drop(x.reshape(x.shape[0], -1)))
+    elif kind == "mlp":
+        class Net(nnx.Module):  # type: ignore[no-redef]
+            def __init__(self):
+                self.hidden = nnx.Linear(64, 16, rngs=rngs)
+                self.head = nnx.Linear(16, classes, rngs=rngs)
+
+            def __call__(self, x):
+                return self.head(nnx.tanh(self.hidden(x)))
+    else:
+        class Net(nnx.Module):  # type: ignore[no-redef]
+            def __init__(self):
+                self.hidden = nnx.Linear(16, 1024, use_bias=False, rngs=rngs)
+                self.bn = nnx.BatchNorm(1024, rngs=rngs)
+                self.head = nnx.Linear(1024, classes, rngs=rngs)
+
+            def __call__(self, x):
+                return self.head(nnx.tanh(self.bn(self.hidden(x))))
+    opt = {"adam": optax.adam, "sgd": optax.sgd}[optimizer](learning_rate)
+    return Net(), {"loss": "sparse_categorical_crossentropy_from_logits", "optimizer": opt, "metrics": ["accuracy"]}
+
+
+def front_end_trainer(front_end: str, n_or_strategy, kind: str = "cnn", **kwargs):
+    """``(model, trainer)``: :func:`front_end_model`'s model in an ``mx.Trainer`` on ``n`` devices (or a
+    strategy); ``kwargs``: the model's (``seed``, ``optimizer``, ...) and the Trainer's (the rest)."""
+    model_keys = {"seed", "optimizer", "learning_rate", "classes"}
+    model, trainer_kwargs = front_end_model(front_end, kind, **{k: v for k, v in kwargs.items() if k in model_keys})
+    s = strategy(n_or_strategy) if isinstance(n_or_strategy, int) else n_or_strategy
+    trainer_kwargs.update({k: v for k, v in kwargs.items() if k not in model_keys})
+    return model, mx.Trainer(model, s, **trainer_kwargs)
+
+
+def trained_state(trainer: mx.Trainer) -> list[np.ndarray]:
+    """The trainer's parameters, model state (BatchNorm statistics, Dropout's stream) and optimizer state,
+    host copies in a fixed order: what a front-end-independent comparison reads."""
+    state = trainer.host_state()
+    return [np.asarray(a) for group in ("params", "model_state", "optimizer") for a in jax.tree.leaves(state[group])]

@@ -61,61 +61,7 @@ def test_steps_per_execution_gives_the_same_weights():
     assert tb.compile_counts()["train_many"] == 1 and tb.compile_counts()["train"] == 1
 
 
-@pytest.mark.slow
-def test_gradient_accumulation_equals_the_whole_batch():
-    x, y, _, _ = flat_digits(150)
-    a = dense(optimizer="sgd")
-    ha = mx.Trainer(a, strategy(4)).fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
-    b = dense(optimizer="sgd")
-    hb = mx.Trainer(b, strategy(4), accumulation_steps=4).fit(x, y, batch_size=64, epochs=2, shuffle=False,
-                                                              verbose=0)
-    # last batch: 22 real rows among 64, spread unevenly over the micro-batches
-    assert_weights_close(a, b, 1e-5, 1e-6)
-    np.testing.assert_allclose(ha.history["loss"], hb.history["loss"], rtol=1e-5)
-    assert hb.history["accuracy"] == pytest.approx(ha.history["accuracy"], abs=1e-7)
-
-
-def _poisoned(n=96):
-    x, y, _, _ = flat_digits(n)
-    x = x.copy()
-    x[40] = np.nan  # batch 2 (rows 32-63) of every epoch
-    return x, y
-
-
-def test_nonfinite_loss_raises_and_keeps_last_good_weights():
-    x, y = _poisoned()
-    model = dense()
-    t = mx.Trainer(model, strategy(2))
-    t.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
-    good = [w.copy() for w in model.get_weights()]
-    with pytest.raises(mx.NonFiniteLossError, match=r"non-finite at step 3 \(epoch 1, batch 2"):
-        # batches from an iterable: NaN in arrays is refused on the host before training (test_bad_inputs)
-        t.fit(((x[i:i + 32], y[i:i + 32]) for i in range(0, 96, 32)), batch_size=32, epochs=1, verbose=0)
-    # batch 1 of that epoch was applied (finite); batch 2 and everything after were not
-    after_one = dense()
-    ref = mx.Trainer(after_one, strategy(2))
-    ref.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
-    ref.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
-    assert_weights_close(model, after_one, 1e-6, 1e-7)
-    assert all(np.isfinite(w).all() for w in model.get_weights())
-    assert any(not np.allclose(a, b) for a, b in zip(good, model.get_weights()))
-    # The same trainer trains on from there (the frozen record does not outlive the error), and its step
-    # counter counts applied steps only.
-    assert int(np.asarray(t.host_state()["step"])) == 2
-    t.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
-    ref.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
-    assert_weights_close(model, after_one, 1e-6, 1e-7)
-    assert int(np.asarray(t.host_state()["step"])) == 3
-
-
-def test_nonfinite_skip_counts_skipped_steps():
-    x, y = _poisoned()
-    model = dense()
-    hist = mx.Trainer(model, strategy(2), on_nonfinite="skip").fit(x, y, batch_size=32, epochs=2, shuffle=False,
-                                                                  verbose=0)
-    assert hist.history["skipped_steps"] == [1.0, 2.0]
-    assert np.isfinite(hist.history["loss"]).all()
-    assert all(np.isfinite(w).all() for w in model.get_weights())
+# Gradient accumulation and on_nonfinite: tests/test_front_ends.py, under both front-ends.
 
 
 @pytest.mark.slow

@@ -386,9 +386,9 @@ def test_trainer_fits_an_nnx_model_as_the_custom_loop_does():
     # the Trainer's accuracy is the loop's: the same rows counted (its loss is the mean over rows, the loop's
     # Average the mean over batches)
     np.testing.assert_allclose(history.history["accuracy"], [e["accuracy"] for e in loop["train"]], rtol=1e-6)
-    with pytest.raises(ValueError, match=r"mixed_precision applies to Keras models"):
-        mx.Trainer(CNN(nnx.Rngs(0)), strategy(1), loss="mse", optimizer=optax.sgd(0.1),
-                   mixed_precision="mixed_bfloat16").fit(data()["x"], data()["y"], batch_size=16, verbose=0)
+    with pytest.raises(ValueError, match=r"must be one of \('bfloat16',\) or None; received 'float16'. float16 "
+                                         r"needs loss scaling"):
+        mx.Trainer(CNN(nnx.Rngs(0)), strategy(1), loss="mse", optimizer=optax.sgd(0.1), mixed_precision="float16")
 
 
 @pytest.mark.slow  # three fits and a checkpoint each
@@ -477,3 +477,41 @@ def test_trainer_honours_sharding_annotations_on_a_2x4_mesh():
     np.testing.assert_allclose(losses, losses1, rtol=1e-5)
     for a, b in zip(host(nnx.state(model)), host(nnx.state(one))):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow  # three fits
+def test_trainer_mixed_bfloat16_is_flax_dtype_with_float32_master_weights():
+    """``mx.Trainer(module, mixed_precision="bfloat16")`` is Flax's own mixed precision: every layer's ``dtype``
+    bfloat16, its ``param_dtype`` float32; the same run, bitwise, as the layers written ``dtype=jnp.bfloat16``.
+    The parameters, their Adam moments and BatchNorm's statistics stay float32; the logits reach the loss in
+    float32; the outcome stays near the float32 run's (bfloat16 keeps 8 bits of mantissa: outcomes, not bits)."""
+    import jax.numpy as jnp
+
+    from mirrorax.nnx.model import set_compute_dtype
+
+    x, y = data()["x"], data()["y"]
+
+    def fit(mixed_precision=None, by_hand=False):
+        model = CNN(nnx.Rngs(0))
+        if by_hand:
+            assert sorted(set_compute_dtype(model, jnp.bfloat16)) == ["bn", "conv", "head"]  # not Dropout
+        t = mx.Trainer(model, strategy(2), loss="sparse_categorical_crossentropy_from_logits",
+                       optimizer=optax.adam(1e-2), metrics=["accuracy"], mixed_precision=mixed_precision)
+        history = t.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0).history
+        return model, t, history
+
+    full, t32, h32 = fit()
+    half, t16, h16 = fit("bfloat16")
+    hand, _, hhand = fit(by_hand=True)
+    assert (half.conv.dtype, half.bn.dtype, half.head.dtype) == (jnp.bfloat16,) * 3  # set on the module
+    assert {a.dtype for a in jax.tree.leaves(t16.state["params"])} == {np.dtype(np.float32)}
+    assert {a.dtype for a in jax.tree.leaves(t16.state["optimizer"]) if a.ndim} == {np.dtype(np.float32)}
+    assert half.bn.mean[...].dtype == np.float32
+    assert h16 == hhand
+    for a, b in zip(host(nnx.state(half)), host(nnx.state(hand))):
+        np.testing.assert_array_equal(a, b)
+    assert h16 != h32 and h16["loss"][-1] < h16["loss"][0]  # computed in bfloat16, and it learns
+    np.testing.assert_allclose(h16["loss"], h32["loss"], rtol=2e-3)
+    p32, p16 = t32.predict(x, batch_size=16), t16.predict(x, batch_size=16)
+    assert p16.dtype == np.float32 and np.abs(p32 - p16).max() < 0.1
+    assert np.mean(p32.argmax(-1) == p16.argmax(-1)) > 0.95

@@ -12,6 +12,8 @@
 * 2 processes x 2 devices, SIGTERM to process 1 only: both stop at the same step and exit 143; the
   rerun ends with the weights of one uninterrupted process on 4 devices.
 * The SIGTERM handler exists only during fit, only in the main thread.
+* The engine's, not Keras's: the in-process tests and the SIGTERM mid-epoch run again for a Flax NNX model
+  (``helpers.front_end_model``), under the same Trainer.
 
 Tolerance: rtol=1e-5, atol=1e-6 against the uninterrupted run (the same batches from the same state;
 only float reassociation across device and process counts differs); accuracies exact.
@@ -76,13 +78,20 @@ def _run_and_signal(tmp_path, args, after_steps, sig=signal.SIGTERM, timeout=240
 
 @pytest.fixture(scope="module")
 def uninterrupted():
-    """The job run through once, in this process (2 devices, as the job), per kind of input."""
-    from helpers import dense, flat_digits, strategy
+    """The job run through once, in this process (2 devices, as the job), per kind of input and front-end."""
+    from helpers import dense, flat_digits, front_end_trainer, strategy, trained_state
 
-    runs: dict[str, dict[str, np.ndarray]] = {}
+    runs: dict[tuple[str, str], dict[str, np.ndarray]] = {}
 
-    def run(inputs: str) -> dict[str, np.ndarray]:
-        if inputs not in runs:
+    def run(inputs: str, front_end: str = "keras") -> dict[str, np.ndarray]:
+        if front_end == "nnx" and (inputs, front_end) not in runs:
+            x, y, _, _ = flat_digits(ROWS)
+            _, trainer = front_end_trainer("nnx", 2, "mlp", classes=10, seed=1)
+            hist = trainer.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, shuffle=True, seed=5)
+            runs[inputs, front_end] = dict({f"arr_{i}": w for i, w in enumerate(trained_state(trainer))},
+                                           loss=np.array(hist.history["loss"]),
+                                           accuracy=np.array(hist.history["accuracy"]))
+        if (inputs, front_end) not in runs:
             x, y, _, _ = flat_digits(ROWS)
             with strategy(2).scope():
                 model = dense()
@@ -93,8 +102,9 @@ def uninterrupted():
                 data, kwargs = (x, y), {"shuffle": True, "seed": 5}
             hist = mx.Trainer(model).fit(*data, batch_size=BATCH, epochs=EPOCHS, verbose=0, **kwargs)
             out = {f"arr_{i}": w for i, w in enumerate(model.get_weights())}
-            runs[inputs] = dict(out, loss=np.array(hist.history["loss"]), accuracy=np.array(hist.history["accuracy"]))
-        return runs[inputs]
+            runs[inputs, front_end] = dict(out, loss=np.array(hist.history["loss"]),
+                                           accuracy=np.array(hist.history["accuracy"]))
+        return runs[inputs, front_end]
 
     return run
 
@@ -142,17 +152,20 @@ def _resumed_at(out: str) -> tuple[int, int]:
 
 @pytest.mark.slow  # starts processes
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("inputs, sig", [("arrays", "SIGTERM"), ("grain", "SIGTERM"), ("grain", "SIGKILL")])
-def test_stopped_mid_epoch_the_rerun_resumes_exactly(tmp_path, inputs, sig, uninterrupted):
+@pytest.mark.parametrize("inputs, sig, front_end", [("arrays", "SIGTERM", "keras"), ("grain", "SIGTERM", "keras"),
+                                                    ("grain", "SIGKILL", "keras"), ("arrays", "SIGTERM", "nnx")])
+def test_stopped_mid_epoch_the_rerun_resumes_exactly(tmp_path, inputs, sig, front_end, uninterrupted):
     """SIGTERM: fit saves where it stops and exits 143. SIGKILL: the resume starts from the newest
-    periodic checkpoint (every 3 steps), which also holds grain's state."""
+    periodic checkpoint (every 3 steps), which also holds grain's state. A Flax NNX model the same way (the
+    whole state: parameters, optimizer)."""
     ckpt, got = tmp_path / "ckpt", tmp_path / "got.npz"
     every = ["--every", "3"] if sig == "SIGKILL" else []
     # The signal after 10 of 21 steps (epoch 2, batch 3), where the job holds until it is sent.
     # SIGKILL waits for the periodic checkpoint of step 9 (epoch 2, batch 2) to be on disk.
     ready = (lambda: (ckpt / "9").is_dir()) if sig == "SIGKILL" else (lambda: True)
-    code, out, seconds = _run_and_signal(tmp_path, [str(ckpt), str(tmp_path / "never.npz"), "--input", inputs,
-                                                    *every], 10, getattr(signal, sig), ready=ready)
+    job = ["--input", inputs, "--front-end", front_end, *every]
+    code, out, seconds = _run_and_signal(tmp_path, [str(ckpt), str(tmp_path / "never.npz"), *job], 10,
+                                         getattr(signal, sig), ready=ready)
     assert not (tmp_path / "never.npz").exists()
     if sig == "SIGTERM":
         print(f"SIGTERM to exit: {seconds:.2f} s")
@@ -164,11 +177,11 @@ def test_stopped_mid_epoch_the_rerun_resumes_exactly(tmp_path, inputs, sig, unin
     else:
         assert code == -signal.SIGKILL, out
 
-    out = _run([str(ckpt), str(got), "--input", inputs, *every])  # the same command again
+    out = _run([str(ckpt), str(got), *job])  # the same command again
     epoch, batch = _resumed_at(out)
     assert epoch == 2 and 0 < batch < 7, out  # mid-epoch
     result = dict(np.load(got))
-    _assert_same(result, uninterrupted(inputs))
+    _assert_same(result, uninterrupted(inputs, front_end))
     if inputs == "grain":
         # First batch once (fit sizes the model with it), the rest of the resumed epoch, then whole
         # epochs: the records trained on before the stop are not read again.
@@ -202,14 +215,30 @@ class _TermAt:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _trainer(front_end: str):
+    """The job's model (Keras's Dense, or the NNX tanh MLP) in a Trainer on 2 devices."""
+    from helpers import dense, front_end_trainer, strategy
+
+    if front_end == "nnx":
+        return front_end_trainer("nnx", 2, "mlp", classes=10, seed=1)[1]
+    with strategy(2).scope():
+        return mx.Trainer(dense())
+
+
+def _state(trainer):
+    from helpers import trained_state
+
+    return trained_state(trainer)
+
+
 @pytest.mark.timeout(120)
-def test_preempted_is_a_system_exit_and_the_handler_exists_only_during_fit(tmp_path):
-    from helpers import dense, flat_digits, strategy
+@pytest.mark.parametrize("front_end", ["keras", "nnx"])
+def test_preempted_is_a_system_exit_and_the_handler_exists_only_during_fit(tmp_path, front_end):
+    from helpers import flat_digits
 
     assert issubclass(mx.Preempted, SystemExit)
     x, y, _, _ = flat_digits(ROWS)
-    with strategy(2).scope():
-        model = dense()
+    trainer = _trainer(front_end)
     before = signal.getsignal(signal.SIGTERM)
     seen = []
 
@@ -218,8 +247,8 @@ def test_preempted_is_a_system_exit_and_the_handler_exists_only_during_fit(tmp_p
             seen.append(signal.getsignal(signal.SIGTERM))
 
     with pytest.raises(mx.Preempted) as info:
-        mx.Trainer(model).fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[Look(), _TermAt(4)],
-                              checkpoint_dir=tmp_path / "ck")
+        trainer.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[Look(), _TermAt(4)],
+                    checkpoint_dir=tmp_path / "ck")
     assert info.value.code == 143 and info.value.step == 4, (info.value.code, info.value.step)
     assert info.value.checkpoint_dir == str(tmp_path / "ck")
     assert seen[0] is not before and getattr(seen[0], "__self__", None).__class__ is preemption.Watch
@@ -275,17 +304,17 @@ class _StatefulLoader:
 
 
 @pytest.mark.timeout(180)
-def test_a_state_dict_loader_resumes_from_its_own_state(tmp_path):
-    from helpers import dense, flat_digits, strategy
+@pytest.mark.parametrize("front_end", ["keras", "nnx"])
+def test_a_state_dict_loader_resumes_from_its_own_state(tmp_path, front_end):
+    from helpers import flat_digits
 
     x, y, _, _ = flat_digits(ROWS)
 
     def fit(loader, callbacks=(), ckpt=None):
-        with strategy(2).scope():
-            model = dense()
-        hist = mx.Trainer(model).fit(loader, batch_size=BATCH, epochs=2, verbose=0, callbacks=list(callbacks),
-                                     checkpoint_dir=ckpt)
-        return model.get_weights(), hist.history["loss"]
+        trainer = _trainer(front_end)
+        hist = trainer.fit(loader, batch_size=BATCH, epochs=2, verbose=0, callbacks=list(callbacks),
+                           checkpoint_dir=ckpt)
+        return _state(trainer), hist.history["loss"]
 
     want = fit(_StatefulLoader(x, y))
     with pytest.raises(mx.Preempted):

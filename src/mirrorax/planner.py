@@ -240,7 +240,9 @@ class _Steps:
         s = self.steps.strategy
         if mode == s.shard:
             return self
-        return _Steps.build(self.model, MirroredStrategy(devices=list(s.devices), shard=mode))
+        # The adapter's model carries the settings (a Flax NNX module's NnxModel: the Trainer's loss and optimizer).
+        return _Steps.build(getattr(self.steps.adapter, "model", self.model),
+                            MirroredStrategy(devices=list(s.devices), shard=mode))
 
 
 def _largest(peak: Any, memory: int, step: int, start: int) -> int | None:

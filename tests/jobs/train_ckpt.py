@@ -1,13 +1,15 @@
 """The checkpointed training job that the resume and preemption tests stop and run again.
 
 Usage: python train_ckpt.py CHECKPOINT_DIR|- OUT.npz [--devices N] [--epochs E] [--every K]
-                            [--input arrays|grain] [--hold-at S] [--go FILE]
+                            [--input arrays|grain] [--front-end keras|nnx] [--hold-at S] [--go FILE]
                             [--kill-rank R --kill-at-step S] [--sleep SECONDS]
 
 A Dense model on 200 digits at batch 32 (7 batches per epoch, the last one short), shuffled with seed 5,
 checkpointed every K steps (default: every epoch) when CHECKPOINT_DIR is not ``-``. Prints ``STEP n``
 after each step (flushed). Process 0 writes the final weights and history to OUT.npz, and, with
-``--input grain``, the number of records the data source read.
+``--input grain``, the number of records the data source read. ``--front-end nnx``: the model is Flax NNX's
+(``helpers.front_end_model``'s tanh MLP), and OUT.npz holds the trainer's whole state
+(``helpers.trained_state``) instead of the Keras model's weights.
 
 The handshake that lets a test stop the job at a known step, with no sleep to race: with ``--hold-at S``
 the job prints ``HOLD S`` after its S-th step and waits there, until the test has sent its signal and
@@ -28,6 +30,7 @@ parser.add_argument("--devices", type=int, default=2)
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--every", type=int, default=None, help="checkpoint_every (default: every epoch)")
 parser.add_argument("--input", choices=("arrays", "grain"), default="arrays")
+parser.add_argument("--front-end", choices=("keras", "nnx"), default="keras")
 parser.add_argument("--hold-at", type=int, default=None, help="wait after this step (counted over the fit)")
 parser.add_argument("--go", default=None, help="the file whose creation ends the hold")
 parser.add_argument("--kill-rank", type=int, default=None, help="this process SIGKILLs itself (first attempt only)")
@@ -42,21 +45,19 @@ jax.config.update("jax_platforms", "cpu")
 if "MIRRORAX_COORDINATOR" not in os.environ:  # under `mirrorax launch` the launcher sets the devices
     jax.config.update("jax_num_cpu_devices", args.devices)
 
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import mirrorax as mx  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from helpers import dense, flat_digits  # noqa: E402
+from helpers import dense, flat_digits, front_end_trainer, trained_state  # noqa: E402
 
 ROWS, BATCH = 200, 32  # 7 batches per epoch, the last one short (8 rows)
 HOLD_LIMIT_S = 120  # a test that never answers the hold: end the job rather than hang
 
 
-class Steps(keras.callbacks.Callback):
+class Steps:  # a plain object with Keras's hook: the Trainer drives it for any front-end
     def __init__(self):
-        super().__init__()
         self.steps = 0
 
     def on_train_batch_end(self, batch, logs=None):
@@ -113,14 +114,18 @@ else:
     fit_args = (x, y)
     fit_kwargs = {"shuffle": True, "seed": 5}
 
-with strategy.scope():
-    model = dense()
-trainer = mx.Trainer(model)
+if args.front_end == "nnx":
+    model, trainer = front_end_trainer("nnx", strategy, "mlp", classes=10, seed=1)
+else:
+    with strategy.scope():
+        model = dense()
+    trainer = mx.Trainer(model)
 hist = trainer.fit(*fit_args, batch_size=BATCH, epochs=args.epochs, verbose=2, callbacks=[Steps()],
                    checkpoint_dir=None if args.checkpoint_dir == "-" else args.checkpoint_dir,
                    checkpoint_every=args.every or "epoch", **fit_kwargs)
 if jax.process_index() == 0:
-    np.savez(args.out, *model.get_weights(), loss=np.array(hist.history["loss"]),
+    weights = trained_state(trainer) if args.front_end == "nnx" else model.get_weights()
+    np.savez(args.out, *weights, loss=np.array(hist.history["loss"]),
              accuracy=np.array(hist.history["accuracy"]),
              reads=np.array(-1 if records is None else records.reads))
 print("DONE", flush=True)

@@ -27,11 +27,13 @@ def adapt(model: Any, *, loss: Any = None, optimizer: Any = None, metrics: Any =
     if any(c.__module__.startswith("flax.nnx") and c.__name__ == "Module" for c in type(model).__mro__):
         from mirrorax.nnx.model import NnxModel  # the Flax NNX wing (flax is imported: model is its object)
 
-        model = NnxModel(model, loss=loss, optimizer=optimizer, metrics=metrics or ())
-        loss = optimizer = metrics = None  # the NnxModel's own now (an nnx.Optimizer read as its transform)
+        model = NnxModel(model, loss=loss, optimizer=optimizer, metrics=metrics or (), mixed_precision=mixed_precision)
+        # the NnxModel's own now (an nnx.Optimizer read as its transform; the layers' dtype set)
+        loss = optimizer = metrics = mixed_precision = None
     if isinstance(model, FunctionalModel):
         if mixed_precision is not None:
-            raise ValueError(f"mixed_precision applies to Keras models; received mixed_precision={mixed_precision!r} "
+            raise ValueError(f"mixed_precision applies to Keras models and Flax NNX modules; received "
+                             f"mixed_precision={mixed_precision!r} "
                              "with a FunctionalModel, which chooses its own compute dtype inside apply_fn. Drop "
                              "mixed_precision and cast params and inputs to bfloat16 in apply_fn.")
         return model.adapter(loss=loss, optimizer=optimizer, metrics=metrics)

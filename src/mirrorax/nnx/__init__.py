@@ -5,7 +5,8 @@
   over global batches of ``strategy.experimental_distribute_dataset`` (a short batch cut to its real
   rows), with the one-device numbers (:mod:`mirrorax.nnx.split_merge`).
 * ``mx.Trainer(module, loss=..., optimizer=...)``: an ``nnx.Module`` trained by the Trainer's engine
-  (checkpoints, resume, preemption, ``shard=``, ``mx.plan``), written back into it (:class:`NnxModel`).
+  (checkpoints, resume, preemption, ``shard=``, ``mx.plan``, accumulation, ``on_nonfinite``;
+  ``mixed_precision="bfloat16"`` as Flax's layer ``dtype``), written back into it (:class:`NnxModel`).
 
 ``import mirrorax`` never imports Flax: the package loads this wing the first time a step is called while
 ``flax.nnx`` is imported. Importing it registers :data:`NNX` with the engine.

@@ -13,6 +13,13 @@ gradient accumulation, ``on_nonfinite``.
 The optimizer is an optax transform, or an ``nnx.Optimizer`` whose transform (``.tx``) is used: the
 Trainer keeps the optimizer's state itself (it is in the checkpoints), and does not write it into the
 ``nnx.Optimizer``.
+
+Mixed precision is Flax's own: a layer computes in its ``dtype`` and keeps its variables in its
+``param_dtype`` (float32 by default). ``mx.Trainer(module, mixed_precision="bfloat16")`` sets the ``dtype`` of
+every layer that has one to ``bfloat16`` (as if each had been written ``dtype=jnp.bfloat16``), so the
+parameters, their gradients and the optimizer's state stay float32 (the master weights). Whatever computes
+the module, its floating outputs are cast to the parameters' type before the loss and the metrics, as
+Keras's output layers stay float32 under its ``mixed_bfloat16`` policy.
 """
 
 from __future__ import annotations
@@ -20,13 +27,55 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mirrorax.models.functional import FunctionalModel
 
-__all__ = ["NnxModel"]
+__all__ = ["MIXED_PRECISION", "NnxModel", "set_compute_dtype"]
 
 PyTree = Any
+
+MIXED_PRECISION = ("bfloat16",)
+"""What ``mx.Trainer(module, mixed_precision=...)`` takes for an NNX module."""
+
+
+def set_compute_dtype(module: Any, dtype: Any) -> list[str]:
+    """Sets the compute ``dtype`` of every layer of ``module`` that has one (Flax layers: a ``dtype`` beside a
+    ``param_dtype``), leaving ``param_dtype`` as it is; returns the layers' paths (``""``: the module)."""
+    changed = []
+    for path, layer in nnx.iter_modules(module):
+        if hasattr(layer, "dtype") and hasattr(layer, "param_dtype"):
+            layer.dtype = dtype
+            changed.append("/".join(str(k) for k in path))
+    return changed
+
+
+def _check_settings(module: Any, loss: Any, optimizer: Any, mixed_precision: Any) -> None:
+    missing = [name for name, value in (("loss", loss), ("optimizer", optimizer)) if value is None]
+    if missing:
+        raise ValueError(f"An NNX module carries no {' and no '.join(missing)}; received {type(module).__name__} with "
+                         f"{', '.join(f'{m}=None' for m in missing)}. Pass them to the Trainer: mx.Trainer(module, "
+                         "loss='sparse_categorical_crossentropy_from_logits', optimizer=optax.adam(1e-3)) (or an "
+                         "nnx.Optimizer), and plan on that trainer: mx.plan(trainer, x, y, batch_size=...).")
+    if mixed_precision is not None and mixed_precision not in MIXED_PRECISION:
+        hint = (" float16 needs loss scaling, which mirrorax does for Keras models only (through a Keras "
+                "optimizer)." if mixed_precision == "float16" else "")
+        raise ValueError(f"mixed_precision for an NNX module must be one of {MIXED_PRECISION} or None; received "
+                         f"{mixed_precision!r}.{hint} Use mixed_precision='bfloat16' (float32 parameters, bfloat16 "
+                         "compute), or set the layers' dtype= yourself.")
+
+
+def _to_float(y: Any, dtype: Any) -> Any:
+    """Floating outputs narrower than ``dtype`` (a bfloat16 layer's) cast to it, for the loss and metrics."""
+    def up(a: Any) -> Any:
+        dt = getattr(a, "dtype", None)
+        if dt is not None and jnp.issubdtype(dt, jnp.floating) and np.dtype(dt).itemsize < np.dtype(dtype).itemsize:
+            return a.astype(dtype)
+        return a
+
+    return jax.tree.map(up, y)
 
 
 def _split(module: Any) -> tuple[Any, Any, Any]:
@@ -75,12 +124,23 @@ class NnxModel(FunctionalModel):
         model state; trained values are written back into it.
       loss, metrics: as :class:`mirrorax.FunctionalModel` takes them (the model's outputs are ``y_pred``).
       optimizer: an optax ``GradientTransformation``, or an ``nnx.Optimizer`` (its ``tx``).
+      mixed_precision: ``"bfloat16"``: every layer with a ``dtype`` computes in bfloat16 (set on ``module``),
+        its parameters stay in their ``param_dtype``; ``None``: the layers as they are.
+
+    Raises:
+      ValueError: no loss or no optimizer, or a ``mixed_precision`` other than ``"bfloat16"``.
     """
 
-    def __init__(self, module: Any, *, loss: Any, optimizer: Any, metrics: Any = ()) -> None:
+    def __init__(self, module: Any, *, loss: Any, optimizer: Any, metrics: Any = (),
+                 mixed_precision: str | None = None) -> None:
+        _check_settings(module, loss, optimizer, mixed_precision)
         if isinstance(optimizer, nnx.Optimizer):
             optimizer = optimizer.tx
+        if mixed_precision is not None:
+            set_compute_dtype(module, jnp.dtype(mixed_precision))
         graphdef, params, rest = _split(module)
+        floats = [a.dtype for a in jax.tree.leaves(params) if jnp.issubdtype(a.dtype, jnp.floating)]
+        out_dtype = jnp.result_type(jnp.float32, *floats)
         self.module = module
         self._graphdef = graphdef
         self._params, self._rest = _Flat(params), _Flat(rest)
@@ -91,7 +151,7 @@ class NnxModel(FunctionalModel):
                 merged.train()
             else:
                 merged.eval()
-            y = merged(x)
+            y = _to_float(merged(x), out_dtype)
             new = _split(merged)[2]
             return y, self._rest.to_dict(new)
 
