@@ -81,6 +81,7 @@ LONGEST_FIRST = [  # the modules' wall in a full run (tests/tools/cpu_report.py)
     "test_mesh2d.py", "test_keras_io.py", "test_docs.py", "test_multiprocess.py", "test_plan.py", "test_cli.py",
     "test_faults_launch.py", "test_keras_fit.py", "test_benchmarks_smoke.py", "test_custom_loops.py",
     "test_preemption.py", "test_front_ends.py", "test_launch.py", "test_bad_inputs.py", "test_checkpoint.py",
+    "test_nnx_multiprocess.py",
     "test_keras_callbacks_write.py", "test_resume.py", "test_cluster.py", "test_equivalence.py", "test_keras_rows.py",
 ]
 
