@@ -5,7 +5,8 @@ example's index) and how to fix it, and runs on the host before any update is ap
 
 The NaN/inf scan of the arrays (:class:`FiniteScan`) is the one check whose cost grows with the data
 (24 ms for 60000 x 784 float32): for arrays of ``BACKGROUND_MIN_BYTES`` or more, ``fit`` runs it on
-threads, one per core, over row chunks (numpy's reductions release the GIL), while the host builds the
+threads (one per core this process may use, started once per process and then kept idle), over row chunks
+(numpy's reductions release the GIL), while the host builds the
 state and plans the first step, and joins it before anything of the fit can change (see
 :meth:`FiniteScan.wait`). An array whose
 memory nothing can write (see :func:`immutable_place`) is scanned once: later fits and evaluations of it
@@ -15,6 +16,7 @@ find it in a cache. A writeable numpy array is scanned by every call: it may hav
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -231,11 +233,51 @@ def _remember_finite(a: np.ndarray) -> None:
         _finite_places[key] = (weakref.ref(target, forget), place)
 
 
+def _usable_cores() -> int:
+    """The cores this process may run on (a TPU VM's container sees fewer than the host's ``cpu_count``)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # (not Linux)
+        return os.cpu_count() or 1
+
+
+class _Scanners:
+    """The scan's worker threads: started once per process (starting one per core at every ``fit`` call
+    cost ~30 ms a call on a 13-core TPU host), idle on a queue between scans. A job is a callable each
+    worker runs once; a fork leaves the child a fresh, empty set."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def run(self, job: Any) -> int:
+        """Hands ``job`` to every worker (starting them the first time); returns how many will run it."""
+        with self._lock:
+            while self._count < _usable_cores():
+                threading.Thread(target=self._work, daemon=True, name="mirrorax-finite-scan").start()
+                self._count += 1
+            n = self._count
+        for _ in range(n):
+            self._jobs.put(job)
+        return n
+
+    def _work(self) -> None:
+        while True:
+            self._jobs.get()()
+
+
+_scanners = _Scanners()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: globals().update(_scanners=_Scanners()))
+
+
 class FiniteScan:
     """The NaN/inf scan (:func:`check_finite_values`) of named arrays, skipping those :func:`known_finite`.
 
-    With ``background`` and at least ``BACKGROUND_MIN_BYTES`` to read, it runs on daemon threads (one per
-    core, each summing row chunks of about ``CHUNK_BYTES``) and :meth:`wait` joins them; a chunk whose sum
+    With ``background`` and at least ``BACKGROUND_MIN_BYTES`` to read, it runs on the process's scan threads
+    (one per usable core, kept between scans; each sums row chunks of about ``CHUNK_BYTES``) and :meth:`wait`
+    waits for them; a chunk whose sum
     is not finite sends its array to :func:`check_finite_values`, which finds the first bad value, so the
     error is the one a scan in one piece raises. Otherwise it runs in the constructor, which raises what
     it finds.
@@ -251,17 +293,26 @@ class FiniteScan:
     def __init__(self, named: Sequence[tuple[str, np.ndarray]], *, background: bool = False) -> None:
         self._todo = [(n, a) for n, a in named if a.dtype.kind not in "biu" and a.size and not known_finite(a)]
         self._error: BaseException | None = None
-        self._threads: list[threading.Thread] = []
+        self._finished = threading.Event()
+        self._finished.set()
         self._suspects: set[int] = set()  # indices into _todo of arrays with a chunk not finite
         if background and sum(a.nbytes for _, a in self._todo) >= BACKGROUND_MIN_BYTES:
             chunks = iter([(i, lo, lo + rows) for i, (_, a) in enumerate(self._todo)
                            for rows in [max(1, CHUNK_BYTES // max(1, a.nbytes // len(a)))]
                            for lo in range(0, len(a), rows)])
             lock = threading.Lock()
-            self._threads = [threading.Thread(target=self._sum_chunks, args=(chunks, lock), daemon=True,
-                                              name="mirrorax-finite-scan") for _ in range(os.cpu_count() or 1)]
-            for t in self._threads:
-                t.start()
+            self._finished.clear()
+            running = [0]  # workers still on this job (set before any can finish)
+
+            def job() -> None:
+                self._sum_chunks(chunks, lock)
+                with lock:
+                    running[0] -= 1
+                    if running[0] == 0:
+                        self._finished.set()
+
+            with lock:
+                running[0] = _scanners.run(job)
         else:
             self._suspects = set(range(len(self._todo)))  # searched (and remembered) by wait, here
             self.wait()
@@ -281,13 +332,11 @@ class FiniteScan:
     @property
     def done(self) -> bool:
         """Whether the scan's threads have finished (:meth:`wait` then only searches a suspect array)."""
-        return not any(t.is_alive() for t in self._threads)
+        return self._finished.is_set()
 
     def wait(self) -> None:
         """Joins the scan; raises the error it found (every time it is called)."""
-        for t in self._threads:
-            t.join()
-        self._threads = []
+        self._finished.wait()
         if self._error is None:
             try:
                 for i, (name, a) in enumerate(self._todo):
