@@ -131,7 +131,8 @@ def test_no_merge_conflict_is_left_in_the_tree():
     found = []
     for name in files:
         path = ROOT / name
-        if path.suffix not in {".py", ".md", ".toml", ".yml", ".yaml", ".cfg", ".txt", ".json", ""} or not path.is_file():
+        text_kinds = {".py", ".md", ".toml", ".yml", ".yaml", ".cfg", ".txt", ".json", ""}
+        if path.suffix not in text_kinds or not path.is_file():
             continue
         try:
             text = path.read_text()

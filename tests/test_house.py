@@ -29,7 +29,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("inputs", "inputs.source", "inputs.batch", "inputs.position", "keras.order", "keras.data",
      "inputs.streams", "inputs.placement", "inputs.prefetch", "inputs.arrays", "inputs.iterables", "inputs.make",
      "inputs.distributed"),
-    ("models", "models.base", "keras.targets", "keras.metrics", "keras.custom",
+    ("models", "models.base", "models.loss_scale", "keras.targets", "keras.metrics", "keras.custom",
      "models.functional", "keras.adapter", "nnx.model", "models.adapters"),
     ("strategy",),
     ("step",),

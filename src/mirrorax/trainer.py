@@ -68,8 +68,9 @@ class Trainer:
       on_nonfinite: ``"raise"``, ``"skip"`` (drop the update, count it in the history) or ``"ignore"``.
       donate: donate the state buffers to each train step (no copy of the state per step).
       mixed_precision: ``"bfloat16"`` (bf16 compute, float32 variables) or ``"float16"`` (also dynamic
-        loss scaling), for Keras models; ``"bfloat16"`` for a Flax NNX module (its layers' ``dtype``);
-        ``None`` keeps the model's own dtype policy.
+        loss scaling), for Keras models and Flax NNX modules (an NNX module's layers' ``dtype``; its loss
+        scaled by :func:`mirrorax.models.loss_scale.dynamic_loss_scale`); ``None`` keeps the model's own
+        dtype policy.
       max_in_flight: not the Trainer's: a value raises ``TypeError`` naming the strategy's
         ``MirroredStrategy(max_in_flight=k)``, which bounds the trainer's steps.
 

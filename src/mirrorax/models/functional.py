@@ -18,6 +18,7 @@ import numpy as np
 import mirrorax.batch_sums as batch_sums
 from mirrorax._host import host_value
 from mirrorax.models.base import ModelAdapter, SparseTarget, real_count
+from mirrorax.models.loss_scale import loss_scale_of
 
 __all__ = ["FunctionalModel"]
 
@@ -206,6 +207,10 @@ class _FunctionalAdapter(ModelAdapter):
         return jnp.maximum(real_count(batch).astype(dt), 1.0)
 
     def grads(self, state, batch, loss_scale=1.0):
+        # An optimizer that scales the loss (float16: models.loss_scale) keeps the scale in its state and
+        # divides the gradients by it again.
+        loss_scale = loss_scale * loss_scale_of(state.optimizer)
+
         def f(p):
             loss, aux = self._loss(p, state, batch, True)
             return loss * loss_scale, aux

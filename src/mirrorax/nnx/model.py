@@ -19,7 +19,10 @@ Mixed precision is Flax's own: a layer computes in its ``dtype`` and keeps its v
 every layer that has one to ``bfloat16`` (as if each had been written ``dtype=jnp.bfloat16``), so the
 parameters, their gradients and the optimizer's state stay float32 (the master weights). Whatever computes
 the module, its floating outputs are cast to the parameters' type before the loss and the metrics, as
-Keras's output layers stay float32 under its ``mixed_bfloat16`` policy.
+Keras's output layers stay float32 under its ``mixed_bfloat16`` policy. ``"float16"`` sets the layers'
+``dtype`` the same way and scales the loss dynamically, as Keras's ``LossScaleOptimizer`` does under
+``mixed_float16`` (:mod:`mirrorax.models.loss_scale`: the optimizer is wrapped, the scale is in its state
+and so in the checkpoints; a step whose gradients overflow is dropped and halves the scale).
 """
 
 from __future__ import annotations
@@ -32,12 +35,13 @@ import numpy as np
 from flax import nnx
 
 from mirrorax.models.functional import FunctionalModel
+from mirrorax.models.loss_scale import dynamic_loss_scale, is_loss_scaled
 
 __all__ = ["MIXED_PRECISION", "NnxModel", "set_compute_dtype"]
 
 PyTree = Any
 
-MIXED_PRECISION = ("bfloat16",)
+MIXED_PRECISION = ("bfloat16", "float16")
 """What ``mx.Trainer(module, mixed_precision=...)`` takes for an NNX module."""
 
 
@@ -60,11 +64,9 @@ def _check_settings(module: Any, loss: Any, optimizer: Any, mixed_precision: Any
                          "loss='sparse_categorical_crossentropy_from_logits', optimizer=optax.adam(1e-3)) (or an "
                          "nnx.Optimizer), and plan on that trainer: mx.plan(trainer, x, y, batch_size=...).")
     if mixed_precision is not None and mixed_precision not in MIXED_PRECISION:
-        hint = (" float16 needs loss scaling, which mirrorax does for Keras models only (through a Keras "
-                "optimizer)." if mixed_precision == "float16" else "")
         raise ValueError(f"mixed_precision for an NNX module must be one of {MIXED_PRECISION} or None; received "
-                         f"{mixed_precision!r}.{hint} Use mixed_precision='bfloat16' (float32 parameters, bfloat16 "
-                         "compute), or set the layers' dtype= yourself.")
+                         f"{mixed_precision!r}. Use mixed_precision='bfloat16' (float32 parameters, bfloat16 "
+                         "compute; 'float16' adds dynamic loss scaling), or set the layers' dtype= yourself.")
 
 
 def _to_float(y: Any, dtype: Any) -> Any:
@@ -125,10 +127,12 @@ class NnxModel(FunctionalModel):
       loss, metrics: as :class:`mirrorax.FunctionalModel` takes them (the model's outputs are ``y_pred``).
       optimizer: an optax ``GradientTransformation``, or an ``nnx.Optimizer`` (its ``tx``).
       mixed_precision: ``"bfloat16"``: every layer with a ``dtype`` computes in bfloat16 (set on ``module``),
-        its parameters stay in their ``param_dtype``; ``None``: the layers as they are.
+        its parameters stay in their ``param_dtype``; ``"float16"``: the same in float16, with the loss
+        scaled dynamically (the optimizer wrapped in :func:`mirrorax.models.loss_scale.dynamic_loss_scale`);
+        ``None``: the layers as they are.
 
     Raises:
-      ValueError: no loss or no optimizer, or a ``mixed_precision`` other than ``"bfloat16"``.
+      ValueError: no loss or no optimizer, or a ``mixed_precision`` other than ``"bfloat16"`` / ``"float16"``.
     """
 
     def __init__(self, module: Any, *, loss: Any, optimizer: Any, metrics: Any = (),
@@ -138,6 +142,8 @@ class NnxModel(FunctionalModel):
             optimizer = optimizer.tx
         if mixed_precision is not None:
             set_compute_dtype(module, jnp.dtype(mixed_precision))
+        if mixed_precision == "float16" and not is_loss_scaled(optimizer):
+            optimizer = dynamic_loss_scale(optimizer)  # float16's narrow exponent: small gradients underflow
         graphdef, params, rest = _split(module)
         floats = [a.dtype for a in jax.tree.leaves(params) if jnp.issubdtype(a.dtype, jnp.floating)]
         out_dtype = jnp.result_type(jnp.float32, *floats)
