@@ -25,7 +25,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("cluster", "launch"),
     ("consistency",),
     ("mesh",),
-    ("dispatch", "padding", "keras.stateful", "split_merge", "nnx.split_merge"),
+    ("dispatch", "padding", "split_merge", "stateful", "keras.stateful", "nnx.split_merge"),
     ("inputs", "inputs.source", "inputs.batch", "inputs.position", "keras.order", "keras.data",
      "inputs.streams", "inputs.placement", "inputs.prefetch", "inputs.arrays", "inputs.iterables", "inputs.make",
      "inputs.distributed"),
@@ -133,6 +133,24 @@ def test_no_circle_among_the_rebuilt_modules(house):
 def test_no_private_reach_in(house):
     reaches = [r for m in FLOOR for r in house[m][1]]
     assert not reaches, "\n".join(reaches)
+
+
+#: The front-ends' wings: each stands on the engine's floors, and no engine module stands on them.
+WINGS = ("mirrorax.keras", "mirrorax.nnx")
+
+
+def _in_wing(module: str) -> bool:
+    return any(module == w or module.startswith(f"{w}.") for w in WINGS)
+
+
+def test_the_engine_stands_on_no_front_ends_protocol(house):
+    # strategy.jit has one road: the engine reaches Keras's variables and Flax NNX's objects only through the
+    # protocols the package registers (split_merge.register_front_end), never by importing them.
+    protocols = {m for m in FLOOR if _in_wing(m) and FLOOR[m] == FLOOR["mirrorax.split_merge"]}
+    assert protocols == {"mirrorax.keras.stateful", "mirrorax.nnx.split_merge"}
+    wrong = [f"{m} imports {t}" for m in FLOOR if not _in_wing(m) and m != "mirrorax"
+             for t in sorted(house[m][0]) if t in protocols or t == "mirrorax.nnx"]
+    assert not wrong, "\n".join(wrong)
 
 
 #: The one module that may import ``keras.src`` and read private members of Keras objects.

@@ -44,6 +44,7 @@ from mirrorax.replica import masked_mean as masked_mean
 from mirrorax.replica import scale_regularization_loss as scale_regularization_loss
 from mirrorax.results import History as History
 from mirrorax.results import NonFiniteLossError as NonFiniteLossError
+from mirrorax.split_merge import register as _register
 from mirrorax.split_merge import register_front_end as _register_front_end
 from mirrorax.strategy import InputContext as InputContext
 from mirrorax.strategy import MirroredStrategy as MirroredStrategy
@@ -56,10 +57,17 @@ from mirrorax.train_state import TrainState as TrainState
 from mirrorax.trainer import Trainer as Trainer
 
 
+def _load_keras() -> None:  # Keras's split/merge protocol, loaded by the first step called while keras is imported
+    from mirrorax.keras.stateful import KERAS
+
+    _register(KERAS)
+
+
 def _load_nnx() -> None:  # the Flax NNX wing, loaded by the first step called while flax.nnx is imported
     import mirrorax.nnx  # noqa: F401  (registers its split/merge protocol)
 
 
+_register_front_end("keras", _load_keras)
 _register_front_end("flax.nnx", _load_nnx)
 
 if TYPE_CHECKING:  # loaded on first use (below); imported here for type checkers and the API reference

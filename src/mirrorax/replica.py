@@ -66,6 +66,10 @@ class ReplicaContext:
         """This replica's index, ``0 <= id < num_replicas_in_sync`` (a traced int32 scalar)."""
         return jax.lax.axis_index(self._axis)
 
+    def varies(self, value: Any) -> bool:
+        """Whether ``value`` (traced in ``fn``) may differ between the replicas (see :func:`varies_over`)."""
+        return varies_over(value, self._axis)
+
     def all_reduce(self, op: ReduceOp | str, value: PyTree) -> PyTree:
         """``value`` (any pytree) reduced over every replica; the result is the same on all of them.
 

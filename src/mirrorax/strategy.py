@@ -30,11 +30,10 @@ from mirrorax.dispatch import InFlight, OutShardings, StrategyFunction, check_ou
 from mirrorax.inputs.distributed import DistributedDataset
 from mirrorax.inputs.iterables import PerProcessDataset
 from mirrorax.inputs.source import InputContext
-from mirrorax.keras.stateful import StatefulFunction, check_not_tf_function
 from mirrorax.mesh import AxisName, BatchMesh, ShardMode, check_shard
 from mirrorax.padding import even_out_shardings
 from mirrorax.replica import ReduceOp, batch_scope, find_batch, real_rows_view, resolve_op, rows_of
-from mirrorax.split_merge import SplitMergeFunction
+from mirrorax.stateful import StatefulFunction, check_not_tf_function
 
 __all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "InputContext", "get_strategy", "current_scope",
            "on_scope"]
@@ -313,18 +312,19 @@ class MirroredStrategy:
             of the outputs' tree, as ``jax.jit`` takes), or a callable that takes the positional
             arguments and returns one, called once per signature (the arguments may be
             ``jax.ShapeDtypeStruct`` s there). A callable may return ``None`` for the default rules.
-          stateful: let ``fn`` read and assign Keras variables (``model(x)``, ``optimizer.apply_gradients``,
-            ``metric.update_state``): found by tracing ``fn`` once per signature, passed in as values and
-            written back after each call, kept on the devices (:mod:`mirrorax.keras.stateful`); and take objects
-            among its arguments that it updates in place, as ``@nnx.jit`` steps take Flax NNX modules,
-            ``nnx.Optimizer``, metrics and ``nnx.Rngs`` (split, merged in the trace and written back:
-            :mod:`mirrorax.split_merge`). ``False`` skips both, for a step whose whole state is explicit.
+          stateful: let ``fn`` change objects in place, their state threaded through the program by the
+            split/merge protocol (:mod:`mirrorax.split_merge`, :mod:`mirrorax.stateful`): Keras variables it
+            reads and assigns (``model(x)``, ``optimizer.apply_gradients``, ``metric.update_state``), found by
+            tracing ``fn`` once per signature (:mod:`mirrorax.keras.stateful`), and objects among its
+            arguments, as ``@nnx.jit`` steps take Flax NNX modules, ``nnx.Optimizer``, metrics and
+            ``nnx.Rngs`` (:mod:`mirrorax.nnx`): passed in as state, bound in the trace and written back
+            after each call, kept on the devices. ``False`` skips both, for a step whose whole state is
+            explicit.
 
         Returns:
           A :class:`mirrorax.dispatch.StrategyFunction` (``stateful=False``) or a
-          :class:`mirrorax.split_merge.SplitMergeFunction` (a :class:`mirrorax.keras.stateful.StatefulFunction`):
-          call it like ``fn``; ``.program(*args)`` gives the
-          compiled program of one signature (of a step that touches no Keras variable) for a loop that
+          :class:`mirrorax.stateful.StatefulFunction`: call it like ``fn``; ``.program(*args)`` gives the
+          compiled program of one signature (of a step that changes no object in place) for a loop that
           pushes into :attr:`in_flight` itself; ``.lower(*args)`` gives ``jax.jit``'s lowering.
 
         Raises:
@@ -342,10 +342,10 @@ class MirroredStrategy:
         """
         check_out_shardings(out_shardings)
 
-        def make(f: Callable[..., Any]) -> StrategyFunction | SplitMergeFunction:
+        def make(f: Callable[..., Any]) -> StrategyFunction | StatefulFunction:
             if stateful:
-                return SplitMergeFunction(self._layout, self._window, f, donate_argnums=donate_argnums,
-                                          out_shardings=out_shardings)
+                return StatefulFunction(self._layout, self._window, f, donate_argnums=donate_argnums,
+                                        out_shardings=out_shardings)
             check_not_tf_function(f, "strategy.jit")
             step = _global_view(f, self.batch_sharding)
             layouts = out_shardings if out_shardings is None else even_out_shardings(
@@ -391,7 +391,7 @@ class MirroredStrategy:
             def per_replica(a: tuple[Any, ...], k: dict[str, Any]) -> Any:
                 return fn(*a, **k)
 
-            wrapped = self._run_functions[fn] = SplitMergeFunction(
+            wrapped = self._run_functions[fn] = StatefulFunction(
                 self._layout, self._window, per_replica, per_replica=True, where="strategy.run")
         return wrapped(tuple(args), dict(kwargs or {}))
 

@@ -4,8 +4,10 @@
 ``nnx.Rngs``, variables; views made by ``nnx.view`` too) to :data:`NNX`, a
 :class:`mirrorax.split_merge.SplitMerge`: ``nnx.split`` of them all together (objects they share, such as
 a view's variables, split once) gives the ``GraphDef`` (the structure, static) and the ``State``;
-``nnx.merge`` rebuilds them inside the trace; ``nnx.split`` after the step reads the new state (the
-``GraphDef`` must be unchanged); ``nnx.update`` writes it into the caller's objects. So a program written
+``nnx.merge`` rebuilds them inside the trace (:meth:`NnxSplitMerge.bind`); ``nnx.split`` after the step
+reads the new state (the ``GraphDef`` must be unchanged); ``nnx.update`` writes it into the caller's
+objects. NNX's objects are found among the arguments only (nothing to discover), and their donation is
+explicit (``donate_argnums``, as ``nnx.jit``'s). So a program written
 for ``@nnx.jit`` runs under ``@strategy.jit`` unchanged: BatchNorm statistics, the optimizer's state and
 step, metric totals and the ``Rngs`` counters of Dropout advance as they would on one device.
 
@@ -17,7 +19,9 @@ annotated.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import contextlib
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, cast
 
 import jax
@@ -49,13 +53,18 @@ class NnxSplitMerge:
         # (by type: Variable's isinstance hook costs 1 us on every node of every strategy.jit call's arguments)
         return issubclass(type(x), _NNX_TYPES)
 
+    def discover(self, args: tuple[Any, ...], where: str) -> AbstractContextManager[Callable[[], Any]] | None:
+        """``None``: NNX objects are found among the arguments only."""
+        return None
+
     def split(self, objects: tuple[Any, ...]) -> tuple[Hashable, PyTree]:
         """``nnx.split`` of the objects together: ``(GraphDef, State)``."""
         return nnx.split(objects)
 
-    def merge(self, structure: Hashable, state: PyTree) -> tuple[Any, ...]:
-        """``nnx.merge``: new objects from the ``GraphDef`` and a (traced) ``State``."""
-        return nnx.merge(cast(Any, structure), state)
+    @contextlib.contextmanager
+    def bind(self, structure: Hashable, state: PyTree) -> Iterator[tuple[Any, ...]]:
+        """``nnx.merge``: new objects from the ``GraphDef`` and a (traced) ``State``, handed to the step."""
+        yield nnx.merge(cast(Any, structure), state)
 
     def state(self, structure: Hashable, before: PyTree, objects: tuple[Any, ...]) -> PyTree:
         """The merged objects' ``State`` after the step; their ``GraphDef`` must be ``structure``."""
@@ -78,13 +87,21 @@ class NnxSplitMerge:
         """``nnx.update``: the caller's variables take the new arrays."""
         nnx.update(objects, state)
 
-    def layouts(self, state: PyTree, mesh: BatchMesh) -> list[jax.sharding.Sharding]:
+    def layouts(self, structure: Hashable, state: PyTree, mesh: BatchMesh) -> list[jax.sharding.Sharding]:
         """Replicated, or as each variable's sharding annotation names the mesh's axes."""
         flat = jax.tree_util.tree_flatten_with_path(state)[0]
         specs = jax.tree.leaves(nnx.get_partition_spec(state))
         if len(specs) != len(flat):  # (every variable holds one array; anything else is replicated)
             return [mesh.replicated] * len(flat)
         return [mesh.annotated_sharding(np.shape(a), tuple(spec), _path(p)) for (p, a), spec in zip(flat, specs)]
+
+    def owned(self, objects: tuple[Any, ...], changed: PyTree) -> list[bool]:
+        """Never asked (donation among the arguments is explicit): nothing is the engine's."""
+        return [False] * len(jax.tree.leaves(changed))
+
+    def names(self, structure: Hashable) -> list[str]:
+        """Never asked (objects among the arguments are named by their place in the outputs)."""
+        return []
 
 
 NNX = NnxSplitMerge()
