@@ -125,9 +125,31 @@ def record_key(name: str) -> dict[str, Any]:
     # Only where it is not one device, so that the other records' keys stay as they were made.
     if name in DATA_PARALLEL:
         extra["baseline"] = f"keras DataParallel on {NUM_DEVICES} devices"
+        # Its bfloat16 and float8 sums round as XLA's CPU code orders them, which follows the vector
+        # instructions the host has: a record made on an AVX-512 host differs from this program run on an
+        # AVX2 one (2026-12-05: history 6e-4 apart, where a fresh plain run on the same host matched to 9e-8).
+        extra["cpu_isa"] = _cpu_isa()
     return {**{p: installed(p) for p in ("keras", "jax", "jaxlib", "numpy")}, **extra,
             "source_sha256": hashlib.sha256(source).hexdigest(), "seed": SEED, "num_devices": NUM_DEVICES,
             "xla_flags": _xla_flags()}
+
+
+def _cpu_isa() -> str:
+    """The host's vector-instruction extensions that XLA's CPU code generator uses (Linux's CPU flags)."""
+    wanted = {"avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+              "avx512_fp16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "asimd", "sve", "sve2"}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return platform.machine()
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags = set(line.partition(":")[2].split())
+            break
+    return " ".join(sorted(flags & wanted)) or "none"
 
 
 def stale_fields(name: str) -> list[str]:
