@@ -180,3 +180,11 @@ def trained_state(trainer: mx.Trainer) -> list[np.ndarray]:
     host copies in a fixed order: what a front-end-independent comparison reads."""
     state = trainer.host_state()
     return [np.asarray(a) for group in ("params", "model_state", "optimizer") for a in jax.tree.leaves(state[group])]
+
+
+def held_bytes(trainer: mx.Trainer, group: str, device=None) -> int:
+    """Bytes of ``trainer.state[group]`` that ``device`` (the first device) holds: what ``mx.plan`` plans for
+    that group per device."""
+    device = device or jax.devices()[0]
+    return sum(sh.data.nbytes for a in jax.tree.leaves(trainer.state[group]) for sh in a.addressable_shards
+               if sh.device == device)

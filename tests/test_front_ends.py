@@ -19,7 +19,15 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import FRONT_ENDS, front_end_model, front_end_trainer, learnable, strategy, trained_state
+from helpers import (
+    FRONT_ENDS,
+    front_end_model,
+    front_end_trainer,
+    held_bytes,
+    learnable,
+    strategy,
+    trained_state,
+)
 from jax.sharding import PartitionSpec as P
 
 import mirrorax as mx
@@ -174,14 +182,8 @@ def test_plan_state_bytes_equal_what_fit_holds(front_end):
     search = front_end == "nnx"
     p = mx.plan(trainer, x, y, batch_size=16, device_memory="64MB" if search else None)
     trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    d0 = jax.devices()[0]
-
-    def held(group):
-        return sum(sh.data.nbytes for a in jax.tree.leaves(trainer.state[group]) for sh in a.addressable_shards
-                   if sh.device == d0)
-
-    assert (p.param_bytes, p.optimizer_bytes, p.model_state_bytes) == (held("params"), held("optimizer"),
-                                                                        held("model_state"))
+    assert (p.param_bytes, p.optimizer_bytes, p.model_state_bytes) == tuple(
+        held_bytes(trainer, g) for g in ("params", "optimizer", "model_state"))
     assert p.flops > 0
     if search:
         assert set(p.largest_batch) == {None, "optimizer", "all"}

@@ -9,6 +9,7 @@ import jax
 import keras
 import numpy as np
 import pytest
+from helpers import held_bytes
 from jobs.procs import clean_env, python
 
 import mirrorax as mx
@@ -38,14 +39,8 @@ def test_planned_state_bytes_equal_what_fit_holds(shard):
     p = mx.plan(_model(), x, y, batch_size=32, strategy=s)
     trainer = mx.Trainer(_model(), s)
     trainer.fit(x, y, batch_size=32, epochs=1, verbose=0)
-    d0 = jax.devices()[0]
-
-    def held(group):
-        return sum(sh.data.nbytes for a in jax.tree.leaves(trainer.state[group]) for sh in a.addressable_shards
-                   if sh.device == d0)
-
-    assert (p.param_bytes, p.optimizer_bytes, p.model_state_bytes) == (held("params"), held("optimizer"),
-                                                                        held("model_state"))
+    assert (p.param_bytes, p.optimizer_bytes, p.model_state_bytes) == tuple(
+        held_bytes(trainer, g) for g in ("params", "optimizer", "model_state"))
     assert p.flops > 0 and p.peak_bytes >= p.argument_bytes - p.output_bytes
     params = sum(np.asarray(w).nbytes for w in _model().get_weights())
     # The gradient all-reduce moves (at least) every gradient once.

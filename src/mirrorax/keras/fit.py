@@ -333,21 +333,9 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: int | None = 
     if kwargs:
         raise ValueError(f"Arguments not recognized: {kwargs}. evaluate takes x, y, batch_size, verbose, "
                          "sample_weight, steps, callbacks and return_dict (as Keras's Model.evaluate).")
-    import keras
-
-    from mirrorax.inputs.make import is_array_tree
-    from mirrorax.keras import callbacks as keras_callbacks
-
-    if not is_array_tree(x):
-        build = keras_data.build_read(x) if keras_order.keras_builds(self) else None
-        x = keras_data.as_batches(x, build=build)
-    steps = _capped_steps(steps)
-    keras_callbacks.check_available(callbacks)
-    if not isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
-                                                 steps=steps or keras_data.num_batches(x, batch_size or 32), model=self)
-    logs = trainer_of(self).evaluate(x, y, batch_size=batch_size or (32 if is_array_tree(x) else None),
-                                     sample_weight=sample_weight, steps=steps, callbacks=callbacks)
+    x, batch_size, steps, callbacks = _one_pass(self, x, batch_size, verbose, steps, callbacks, predict=False)
+    logs = trainer_of(self).evaluate(x, y, batch_size=batch_size, sample_weight=sample_weight, steps=steps,
+                                     callbacks=callbacks)
     return logs if return_dict else self._flatten_metrics_in_order(logs)
 
 
@@ -357,21 +345,30 @@ def _predict(self: Any, x: Any, batch_size: int | None = None, verbose: Any = "a
     fallback = _eager_fallback(self, "predict")
     if fallback is not None:
         return fallback(x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
+    x, batch_size, steps, callbacks = _one_pass(self, x, batch_size, verbose, steps, callbacks, predict=True)
+    return trainer_of(self).predict(x, batch_size=batch_size, steps=steps, callbacks=callbacks)
+
+
+def _one_pass(model: Any, x: Any, batch_size: int | None, verbose: Any, steps: int | None, callbacks: Any,
+              predict: bool) -> tuple[Any, int | None, int | None, Any]:
+    """``evaluate``'s and ``predict``'s arguments as Keras reads them for one pass: ``x`` as batches (a dataset
+    or generator read as Keras's adapters read it), the batch size (32 for arrays), the steps, and the
+    callbacks as Keras's ``CallbackList`` with its progress bar."""
     import keras
 
     from mirrorax.inputs.make import is_array_tree
     from mirrorax.keras import callbacks as keras_callbacks
 
     if not is_array_tree(x):
-        build = keras_data.build_read(x) if keras_order.keras_builds(self, predict=True) else None
+        build = keras_data.build_read(x) if keras_order.keras_builds(model, predict=predict) else None
         x = keras_data.as_batches(x, build=build)
     steps = _capped_steps(steps)
     keras_callbacks.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
-                                                 steps=steps or keras_data.num_batches(x, batch_size or 32), model=self)
-    return trainer_of(self).predict(x, batch_size=batch_size or (32 if is_array_tree(x) else None),
-                                    steps=steps, callbacks=callbacks)
+                                                 steps=steps or keras_data.num_batches(x, batch_size or 32),
+                                                 model=model)
+    return x, batch_size or (32 if is_array_tree(x) else None), steps, callbacks
 
 
 def _train_on_batch(self: Any, x: Any, y: Any = None, sample_weight: Any = None, class_weight: Any = None,
