@@ -33,7 +33,7 @@ import contextlib
 import functools
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -113,6 +113,30 @@ def _shape_key(args: tuple[Any, ...]) -> Any:
 
 def _laid_out(a: Any, target: Any) -> bool:
     return isinstance(a, jax.Array) and (a.sharding is target or a.sharding == target)
+
+
+def _place_stray(mesh: BatchMesh, leaves: list[Any], targets: list[Any], which: Iterable[int]) -> list[int]:
+    """Places each leaf of ``which`` not laid out as ``targets`` says (process 0's values), in ``leaves``;
+    returns their indices (none: nothing moved)."""
+    stray = [j for j in which if not _laid_out(leaves[j], targets[j])]
+    if stray:
+        for j, a in zip(stray, place(mesh, [leaves[j] for j in stray], [targets[j] for j in stray])):
+            leaves[j] = a
+    return stray
+
+
+def _out_layouts(given: OutShardings, state: Callable[[Any, Any], Any]) -> OutShardings:
+    """A threading program's ``out_shardings``: the user's for the step's outputs (given, or a function of the
+    step's arguments; ``None``: JAX's choice) beside ``state(first, second)``, the new state's layouts, of the
+    program's two state arguments."""
+    if given is None:
+        return None
+
+    def out_shardings(first: Any, second: Any, *args: Any) -> Any:
+        user = given(*args) if callable(given) else given
+        return None if user is None else (user, state(first, second))
+
+    return out_shardings
 
 
 class StatefulFunction:
@@ -396,19 +420,12 @@ class StatefulFunction:
                 new = [p.state(s, (c, r), b) for (p, _, s), c, r, b in zip(parts, changed, read, bound)]
             return out, new
 
-        given = self._out_shardings
         donate = (0, *(i + 2 for i in self._donate))  # the changed state: replaced by the outputs
-        if given is None:
-            out_shardings: OutShardings = None
-        else:
-            layouts = [jax.tree.unflatten(tree, targets[:tree.num_leaves])  # the changed state's, per part
-                       for tree, targets in zip(entry.changed, entry.targets)]
-
-            def out_shardings(changed: Any, read: Any, *args: Any) -> Any:
-                user = given(*args) if callable(given) else given
-                return None if user is None else (user, layouts)
+        layouts = [jax.tree.unflatten(tree, targets[:tree.num_leaves])  # the changed state's, per part
+                   for tree, targets in zip(entry.changed, entry.targets)]
         return StrategyFunction(self._mesh, self._window, stateful, donate_argnums=donate,
-                                per_replica=self._per_replica, out_shardings=out_shardings)
+                                per_replica=self._per_replica,
+                                out_shardings=_out_layouts(self._out_shardings, lambda changed, read: layouts))
 
     def _wrote(self, arrays: list[Any]) -> None:
         """Records ``arrays`` as written by a call into the objects (see :meth:`_states`)."""
@@ -438,10 +455,8 @@ class StatefulFunction:
             fresh = [j for j in range(n) if not mine[j]]
             if len(last) != len(r_leaves) or any(a is not b for a, b in zip(r_leaves, last)):
                 fresh += [n + j for j, a in enumerate(r_leaves) if not (j < len(last) and a is last[j])]
-            stray = [j for j in fresh if not _laid_out(leaves[j], targets[j])]
+            stray = _place_stray(self._mesh, leaves, targets, fresh)
             if stray:
-                for j, a in zip(stray, place(self._mesh, [leaves[j] for j in stray], [targets[j] for j in stray])):
-                    leaves[j] = a
                 changed = jax.tree.unflatten(c_def, leaves[:n])
                 if stray[-1] >= n:
                     read = jax.tree.unflatten(r_def, leaves[n:])
@@ -484,10 +499,7 @@ class StatefulFunction:
             targets = self._layouts.get(key)
             if targets is None:
                 targets = self._layouts[key] = list(kinds[k].layouts(structure, state, self._mesh))
-            stray = [i for i, (a, t) in enumerate(zip(leaves, targets)) if not _laid_out(a, t)]
-            if stray:
-                for i, a in zip(stray, place(self._mesh, [leaves[i] for i in stray], [targets[i] for i in stray])):
-                    leaves[i] = a
+            if _place_stray(self._mesh, leaves, targets, range(len(leaves))):
                 state = jax.tree.unflatten(treedef, leaves)
                 kinds[k].update(tuple(split.objects[k]), state)
             states.append(state)
@@ -500,12 +512,8 @@ class StatefulFunction:
         function = self._threaded.get(donated)
         if function is None:
             donate = ((1,) if donated else ()) + tuple(i + 2 for i in self._donate)
-            given = self._given_out
-            out_shardings: OutShardings = None
-            if given is not None:
-                def out_shardings(structure: Any, states: Any, *args: Any) -> Any:
-                    user = given(*args) if callable(given) else given
-                    return None if user is None else (user, jax.tree.map(lambda a: a.sharding, states))
+            out_shardings = _out_layouts(self._given_out,
+                                         lambda structure, states: jax.tree.map(lambda a: a.sharding, states))
             function = self._threaded[donated] = StatefulFunction(
                 self._mesh, self._window, threaded(self._user_fn), donate_argnums=donate,
                 out_shardings=out_shardings, where=self._where, arguments=False)

@@ -289,7 +289,7 @@ class KerasVariables:
         for v, old in zip(structure.assigned, before[0]):
             value = jnp.asarray(objects.get_current_value(v), dtype=old.dtype)
             if ctx is not None:
-                value = _one_value(v, old, value, ctx.varies(value))
+                value = _one_value(ctx, v, old, value)
             new.append(value)
         return new
 
@@ -320,14 +320,13 @@ KERAS = KerasVariables()
 """The protocol ``strategy.jit`` uses for Keras variables (registered once Keras is imported)."""
 
 
-def _one_value(variable: Any, old: Any, value: Any, varies: bool) -> Any:
-    """A variable's per-replica new value made one, by its ``aggregation`` (TF's rule).
+def _one_value(ctx: Any, variable: Any, old: Any, value: Any) -> Any:
+    """A variable's per-replica new value made one, by its ``aggregation`` (TF's rule), in replica context ``ctx``.
 
     ``"sum"`` (a metric's total and count) counts every replica's change, even one that does not vary
     over the replicas (a count of rows per replica); the others leave an unvarying value as it is.
     """
-    ctx = get_replica_context()
-    assert ctx is not None  # only called per replica
+    varies = ctx.varies(value)
     aggregation = getattr(variable, "aggregation", "none")
     if aggregation == "sum":
         delta = value - old
