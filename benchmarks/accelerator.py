@@ -23,8 +23,13 @@ loop) of the workload's steps, its set-up included. The language model ``lm`` ru
 of its own, so that the device's peak memory (``memory_stats()["peak_bytes_in_use"]``) is that system's.
 Every process first runs a tiny Keras ``fit`` and a tiny mirrorax ``fit`` (the one-time costs of a process:
 imports, JAX's and Keras's first programs), then each system's **time to first step**: its first call of
-one step, from the call to the step's state being ready (the step's trace and compile included), then a
-warm-up call, then the timed chunks. MFU: model FLOPs per sample (``workloads.flops_per_sample``: ``6 x
+one step, from the call to the step's state being ready (the step's trace and compile included; the table
+also gives the XLA compile's share of the last one, which is the compiler's time on the same program
+for every system), then a warm-up call, then the timed chunks. On a TPU the first large program a process
+compiles takes ~1.5 s longer (the CNN: 4.7 s first, 3.2 s last in one order; the same in reverse), so
+where the systems share a process (mlp, cnn) each is built and timed ``first_rounds`` times, forward and
+reverse order in turn, after an untimed first step of the hand loop; the median is shown.
+MFU: model FLOPs per sample (``workloads.flops_per_sample``: ``6 x
 params`` per token plus attention) times samples/s over the device's dense bf16 peak (``--peak-tflops``;
 known: TPU v5e 197, v4 275, v5p 459, v6e 918, H100/H200 989 TFLOP/s). ``mx.plan`` is called after each
 mirrorax system's timed runs and must compile nothing (``plan_compiles``).
@@ -68,7 +73,9 @@ class Plan:
     Attributes:
       steps: steps per timed chunk (one ``fit`` call); rounds: chunks per system; warmup: steps of the
       warm-up call after the first step; bf16: Keras's ``mixed_bfloat16`` policy; alone: one process per
-      system (its own peak device memory) instead of one per workload.
+      system (its own peak device memory) instead of one per workload; first_rounds: fresh builds per
+      system whose first step is timed (systems in one process: forward and reverse order in turn, after
+      one untimed first step of the hand loop, so that no system pays the compiler's first program alone).
     """
 
     steps: int
@@ -76,11 +83,12 @@ class Plan:
     warmup: int = 10
     bf16: bool = False
     alone: bool = False
+    first_rounds: int = 1
 
 
-PLANS = {"mlp": Plan(2000), "cnn": Plan(2000), "transformer": Plan(1000, bf16=True),
+PLANS = {"mlp": Plan(2000, first_rounds=4), "cnn": Plan(2000, first_rounds=4), "transformer": Plan(1000, bf16=True),
          "lm": Plan(16, warmup=2, bf16=True, alone=True)}
-SMOKE = {"mlp": Plan(4, rounds=2, warmup=1), "cnn": Plan(4, rounds=2, warmup=1),
+SMOKE = {"mlp": Plan(4, rounds=2, warmup=1), "cnn": Plan(4, rounds=2, warmup=1, first_rounds=2),
          "transformer": Plan(3, rounds=2, warmup=1, bf16=True),
          "lm": Plan(2, rounds=2, warmup=1, bf16=True, alone=True)}
 
@@ -167,14 +175,30 @@ def _process_warmup(devices: list[Any]) -> None:
 
 
 class _Compiles:
-    """Counts XLA compiles (and persistent-cache loads) while active."""
+    """Counts XLA compiles (and persistent-cache loads) while active, and keeps where their time went."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.events: list[tuple[str, str, float]] = []  # (event's last word, function, seconds)
 
     def _duration(self, event: str, duration: float, **kwargs: Any) -> None:
         if event.endswith("backend_compile_duration"):
             self.count += 1
+        if event.startswith("/jax/core/compile/"):
+            self.events.append((event.rsplit("/", 1)[-1], str(kwargs.get("fun_name", "?")), duration))
+
+    def breakdown(self) -> dict[str, Any]:
+        """Seconds spent tracing, lowering and compiling, and the five longest compiles by function."""
+        total = {k: 0.0 for k in ("jaxpr_trace_duration", "jaxpr_to_mlir_module_duration",
+                                 "backend_compile_duration")}
+        for kind, _, secs in self.events:
+            if kind in total:
+                total[kind] += secs
+        compiles = sorted(((f, round(t, 3)) for k, f, t in self.events if k == "backend_compile_duration"),
+                          key=lambda e: -e[1])
+        return {"trace_s": total["jaxpr_trace_duration"], "lower_s": total["jaxpr_to_mlir_module_duration"],
+                "compile_s": total["backend_compile_duration"], "compiles": self.count,
+                "traces": sum(k == "jaxpr_trace_duration" for k, _, _ in self.events), "longest": compiles[:5]}
 
     def _event(self, event: str, **kwargs: Any) -> None:
         if event == "/jax/compilation_cache/cache_hits":
@@ -208,19 +232,33 @@ def child(workload: str, systems: list[str], plan: Plan, out_path: str) -> None:
     x, y = workloads.make_data(wl, wl.batch * max(plan.steps, plan.warmup, 1))
     _process_warmup(devices)
     runners, results = {}, {}
+    firsts: dict[str, list[float]] = {s: [] for s in systems}
+    if plan.first_rounds > 1:
+        build("jax", wl, x, y, devices).call(1)  # the compiler's first program of this size, untimed
+        for r in range(plan.first_rounds - 1):
+            for s in systems[::-1] if r % 2 == 0 else systems:
+                runner = build(s, wl, x, y, devices)
+                t0 = time.perf_counter()
+                runner.call(1)
+                firsts[s].append(time.perf_counter() - t0)
+                del runner
     for s in systems:
         runners[s] = build(s, wl, x, y, devices)
         t0 = time.perf_counter()
-        runners[s].call(1)
-        first = time.perf_counter() - t0
+        with _Compiles() as first_compiles:
+            runners[s].call(1)
+        firsts[s].append(time.perf_counter() - t0)
+        first = statistics.median(firsts[s])
         t0 = time.perf_counter()
         runners[s].call(plan.warmup)
         params = int(runners[s].model.count_params())
-        results[s] = {"system": s, "workload": workload, "first_step_s": first,
+        results[s] = {"system": s, "workload": workload, "first_step_s": first, "first_steps_s": firsts[s],
                       "warmup_s": time.perf_counter() - t0, "chunk_s": [], "steps": plan.steps, "batch": wl.batch,
                       "bf16": plan.bf16, "num_params": params, "seq_len": wl.seq_len,
-                      "flops_per_sample": workloads.flops_per_sample(wl, params), "device_kind": devices[0].device_kind}
-        print(f"{workload} {s}: first step {first:.2f} s", flush=True)
+                      "flops_per_sample": workloads.flops_per_sample(wl, params), "device_kind": devices[0].device_kind,
+                      "first_step_breakdown": first_compiles.breakdown()}
+        print(f"{workload} {s}: first step {first:.2f} s (" + " ".join(f"{v:.2f}" for v in firsts[s])
+              + f"); the last one's trace and compile: {json.dumps(first_compiles.breakdown())}", flush=True)
     for r in range(plan.rounds):
         for s in systems if r % 2 == 0 else systems[::-1]:
             t0 = time.perf_counter()
@@ -265,6 +303,7 @@ def summarize(rows: list[dict[str, Any]], peak_tflops: float | None) -> dict[str
             "ratio_to_hand": ratio, "mfu": flops / (peak * 1e12) if peak else None,
             "device_peak_mib": r["device_peak_bytes"] / 2**20 if r.get("device_peak_bytes") else None,
             "first_step_s": r["first_step_s"], "plan_compiles": r.get("plan_compiles"),
+            "first_compile_s": (r.get("first_step_breakdown") or {}).get("compile_s"),
             "step_ms": 1e3 / (rate / r["batch"]) if rate else None}
     return out
 
@@ -273,7 +312,8 @@ def markdown(summary: dict[str, dict[str, dict[str, Any]]], device: str) -> str:
     """The table: a row per workload and system."""
     lines = [f"Device: {device}. Ratio: samples/s over the hand-written loop's (>= 0.98 is the bar).", "",
              "| workload | system | samples/s | tokens/s | ms/step | / hand loop | MFU | peak device MiB | "
-             "first step s | plan compiles |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "first step s | of which XLA compile s | plan compiles |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
@@ -287,6 +327,7 @@ def markdown(summary: dict[str, dict[str, dict[str, Any]]], device: str) -> str:
                          f"{f(v['step_ms'], '.3f')} | {f(v['ratio_to_hand'], '.3f')} | "
                          f"{f(v['mfu'] and 100 * v['mfu'], '.1f')}{'%' if v['mfu'] else ''} | "
                          f"{f(v['device_peak_mib'], ',.0f')} | {v['first_step_s']:.2f} | "
+                         f"{f(v.get('first_compile_s'), '.2f')} | "
                          f"{f(v['plan_compiles'], 'd')} |")
     return "\n".join(lines) + "\n"
 
