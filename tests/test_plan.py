@@ -168,9 +168,20 @@ def test_fit_reads_its_plan_once_per_program(monkeypatch):
     lowered = []
     lower = StrategyFunction.lower
     monkeypatch.setattr(StrategyFunction, "lower", lambda self, *a: lowered.append(1) or lower(self, *a))
+    texts = []
+    as_text = jax.stages.Compiled.as_text
+    monkeypatch.setattr(jax.stages.Compiled, "as_text", lambda self, *a: texts.append(1) or as_text(self, *a))
     for _ in range(3):
         trainer.fit(x, y, batch_size=32, epochs=1, verbose=0)
     assert len(lowered) == 1 and trainer.compile_counts()["train"] == 1
+    # A quiet fit's memory check reads the memory analysis only; the plan shown later reads the cost and
+    # the text of the same compiled program (no lowering, no compile), once.
+    assert texts == []
+    with _Compiles() as counted:
+        shown = mx.plan(trainer, x[:1], y[:1], batch_size=32, search=False)
+        again = mx.plan(trainer, x[:1], y[:1], batch_size=32, search=False)
+    assert counted.count == 0 and len(lowered) == 1 and len(texts) == 1
+    assert shown.flops > 0 and shown.collective_bytes > 0 and again.flops == shown.flops
 
 
 def test_a_model_made_under_a_scope_is_planned_on_its_strategy():

@@ -292,14 +292,15 @@ def _largest(peak: Any, memory: int, step: int, start: int) -> int | None:
 
 
 def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_size: int,
-              memory: int | None = None, *, hosts: Any = None) -> Plan:
+              memory: int | None = None, *, hosts: Any = None, full: bool = True) -> Plan:
     """The plan of the train step ``steps.train`` at ``batch_size`` (``sample``: a batch of the inputs,
     for their row shapes and dtypes).
 
     When ``device`` already holds the state (``fit`` about to run), the step is lowered for that very
     state, so the program compiled here is the one the first step runs: the step function hands it over,
     and planning at ``fit`` start costs no second compile. Otherwise the model is built for ``sample`` and
-    the state it would start from is planned.
+    the state it would start from is planned. ``full=False``: the memory only (``flops`` is NaN and
+    ``collective_bytes`` -1 in what is returned), as fit's memory check needs.
     """
     s = steps.strategy
     if device.value is None:
@@ -320,34 +321,48 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
         batch["rows"] = RealRows(min(sample.rows, padded))
     # One compiled program, one reading: fit plans at every start (where the device's memory is known) and
     # mx.plan after a fit plans the program that fit runs. Reading a large program's analyses and text
-    # took ~0.5 s a call on a TPU (a 219M-parameter LM), paid by every fit.
+    # took ~0.5 s a call on a TPU (a 219M-parameter LM), paid by every fit; and fit's memory check reads only
+    # the memory analysis: the cost and the text are read when a plan is shown (``full``), from the same
+    # compiled program, kept beside its plan.
     key = (steps.train.signature(abstract, batch), batch_size) if hosts is None else None
     known = _PLANS.setdefault(steps.train, {}).get(key) if key is not None else None
     if known is not None:
-        return dataclasses.replace(known, device_memory=memory, largest_batch={})
+        made, compiled = known
+        if full and compiled is not None:
+            made = _read_cost(made, compiled, s, hosts)
+            _PLANS[steps.train][key] = (made, None)
+        return dataclasses.replace(made, device_memory=memory, largest_batch={})
     compiled = steps.train.lower(abstract, batch).compile()
     mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     param_bytes = _per_device_bytes(abstract.params, layouts.params)
-    text = compiled.as_text()
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     made = Plan(shard=s.shard, num_devices=len(s.devices), batch_size=batch_size, param_bytes=param_bytes,
                 optimizer_bytes=_per_device_bytes(abstract.optimizer, layouts.optimizer),
                 model_state_bytes=_per_device_bytes(abstract.model_state, layouts.model_state),
                 gradient_bytes=param_bytes,  # a gradient has its parameter's layout: whole, or the same slice
                 argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
-                temp_bytes=int(mem.temp_size_in_bytes), peak_bytes=int(peak), flops=float(cost.get("flops", 0.0)),
-                collective_bytes=collective_bytes(text), device_memory=memory,
-                traffic=traffic_of(text, list(np.asarray(s.mesh.devices).flat), hosts))
+                temp_bytes=int(mem.temp_size_in_bytes), peak_bytes=int(peak), flops=float("nan"),
+                collective_bytes=-1, device_memory=memory)
+    if full:
+        made, compiled = _read_cost(made, compiled, s, hosts), None
     if key is not None:
-        _PLANS[steps.train][key] = dataclasses.replace(made, largest_batch={})
+        _PLANS[steps.train][key] = (dataclasses.replace(made, largest_batch={}), compiled)
     return made
 
 
-# The plans read off each train step function's compiled programs (see plan_step), and the trainer each
-# model was last given (mx.plan(model) then plans the program that trainer's fit runs).
-_PLANS: weakref.WeakKeyDictionary[Any, dict[Any, Plan]] = weakref.WeakKeyDictionary()
+def _read_cost(made: Plan, compiled: Any, s: Any, hosts: Any) -> Plan:
+    """``made`` with what the compiled program's cost analysis and text say (FLOPs, collectives)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    text = compiled.as_text()
+    return dataclasses.replace(made, flops=float(cost.get("flops", 0.0)), collective_bytes=collective_bytes(text),
+                               traffic=traffic_of(text, list(np.asarray(s.mesh.devices).flat), hosts))
+
+
+# The plans read off each train step function's compiled programs (see plan_step), each with its compiled
+# program until its cost and text are read (None after), and the trainer each model was last given
+# (mx.plan(model) then plans the program that trainer's fit runs).
+_PLANS: weakref.WeakKeyDictionary[Any, dict[Any, tuple[Plan, Any]]] = weakref.WeakKeyDictionary()
 _TRAINERS: dict[int, weakref.ref[Any]] = {}
 
 
@@ -378,7 +393,7 @@ def at_fit_start(model: Any, steps: StepFunctions, device: DeviceState, sample: 
     memory = _device_memory(steps.strategy.devices)
     if memory is None and not announce:
         return None
-    here = plan_step(steps, device, sample, batch_size, memory)
+    here = plan_step(steps, device, sample, batch_size, memory, full=announce)
     if announce:
         stream.write(here.summary() + "\n")
     if memory is not None and not here.fits:
