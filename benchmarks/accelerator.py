@@ -338,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default="mlp,cnn,transformer,lm")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--rounds", type=int, default=None, help="timed chunks per system (default 3)")
+    p.add_argument("--first-rounds", type=int, default=None,
+                   help="fresh builds per system whose first step is timed (default: mlp, cnn 4; others 1)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak (default: known)")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per process (default 420)")
     p.add_argument("--cpu-smoke", action="store_true", help="1 CPU device, tiny sizes: checks the path only")
@@ -356,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = plans[args.child]
         if args.rounds:
             plan = dataclasses.replace(plan, rounds=args.rounds)
+        if args.first_rounds and not plan.alone:
+            plan = dataclasses.replace(plan, first_rounds=args.first_rounds)
         child(args.child, systems, plan, args.child_out)
         return 0
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
@@ -373,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         for group in groups:
             cmd = [sys.executable, "-m", "benchmarks.accelerator", "--child", w, "--systems", ",".join(group),
                    "--child-out", raw] + (["--rounds", str(args.rounds)] if args.rounds else []) + \
+                  (["--first-rounds", str(args.first_rounds)] if args.first_rounds else []) + \
                   (["--cpu-smoke"] if args.cpu_smoke else [])
             t0 = time.monotonic()
             try:
