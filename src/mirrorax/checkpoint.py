@@ -5,9 +5,9 @@ A checkpoint is one Orbax step directory ``<directory>/<step>/`` with three item
 * ``state``: the state pytree (parameters, optimizer state, non-trainable state, metric
   accumulators, step, RNG), saved with ``StandardSave``. A :class:`mirrorax.TrainState` is stored as
   its plain dict (:meth:`~mirrorax.TrainState.as_dict`: the field names as keys, each group's own tree
-  below), the very tree checkpoints held before the state was typed: checkpoints written before and
-  after that change restore into each other, and the integrity record's paths (``params/...``) are
-  the same;
+  below; packed metric sums as ``metrics/<dtype>``, the counters as ``counters``). Checkpoints written
+  before the counters and metric sums were packed (``step``, ``skipped``, ... and ``metrics/<path>``
+  as entries of their own) restore into a packed state: they are read in their form, then packed;
 * ``meta``: a JSON dict chosen by the caller (data position, history, config);
 * ``integrity``: a JSON record written by this module: its format version, the step, a checksum per
   variable of the values being saved, summed in Orbax's background commit from host arrays taken when
@@ -73,7 +73,8 @@ from mirrorax._version import __version__
 from mirrorax._watchdog import in_checkpoint, waiting_for_peers
 from mirrorax.cluster import coordination_client
 from mirrorax.consistency import debug_checks
-from mirrorax.train_state import TrainState
+from mirrorax.packed import Packed, pack, unpacked
+from mirrorax.train_state import COUNTERS, TrainState, pack_counters
 
 __all__ = [
     "CheckpointError",
@@ -162,14 +163,56 @@ def _first_mismatch(stored: Any, abstract: PyTree) -> str | None:
 
 
 def _stored(tree: PyTree) -> PyTree:
-    """The tree Orbax writes and reads for ``tree``: a :class:`TrainState` as its plain dict (the form
-    of checkpoints from before the state was typed, so both read each other), any other tree as is."""
-    return tree.as_dict() if isinstance(tree, TrainState) else tree
+    """The tree Orbax writes and reads for ``tree``: a :class:`TrainState` as its plain dict (packed metric
+    sums as their dict of vectors, :meth:`Packed.stored`), any other tree as is."""
+    if not isinstance(tree, TrainState):
+        return tree
+    values = tree.as_dict()
+    if isinstance(tree.metrics, Packed):
+        values["metrics"] = tree.metrics.stored()
+    return values
+
+
+def _unpacked_form(like: TrainState) -> dict[str, PyTree]:
+    """The stored tree of checkpoints written before the counters and metric sums were packed: the
+    counters as entries of their own, the metric sums as the model's tree (of ``like``'s shapes)."""
+    values = like.as_dict()
+    del values["counters"]
+    values.update({k: getattr(like, k) for k in COUNTERS})
+    values["metrics"] = unpacked(like.metrics)
+    return values
+
+
+def _is_unpacked_form(stored: Any, like: PyTree) -> bool:
+    """Whether checkpoint tree ``stored`` (its metadata) is of :func:`_unpacked_form` while ``like`` is a
+    :class:`TrainState` (whose stored form is packed)."""
+    return isinstance(like, TrainState) and isinstance(stored, Mapping) and "counters" not in stored \
+        and "step" in stored
 
 
 def _typed(restored: PyTree, like: PyTree) -> PyTree:
-    """A restored tree in the type of the abstract tree it was restored for (:func:`_stored` undone)."""
-    return TrainState.from_dict(restored) if isinstance(like, TrainState) else restored
+    """A restored tree in the type of the abstract tree it was restored for (:func:`_stored` undone; a
+    tree of :func:`_unpacked_form` packed as ``like`` is, on its layout)."""
+    if not isinstance(like, TrainState):
+        return restored
+    values = dict(restored)
+    if "counters" not in values:
+        groups = {"counters": {k: values.pop(k) for k in COUNTERS}}
+        if isinstance(like.metrics, Packed):
+            groups["metrics"] = values["metrics"]
+        wanted = {"counters": like.counters, "metrics": like.metrics}
+        shardings = {k: jax.tree.map(lambda a: a.sharding, wanted[k]) for k in groups}
+
+        def packed(groups: dict[str, PyTree]) -> dict[str, PyTree]:
+            out = {"counters": pack_counters(**groups["counters"])}
+            if "metrics" in groups:
+                out["metrics"] = pack(groups["metrics"])
+            return out
+
+        values.update(jax.jit(packed, out_shardings=shardings)(groups))
+    elif isinstance(like.metrics, Packed):
+        values["metrics"] = like.metrics.from_stored(values["metrics"])
+    return TrainState.from_dict(values)
 
 
 # Orbax appends a bound method's repr (a pybind11 name, then a TensorStore spec over dozens of lines).
@@ -621,7 +664,10 @@ class Checkpointer:
             return f"its variable metadata cannot be read ({_short(exc)})"
         if stored is None:
             return "its variable metadata is missing"
-        mismatch = _first_mismatch(getattr(stored, "tree", stored), abstract_state)
+        stored_tree = getattr(stored, "tree", stored)
+        if _is_unpacked_form(stored_tree, like):  # written before the counters and metric sums were packed
+            abstract_state = _unpacked_form(like)
+        mismatch = _first_mismatch(stored_tree, abstract_state)
         if mismatch is not None:
             raise CheckpointMismatchError(
                 f"Checkpoint step {step} in {self._directory} was written by a different model: "
@@ -655,7 +701,9 @@ class Checkpointer:
             if expected.get(path) != value:
                 return f"the data of variable {path!r} does not match its checksum (corrupted on disk)"
         if isinstance(like, TrainState):
-            held_step = int(host_value(state["step"]))
+            held = host_value(state["counters"])[COUNTERS["step"].start] if "counters" in state else \
+                host_value(state["step"])
+            held_step = int(held)
             if held_step != step:
                 return f"its state says step {held_step}, its directory step {step}"
         return _typed(state, like), meta

@@ -19,9 +19,11 @@ import jax
 import numpy as np
 
 from mirrorax import consistency
+from mirrorax._host import host_tree
 from mirrorax.hooks import Callbacks
 from mirrorax.inputs.batch import Batch
 from mirrorax.models.base import ModelAdapter
+from mirrorax.packed import Packed, pack, unpacked
 from mirrorax.strategy import MirroredStrategy
 from mirrorax.train_state import TrainState
 
@@ -85,14 +87,24 @@ class DeviceState:
         """
         return self.strategy.place(tree, self.layout(tree), broadcast=from_host, take=True)
 
-    def fresh_metrics(self, previous: PyTree | None = None) -> PyTree:
-        """The metric accumulators at their reset values, replicated (equal on every process by
-        construction: no broadcast)."""
-        return self.strategy.batch_mesh.replicate(self.adapter.initial_metrics(previous), broadcast=False)
+    def fresh_metrics(self, previous: PyTree | None = None) -> Packed:
+        """The metric accumulators at their reset values, packed (:mod:`mirrorax.packed`: the steps take
+        one vector per dtype, not one array per accumulator) and replicated (equal on every process by
+        construction: no broadcast). ``previous``: the accumulators being reset, packed or not."""
+        fresh = self.adapter.initial_metrics(None if previous is None else unpacked(previous))
+        return self.strategy.batch_mesh.replicate(pack(fresh), broadcast=False)
 
     def initial_host(self) -> TrainState:
-        """The model's values plus the engine's counters at zero, on the host (built model required)."""
-        return TrainState.create(**self.adapter.initial_state())
+        """The model's values plus the engine's counters at zero, on the host (built model required); the
+        metric accumulators packed (see :meth:`fresh_metrics`)."""
+        values = self.adapter.initial_state()
+        return TrainState.create(**dict(values, metrics=pack(values["metrics"])))
+
+    @staticmethod
+    def host_metrics(metrics: PyTree) -> PyTree:
+        """Host copies of metric accumulators (packed or not, in one transfer), as the adapter's tree:
+        what :meth:`ModelAdapter.metric_results` and :meth:`ModelAdapter.keep_metrics` take."""
+        return unpacked(host_tree(metrics))
 
     def abstract(self, state: TrainState | None = None) -> TrainState:
         """``jax.ShapeDtypeStruct``s with shardings for ``state`` (default: the one held; if none is held,

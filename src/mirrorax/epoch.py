@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from mirrorax._host import host_value
 from mirrorax.dispatch import InFlight
 
 if TYPE_CHECKING:
@@ -223,7 +222,7 @@ class HaltWatch(EpochHook):
 
 def _frozen(run: EpochRun, steps: StepFunctions) -> bool:
     """With every step done: whether training froze (a non-finite step under "raise", or a bad label)."""
-    return bool(steps.on_nonfinite == "raise" and int(host_value(run.state.skipped))) or \
+    return bool(steps.on_nonfinite == "raise" and int(run.state.host_counters()["skipped"])) or \
         steps.labels_halted(run.state)
 
 
@@ -239,7 +238,7 @@ class PreemptionStop(EpochHook):
         if not (self.watch.reached() and run.mid_epoch):
             return None
         run.window.drain()
-        if self.steps.on_nonfinite == "raise" and int(host_value(run.state.skipped)):
+        if self.steps.on_nonfinite == "raise" and int(run.state.host_counters()["skipped"]):
             return Outcome.HALT  # the frozen step is the error to report, not the preemption
         if self.saver is not None:
             self.saver.save(run.state, self.epoch, run.in_epoch)

@@ -21,7 +21,7 @@ import numpy as np
 
 from mirrorax import consistency, preemption
 from mirrorax import epoch as epoch_lib
-from mirrorax._host import host_tree, host_value
+from mirrorax._host import host_value
 from mirrorax._watchdog import COMPILING, HOOKS, IDLE, INPUT, STEP, beat, leaving
 from mirrorax.device_state import DeviceState
 from mirrorax.fit_plan import FitPlan
@@ -200,9 +200,10 @@ class Loop:
             host = stream.batches(position, steps_per_epoch and steps_per_epoch - start_batch, start=0)
         else:
             host = stream.batches(position, steps_per_epoch, start=start_batch)
-        run = epoch_lib.EpochRun(state, self.strategy.in_flight, start_batch, int(host_value(state.step)), total)
+        run = epoch_lib.EpochRun(state, self.strategy.in_flight, start_batch, int(state.host_counters()["step"]), total)
         progress = Progress(plan.mode, total, epoch + 1, plan.epochs,
-                            lambda: self.adapter.metric_results(host_tree(run.state.metrics)), stream=plan.out)
+                            lambda: self.adapter.metric_results(device.host_metrics(run.state.metrics)),
+                            stream=plan.out)
         loop_hooks: list[epoch_lib.EpochHook] = [h for h in (
             epoch_lib.BatchCallbacks(hooks, self.steps_per_execution, self._train_batch_end(hooks), self.model,
                                      steps.batch_logs),
@@ -267,8 +268,9 @@ class Loop:
         if label_error is not None:
             device.write_back()
             raise label_error
-        if steps.on_nonfinite == "raise" and (halted or int(host_value(state.skipped))):
-            bad = int(host_value(state.nonfinite_step))
+        counters = state.host_counters()
+        if steps.on_nonfinite == "raise" and (halted or int(counters["skipped"])):
+            bad = int(counters["nonfinite_step"])
             device.value = steps.clear_nonfinite(state, bad)
             device.write_back()
             raise NonFiniteLossError(
@@ -276,11 +278,11 @@ class Loop:
                 f"{run.start_batch + bad - run.first_step} of the epoch). The update of that step was not applied: "
                 "the trainer, the model and any checkpoint hold the values from before it. Lower the learning rate, "
                 "check the inputs for NaN/inf, or pass Trainer(..., on_nonfinite='skip') to drop such steps.")
-        totals = host_tree(state.metrics)
+        totals = device.host_metrics(state.metrics)
         logs = self.adapter.metric_results(totals)
         self.adapter.keep_metrics(totals)
         if steps.on_nonfinite == "skip":
-            logs["skipped_steps"] = float(host_value(state.skipped))
+            logs["skipped_steps"] = float(counters["skipped"])
         return logs
 
     # -- evaluate ----------------------------------------------------------------------------------
@@ -333,7 +335,7 @@ class Loop:
             self.adapter.conceal()
             device.value = run.state
             device.write_back()
-        totals = host_tree(run.metrics)
+        totals = device.host_metrics(run.metrics)
         logs = self.adapter.metric_results(totals)
         self.adapter.keep_metrics(totals)
         if hooks is not None:
@@ -404,7 +406,7 @@ class Loop:
 
 def preempted(state: TrainState | None, ckpt: Any, epoch: int, batch: int) -> preemption.Preempted:
     """The stop of every process on SIGTERM, once the checkpoint (if any) is started."""
-    step = int(host_value(state.step)) if state is not None else 0
+    step = int(state.host_counters()["step"]) if state is not None else 0
     code = preemption.PREEMPTED_EXIT_CODE
     if ckpt is not None:
         message = (f"mirrorax: preempted (SIGTERM): saved checkpoint step {step} (epoch {epoch + 1}, batch "

@@ -160,7 +160,7 @@ class Saver:
         return after // self.every > before // self.every
 
     def save(self, state: TrainState, epoch: int, batch_in_epoch: int) -> None:
-        step = int(host_value(state.step))
+        step = int(state.host_counters()["step"])
         meta = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "run": self.run,
                 "history": self.history.as_dict(), "sample_spec": self.spec,
                 "mirrorax_version": __version__}

@@ -46,8 +46,9 @@ from mirrorax.dispatch import StrategyFunction, layout
 from mirrorax.hooks import PackedLogs
 from mirrorax.inputs.batch import RealRows
 from mirrorax.models.base import ModelAdapter, real_count
+from mirrorax.packed import Packed, pack, unpacked
 from mirrorax.strategy import MirroredStrategy
-from mirrorax.train_state import TrainState
+from mirrorax.train_state import TrainState, pack_counters
 
 __all__ = ["StepFunctions", "NONFINITE_MODES", "NonFiniteMode", "host_value", "host_tree", "real_rows_only"]
 
@@ -385,16 +386,20 @@ class StepFunctions:
     # nobody waits for them unless a callback reads them, and the step has one output beside the state
     # (each output costs host time on an accelerator: ~7 us a step on a TPU v5e, a step of the MLP
     # benchmark taking ~0.7 ms there). Read on the host with halted() and batch_logs().
+    # The metric accumulators come and go packed (one vector per dtype, :mod:`mirrorax.packed`): the
+    # adapter's tree of them lives only inside the program (a scan of steps carries it unpacked).
     def _train_with_logs(self, state: TrainState, batch: dict[str, PyTree], check_labels: bool = True):
+        state, packed = _opened(state)
         with self._split():
             new, aux = self._train_step(state, batch, check_labels)
-        return new, self._pack(aux["halted"], self.adapter.metric_logs(new.metrics))
+        return _closed(new, packed), self._pack(aux["halted"], self.adapter.metric_logs(new.metrics))
 
     def _train_many_with_logs(self, state: TrainState, batches: dict[str, PyTree],
                               check_labels: bool = True):
+        state, packed = _opened(state)
         with self._split():
             new, aux = self._train_many(state, batches, check_labels)
-        return new, self._pack(jnp.any(aux["halted"]), self.adapter.metric_logs(new.metrics))
+        return _closed(new, packed), self._pack(jnp.any(aux["halted"]), self.adapter.metric_logs(new.metrics))
 
     def _pack(self, halted: jax.Array, logs: dict[str, Any]) -> jax.Array:
         """``[halted, *logs]`` (logs by name) as one array of the logs' float type (traced)."""
@@ -414,9 +419,12 @@ class StepFunctions:
         return PackedLogs(self._log_names, packed, offset=1)
 
     def _eval_with_logs(self, state: TrainState, metrics: PyTree, batch: dict[str, PyTree]):
+        state, _ = _opened(state)
+        packed = isinstance(metrics, Packed)
         with self._split():
-            metrics, labels = self._eval_step(state, metrics, batch)
-        return metrics, {"labels": labels, "logs": self.adapter.metric_logs(metrics)}
+            metrics, labels = self._eval_step(state, unpacked(metrics), batch)
+        logs = self.adapter.metric_logs(metrics)
+        return pack(metrics) if packed else metrics, {"labels": labels, "logs": logs}
 
     def _split(self) -> Any:
         """While a step is traced: where its batch is split, for sums packed into one all-reduce
@@ -426,7 +434,7 @@ class StepFunctions:
     # -- helpers ---------------------------------------------------------------------------------
     def labels_halted(self, state: TrainState) -> bool:
         """Whether a bad label froze ``state`` (reads one small replicated array)."""
-        return bool(host_value(state.bad_label)[0])
+        return bool(state.host_counters()["bad_label"][0])
 
     def take_bad_labels(self, state: TrainState, epoch: int, batch_offset: int
                         ) -> tuple[TrainState, ValueError | None]:
@@ -438,11 +446,11 @@ class StepFunctions:
           epoch: the epoch (0-based) ``state`` trained in; batch_offset: added to a step to give its
             1-based batch of the epoch.
         """
-        record = host_value(state.bad_label)
+        record = state.host_counters()["bad_label"]
         if not record[0]:
             return state, None
         step = int(record[0])
-        state = state.replace(bad_label=state.bad_label * 0, step=state.step * 0 + (step - 1))
+        state = _counters_set(state, bad_label=np.zeros(4, np.int32), step=step - 1)
         where = (f"in row {int(record[2])} of the global batch of step {step} (epoch {epoch + 1}, batch "
                  f"{step + batch_offset} of the epoch)")
         return state, ValueError(self._label_message(record, where) + " The update of that step was not "
@@ -452,8 +460,7 @@ class StepFunctions:
     def clear_nonfinite(state: TrainState, bad_step: int) -> TrainState:
         """``state`` after a non-finite step froze it (``on_nonfinite="raise"``), ready to train on: the
         record cleared and the step counter back at the last applied step (``bad_step - 1``)."""
-        return state.replace(skipped=state.skipped * 0, nonfinite_step=state.nonfinite_step * 0,
-                             step=state.step * 0 + (bad_step - 1))
+        return _counters_set(state, skipped=0, nonfinite_step=0, step=bad_step - 1)
 
     def eval_watch(self) -> Callable[[Any], None]:
         """An ``on_done`` for the evaluation steps' ``aux`` as they leave the dispatch window: raises on a
@@ -484,6 +491,25 @@ class StepFunctions:
         """How many programs each step kind has compiled (one per placed shape and real row count)."""
         return {"train": self.train.compile_count, "train_many": self.train_many.compile_count,
                 "evaluate": self.evaluate.compile_count, "predict": self.predict.compile_count}
+
+
+def _opened(state: TrainState) -> tuple[TrainState, bool]:
+    """``state`` with its metric accumulators unpacked (traced), and whether they came packed."""
+    if isinstance(state.metrics, Packed):
+        return state.replace(metrics=state.metrics.unpack()), True
+    return state, False
+
+
+def _closed(state: TrainState, packed: bool) -> TrainState:
+    """:func:`_opened` undone: the metric accumulators packed again if they came packed."""
+    return state.replace(metrics=pack(state.metrics)) if packed else state
+
+
+def _counters_set(state: TrainState, **values: Any) -> TrainState:
+    """``state`` (on the devices, after a step) with these counters set to host values, the others kept,
+    its counters in the layout they had (an update of the array held, as every process makes it)."""
+    now = {**state.host_counters(), **values}
+    return state.replace(counters=state.counters * 0 + pack_counters(**now))
 
 
 def _packed_of(out: tuple[Any, jax.Array]) -> jax.Array:

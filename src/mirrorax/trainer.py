@@ -18,7 +18,7 @@ from typing import IO, Any, Literal, NoReturn
 from mirrorax import fit_plan, planner, preemption
 from mirrorax import resume as resume_lib
 from mirrorax._checks import check_int
-from mirrorax._host import host_tree, host_value
+from mirrorax._host import host_tree
 from mirrorax.device_state import DeviceState
 from mirrorax.hooks import Callbacks
 from mirrorax.input_checks import check_batch_size
@@ -375,11 +375,12 @@ class Trainer:
         finally:
             held.value = state
         held.write_back()
-        if self.steps.on_nonfinite == "raise" and int(host_value(state.skipped)):
-            held.value = self.steps.clear_nonfinite(state, int(host_value(state.nonfinite_step)))
+        counters = state.host_counters()
+        if self.steps.on_nonfinite == "raise" and int(counters["skipped"]):
+            held.value = self.steps.clear_nonfinite(state, int(counters["nonfinite_step"]))
             raise NonFiniteLossError("The loss of this batch is not finite; the update was not applied (the model "
                                      "keeps its values). Check the batch for NaN/inf or lower the learning rate.")
-        totals = host_tree(state.metrics)
+        totals = held.host_metrics(state.metrics)
         self.adapter.keep_metrics(totals)
         return self.adapter.metric_results(totals)
 
