@@ -161,20 +161,20 @@ def test_from_dict_takes_the_older_form_with_counters_of_their_own():
         TrainState.from_dict({k: v for k, v in older.items() if k != "nonfinite_step"})
 
 
-def test_the_trainers_compiled_step_takes_and_gives_the_counters_and_metric_sums_packed():
+def test_the_trainers_compiled_step_takes_and_gives_the_counters_packed():
     # Each argument leaf of a compiled step costs host time at every call (~8 us a scalar on a TPU v5e):
-    # a Keras MLP with one metric steps 14 model/optimizer leaves, ONE metric vector (the loss Mean's
-    # total and count, the accuracy's) and ONE counters array: 16 leaves, not 22.
+    # a Keras MLP with one metric steps 14 model/optimizer leaves, the 4 metric sums (the loss Mean's
+    # total and count, the accuracy's; packed they slowed the step at one CPU device, see
+    # DeviceState.fresh_metrics) and ONE counters array: 19 leaves, not 22.
     x, y, _, _ = flat_digits(64)
     t = mx.Trainer(dense(), strategy(1))
     state, batch = train_step_args(t, x, y, batch_size=32)
     assert type(state) is TrainState
     assert len(jax.tree.leaves(state.params)) + len(jax.tree.leaves(state.optimizer)) == 14
-    assert [np.shape(a) for a in jax.tree.leaves(state.metrics)] == [(4,)] and state.metrics.names == ("float32",)
-    assert len(jax.tree.leaves(state)) == 16 and state.counters.shape == (7,)
+    assert [np.shape(a) for a in jax.tree.leaves(state.metrics)] == [()] * 4
+    assert len(jax.tree.leaves(state)) == 19 and state.counters.shape == (7,)
     lowered = t.steps.train.lower(state, batch)
-    assert len(jax.tree.leaves(lowered.args_info[0][0])) == 16  # what the compiled program takes ...
-    assert len(jax.tree.leaves(lowered.out_info[0])) == 16  # ... and gives back
-    # The host reads the metric results from the one vector, as the adapter's tree.
+    assert len(jax.tree.leaves(lowered.args_info[0][0])) == 19  # what the compiled program takes ...
+    assert len(jax.tree.leaves(lowered.out_info[0])) == 19  # ... and gives back
     results = t.adapter.metric_results(t.device_state.host_metrics(t.state.metrics))
     assert set(results) == {"loss", "accuracy"} and int(t.host_state().step) == 1

@@ -23,7 +23,7 @@ from mirrorax._host import host_tree
 from mirrorax.hooks import Callbacks
 from mirrorax.inputs.batch import Batch
 from mirrorax.models.base import ModelAdapter
-from mirrorax.packed import Packed, pack, unpacked
+from mirrorax.packed import unpacked
 from mirrorax.strategy import MirroredStrategy
 from mirrorax.train_state import TrainState
 
@@ -87,18 +87,21 @@ class DeviceState:
         """
         return self.strategy.place(tree, self.layout(tree), broadcast=from_host, take=True)
 
-    def fresh_metrics(self, previous: PyTree | None = None) -> Packed:
-        """The metric accumulators at their reset values, packed (:mod:`mirrorax.packed`: the steps take
-        one vector per dtype, not one array per accumulator) and replicated (equal on every process by
-        construction: no broadcast). ``previous``: the accumulators being reset, packed or not."""
+    def fresh_metrics(self, previous: PyTree | None = None) -> PyTree:
+        """The metric accumulators at their reset values, replicated (equal on every process by
+        construction: no broadcast). ``previous``: the accumulators being reset, packed or not.
+
+        Not packed: the steps accept a :class:`~mirrorax.packed.Packed` tree of accumulators (one
+        vector per dtype: 3 leaves fewer for an MLP with one metric), but the MLP benchmark's
+        ``Trainer.fit`` at one CPU device ran at 0.857 of the hand loop with them packed against 0.982
+        unpacked (``benchmarks.interleaved``, 2026-12-06); the cause is not found."""
         fresh = self.adapter.initial_metrics(None if previous is None else unpacked(previous))
-        return self.strategy.batch_mesh.replicate(pack(fresh), broadcast=False)
+        return self.strategy.batch_mesh.replicate(fresh, broadcast=False)
 
     def initial_host(self) -> TrainState:
-        """The model's values plus the engine's counters at zero, on the host (built model required); the
-        metric accumulators packed (see :meth:`fresh_metrics`)."""
+        """The model's values plus the engine's counters at zero, on the host (built model required)."""
         values = self.adapter.initial_state()
-        return TrainState.create(**dict(values, metrics=pack(values["metrics"])))
+        return TrainState.create(**values)
 
     @staticmethod
     def host_metrics(metrics: PyTree) -> PyTree:
