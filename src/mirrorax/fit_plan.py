@@ -163,7 +163,7 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, x: Any, y: An
         for s in (source, val):  # shapes against the outputs, labels against the classes: before compiling
             if s is not None:
                 s.check_targets(adapter)
-        # Labels the host has checked whole need no search and no guard in the step.
+        # Labels the host has checked whole need no search in the step.
         steps.check_labels_in_step(not source.labels_checked)
         consistency.check_replicas(device.value)  # multi-process: every process holds process 0's values
         device.write_back()  # lent to the model: what callbacks change on it from here on is adopted
