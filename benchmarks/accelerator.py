@@ -88,7 +88,7 @@ class Plan:
 
 PLANS = {"mlp": Plan(2000, first_rounds=4), "cnn": Plan(2000, first_rounds=4), "transformer": Plan(1000, bf16=True),
          "lm": Plan(16, warmup=2, bf16=True, alone=True)}
-SMOKE = {"mlp": Plan(4, rounds=2, warmup=1), "cnn": Plan(4, rounds=2, warmup=1, first_rounds=2),
+SMOKE = {"mlp": Plan(4, rounds=2, warmup=1, first_rounds=2), "cnn": Plan(4, rounds=2, warmup=1),
          "transformer": Plan(3, rounds=2, warmup=1, bf16=True),
          "lm": Plan(2, rounds=2, warmup=1, bf16=True, alone=True)}
 
