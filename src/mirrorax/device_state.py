@@ -100,8 +100,7 @@ class DeviceState:
 
     def initial_host(self) -> TrainState:
         """The model's values plus the engine's counters at zero, on the host (built model required)."""
-        values = self.adapter.initial_state()
-        return TrainState.create(**values)
+        return TrainState.create(**self.adapter.initial_state())
 
     @staticmethod
     def host_metrics(metrics: PyTree) -> PyTree:

@@ -386,8 +386,9 @@ class StepFunctions:
     # nobody waits for them unless a callback reads them, and the step has one output beside the state
     # (each output costs host time on an accelerator: ~7 us a step on a TPU v5e, a step of the MLP
     # benchmark taking ~0.7 ms there). Read on the host with halted() and batch_logs().
-    # The metric accumulators come and go packed (one vector per dtype, :mod:`mirrorax.packed`): the
-    # adapter's tree of them lives only inside the program (a scan of steps carries it unpacked).
+    # Metric accumulators given packed (one vector per dtype, :mod:`mirrorax.packed`) come back packed, the
+    # adapter's tree of them living only inside the program; a trainer's are not packed (see
+    # DeviceState.fresh_metrics).
     def _train_with_logs(self, state: TrainState, batch: dict[str, PyTree], check_labels: bool = True):
         state, packed = _opened(state)
         with self._split():
