@@ -149,8 +149,11 @@ class _CloudTpuWithoutMetadata:
     def is_env_present(cls):
         return True
 
+    asked = 0
+
     @classmethod
     def get_process_count(cls):
+        cls.asked += 1
         raise ConnectionError("HTTPConnectionPool(host='metadata.google.internal', port=80): Max retries exceeded")
 
 
@@ -170,6 +173,7 @@ def test_a_detector_that_raises_is_no_job_and_says_so_once(env, monkeypatch, cap
     from jax._src import clusters
 
     monkeypatch.setattr(clusters.ClusterEnv, "_cluster_types", [_ProbeRaises, _CloudTpuWithoutMetadata])
+    monkeypatch.setattr(_discovery, "_FAILED", {})
     assert cluster.job_from_env() is None
     err = capsys.readouterr().err
     # The probe that failed says nothing (no job looked present); the one that found its environment says
@@ -190,9 +194,17 @@ def test_a_strategy_starts_where_the_detector_raises(env, monkeypatch, capsys):
     import mirrorax as mx
 
     monkeypatch.setattr(clusters.ClusterEnv, "_cluster_types", [_ProbeRaises, _CloudTpuWithoutMetadata])
+    monkeypatch.setattr(_discovery, "_FAILED", {})
+    monkeypatch.setattr(_CloudTpuWithoutMetadata, "asked", 0)
     strategy = mx.MirroredStrategy()
     assert strategy.num_replicas_in_sync == len(jax_devices()) and not cluster.is_initialized()
     assert "running as one process" in capsys.readouterr().err
+    # A process builds many strategies: the server is asked, and the notice printed, once per environment.
+    mx.MirroredStrategy()
+    assert _CloudTpuWithoutMetadata.asked == 1 and capsys.readouterr().err == ""
+    env(SLURM_JOB_NAME="another")  # another environment: asked again
+    mx.MirroredStrategy()
+    assert _CloudTpuWithoutMetadata.asked == 2 and "running as one process" in capsys.readouterr().err
 
 
 def jax_devices():

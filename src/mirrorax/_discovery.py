@@ -198,9 +198,19 @@ def _from_jax_detectors() -> ClusterInfo | None:
         return None
 
 
+# The detectors that found their environment but could not read the job, by name, with the environment
+# they failed in: a process builds many strategies (every `MirroredStrategy()` looks for a cluster), and
+# each would ask the metadata server again and print its notice again (once per strategy on a TPU host
+# without the server). The same environment fails the same way: once per process and environment.
+_FAILED: dict[str, frozenset[tuple[str, str]]] = {}
+
+
 def _detect(kinds: Sequence[Any]) -> ClusterInfo | None:
     for env in kinds:
         if env.opt_in_only_method:
+            continue
+        name = env.name or env.__name__
+        if _FAILED.get(name) == frozenset(os.environ.items()):
             continue
         # JAX's Kubernetes detector warns in every pod without the `kubernetes` package and queries
         # the API server otherwise: consult it only for indexed jobs, the kind it can bootstrap.
@@ -228,12 +238,13 @@ def _detect(kinds: Sequence[Any]) -> ClusterInfo | None:
         except (AttributeError, TypeError):
             raise  # the private interface changed under us: _from_jax_detectors says so
         except Exception as e:  # noqa: BLE001 - the environment looked like a cluster but could not be read
-            _say(f"mirrorax: JAX's {env.name or env.__name__!r} cluster detector found its environment but "
+            _FAILED[name] = frozenset(os.environ.items())
+            _say(f"mirrorax: JAX's {name!r} cluster detector found its environment but "
                  f"failed to read the job ({type(e).__name__}: {_first_line(e)}); running as one process. To "
                  "join a multi-process job, set MIRRORAX_COORDINATOR=host:port, MIRRORAX_NUM_PROCESSES and "
                  "MIRRORAX_PROCESS_ID (or call mx.initialize(...)).")
             continue
-        return make_info(address, count, process_id, _local_ids(env), env.name or env.__name__)
+        return make_info(address, count, process_id, _local_ids(env), name)
     return None
 
 
