@@ -136,7 +136,8 @@ def test_array_labels_checked_on_the_host_leave_no_label_search_in_the_step():
     """In-memory labels are all checked before compiling, so the step does not search them; an iterable's
     labels are searched in the step. Either way (on_nonfinite="ignore" too) the update runs in one guard
     branch: its predicate is then the state's clean label record (the branch compiled 5-8 s faster on a
-    TPU for a 219M-parameter LM than the same step without it, at the same speed)."""
+    TPU for a 219M-parameter LM than the same step without it, at the same speed), which waits for the
+    loss behind an optimization barrier as the other modes' predicate (a test of the loss) does."""
     x, y = data(48)
     t = mx.Trainer(model(optimizer="adam"), strategy(2), on_nonfinite="ignore")
 
@@ -161,6 +162,11 @@ def test_array_labels_checked_on_the_host_leave_no_label_search_in_the_step():
     # The search: a comparison of every label with its target's classes, and the first bad row's record.
     assert arrays.count("stablehlo.compare") < iterable.count("stablehlo.compare")
     assert arrays.count("stablehlo.reduce") < iterable.count("stablehlo.reduce")
+    assert "stablehlo.optimization_barrier" in arrays and "stablehlo.optimization_barrier" in iterable
+    raising = mx.Trainer(model(optimizer="adam"), strategy(2))  # its predicate tests the loss: no barrier
+    raising.fit(x, y, batch_size=8, verbose=0)
+    t = raising
+    assert "stablehlo.optimization_barrier" not in program()
 
 
 def test_iterable_label_outside_classes_in_evaluate():

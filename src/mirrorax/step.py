@@ -267,6 +267,13 @@ class StepFunctions:
         else:
             nonfinite_ok = finite & (state.skipped == 0) if self.on_nonfinite == "raise" else finite
         ok = nonfinite_ok & labels_ok
+        if self.on_nonfinite == "ignore":
+            # The other modes' predicate tests the loss, so XLA sees it only after the forward pass; this
+            # one (the label record alone) is known when the step starts. On a TPU v5e the 219M-parameter
+            # LM's step compiled with the early predicate moved ~0.7 GB more a step between HBM and VMEM
+            # and ran 2 ms (1.7%) slower than the same step with the loss's predicate. The barrier makes
+            # the predicate wait for the loss, as in every other mode; it computes nothing.
+            ok, loss = jax.lax.optimization_barrier((ok, loss))
         first_bad = jnp.where((state.nonfinite_step == 0) & ~finite & labels_ok, state.step + 1,
                               state.nonfinite_step)
         # A branch around the optimizer update, not a select over the state: the update runs only when
