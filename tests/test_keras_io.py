@@ -82,3 +82,18 @@ def test_a_stale_record_is_never_used(monkeypatch: pytest.MonkeyPatch, tmp_path:
     started = _fake_processes(monkeypatch, run.load_record(name))
     outcome = run.run_program(name, tmp_path)
     assert (started, outcome.reference) == (["plain", "scoped"], "plain run")
+
+
+def test_a_program_keyed_on_the_hosts_instructions_finds_the_record_of_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``DATA_PARALLEL`` program's baseline rounds as the host's vector instructions order its sums: it has
+    a record per instruction set (AVX2 and AVX-512 hosts both run CI), and a third kind runs plain Keras."""
+    name = next(iter(run.DATA_PARALLEL))
+    records = sorted(p.name for p in run.EXPECTED.glob(f"{name}*.json"))
+    assert len(records) == 2, records
+    isas = {run.json.loads((run.EXPECTED / r).read_text())["key"]["cpu_isa"]: r for r in records}
+    for isa, record in isas.items():
+        monkeypatch.setattr(run, "_cpu_isa", lambda isa=isa: isa)
+        assert run.stale_fields(name) == [] and f"{run._current_stem(name)}.json" == record
+    monkeypatch.setattr(run, "_cpu_isa", lambda: "asimd sve")
+    assert run._current_stem(name) is None
+    assert run.stale_fields(name) == [f"cpu_isa: recorded {min(isas, key=lambda i: len(isas[i]))!r}, now 'asimd sve'"]
