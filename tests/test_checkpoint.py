@@ -21,7 +21,6 @@ from mirrorax.checkpoint import (
     CheckpointWarning,
     all_finite,
 )
-from mirrorax.packed import pack
 from mirrorax.train_state import TrainState
 
 
@@ -417,25 +416,21 @@ def dict_form_state(n_devices: int = 8) -> dict:
     }
 
 
-def packed_state(values: dict) -> TrainState:
-    """A trainer's state now: the counters in one int32[7], the metric sums one vector per dtype."""
-    return TrainState.from_dict(dict(values, metrics=pack(values["metrics"])))
-
-
-def test_train_state_is_stored_packed_and_the_older_dict_form_restores_into_it(tmp_path):
+def test_train_state_is_stored_with_its_counters_packed_and_the_older_dict_form_restores_into_it(tmp_path):
     old = dict_form_state()
     with Checkpointer(tmp_path / "dict", async_save=False) as ckpt:  # what the trainer wrote before packing
         assert ckpt.save(7, old, {"epoch": 1})
     with Checkpointer(tmp_path / "typed", async_save=False) as ckpt:
-        assert ckpt.save(7, packed_state(old), {"epoch": 1})
+        assert ckpt.save(7, TrainState.from_dict(old), {"epoch": 1})  # the counters in one int32[7]
     checksums = json.loads((tmp_path / "typed" / "7" / "integrity" / "metadata").read_text())["checksums"]
     assert sorted(checksums) == sorted([
         "params/sequential/dense/kernel", "params/sequential/dense/bias", "model_state/seed_generator/state",
-        "optimizer/adam/iterations", "optimizer/adam/m/sequential/dense/kernel", "metrics/float32", "counters"])
+        "optimizer/adam/iterations", "optimizer/adam/m/sequential/dense/kernel", "metrics/loss/total",
+        "metrics/loss/count", "counters"])
 
-    # Either checkpoint restores into a packed TrainState (here on 4 devices), with the same values.
+    # Either checkpoint restores into a TrainState (here on 4 devices), with the same values.
     typed_abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated(4)),
-                                  packed_state(dict_form_state()))
+                                  TrainState.from_dict(dict_form_state()))
     for form in ("dict", "typed"):
         with Checkpointer(tmp_path / form, keep=None) as ckpt:
             step, state, meta = ckpt.restore_latest(typed_abstract)
@@ -443,7 +438,7 @@ def test_train_state_is_stored_packed_and_the_older_dict_form_restores_into_it(t
         assert jax.tree.structure(state) == jax.tree.structure(typed_abstract), form
         assert all(a.sharding.num_devices == 4 for a in jax.tree.leaves(state)), form
         assert int(state.step) == 7 and state.counters.tolist() == [7, 0, 0, 0, 0, 0, 0], form
-        assert_same_values(state.metrics.unpack(), old["metrics"])
+        assert_same_values(state.metrics, old["metrics"])
         assert_same_values({k: getattr(state, k) for k in ("params", "model_state", "optimizer")},
                            {k: old[k] for k in ("params", "model_state", "optimizer")})
 
@@ -455,7 +450,7 @@ def test_older_dict_form_of_another_metric_layout_is_refused_naming_the_variable
         other = dict(old, metrics={**old["metrics"], "accuracy/total": old["metrics"]["loss/total"]})
         with pytest.raises(CheckpointMismatchError, match="'metrics/accuracy/total'.* is missing"):
             ckpt.restore_latest(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                                             packed_state(other)))
+                                             TrainState.from_dict(other)))
 
 
 def test_train_state_of_another_model_is_refused_with_the_old_paths(tmp_path):

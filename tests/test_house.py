@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "src" / "mirrorax"
 FLOORS: list[tuple[str, ...]] = [
     ("_checks", "_host", "_output", "_discovery", "_failure", "_integrity", "keras", "keras._internals",
      "keras.callbacks", "keras.env", "preemption",
-     "replica", "batch_sums", "input_checks", "results", "packed", "train_state", "_version", "as_made", "hooks",
+     "replica", "batch_sums", "input_checks", "results", "train_state", "_version", "as_made", "hooks",
      "progress", "_integrity_item", "_orbax_quirks", "cache", "_dir_lock", "_watchdog", "traffic"),
     ("cluster", "launch"),
     ("consistency",),

@@ -5,9 +5,9 @@ A checkpoint is one Orbax step directory ``<directory>/<step>/`` with three item
 * ``state``: the state pytree (parameters, optimizer state, non-trainable state, metric
   accumulators, step, RNG), saved with ``StandardSave``. A :class:`mirrorax.TrainState` is stored as
   its plain dict (:meth:`~mirrorax.TrainState.as_dict`: the field names as keys, each group's own tree
-  below; packed metric sums as ``metrics/<dtype>``, the counters as ``counters``). Checkpoints written
-  before the counters and metric sums were packed (``step``, ``skipped``, ... and ``metrics/<path>``
-  as entries of their own) restore into a packed state: they are read in their form, then packed;
+  below, the four counters as one array, ``counters``). Checkpoints written before the counters were
+  packed (``step``, ``skipped``, ... as entries of their own) restore into a state of one
+  ``counters``: they are read in their form, then packed;
 * ``meta``: a JSON dict chosen by the caller (data position, history, config);
 * ``integrity``: a JSON record written by this module: its format version, the step, a checksum per
   variable of the values being saved, summed in Orbax's background commit from host arrays taken when
@@ -73,7 +73,6 @@ from mirrorax._version import __version__
 from mirrorax._watchdog import in_checkpoint, waiting_for_peers
 from mirrorax.cluster import coordination_client
 from mirrorax.consistency import debug_checks
-from mirrorax.packed import Packed, pack, unpacked
 from mirrorax.train_state import COUNTERS, TrainState, pack_counters
 
 __all__ = [
@@ -163,55 +162,37 @@ def _first_mismatch(stored: Any, abstract: PyTree) -> str | None:
 
 
 def _stored(tree: PyTree) -> PyTree:
-    """The tree Orbax writes and reads for ``tree``: a :class:`TrainState` as its plain dict (packed metric
-    sums as their dict of vectors, :meth:`Packed.stored`), any other tree as is."""
-    if not isinstance(tree, TrainState):
-        return tree
-    values = tree.as_dict()
-    if isinstance(tree.metrics, Packed):
-        values["metrics"] = tree.metrics.stored()
-    return values
+    """The tree Orbax writes and reads for ``tree``: a :class:`TrainState` as its plain dict, any other
+    tree as is."""
+    return tree.as_dict() if isinstance(tree, TrainState) else tree
 
 
 def _unpacked_form(like: TrainState) -> dict[str, PyTree]:
-    """The stored tree of checkpoints written before the counters and metric sums were packed: the
-    counters as entries of their own, the metric sums as the model's tree (of ``like``'s shapes)."""
+    """The stored tree of checkpoints written before the counters were packed: the counters as entries
+    of their own (of ``like``'s shapes)."""
     values = like.as_dict()
     del values["counters"]
     values.update({k: getattr(like, k) for k in COUNTERS})
-    values["metrics"] = unpacked(like.metrics)
     return values
 
 
 def _is_unpacked_form(stored: Any, like: PyTree) -> bool:
     """Whether checkpoint tree ``stored`` (its metadata) is of :func:`_unpacked_form` while ``like`` is a
-    :class:`TrainState` (whose stored form is packed)."""
+    :class:`TrainState` (whose stored form has one ``counters``)."""
     return isinstance(like, TrainState) and isinstance(stored, Mapping) and "counters" not in stored \
         and "step" in stored
 
 
 def _typed(restored: PyTree, like: PyTree) -> PyTree:
-    """A restored tree in the type of the abstract tree it was restored for (:func:`_stored` undone; a
-    tree of :func:`_unpacked_form` packed as ``like`` is, on its layout)."""
+    """A restored tree in the type of the abstract tree it was restored for (:func:`_stored` undone; the
+    counters of a tree of :func:`_unpacked_form` packed as ``like``'s are, on their layout)."""
     if not isinstance(like, TrainState):
         return restored
     values = dict(restored)
     if "counters" not in values:
-        groups = {"counters": {k: values.pop(k) for k in COUNTERS}}
-        if isinstance(like.metrics, Packed):
-            groups["metrics"] = values["metrics"]
-        wanted = {"counters": like.counters, "metrics": like.metrics}
-        shardings = {k: jax.tree.map(lambda a: a.sharding, wanted[k]) for k in groups}
-
-        def packed(groups: dict[str, PyTree]) -> dict[str, PyTree]:
-            out = {"counters": pack_counters(**groups["counters"])}
-            if "metrics" in groups:
-                out["metrics"] = pack(groups["metrics"])
-            return out
-
-        values.update(jax.jit(packed, out_shardings=shardings)(groups))
-    elif isinstance(like.metrics, Packed):
-        values["metrics"] = like.metrics.from_stored(values["metrics"])
+        apart = {k: values.pop(k) for k in COUNTERS}
+        sharding = jax.tree.map(lambda a: a.sharding, like.counters)
+        values["counters"] = jax.jit(lambda c: pack_counters(**c), out_shardings=sharding)(apart)
     return TrainState.from_dict(values)
 
 
@@ -665,7 +646,7 @@ class Checkpointer:
         if stored is None:
             return "its variable metadata is missing"
         stored_tree = getattr(stored, "tree", stored)
-        if _is_unpacked_form(stored_tree, like):  # written before the counters and metric sums were packed
+        if _is_unpacked_form(stored_tree, like):  # written before the counters were packed
             abstract_state = _unpacked_form(like)
         mismatch = _first_mismatch(stored_tree, abstract_state)
         if mismatch is not None:

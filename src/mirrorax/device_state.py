@@ -23,7 +23,6 @@ from mirrorax._host import host_tree
 from mirrorax.hooks import Callbacks
 from mirrorax.inputs.batch import Batch
 from mirrorax.models.base import ModelAdapter
-from mirrorax.packed import unpacked
 from mirrorax.strategy import MirroredStrategy
 from mirrorax.train_state import TrainState
 
@@ -89,13 +88,12 @@ class DeviceState:
 
     def fresh_metrics(self, previous: PyTree | None = None) -> PyTree:
         """The metric accumulators at their reset values, replicated (equal on every process by
-        construction: no broadcast). ``previous``: the accumulators being reset, packed or not.
+        construction: no broadcast). ``previous``: the accumulators being reset.
 
-        Not packed: the steps accept a :class:`~mirrorax.packed.Packed` tree of accumulators (one
-        vector per dtype: 3 leaves fewer for an MLP with one metric), but the MLP benchmark's
-        ``Trainer.fit`` at one CPU device ran at 0.857 of the hand loop with them packed against 0.982
-        unpacked (``benchmarks.interleaved``, 2026-12-06); the cause is not found."""
-        fresh = self.adapter.initial_metrics(None if previous is None else unpacked(previous))
+        Not packed into one vector per dtype (3 leaves fewer for an MLP with one metric): packed, the MLP
+        benchmark's ``Trainer.fit`` at one CPU device ran at 0.857 of the hand loop against 0.982 unpacked
+        (``benchmarks.interleaved``, 2026-12-06; commit 842fcfc); the cause is not found."""
+        fresh = self.adapter.initial_metrics(previous)
         return self.strategy.batch_mesh.replicate(fresh, broadcast=False)
 
     def initial_host(self) -> TrainState:
@@ -104,9 +102,9 @@ class DeviceState:
 
     @staticmethod
     def host_metrics(metrics: PyTree) -> PyTree:
-        """Host copies of metric accumulators (packed or not, in one transfer), as the adapter's tree:
-        what :meth:`ModelAdapter.metric_results` and :meth:`ModelAdapter.keep_metrics` take."""
-        return unpacked(host_tree(metrics))
+        """Host copies of metric accumulators (in one transfer), as the adapter's tree: what
+        :meth:`ModelAdapter.metric_results` and :meth:`ModelAdapter.keep_metrics` take."""
+        return host_tree(metrics)
 
     def abstract(self, state: TrainState | None = None) -> TrainState:
         """``jax.ShapeDtypeStruct``s with shardings for ``state`` (default: the one held; if none is held,

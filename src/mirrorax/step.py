@@ -46,7 +46,6 @@ from mirrorax.dispatch import StrategyFunction, layout
 from mirrorax.hooks import PackedLogs
 from mirrorax.inputs.batch import RealRows
 from mirrorax.models.base import ModelAdapter, real_count
-from mirrorax.packed import Packed, pack, unpacked
 from mirrorax.strategy import MirroredStrategy
 from mirrorax.train_state import TrainState, pack_counters
 
@@ -393,21 +392,16 @@ class StepFunctions:
     # nobody waits for them unless a callback reads them, and the step has one output beside the state
     # (each output costs host time on an accelerator: ~7 us a step on a TPU v5e, a step of the MLP
     # benchmark taking ~0.7 ms there). Read on the host with halted() and batch_logs().
-    # Metric accumulators given packed (one vector per dtype, :mod:`mirrorax.packed`) come back packed, the
-    # adapter's tree of them living only inside the program; a trainer's are not packed (see
-    # DeviceState.fresh_metrics).
     def _train_with_logs(self, state: TrainState, batch: dict[str, PyTree], check_labels: bool = True):
-        state, packed = _opened(state)
         with self._split():
             new, aux = self._train_step(state, batch, check_labels)
-        return _closed(new, packed), self._pack(aux["halted"], self.adapter.metric_logs(new.metrics))
+        return new, self._pack(aux["halted"], self.adapter.metric_logs(new.metrics))
 
     def _train_many_with_logs(self, state: TrainState, batches: dict[str, PyTree],
                               check_labels: bool = True):
-        state, packed = _opened(state)
         with self._split():
             new, aux = self._train_many(state, batches, check_labels)
-        return _closed(new, packed), self._pack(jnp.any(aux["halted"]), self.adapter.metric_logs(new.metrics))
+        return new, self._pack(jnp.any(aux["halted"]), self.adapter.metric_logs(new.metrics))
 
     def _pack(self, halted: jax.Array, logs: dict[str, Any]) -> jax.Array:
         """``[halted, *logs]`` (logs by name) as one array of the logs' float type (traced)."""
@@ -427,12 +421,9 @@ class StepFunctions:
         return PackedLogs(self._log_names, packed, offset=1)
 
     def _eval_with_logs(self, state: TrainState, metrics: PyTree, batch: dict[str, PyTree]):
-        state, _ = _opened(state)
-        packed = isinstance(metrics, Packed)
         with self._split():
-            metrics, labels = self._eval_step(state, unpacked(metrics), batch)
-        logs = self.adapter.metric_logs(metrics)
-        return pack(metrics) if packed else metrics, {"labels": labels, "logs": logs}
+            metrics, labels = self._eval_step(state, metrics, batch)
+        return metrics, {"labels": labels, "logs": self.adapter.metric_logs(metrics)}
 
     def _split(self) -> Any:
         """While a step is traced: where its batch is split, for sums packed into one all-reduce
@@ -499,18 +490,6 @@ class StepFunctions:
         """How many programs each step kind has compiled (one per placed shape and real row count)."""
         return {"train": self.train.compile_count, "train_many": self.train_many.compile_count,
                 "evaluate": self.evaluate.compile_count, "predict": self.predict.compile_count}
-
-
-def _opened(state: TrainState) -> tuple[TrainState, bool]:
-    """``state`` with its metric accumulators unpacked (traced), and whether they came packed."""
-    if isinstance(state.metrics, Packed):
-        return state.replace(metrics=state.metrics.unpack()), True
-    return state, False
-
-
-def _closed(state: TrainState, packed: bool) -> TrainState:
-    """:func:`_opened` undone: the metric accumulators packed again if they came packed."""
-    return state.replace(metrics=pack(state.metrics)) if packed else state
 
 
 def _counters_set(state: TrainState, **values: Any) -> TrainState:

@@ -50,9 +50,7 @@ class TrainState:
       model_state: the non-trainable variables (BatchNorm statistics, random seed state); ``{}`` if none.
       optimizer: the optimizer's state (a Keras optimizer's variables by path, or an optax state).
       metrics: the metric accumulators of the running epoch or evaluation (sums and counts), as the
-        adapter makes them (the steps also take them packed, a :class:`mirrorax.packed.Packed`: one
-        vector per dtype, and give them back so; see ``DeviceState.fresh_metrics`` for why a trainer's
-        are not).
+        adapter makes them (not packed into one vector: see ``DeviceState.fresh_metrics``).
       counters: ``int32[7]``, the four counters below in one array (``step, skipped, nonfinite_step,
         *bad_label``), read and written through their names.
       step: ``int32[]``, train steps applied so far (counted on from a checkpoint's after a resume).

@@ -34,7 +34,6 @@ from mirrorax.keras import custom as keras_custom
 from mirrorax.keras import metrics as keras_metrics
 from mirrorax.keras.targets import check_target_shape, fits, loss_entries, output_spec, resolve, shape_text
 from mirrorax.models.base import ModelAdapter, SparseTarget, real_count
-from mirrorax.packed import unpacked
 
 __all__ = ["KerasAdapter", "check_keras_backend", "keep_layout"]
 
@@ -529,12 +528,9 @@ class KerasAdapter(ModelAdapter):
         values = {g: [next(local) for _ in leaves[g]] for g in self.written_groups}
         names = {"params": "trainable_variables", "model_state": "non_trainable_variables",
                  "optimizer": "optimizer_variables"}
-        exposed: dict[str, Sequence[Any]] = {names[g]: v for g, v in values.items()}
-        # A callback reading the metrics mid-epoch gets the running totals: unpacked (mirrorax.packed) when
-        # one reads them, not at every batch hook.
-        metrics = state.metrics
-        exposed["metrics_variables"] = _Deferred(lambda: self._unpack("metrics", unpacked(metrics)),
-                                                 len(self._names["metrics"]))
+        exposed = {names[g]: v for g, v in values.items()}
+        # A callback reading the metrics mid-epoch gets the running totals.
+        exposed["metrics_variables"] = self._unpack("metrics", state.metrics)
         internals.set_jax_state(m, exposed, synced=False)
         self._exposed_state = internals.jax_state(m)  # Keras wraps it (a TrackedDict): keep what it holds
         self._exposed = list(zip(self._written_variables(), [a for v in values.values() for a in v]))
@@ -573,29 +569,6 @@ class KerasAdapter(ModelAdapter):
 
     def _written_values(self, state) -> list[Any]:
         return [a for g in self.written_groups for a in self._unpack(g, getattr(state, g))]
-
-
-class _Deferred(Sequence[Any]):
-    """A list of known length whose values are made when first read."""
-
-    def __init__(self, make: Callable[[], list[Any]], length: int) -> None:
-        self._make, self._length = make, length
-        self._made: list[Any] | None = None
-
-    def _values(self) -> list[Any]:
-        made = self._made
-        if made is None:
-            made = self._made = self._make()
-        return made
-
-    def __len__(self) -> int:
-        return self._length
-
-    def __getitem__(self, index: Any) -> Any:
-        return self._values()[index]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._values())
 
 
 def layout_paths(variables: Sequence[Any], trainable: Sequence[Any]) -> list[str]:
