@@ -36,6 +36,9 @@ with). A run then starts only the scoped process and compares it with the record
 equals the current one; otherwise (another Keras, an edited program) it runs plain Keras too, as
 before, and never compares with a stale record. ``--record`` makes the records: it runs each program's
 plain side twice, in two fresh processes, and writes the record only if the two agree bit for bit.
+A ``DATA_PARALLEL`` program's key holds the host's vector instruction set too (its bfloat16 sums round
+as XLA orders them for it): it keeps one record per instruction set, ``expected/<name>.isa-<hash>.*``
+beside the first, so that AVX2 and AVX-512 hosts each find theirs.
 
 The table lists ``name | status | max abs | max rel | seconds``; max rel is
 over the elements whose plain value exceeds ATOL in magnitude. Exit status 1 when a program that is not
