@@ -255,6 +255,28 @@ def test_variables_stay_on_every_device_after_any_assignment(tmp_path):
         assert v.value.sharding.is_equivalent_to(s.replicated, v.value.ndim)
 
 
+def test_lending_the_same_state_again_is_free_until_the_model_changes(monkeypatch):
+    """fit lends the state to the variables at its start, at each epoch's end and in its finally: a state
+    lent already, whose variables still hold it, is not walked again; one a user replaced is lent again."""
+    x, y, _, _ = _data()
+    trainer = mx.Trainer(_build(), strategy(2))
+    trainer.fit(x, y, epochs=1, **FIT)
+    device, model = trainer.device_state, trainer.model
+    adapter = device.adapter
+    walks = []
+    written = adapter._written_variables
+    monkeypatch.setattr(adapter, "_written_variables", lambda: walks.append(1) or written())
+    held = [v.value for v in model.weights]
+    device.write_back()
+    assert walks == [] and all(v.value is a for v, a in zip(model.weights, held))
+    model.layers[0].kernel.assign(np.zeros((8, 8), "float32"))  # the user changes the model between fits
+    device.write_back()  # the state is lent again: the trainer's values, not the zeros (Keras's own fit
+    assert len(walks) == 1 and model.layers[0].kernel.value is held[0]  # would adopt them at its start)
+    trainer.fit(x, y, epochs=1, **FIT)  # fit's start adopts nothing it did not see change
+    np.testing.assert_allclose(trainer.evaluate(x, y, batch_size=BATCH)["loss"],
+                               model.evaluate(x, y, batch_size=BATCH, verbose=0), rtol=1e-6)
+
+
 def test_sharded_variables_stay_sharded_after_set_weights():
     s = mx.MirroredStrategy(devices=jax.devices()[:4], shard="all")
     with s.scope():
