@@ -9,6 +9,7 @@ import pytest
 from helpers import dense, flat_digits, strategy, train_step_args
 
 import mirrorax as mx
+from mirrorax._host import host_tree
 from mirrorax.train_state import TrainState
 
 FIELDS = ("params", "model_state", "optimizer", "metrics", "counters")
@@ -176,5 +177,5 @@ def test_the_trainers_compiled_step_takes_and_gives_the_counters_packed():
     lowered = t.steps.train.lower(state, batch)
     assert len(jax.tree.leaves(lowered.args_info[0][0])) == 19  # what the compiled program takes ...
     assert len(jax.tree.leaves(lowered.out_info[0])) == 19  # ... and gives back
-    results = t.adapter.metric_results(t.device_state.host_metrics(t.state.metrics))
+    results = t.adapter.metric_results(host_tree(t.state.metrics))
     assert set(results) == {"loss", "accuracy"} and int(t.host_state().step) == 1

@@ -51,7 +51,6 @@ import orbax.checkpoint as ocp
 
 from mirrorax._checks import check_int
 from mirrorax._dir_lock import DirectoryLocked, acquire, release
-from mirrorax._host import host_value
 from mirrorax._integrity import HostDigest, all_finite, digest, path_str
 from mirrorax._integrity_item import (
     FORMAT_VERSION,
@@ -681,13 +680,12 @@ class Checkpointer:
         for path, value in checksums.items():
             if expected.get(path) != value:
                 return f"the data of variable {path!r} does not match its checksum (corrupted on disk)"
-        if isinstance(like, TrainState):
-            held = host_value(state["counters"])[COUNTERS["step"].start] if "counters" in state else \
-                host_value(state["step"])
-            held_step = int(held)
+        typed = _typed(state, like)
+        if isinstance(typed, TrainState):
+            held_step = int(typed.host_counters()["step"])
             if held_step != step:
                 return f"its state says step {held_step}, its directory step {step}"
-        return _typed(state, like), meta
+        return typed, meta
 
     def _read_integrity(self, step: int) -> dict[str, Any] | str:
         """The integrity record of checkpoint ``step``, or why it is damaged.

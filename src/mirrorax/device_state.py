@@ -19,7 +19,6 @@ import jax
 import numpy as np
 
 from mirrorax import consistency
-from mirrorax._host import host_tree
 from mirrorax.hooks import Callbacks
 from mirrorax.inputs.batch import Batch
 from mirrorax.models.base import ModelAdapter
@@ -93,18 +92,11 @@ class DeviceState:
         Not packed into one vector per dtype (3 leaves fewer for an MLP with one metric): packed, the MLP
         benchmark's ``Trainer.fit`` at one CPU device ran at 0.857 of the hand loop against 0.982 unpacked
         (``benchmarks.interleaved``, 2026-12-06; commit 842fcfc); the cause is not found."""
-        fresh = self.adapter.initial_metrics(previous)
-        return self.strategy.batch_mesh.replicate(fresh, broadcast=False)
+        return self.strategy.batch_mesh.replicate(self.adapter.initial_metrics(previous), broadcast=False)
 
     def initial_host(self) -> TrainState:
         """The model's values plus the engine's counters at zero, on the host (built model required)."""
         return TrainState.create(**self.adapter.initial_state())
-
-    @staticmethod
-    def host_metrics(metrics: PyTree) -> PyTree:
-        """Host copies of metric accumulators (in one transfer), as the adapter's tree: what
-        :meth:`ModelAdapter.metric_results` and :meth:`ModelAdapter.keep_metrics` take."""
-        return host_tree(metrics)
 
     def abstract(self, state: TrainState | None = None) -> TrainState:
         """``jax.ShapeDtypeStruct``s with shardings for ``state`` (default: the one held; if none is held,

@@ -21,7 +21,7 @@ import numpy as np
 
 from mirrorax import consistency, preemption
 from mirrorax import epoch as epoch_lib
-from mirrorax._host import host_value
+from mirrorax._host import host_tree, host_value
 from mirrorax._watchdog import COMPILING, HOOKS, IDLE, INPUT, STEP, beat, leaving
 from mirrorax.device_state import DeviceState
 from mirrorax.fit_plan import FitPlan
@@ -202,8 +202,7 @@ class Loop:
             host = stream.batches(position, steps_per_epoch, start=start_batch)
         run = epoch_lib.EpochRun(state, self.strategy.in_flight, start_batch, int(state.host_counters()["step"]), total)
         progress = Progress(plan.mode, total, epoch + 1, plan.epochs,
-                            lambda: self.adapter.metric_results(device.host_metrics(run.state.metrics)),
-                            stream=plan.out)
+                            lambda: self.adapter.metric_results(host_tree(run.state.metrics)), stream=plan.out)
         loop_hooks: list[epoch_lib.EpochHook] = [h for h in (
             epoch_lib.BatchCallbacks(hooks, self.steps_per_execution, self._train_batch_end(hooks), self.model,
                                      steps.batch_logs),
@@ -278,7 +277,7 @@ class Loop:
                 f"{run.start_batch + bad - run.first_step} of the epoch). The update of that step was not applied: "
                 "the trainer, the model and any checkpoint hold the values from before it. Lower the learning rate, "
                 "check the inputs for NaN/inf, or pass Trainer(..., on_nonfinite='skip') to drop such steps.")
-        totals = device.host_metrics(state.metrics)
+        totals = host_tree(state.metrics)
         logs = self.adapter.metric_results(totals)
         self.adapter.keep_metrics(totals)
         if steps.on_nonfinite == "skip":
@@ -335,7 +334,7 @@ class Loop:
             self.adapter.conceal()
             device.value = run.state
             device.write_back()
-        totals = device.host_metrics(run.metrics)
+        totals = host_tree(run.metrics)
         logs = self.adapter.metric_results(totals)
         self.adapter.keep_metrics(totals)
         if hooks is not None:

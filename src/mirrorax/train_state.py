@@ -32,7 +32,7 @@ PyTree = Any
 COUNTERS: dict[str, slice] = {"step": slice(0, 1), "skipped": slice(1, 2), "nonfinite_step": slice(2, 3),
                               "bad_label": slice(3, 7)}
 _SCALAR = ("step", "skipped", "nonfinite_step")
-COUNTERS_SIZE = 7
+COUNTERS_SIZE = max(s.stop for s in COUNTERS.values())
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)

@@ -380,7 +380,7 @@ class Trainer:
             held.value = self.steps.clear_nonfinite(state, int(counters["nonfinite_step"]))
             raise NonFiniteLossError("The loss of this batch is not finite; the update was not applied (the model "
                                      "keeps its values). Check the batch for NaN/inf or lower the learning rate.")
-        totals = held.host_metrics(state.metrics)
+        totals = host_tree(state.metrics)
         self.adapter.keep_metrics(totals)
         return self.adapter.metric_results(totals)
 
