@@ -172,3 +172,42 @@ def test_checkpoint_cost_prints_a_row_per_device_count_and_mode(tmp_path):
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert all(float(c) > 0 for c in cells[2:]), row
     assert list(tmp_path.iterdir()) == []  # the checkpoints went into a temporary directory, now removed
+
+
+def test_step_timeline_counts_each_step_once_with_its_idle_gap():
+    """``step_timeline.summarize``: a step's event nested in another of the same step (the C++ call inside the
+    Python call) counts once; the gaps are between the outer events; other events and timelines are ignored."""
+    from benchmarks import step_timeline
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:TPU:0"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "XLA Modules"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 3, "args": {"name": "python"}}]
+    device = [{"ph": "X", "pid": 1, "tid": 7, "name": "jit_guarded(123)", "ts": t, "dur": 100} for t in (0, 250, 500)]
+    host = []
+    for t in (0, 200, 400):
+        host += [{"ph": "X", "pid": 2, "tid": 3, "name": "PjitFunction(guarded)", "ts": t, "dur": 60},
+                 {"ph": "X", "pid": 2, "tid": 3, "name": "PjitFunction(guarded)", "ts": t + 10, "dur": 40}]
+    other = [{"ph": "X", "pid": 2, "tid": 3, "name": "$loop.py:74 run", "ts": 0, "dur": 600}]
+    out = step_timeline.summarize(meta + device + host[::-1] + other)
+    assert sorted(out) == ["/device:TPU:0 | XLA Modules", "/host:CPU | python"]
+    dev, py = out["/device:TPU:0 | XLA Modules"], out["/host:CPU | python"]
+    assert dev["steps"] == 3 and dev["busy_median_us"] == 100 and dev["gap_median_us"] == 150
+    assert dev["span_ms"] == pytest.approx(0.6)
+    assert py["steps"] == 3 and py["busy_median_us"] == 60 and py["gap_median_us"] == 140
+
+
+def test_step_timeline_reads_the_profilers_trace_on_cpu(tmp_path):
+    """``python -m benchmarks.step_timeline`` on the CPU: each system's profiled chunk is read back from
+    jax.profiler's Perfetto trace, one host call per step (the CPU client keeps no device timeline)."""
+    out = tmp_path / "timeline.json"
+    proc = subprocess.run(python("-m", "benchmarks.step_timeline", "--workload", "mlp", "--systems", "jax,mirrorax",
+                                 "--steps", "4", "--out", str(out)),
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    systems = json.loads(out.read_text())["systems"]
+    assert sorted(systems) == ["jax", "mirrorax"]
+    for s, r in systems.items():
+        assert len(r["chunk_s"]) == 2 and r["profiled_chunk_s"] > 0
+        host = [v for k, v in r["timelines"].items() if k.endswith("| python")]
+        assert len(host) == 1 and host[0]["steps"] == 4, (s, r["timelines"])
