@@ -487,10 +487,12 @@ class KerasAdapter(ModelAdapter):
                 and not self.model_changed():
             return
         pairs = []
+        # Outside Keras's scopes (as fit is) a variable may be handed its array directly (see _lend).
+        direct = not internals.in_stateless_scope() and internals.autocast_scope() is None
         for v, a in zip(self._written_variables(), _local_replicas(self._written_values(state))):
             if internals.variable_value(v) is not a:
                 keep_layout(v, getattr(a, "sharding", None))
-                _lend(v, a)
+                _lend(v, a, direct)
             pairs.append((v, internals.variable_value(v)))
         self._lent_values, self._lent_state = pairs, state
 
@@ -593,14 +595,16 @@ def layout_paths(variables: Sequence[Any], trainable: Sequence[Any]) -> list[str
     return out
 
 
-def _lend(variable: Any, value: Any) -> None:
+def _lend(variable: Any, value: Any, direct: bool) -> None:
     """``variable.assign(value)``; for an array of the variable's dtype already laid out as the variable is
     (``keep_layout``), what that assign comes to (``_direct_assign``: the value held), without its
-    conversion, shape check and placement, which cost a large model's write-back more than its step."""
+    conversion, shape check and placement, which cost a large model's write-back more than its step.
+    ``direct``: no ``StatelessScope`` (where assign records instead) nor ``AutocastScope`` (where a
+    variable's dtype reads as the scope's) is open; asked once per write-back, not per variable."""
     layout = internals.variable_layout(variable)
-    if type(value) is ARRAY_TYPE and (layout is value.sharding or layout == value.sharding) and \
-            _dtype_name(value.dtype) == variable.dtype and value.shape == internals.variable_shape(variable) and \
-            not internals.in_stateless_scope():
+    if direct and type(value) is ARRAY_TYPE and (layout is value.sharding or layout == value.sharding) and \
+            _dtype_name(value.dtype) == internals.variable_dtype(variable) and \
+            value.shape == internals.variable_shape(variable):
         internals.set_variable_value(variable, value)
     else:
         variable.assign(value)
@@ -651,6 +655,8 @@ def _local_replicas(arrays: Sequence[Any]) -> list[Any]:
     transformer's state, dispatched behind the fit's last steps) deadlocked XLA:CPU's collectives across
     2 processes: one process blocked in a gather its peer had queued but not run (benchmarks/README.md).
     """
+    if jax.process_count() == 1:
+        return list(arrays)  # every array is whole in this process (the views below would be the arrays)
     out = list(arrays)
     split = [i for i, a in enumerate(out)
              if isinstance(a, jax.Array) and not a.is_fully_replicated and not a.is_fully_addressable]
