@@ -306,8 +306,10 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
     if device.value is None:
         steps.adapter.build(sample.tree())
     # The held state keys like its abstract stand-in (``signature``): the stand-in, ~8 us a leaf (5 ms a
-    # fit for a 600-leaf LM state), is made only when the plan is not known yet.
+    # fit for a 600-leaf LM state), is made only when the plan is not known yet, or when no state is held
+    # (then it is the key too, made once).
     held = device.value
+    abstract = device.abstract() if held is None else None
     padded = padded_batch_size(batch_size, s.batch_mesh)
 
     def batch_spec(a: Any) -> Any:
@@ -327,7 +329,7 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
     # compiled program, kept beside its plan.
     key = None
     if hosts is None:
-        key = (steps.train.signature(device.abstract() if held is None else held, batch), batch_size)
+        key = (steps.train.signature(abstract if held is None else held, batch), batch_size)
     known = _PLANS.setdefault(steps.train, {}).get(key) if key is not None else None
     if known is not None:
         made, compiled = known
@@ -335,7 +337,8 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
             made = _read_cost(made, compiled, s, hosts)
             _PLANS[steps.train][key] = (made, None)
         return dataclasses.replace(made, device_memory=memory, largest_batch={})
-    abstract = device.abstract()
+    if abstract is None:
+        abstract = device.abstract()
     layouts = jax.tree.map(lambda a: a.sharding, abstract)
     compiled = steps.train.lower(abstract, batch).compile()
     mem = compiled.memory_analysis()
