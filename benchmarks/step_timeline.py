@@ -23,6 +23,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -32,8 +33,10 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# The names each system's step program carries: jax.jit's module and function names.
-STEP_NAMES = ("train_step", "guarded", "with_token")
+from benchmarks.tpu_compile import STEP_PROGRAM  # noqa: E402  (each system's step program, by name)
+
+# Patterns of the names the systems' step programs carry (jax.jit's module and function names).
+STEP_NAMES = tuple(sorted(set(STEP_PROGRAM.values())))
 
 
 def summarize(events: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -41,9 +44,9 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     gaps between them, in microseconds (medians and means), from a Chrome/Perfetto trace's events.
 
     A timeline counts when it has complete events (``"ph": "X"``) named after a step program
-    (:data:`STEP_NAMES`); the device's ``XLA Modules`` timeline has one per step, the host's Python
-    thread one per jitted call. Events nested in a longer one of the same name (a C++ call traced
-    inside the Python call) are dropped, so that each step counts once.
+    (a pattern of :data:`STEP_NAMES`, ``tpu_compile.STEP_PROGRAM``'s); the device's ``XLA Modules`` timeline
+    has one per step, the host's Python thread one per jitted call. Events nested in a longer one of the
+    same name (a C++ call traced inside the Python call) are dropped, so that each step counts once.
     """
     names: dict[tuple[Any, Any], str] = {}
     for e in events:
@@ -52,7 +55,7 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             names[(e.get("pid"), tid)] = str(e.get("args", {}).get("name", ""))
     lines: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     for e in events:
-        if e.get("ph") == "X" and any(k in str(e.get("name", "")) for k in STEP_NAMES):
+        if e.get("ph") == "X" and any(re.search(p, str(e.get("name", ""))) for p in STEP_NAMES):
             pid, tid = e.get("pid"), e.get("tid")
             where = f"{names.get((pid, None), pid)} | {names.get((pid, tid), tid)}"
             lines[where].append(e)
