@@ -141,7 +141,7 @@ def test_array_labels_checked_on_the_host_leave_no_label_search_in_the_step():
     x, y = data(48)
     t = mx.Trainer(model(optimizer="adam"), strategy(2), on_nonfinite="ignore")
 
-    def program() -> str:
+    def program(t: mx.Trainer) -> str:
         state = t.state
         spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
         rows = {"x": jax.ShapeDtypeStruct((8, 4), np.float32), "y": jax.ShapeDtypeStruct((8,), np.int32),
@@ -155,9 +155,9 @@ def test_array_labels_checked_on_the_host_leave_no_label_search_in_the_step():
         return text.count("stablehlo.case") + text.count("stablehlo.if")
 
     t.fit(x, y, batch_size=8, verbose=0)
-    arrays = program()
+    arrays = program(t)
     t.fit(batches(x, y), epochs=1, verbose=0)
-    iterable = program()
+    iterable = program(t)
     assert conditionals(arrays) == 1 and conditionals(iterable) >= 1  # the guard (and the search's own)
     # The search: a comparison of every label with its target's classes, and the first bad row's record.
     assert arrays.count("stablehlo.compare") < iterable.count("stablehlo.compare")
@@ -165,8 +165,7 @@ def test_array_labels_checked_on_the_host_leave_no_label_search_in_the_step():
     assert "stablehlo.optimization_barrier" in arrays and "stablehlo.optimization_barrier" in iterable
     raising = mx.Trainer(model(optimizer="adam"), strategy(2))  # its predicate tests the loss: no barrier
     raising.fit(x, y, batch_size=8, verbose=0)
-    t = raising
-    assert "stablehlo.optimization_barrier" not in program()
+    assert "stablehlo.optimization_barrier" not in program(raising)
 
 
 def test_iterable_label_outside_classes_in_evaluate():
