@@ -188,3 +188,27 @@ def held_bytes(trainer: mx.Trainer, group: str, device=None) -> int:
     device = device or jax.devices()[0]
     return sum(sh.data.nbytes for a in jax.tree.leaves(trainer.state[group]) for sh in a.addressable_shards
                if sh.device == device)
+
+
+class Compiles:
+    """Counts the programs XLA builds while active: JAX's backend compiles, and the loads from its
+    persistent compilation cache that stand in for one (tests/conftest.py turns the cache on; JAX reports
+    a load as a backend compile too). ``names``: the compiled functions' names, in order."""
+
+    def __init__(self):
+        self.names = []
+
+    @property
+    def count(self):
+        return len(self.names)
+
+    def _listen_duration(self, event, duration, **kwargs):
+        if event.endswith("backend_compile_duration"):
+            self.names.append(kwargs.get("fun_name"))
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._listen_duration)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listen_duration)

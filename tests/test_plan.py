@@ -9,7 +9,7 @@ import jax
 import keras
 import numpy as np
 import pytest
-from helpers import held_bytes
+from helpers import Compiles, held_bytes
 from jobs.procs import clean_env, python
 
 import mirrorax as mx
@@ -78,31 +78,6 @@ def test_parse_bytes():
         planner.parse_bytes("lots")
 
 
-class _Compiles:
-    """Counts the programs XLA builds while active: JAX's backend compiles, and the loads from its
-    persistent compilation cache that stand in for one (tests/conftest.py turns the cache on)."""
-
-    def __init__(self):
-        self.count = 0
-
-    def _listen_duration(self, event, duration, **kwargs):
-        if event.endswith("backend_compile_duration"):
-            self.count += 1
-
-    def _listen(self, event, **kwargs):
-        if event == "/jax/compilation_cache/cache_hits":
-            self.count += 1
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self._listen_duration)
-        jax.monitoring.register_event_listener(self._listen)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listen_duration)
-        jax.monitoring.unregister_event_listener(self._listen)
-
-
 @pytest.mark.slow  # a plan and a fit per verbosity
 @pytest.mark.parametrize("shard", [None, "all"])
 def test_fit_prints_the_plans_line_with_verbose_and_compiles_the_step_once(shard):
@@ -114,7 +89,7 @@ def test_fit_prints_the_plans_line_with_verbose_and_compiles_the_step_once(shard
     for verbose in (0, 1, 2):
         trainer = mx.Trainer(_model(), s)
         trainer.stream = io.StringIO()
-        with _Compiles() as counted:
+        with Compiles() as counted:
             trainer.fit(x, y, batch_size=32, epochs=2, verbose=verbose)
         outputs[verbose], compiles[verbose] = trainer.stream.getvalue(), counted.count
         assert trainer.compile_counts()["train"] == 1
@@ -146,7 +121,7 @@ def test_a_plan_after_a_fit_of_the_same_shapes_compiles_nothing(entry, monkeypat
     lowered = []
     lower = StrategyFunction.lower
     monkeypatch.setattr(StrategyFunction, "lower", lambda self, *a: lowered.append(1) or lower(self, *a))
-    with _Compiles() as counted:
+    with Compiles() as counted:
         first = mx.plan(target, x[:1], y[:1], batch_size=32, search=False)
         again = mx.plan(target, x[:1], y[:1], batch_size=32, search=False)
     assert counted.count == 0
@@ -177,7 +152,7 @@ def test_fit_reads_its_plan_once_per_program(monkeypatch):
     # A quiet fit's memory check reads the memory analysis only; the plan shown later reads the cost and
     # the text of the same compiled program (no lowering, no compile), once.
     assert texts == []
-    with _Compiles() as counted:
+    with Compiles() as counted:
         shown = mx.plan(trainer, x[:1], y[:1], batch_size=32, search=False)
         again = mx.plan(trainer, x[:1], y[:1], batch_size=32, search=False)
     assert counted.count == 0 and len(lowered) == 1 and len(texts) == 1
@@ -386,6 +361,6 @@ def test_fit_traces_its_step_once_with_the_plan_at_its_start(entry, monkeypatch)
     calls = []
     call = type(model).call
     monkeypatch.setattr(type(model), "call", lambda self, *a, **k: calls.append(1) or call(self, *a, **k))
-    with _Compiles() as counted:
+    with Compiles() as counted:
         fit(48)  # a new global batch: one new program
     assert len(calls) == 1 and counted.count == 1, (calls, counted.count)
