@@ -127,8 +127,9 @@ class KerasAdapter(ModelAdapter):
         self._exposed_state: dict[str, Any] | None = None
         self._metric_stash: list[tuple[Any, Any]] = []  # (metric variable, its value before release)
         # Metric results in one dispatch: eagerly, Keras's result() ops cost ~1.4 ms per call on an MLP,
-        # paid at the end of every fit, evaluate and epoch.
-        self._results_fn: Any = jax.jit(self._metric_values)
+        # paid at the end of every fit, evaluate and epoch. One program per process for every model with
+        # the same metrics (a program per model cost each new model's first fit a compile).
+        self._results_fn: Any = keras_metrics.ResultsProgram(self._metric_values)
         self._result_names: list[str] = []
         # The model's own train_step / test_step / predict_step, when its class overrides them.
         self.custom = {k: keras_custom.overrides(model, k) for k in ("train_step", "test_step", "predict_step")}

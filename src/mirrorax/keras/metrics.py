@@ -7,21 +7,28 @@ count in neither, so the former get the mask and the latter ``sample_weight * ma
 On several devices, the metrics whose update adds up over rows (Keras's own sum-based ones), and the
 loss when it is the compiled loss alone, are summed per replica and packed into one all-reduce operand
 (:mod:`mirrorax.batch_sums`); the others are updated on the global batch (:func:`update`).
+
+The metrics' results (``result()`` of each, from the accumulators) are computed by one compiled program
+per process for each distinct computation (:class:`ResultsProgram`), not one per model.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import mirrorax.batch_sums as batch_sums
+from mirrorax.dispatch import Traced
 from mirrorax.keras import _internals as internals
 from mirrorax.models.base import real_count
 
-__all__ = ["update", "update_compile_metrics", "all_metrics", "resets_itself", "compiled_metric_args"]
+__all__ = ["update", "update_compile_metrics", "all_metrics", "resets_itself", "compiled_metric_args",
+           "ResultsProgram"]
 
 PyTree = Any
 
@@ -197,3 +204,56 @@ def compiled_metric_args(model: Any) -> Any:
     if cm is None:
         return None
     return internals.user_metrics(cm)
+
+
+class ResultsProgram:
+    """``fn(values)`` (a model's metric results from its accumulators' ``values``) as a compiled program that
+    every model computing the same results shares.
+
+    ``jax.jit(fn)`` compiles a program per model (``fn`` is a new function each time): ~30 ms on a CPU
+    and more on an accelerator, paid before a new model's first ``fit`` returns, which Keras's own
+    ``fit`` (its results computed op by op) does not pay. Here ``fn`` is traced once per signature of
+    ``values``, and the trace's program (its jaxpr and constants, which say exactly what it computes) is
+    looked up in a process-wide cache: a second model with the same metrics compiles nothing.
+
+    Calling raises what tracing ``fn`` raises (``TypeError`` for a ``result()`` that branches on values).
+    """
+
+    _shared: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
+    _MAX_SHARED = 64  # distinct result computations kept (each a small program)
+    _MAX_CONST_BYTES = 1 << 20  # larger constants are not keyed by their bytes: such a trace is not shared
+
+    def __init__(self, fn: Callable[[list[Any]], list[Any]]) -> None:
+        self._fn = fn
+        self._programs: dict[tuple[Any, ...], Callable[..., Any]] = {}
+
+    def __call__(self, values: list[Any]) -> list[Any]:
+        sig = tuple((np.shape(v), np.result_type(v)) for v in values)
+        program = self._programs.get(sig)
+        if program is None:
+            program = self._programs[sig] = self._program(values)
+        return program(values)
+
+    def _program(self, values: list[Any]) -> Callable[..., Any]:
+        traced = Traced.of(self._fn, (values,))
+        key = self._key(traced.closed)
+        if key is None:
+            return jax.jit(traced.replay)
+        shared = ResultsProgram._shared
+        program = shared.get(key)
+        if program is None:
+            program = shared[key] = jax.jit(traced.replay)
+            if len(shared) > self._MAX_SHARED:
+                shared.popitem(last=False)
+        return program
+
+    @classmethod
+    def _key(cls, closed: Any) -> tuple[Any, ...] | None:
+        """What the traced program computes: its jaxpr's text and its constants' values (``None``: too large)."""
+        consts = []
+        for c in closed.consts:
+            a = np.asarray(c)
+            if a.nbytes > cls._MAX_CONST_BYTES:
+                return None
+            consts.append((a.shape, str(a.dtype), a.tobytes()))
+        return str(closed.jaxpr), tuple(consts)
