@@ -132,3 +132,25 @@ def test_auto_progress_is_a_bar_in_jupyter_and_a_line_per_epoch_elsewhere(monkey
     if out.startswith("plan: "):  # (fit's plan line comes first with verbose)
         out = out.split("\n", 1)[1]
     assert out.startswith("Epoch 1/1\n") and "\r2/2 [" in out, repr(out)  # the bar, redrawn in place
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_batch_of_known_rows_passes_the_step_only_what_it_reads(weighted, monkeypatch):
+    """A batch whose real rows the host knows is cut to them in the step, where its mask and count are
+    constants: they are not passed (each argument of a compiled step costs host time at every call), nor
+    are sample weights the user did not give. The losses stay Keras's own, the short last batch's too."""
+    from mirrorax.inputs.batch import Batch
+
+    x, y, _, _ = flat_digits(48)
+    w = np.linspace(0.5, 1.5, len(x)).astype(np.float32) if weighted else None
+    seen = []
+    step_tree = Batch.step_tree
+    monkeypatch.setattr(Batch, "step_tree", lambda self: seen.append(step_tree(self)) or seen[-1])
+    trainer = mx.Trainer(dense(seed=4), strategy(2))
+    ours = trainer.fit(x, y, sample_weight=w, batch_size=20, epochs=2, verbose=0, shuffle=False)
+    assert {frozenset(t) for t in seen} == {frozenset({"x", "y", "rows", "sample_weight"} if weighted
+                                                      else {"x", "y", "rows", "unweighted"})}
+    assert sorted({t["rows"].count for t in seen}) == [8, 20]  # the short last batch too
+    keras_model = dense(seed=4)
+    theirs = keras_model.fit(x, y, sample_weight=w, batch_size=20, epochs=2, verbose=0, shuffle=False)
+    np.testing.assert_allclose(ours.history["loss"], theirs.history["loss"], rtol=2e-5)

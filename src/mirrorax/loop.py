@@ -223,7 +223,7 @@ class Loop:
         programs: dict[tuple[int, Any], Any] = {}
 
         def dispatch(run: epoch_lib.EpochRun, k: int, batch: Batch) -> tuple[Any, Any]:
-            tree = batch.tree()
+            tree = batch.step_tree()
             if run.relook:  # a callback may have placed new values: look the signature up again
                 programs.clear()
                 run.relook = False
@@ -312,7 +312,7 @@ class Loop:
         programs: dict[Any, Any] = {}
 
         def dispatch(run: epoch_lib.EpochRun, k: int, batch: Batch) -> tuple[Any, Any]:
-            tree = batch.tree()
+            tree = batch.step_tree()
             if run.relook:
                 programs.clear()
                 run.relook = False

@@ -316,9 +316,9 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
         a = np.asarray(a)
         return jax.ShapeDtypeStruct((padded,) + a.shape[1:], a.dtype, sharding=s.batch_sharding)
 
-    one = sample.tree()
+    one = sample.step_tree()
     batch = {k: jax.tree.map(batch_spec, v) for k, v in one.items() if k not in ("num_real", "rows") and v is not None}
-    if sample.num_real is not None:  # as the fit's batches carry it (array inputs)
+    if "num_real" in one:  # as the fit's batches carry it
         batch["num_real"] = jax.ShapeDtypeStruct((), np.float32, sharding=s.replicated)
     if isinstance(sample.rows, int):  # as the fit's batches carry it (a first batch short of the global one: cut)
         batch["rows"] = RealRows(min(sample.rows, padded))

@@ -70,7 +70,9 @@ def real_rows_only(batch: dict[str, PyTree], sharding: jax.sharding.Sharding
     (``None``: the batch as it came, its padding, if any, masked).
 
     The cut batch's mask is a constant of ones and its count a constant, which XLA folds away: the
-    masking that per-process pipelines still need costs the cut batch nothing.
+    masking that per-process pipelines still need costs the cut batch nothing. Such a batch comes without
+    them (:meth:`Batch.tree <mirrorax.inputs.batch.Batch.tree>`), and without its sample weights when the
+    user gave none: constants of ones here too.
     """
     rows = batch.get("rows")
     if rows is None:
@@ -90,7 +92,9 @@ def real_rows_only(batch: dict[str, PyTree], sharding: jax.sharding.Sharding
     out = {k: v for k, v in batch.items() if k != "rows"}
     for name in ("x", "y", "sample_weight"):
         out[name] = jax.tree.map(cut, batch.get(name))
-    out["mask"] = jnp.ones((n,), batch["mask"].dtype)
+    if out["sample_weight"] is None:  # unweighted: 1 for every row
+        out["sample_weight"] = jnp.ones((n,), jnp.float32)
+    out["mask"] = jnp.ones((n,), batch["mask"].dtype if "mask" in batch else jnp.float32)
     out["num_real"] = jnp.asarray(n, jnp.float32)
     return out, n
 

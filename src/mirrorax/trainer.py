@@ -371,7 +371,7 @@ class Trainer:
         self.adapter.release()
         held.value = None  # donated to the step
         try:
-            state, _ = self.steps.train(state, batch.tree())
+            state, _ = self.steps.train(state, batch.step_tree())
         finally:
             held.value = state
         held.write_back()
