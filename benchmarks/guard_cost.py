@@ -1,7 +1,7 @@
 """What the non-finite guard costs a compiled train step: ``Trainer(on_nonfinite=...)`` modes alternated.
 
 Each mode gets its own model and ``Trainer``; a 2-step ``fit`` compiles its train step and hands over the
-program it runs (the one ``StepFunctions.train.program`` returns), its last state and its batch. The
+program it runs (the one ``StepFunctions.train.flat_program`` returns), its last state and its batch. The
 programs are then called directly, the modes alternated in pairs of ``--calls`` steps, so that neither
 ``fit``'s host work nor the load of the host (which moves a whole ``fit`` by tens of percent on a shared
 2-core machine) stands between the two. Prints each mode's wall and CPU time a step per pair, the
@@ -24,26 +24,27 @@ from typing import Any
 
 @contextlib.contextmanager
 def _programs(box: dict[str, Any]) -> Iterator[None]:
-    """While open, every program a ``StrategyFunction`` hands out records its last call in ``box``."""
+    """While open, every program a ``StrategyFunction`` hands out records its last call in ``box`` (the
+    state as the loop keeps it: its leaves)."""
     from mirrorax import dispatch
 
-    real = dispatch.StrategyFunction.program
+    real = dispatch.StrategyFunction.flat_program
 
-    def program(self: Any, *args: Any) -> Any:
-        compiled = real(self, *args)
+    def flat_program(self: Any, *args: Any) -> Any:
+        compiled, treedef = real(self, *args)
 
-        def call(state: Any, tree: Any) -> Any:
-            out = compiled(state, tree)
+        def call(leaves: Any, tree: Any) -> Any:
+            out = compiled(leaves, tree)
             box.update(program=compiled, state=out[0][0], tree=tree)
             return out
 
-        return call
+        return call, treedef
 
-    dispatch.StrategyFunction.program = program  # type: ignore[method-assign]
+    dispatch.StrategyFunction.flat_program = flat_program  # type: ignore[method-assign]
     try:
         yield
     finally:
-        dispatch.StrategyFunction.program = real  # type: ignore[method-assign]
+        dispatch.StrategyFunction.flat_program = real  # type: ignore[method-assign]
 
 
 def main(argv: list[str] | None = None) -> None:

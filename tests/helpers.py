@@ -57,17 +57,17 @@ def train_step_args(trainer: mx.Trainer, x, y, batch_size: int = 24) -> tuple:
     from mirrorax import dispatch
 
     captured = {}
-    original = dispatch.StrategyFunction.program
+    original = dispatch.StrategyFunction.flat_program  # (the loop keeps the state as its leaves)
 
-    def program(self, *args):
+    def flat_program(self, *args):
         captured["args"] = args
         return original(self, *args)
 
-    dispatch.StrategyFunction.program = program
+    dispatch.StrategyFunction.flat_program = flat_program
     try:
         trainer.fit(x, y, batch_size=batch_size, epochs=1, steps_per_epoch=1, verbose=0)
     finally:
-        dispatch.StrategyFunction.program = original
+        dispatch.StrategyFunction.flat_program = original
     return captured["args"]
 
 

@@ -212,3 +212,78 @@ def test_jit_traces_a_step_once_per_signature(stateful):
         # the layout rules still apply: batch-shaped outputs stay split, the rest replicated
         assert out["rows"].sharding.spec == P(s.batch_axis) and out["loss"].sharding.is_fully_replicated
     assert len(traces) == 2, traces
+
+
+def _flat_step(s: mx.MirroredStrategy, **kwargs):
+    from mirrorax.dispatch import StrategyFunction
+
+    def step(state, x):
+        new = {"b": state["b"] + x.sum(), "a": [w * 2 for w in state["a"]]}
+        return new, jnp.stack([new["b"], x.mean()])
+
+    return StrategyFunction(s.batch_mesh, s.in_flight, step, donate_argnums=0,
+                            out_shardings=lambda state, x: (jax.tree.map(lambda a: a.sharding, state), s.replicated),
+                            ready=lambda out: out[1], flat_state=True, **kwargs)
+
+
+def test_flat_state_program_takes_the_leaves_and_is_the_pytree_calls_program():
+    """``flat_state=True``: the compiled program takes and gives the state as its leaves (a loop keeps it
+    so between steps; JAX then sorts no dict keys and builds no dicts per call); called with the state
+    itself, lowered, or as ``flat_program``, it is one compiled program."""
+    s = mx.MirroredStrategy(devices=jax.devices()[:2])
+    step = _flat_step(s)
+    state = {"b": s.replicate(np.float32(1)), "a": [s.replicate(np.arange(3, dtype=np.float32))]}
+    x = jax.device_put(np.arange(4, dtype=np.float32), s.batch_sharding)
+    lowered = step.lower(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state),
+                         x).compile()
+    (new, aux), ready = step.program(state, x)(state, x)
+    assert isinstance(new, dict) and float(new["b"]) == 7 and new["a"][0].tolist() == [0, 2, 4]
+    assert ready is aux and aux.tolist() == [7, 1.5]
+    program, treedef = step.flat_program(new, x)
+    leaves = treedef.flatten_up_to(new)
+    assert [a.shape for a in leaves] == [(3,), ()]  # the dict's keys in JAX's order: "a", then "b"
+    (out, aux), _ = program(leaves, x)
+    assert isinstance(out, list) and treedef.unflatten(out)["a"][0].tolist() == [0, 4, 8] and float(out[1]) == 13
+    assert out[1].sharding == s.replicated
+    assert step.compile_count == 1 and "guarded" in lowered.as_text()[:2000]
+
+
+def test_flat_state_refuses_a_state_of_another_structure_with_the_fix():
+    s = mx.MirroredStrategy(devices=jax.devices()[:2])
+    from mirrorax.dispatch import StrategyFunction
+
+    bad = StrategyFunction(s.batch_mesh, s.in_flight, lambda state, x: ({"c": state["b"]}, x.sum()),
+                           out_shardings=lambda state, x: (s.replicated, s.replicated), ready=lambda out: out[1],
+                           flat_state=True)
+    x = jax.device_put(np.arange(4, dtype=np.float32), s.batch_sharding)
+    with pytest.raises(TypeError, match="Return the state with the structure it came in"):
+        bad({"b": s.replicate(np.float32(1))}, x)
+    with pytest.raises(ValueError, match="flat_state=True needs out_shardings"):
+        StrategyFunction(s.batch_mesh, s.in_flight, lambda state: state, flat_state=True)
+    step = _flat_step(s)
+    state = {"b": s.replicate(np.float32(1)), "a": [s.replicate(np.arange(3, dtype=np.float32))]}
+    step(state, x)
+    with pytest.raises(TypeError, match="Expected a state of structure"):  # the program of another structure
+        step.program(state, x)({"b": state["b"]}, x)
+
+
+def test_the_train_loop_keeps_the_state_as_its_leaves(monkeypatch):
+    """Trainer.fit calls its train program with the state's leaves at every step (no TrainState built and
+    flattened per step); the trainer ends with the TrainState. (Its numbers: tests/test_equivalence.py.)"""
+    from helpers import dense, flat_digits
+
+    from mirrorax.dispatch import StrategyFunction
+
+    x, y, _, _ = flat_digits(56)
+    firsts = []
+    real = StrategyFunction.flat_program
+
+    def flat_program(self, *args):
+        program, treedef = real(self, *args)
+        return (lambda leaves, tree: firsts.append(type(leaves)) or program(leaves, tree)), treedef
+
+    monkeypatch.setattr(StrategyFunction, "flat_program", flat_program)
+    trainer = mx.Trainer(dense(seed=5), mx.MirroredStrategy(devices=jax.devices()[:2]))
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    assert firsts == [list] * 4  # 16 + 16 + 16 + 8 rows
+    assert isinstance(trainer.state, mx.TrainState) and int(trainer.state.step) == 4

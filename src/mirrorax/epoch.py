@@ -19,7 +19,6 @@ devices to be done first (a checkpoint, a flag read) drain the window themselves
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import time
 from collections.abc import Callable
@@ -48,13 +47,14 @@ class Outcome(enum.Enum):
     PREEMPT = "preempt"  # SIGTERM: saved (where asked) and stopping on every process
 
 
-@dataclasses.dataclass
 class EpochRun:
     """What the loop (an epoch, an evaluation, a prediction) knows after dispatching a step (the step
     itself may still be running).
 
     Attributes:
-      state: the training state after the step (on its way: reading it waits for the step).
+      state: the training state after the step (on its way: reading it waits for the step). The train
+        loop keeps it as its leaves between steps (:meth:`leaves`, :meth:`set_leaves`: the compiled step
+        takes and gives them so) and makes the ``TrainState`` only when it is read.
       window: the strategy's window of steps in flight.
       start_batch: the epoch's first batch (non-zero when resuming mid-epoch).
       first_step: the state's step counter when the epoch started.
@@ -68,19 +68,38 @@ class EpochRun:
       relook: a hook replaced the state: the loop looks its program up again.
     """
 
-    state: PyTree
-    window: InFlight
-    start_batch: int = 0
-    first_step: int = 0
-    total: int | None = None
-    metrics: PyTree = None
-    steps: int = 0
-    before: int = 0
-    samples: int = 0
-    aux: Any = None
-    last: bool = False
-    last_done: Any = None
-    relook: bool = False
+    def __init__(self, state: PyTree, window: InFlight, start_batch: int = 0, first_step: int = 0,
+                 total: int | None = None, metrics: PyTree = None) -> None:
+        self._state: PyTree = state
+        self._leaves: list[Any] | None = None
+        self._treedef: Any = None
+        self.window = window
+        self.start_batch, self.first_step, self.total, self.metrics = start_batch, first_step, total, metrics
+        self.steps = self.before = self.samples = 0
+        self.aux: Any = None
+        self.last = False
+        self.last_done: Any = None
+        self.relook = False
+
+    @property
+    def state(self) -> PyTree:
+        if self._state is None and self._leaves is not None:
+            self._state = self._treedef.unflatten(self._leaves)
+        return self._state
+
+    @state.setter
+    def state(self, state: PyTree) -> None:
+        self._state, self._leaves = state, None
+
+    def leaves(self, treedef: Any) -> list[Any]:
+        """The state's leaves, in ``treedef``'s order (the state must have that structure)."""
+        if self._leaves is None or (self._treedef is not treedef and self._treedef != treedef):
+            self._leaves, self._treedef = treedef.flatten_up_to(self.state), treedef
+        return self._leaves
+
+    def set_leaves(self, leaves: list[Any], treedef: Any) -> None:
+        """The state after a step, as the leaves of a ``treedef`` state (made a ``TrainState`` when read)."""
+        self._state, self._leaves, self._treedef = None, leaves, treedef
 
     def retire(self, aux: Any) -> None:
         """The window's ``on_done`` for this loop's steps: ``aux`` is the newest finished step's."""

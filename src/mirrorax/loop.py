@@ -219,8 +219,10 @@ class Loop:
             rest = itertools.chain([first], host) if first is not None else iter(())
             return iter(self.device_batches(rest, self.steps_per_execution, stream.per_process))
 
-        # (steps per call (0: one), real rows) -> the compiled step for this epoch's batches
-        programs: dict[tuple[int, Any], Any] = {}
+        # (steps per call (0: one), real rows) -> the compiled step for this epoch's batches, and the
+        # state's structure: the loop keeps the state as its leaves from step to step (EpochRun.leaves),
+        # which the program takes and gives so (dispatch.FlatProgram: no TrainState built per step).
+        programs: dict[tuple[int, Any], tuple[Any, Any]] = {}
 
         def dispatch(run: epoch_lib.EpochRun, k: int, batch: Batch) -> tuple[Any, Any]:
             tree = batch.step_tree()
@@ -228,11 +230,13 @@ class Loop:
                 programs.clear()
                 run.relook = False
             kind = (k, tree.get("rows"))
-            program = programs.get(kind)
-            if program is None:  # one placed shape, full or short of real rows: one lookup per kind
+            found = programs.get(kind)
+            if found is None:  # one placed shape, full or short of real rows: one lookup per kind
                 beat(COMPILING)  # until the first call returns; not watched: large models compile for minutes
-                program = programs[kind] = (steps.train_many if k else steps.train).program(run.state, tree)
-            (run.state, run.aux), done = program(run.state, tree)
+                found = programs[kind] = (steps.train_many if k else steps.train).flat_program(run.state, tree)
+            program, treedef = found
+            (leaves, run.aux), done = program(run.leaves(treedef), tree)
+            run.set_leaves(leaves, treedef)
             return run.aux, done
 
         try:

@@ -175,7 +175,7 @@ class StepFunctions:
 
             def jit(fn: Callable[..., Any]) -> StrategyFunction:
                 return StrategyFunction(s.batch_mesh, s.in_flight, fn, donate_argnums=self._donate_args,
-                                        out_shardings=self._out, ready=_packed_of)
+                                        out_shardings=self._out, ready=_packed_of, flat_state=True)
 
             self._variants[flag] = (jit(functools.partial(self._train_with_logs, check_labels=flag)),
                                     jit(functools.partial(self._train_many_with_logs, check_labels=flag)))
