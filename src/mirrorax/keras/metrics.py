@@ -206,6 +206,10 @@ def compiled_metric_args(model: Any) -> Any:
     return internals.user_metrics(cm)
 
 
+# (a results program's jaxpr and constants) -> its compiled program, for every model of the process
+_SHARED_RESULTS: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
+
+
 class ResultsProgram:
     """``fn(values)`` (a model's metric results from its accumulators' ``values``) as a compiled program that
     every model computing the same results shares.
@@ -219,7 +223,6 @@ class ResultsProgram:
     Calling raises what tracing ``fn`` raises (``TypeError`` for a ``result()`` that branches on values).
     """
 
-    _shared: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
     _MAX_SHARED = 64  # distinct result computations kept (each a small program)
     _MAX_CONST_BYTES = 1 << 20  # larger constants are not keyed by their bytes: such a trace is not shared
 
@@ -239,12 +242,11 @@ class ResultsProgram:
         key = self._key(traced.closed)
         if key is None:
             return jax.jit(traced.replay)
-        shared = ResultsProgram._shared
-        program = shared.get(key)
+        program = _SHARED_RESULTS.get(key)
         if program is None:
-            program = shared[key] = jax.jit(traced.replay)
-            if len(shared) > self._MAX_SHARED:
-                shared.popitem(last=False)
+            program = _SHARED_RESULTS[key] = jax.jit(traced.replay)
+            if len(_SHARED_RESULTS) > self._MAX_SHARED:
+                _SHARED_RESULTS.popitem(last=False)
         return program
 
     @classmethod
