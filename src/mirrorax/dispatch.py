@@ -371,7 +371,9 @@ class StrategyFunction:
         leaves in ``treedef``'s order (the state's structure: ``treedef.unflatten(leaves)`` is the state).
         The same compiled program as :meth:`program`'s and :meth:`lower`'s for these arguments."""
         if not self._flat_state:
-            raise TypeError("flat_program is for a function made with flat_state=True; call program(*args).")
+            raise TypeError(f"flat_program is for a function made with flat_state=True; received a call on "
+                            f"{getattr(self._fn, '__name__', self._fn)!r}, made with flat_state=False. Call "
+                            "program(*args) instead.")
         made = self._for(args, called=True)
         return self._caller(made.jitted), made.treedef
 
