@@ -71,7 +71,7 @@ def real_rows_only(batch: dict[str, PyTree], sharding: jax.sharding.Sharding
 
     The cut batch's mask is a constant of ones and its count a constant, which XLA folds away: the
     masking that per-process pipelines still need costs the cut batch nothing. Such a batch comes without
-    them (:meth:`Batch.tree <mirrorax.inputs.batch.Batch.tree>`), and without its sample weights when the
+    them (:meth:`Batch.step_tree <mirrorax.inputs.batch.Batch.step_tree>`), and without its sample weights when the
     user gave none: constants of ones here too.
     """
     rows = batch.get("rows")
