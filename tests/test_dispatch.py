@@ -287,3 +287,40 @@ def test_the_train_loop_keeps_the_state_as_its_leaves(monkeypatch):
     trainer.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     assert firsts == [list] * 4  # 16 + 16 + 16 + 8 rows
     assert isinstance(trainer.state, mx.TrainState) and int(trainer.state.step) == 4
+
+
+@pytest.mark.parametrize("collector_on", [True, False])
+def test_programs_trace_with_the_collector_paused_and_leave_it_as_found(collector_on):
+    """A step's trace and compile run with Python's cyclic collector paused (full collections of a large
+    heap took half of a fresh process's step trace, mirrorax._gc), in fit, evaluate, predict and
+    strategy.jit's first call of a signature; the collector is then as the user left it."""
+    import gc
+
+    import optax
+
+    seen = []
+
+    def apply(p, x):
+        seen.append(gc.isenabled())  # Python runs here only while a program is traced
+        return jnp.tanh(x @ p["w"])
+
+    model = mx.FunctionalModel(apply, {"w": np.full((3, 2), 0.1, np.float32)},
+                               loss="sparse_categorical_crossentropy_from_logits", optimizer=optax.sgd(0.1))
+    s = mx.MirroredStrategy(devices=jax.devices()[:2])
+    trainer = mx.Trainer(model, s)
+    x, y = np.ones((10, 3), np.float32), np.arange(10) % 2
+    if not collector_on:
+        gc.disable()
+    try:
+        trainer.fit(x, y, batch_size=4, epochs=2, verbose=0)  # a full batch, then the short last one
+        trainer.evaluate(x, y, batch_size=4, verbose=0)
+        trainer.predict(x, batch_size=4)
+        double = s.jit(lambda a: (seen.append(gc.isenabled()), a * 2)[1])
+        double(s.replicate(np.ones(2, np.float32)))
+        double(s.replicate(np.ones(2, np.float32)))
+        assert gc.isenabled() is collector_on
+    finally:
+        gc.enable()
+    # The first look is the model's build (the outputs' shape, before any program); then the programs.
+    assert seen[0] is collector_on and not any(seen[1:]), seen
+    assert len(seen) >= 6  # two train programs, evaluate's, predict's, the jit's (its one trace)

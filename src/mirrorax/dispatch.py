@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from mirrorax import _gc
 from mirrorax._checks import check_int
 from mirrorax.replica import ReplicaContext, replica_scope, varies_over
 
@@ -314,6 +315,7 @@ class StrategyFunction:
         # The last call's program, for call_fast; while _guard is set, a trace of any program raises.
         self._last: Callable[..., tuple[Any, Any]] | None = None
         self._guard = False
+        self._fresh = False  # _for made (or first called) a signature's program
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
     # -- calling ---------------------------------------------------------------------------------------
@@ -323,8 +325,13 @@ class StrategyFunction:
             raise TypeError(f"{getattr(self._fn, '__name__', 'fn')} (compiled by strategy.jit) takes positional "
                             f"arguments only; received keyword(s) {sorted(kwargs)}. Pass them positionally, or bind "
                             "constants first: strategy.jit(functools.partial(fn, scale=2.0)).")
+        self._fresh = False
         self._last = caller = self._caller(self._for(args, called=True))
-        out, token = caller(*args)
+        if self._fresh:  # this call traces and compiles the program (see mirrorax._gc)
+            with _gc.paused():
+                out, token = caller(*args)
+        else:
+            out, token = caller(*args)
         self._window.push(token)
         return out
 
@@ -427,7 +434,11 @@ class StrategyFunction:
         key = self.signature(*args)
         entry = self._compiled.get(key)
         if entry is None or (called and not entry[1]):
-            fn = self._compile(args) if entry is None else entry[0]
+            if entry is None:
+                with _gc.paused():  # tracing fn here (when the outputs' layouts need its shapes): mirrorax._gc
+                    fn = self._compile(args)
+            else:
+                fn = entry[0]
             entry = self._compiled[key] = (fn, called)
         return entry[0]
 

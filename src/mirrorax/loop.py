@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mirrorax import consistency, preemption
+from mirrorax import _gc, consistency, preemption
 from mirrorax import epoch as epoch_lib
 from mirrorax._host import host_tree, host_value
 from mirrorax._watchdog import COMPILING, HOOKS, IDLE, INPUT, STEP, beat, leaving
@@ -234,8 +234,12 @@ class Loop:
             if found is None:  # one placed shape, full or short of real rows: one lookup per kind
                 beat(COMPILING)  # until the first call returns; not watched: large models compile for minutes
                 found = programs[kind] = (steps.train_many if k else steps.train).flat_program(run.state, tree)
-            program, treedef = found
-            (leaves, run.aux), done = program(run.leaves(treedef), tree)
+                program, treedef = found
+                with _gc.paused():  # the first call traces and compiles (unless planned): see mirrorax._gc
+                    (leaves, run.aux), done = program(run.leaves(treedef), tree)
+            else:
+                program, treedef = found
+                (leaves, run.aux), done = program(run.leaves(treedef), tree)
             run.set_leaves(leaves, treedef)
             return run.aux, done
 
@@ -325,6 +329,9 @@ class Loop:
             if program is None:
                 beat(COMPILING)  # until the first call returns; not watched: large models compile for minutes
                 program = programs[kind] = fns.evaluate.program(run.state, run.metrics, tree)
+                with _gc.paused():
+                    (run.metrics, run.aux), done = program(run.state, run.metrics, tree)
+                return run.aux, done
             (run.metrics, run.aux), done = program(run.state, run.metrics, tree)
             return run.aux, done
 
@@ -387,7 +394,10 @@ class Loop:
             if program is None:
                 beat(COMPILING)  # until the first call returns; not watched: large models compile for minutes
                 program = programs[rows] = fns.predict.program(run.state, batch.x, rows)
-            (y, model_state), done = program(run.state, batch.x, rows)
+                with _gc.paused():
+                    (y, model_state), done = program(run.state, batch.x, rows)
+            else:
+                (y, model_state), done = program(run.state, batch.x, rows)
             run.state = run.state.replace(model_state=model_state)
             return (y, batch.mask), done
 

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from mirrorax import _gc
 from mirrorax.dispatch import MISSED, InFlight, OutShardings, StrategyFunction
 from mirrorax.padding import (
     even_out_shardings,
@@ -378,7 +379,8 @@ class StatefulFunction:
         key = _shape_key(args) if key is None else key
         if key in self._state:
             return self._state[key]
-        entry = self._state[key] = self._discover(args)
+        with _gc.paused():  # the discovery trace, the step's first (mirrorax._gc)
+            entry = self._state[key] = self._discover(args)
         return entry
 
     def _discover(self, args: tuple[Any, ...]) -> _Found | None:
