@@ -318,9 +318,14 @@ def test_programs_trace_with_the_collector_paused_and_leave_it_as_found(collecto
         double = s.jit(lambda a: (seen.append(gc.isenabled()), a * 2)[1])
         double(s.replicate(np.ones(2, np.float32)))
         double(s.replicate(np.ones(2, np.float32)))
+        for stateful in (True, False):  # given layouts: the trace is the first call's own
+            triple = s.jit(lambda a: (seen.append(gc.isenabled()), a * 3)[1], out_shardings=s.replicated,
+                           stateful=stateful)
+            triple(s.replicate(np.ones(2, np.float32)))
+            triple(s.replicate(np.ones(2, np.float32)))
         assert gc.isenabled() is collector_on
     finally:
         gc.enable()
     # The first look is the model's build (the outputs' shape, before any program); then the programs.
     assert seen[0] is collector_on and not any(seen[1:]), seen
-    assert len(seen) >= 6  # two train programs, evaluate's, predict's, the jit's (its one trace)
+    assert len(seen) >= 8  # two train programs, evaluate's, predict's, the jits' traces

@@ -440,6 +440,7 @@ class StrategyFunction:
             else:
                 fn = entry[0]
             entry = self._compiled[key] = (fn, called)
+            self._fresh = True  # (its first call traces and compiles, unless lowered and compiled before)
         return entry[0]
 
     @property
