@@ -292,7 +292,7 @@ def test_the_train_loop_keeps_the_state_as_its_leaves(monkeypatch):
 @pytest.mark.parametrize("collector_on", [True, False])
 def test_programs_trace_with_the_collector_paused_and_leave_it_as_found(collector_on):
     """A step's trace and compile run with Python's cyclic collector paused (full collections of a large
-    heap took half of a fresh process's step trace, mirrorax._gc), in fit, evaluate, predict and
+    heap took half of a fresh process's step trace, mirrorax._first_call), in fit, evaluate, predict and
     strategy.jit's first call of a signature; the collector is then as the user left it."""
     import gc
 

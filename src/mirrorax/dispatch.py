@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from mirrorax import _gc
+from mirrorax import _first_call
 from mirrorax._checks import check_int
 from mirrorax.replica import ReplicaContext, replica_scope, varies_over
 
@@ -327,9 +327,8 @@ class StrategyFunction:
                             "constants first: strategy.jit(functools.partial(fn, scale=2.0)).")
         self._fresh = False
         self._last = caller = self._caller(self._for(args, called=True))
-        if self._fresh:  # this call traces and compiles the program (see mirrorax._gc)
-            with _gc.paused():
-                out, token = caller(*args)
+        if self._fresh:  # this call traces and compiles the program (see mirrorax._first_call)
+            out, token = _first_call.run(caller, *args)
         else:
             out, token = caller(*args)
         self._window.push(token)
@@ -435,8 +434,8 @@ class StrategyFunction:
         entry = self._compiled.get(key)
         if entry is None or (called and not entry[1]):
             if entry is None:
-                with _gc.paused():  # tracing fn here (when the outputs' layouts need its shapes): mirrorax._gc
-                    fn = self._compile(args)
+                # tracing fn here (when the outputs' layouts need its shapes): mirrorax._first_call
+                fn = _first_call.run(self._compile, args)
             else:
                 fn = entry[0]
             entry = self._compiled[key] = (fn, called)

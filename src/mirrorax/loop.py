@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mirrorax import _gc, consistency, preemption
+from mirrorax import _first_call, consistency, preemption
 from mirrorax import epoch as epoch_lib
 from mirrorax._host import host_tree, host_value
 from mirrorax._watchdog import COMPILING, HOOKS, IDLE, INPUT, STEP, beat, leaving
@@ -235,8 +235,8 @@ class Loop:
                 beat(COMPILING)  # until the first call returns; not watched: large models compile for minutes
                 found = programs[kind] = (steps.train_many if k else steps.train).flat_program(run.state, tree)
                 program, treedef = found
-                with _gc.paused():  # the first call traces and compiles (unless planned): see mirrorax._gc
-                    (leaves, run.aux), done = program(run.leaves(treedef), tree)
+                # the first call traces and compiles (unless planned): see mirrorax._first_call
+                (leaves, run.aux), done = _first_call.run(program, run.leaves(treedef), tree)
             else:
                 program, treedef = found
                 (leaves, run.aux), done = program(run.leaves(treedef), tree)
@@ -329,8 +329,7 @@ class Loop:
             if program is None:
                 beat(COMPILING)  # until the first call returns; not watched: large models compile for minutes
                 program = programs[kind] = fns.evaluate.program(run.state, run.metrics, tree)
-                with _gc.paused():
-                    (run.metrics, run.aux), done = program(run.state, run.metrics, tree)
+                (run.metrics, run.aux), done = _first_call.run(program, run.state, run.metrics, tree)
                 return run.aux, done
             (run.metrics, run.aux), done = program(run.state, run.metrics, tree)
             return run.aux, done
@@ -394,8 +393,7 @@ class Loop:
             if program is None:
                 beat(COMPILING)  # until the first call returns; not watched: large models compile for minutes
                 program = programs[rows] = fns.predict.program(run.state, batch.x, rows)
-                with _gc.paused():
-                    (y, model_state), done = program(run.state, batch.x, rows)
+                (y, model_state), done = _first_call.run(program, run.state, batch.x, rows)
             else:
                 (y, model_state), done = program(run.state, batch.x, rows)
             run.state = run.state.replace(model_state=model_state)

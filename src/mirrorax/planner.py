@@ -22,7 +22,7 @@ from typing import IO, Any
 import jax
 import numpy as np
 
-from mirrorax import _gc
+from mirrorax import _first_call
 from mirrorax.device_state import DeviceState
 from mirrorax.inputs.batch import Batch, RealRows, padded_batch_size
 from mirrorax.inputs.make import make_source
@@ -341,8 +341,8 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
     if abstract is None:
         abstract = device.abstract()
     layouts = jax.tree.map(lambda a: a.sharding, abstract)
-    with _gc.paused():  # the trace and compile of the step fit's first call then runs (see mirrorax._gc)
-        compiled = steps.train.lower(abstract, batch).compile()
+    # the trace and compile of the step fit's first call then runs (see mirrorax._first_call)
+    compiled = _first_call.run(lambda: steps.train.lower(abstract, batch).compile())
     mem = compiled.memory_analysis()
     param_bytes = _per_device_bytes(abstract.params, layouts.params)
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes

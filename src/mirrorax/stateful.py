@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from mirrorax import _gc
+from mirrorax import _first_call
 from mirrorax.dispatch import MISSED, InFlight, OutShardings, StrategyFunction
 from mirrorax.padding import (
     even_out_shardings,
@@ -379,8 +379,7 @@ class StatefulFunction:
         key = _shape_key(args) if key is None else key
         if key in self._state:
             return self._state[key]
-        with _gc.paused():  # the discovery trace, the step's first (mirrorax._gc)
-            entry = self._state[key] = self._discover(args)
+        entry = self._state[key] = _first_call.run(self._discover, args)  # the step's first trace
         return entry
 
     def _discover(self, args: tuple[Any, ...]) -> _Found | None:

@@ -1,0 +1,93 @@
+"""A program's first call runs with the frame stack's room reserved (``mirrorax._first_call``).
+
+CPython maps its frames' stack in 16 KiB chunks and unmaps a chunk as soon as the call that needed it
+returns: a trace going up and down across a chunk's end maps, faults in and unmaps a chunk at every
+crossing. The first call's frame reserves room, so the trace's frames stay in one chunk. Observed here
+by the thread's minor page faults (Linux), while a function goes 400 frames deep (about 50 KiB of frames,
+more than a chunk: it crosses at least one chunk's end from any starting depth) and back, 300 times.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mirrorax as mx
+from mirrorax import _first_call
+
+resource = pytest.importorskip("resource")
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(resource, "RUSAGE_THREAD"),
+                       reason="the thread's page faults are counted on Linux only"),
+    pytest.mark.skipif(sys.version_info < (3, 11), reason="CPython keeps frames in mapped chunks from 3.11 on"),
+]
+
+ROUNDS = 300
+
+
+def _down(d: int) -> int:
+    return 0 if d == 0 else _down(d - 1)
+
+
+def _faults_going_deep() -> int:
+    """The thread's minor page faults while ``_down`` goes 400 frames deep and back, ``ROUNDS`` times."""
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    for _ in range(ROUNDS):
+        _down(400)
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+
+def test_going_deep_maps_a_chunk_each_time_without_the_room():
+    """The case the room is for (which the other tests would miss if it did not happen): outside a first
+    call, every round trip maps a fresh chunk."""
+    assert _faults_going_deep() >= ROUNDS
+
+
+def test_a_first_call_keeps_its_frames_in_one_chunk_and_leaves_the_collector_as_found():
+    enabled = gc.isenabled()
+    seen = []
+    assert _first_call.run(lambda a, b=0: seen.append((_faults_going_deep(), gc.isenabled())) or a + b, 2, b=3) == 5
+    (faults, collecting), = seen
+    assert faults < ROUNDS // 10 and not collecting
+    assert gc.isenabled() is enabled
+    # Nested: the outer call's room serves (no second reservation), and the collector stays paused.
+    inner = _first_call.run(lambda: _first_call.run(lambda: (_faults_going_deep(), gc.isenabled())))
+    assert inner[0] < ROUNDS // 10 and inner[1] is False and gc.isenabled() is enabled
+
+
+def test_an_error_inside_leaves_the_collector_on():
+    with pytest.raises(ZeroDivisionError):
+        _first_call.run(lambda: 1 / 0)
+    assert gc.isenabled()
+    assert _faults_going_deep() >= ROUNDS  # and the room is gone with the call
+
+
+@pytest.mark.multi_device
+def test_every_program_traces_with_the_room():
+    """fit's, evaluate's and predict's programs and strategy.jit's first call trace inside a first call
+    (the model's function runs only while a program is traced, after its first look at the shapes)."""
+    import optax
+
+    faults = []
+
+    def apply(p, x):
+        faults.append(_faults_going_deep())
+        return jnp.tanh(x @ p["w"])
+
+    model = mx.FunctionalModel(apply, {"w": np.full((3, 2), 0.1, np.float32)},
+                               loss="sparse_categorical_crossentropy_from_logits", optimizer=optax.sgd(0.1))
+    s = mx.MirroredStrategy(devices=jax.devices()[:2])
+    trainer = mx.Trainer(model, s)
+    x, y = np.ones((10, 3), np.float32), np.arange(10) % 2
+    trainer.fit(x, y, batch_size=4, epochs=1, verbose=0)  # a full batch, then the short last one
+    trainer.evaluate(x, y, batch_size=4, verbose=0)
+    trainer.predict(x, batch_size=4)
+    double = s.jit(lambda a: (faults.append(_faults_going_deep()), a * 2)[1])
+    double(s.replicate(np.ones(2, np.float32)))
+    assert len(faults) >= 6, faults  # the build's look, two train programs, evaluate's, predict's, the jit's
+    assert all(f < ROUNDS // 10 for f in faults[1:]), faults
