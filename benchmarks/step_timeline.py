@@ -9,6 +9,11 @@ between steps for about as long as it computes one means the loop is bound by th
 program changes nothing and every microsecond of host work per step shows in samples/s.
 
     python -m benchmarks.step_timeline --workload transformer --systems jax,mirrorax,keras_scope --steps 300
+    python -m benchmarks.step_timeline --workload transformer --rounds 4   # with the per-step ratios first
+
+``--rounds R``: before the profiles, R rounds of one ``--round-steps``-step chunk per system, the systems in
+alternating order (ABBA), as ``benchmarks.accelerator`` times them; printed per system: the median chunk
+and the median of per-round ratios to the first system's (the hand loop's, by default).
 
 The host's times include the Python profiler's own cost (every Python call is traced); compare systems
 with each other, not with unprofiled chunks. On a CPU backend the device rows are absent (the CPU client
@@ -87,8 +92,10 @@ def read_trace(directory: str) -> list[dict[str, Any]]:
     return trace["traceEvents"] if isinstance(trace, dict) else trace
 
 
-def measure(workload: str, systems: list[str], steps: int, out: str | None = None) -> dict[str, Any]:
-    """Builds each system on one device, warms it up, times two chunks and profiles a third."""
+def measure(workload: str, systems: list[str], steps: int, out: str | None = None, *, rounds: int = 0,
+            round_steps: int = 1000) -> dict[str, Any]:
+    """Builds each system on one device, warms it up, times ``rounds`` interleaved rounds of
+    ``round_steps``-step chunks (none by default), then per system two chunks and a profiled third."""
     import jax
     import keras
 
@@ -100,13 +107,27 @@ def measure(workload: str, systems: list[str], steps: int, out: str | None = Non
     if plan.bf16:
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
     devices = jax.devices()[:1]
-    x, y = workloads.make_data(wl, wl.batch * max(steps, plan.warmup))
+    x, y = workloads.make_data(wl, wl.batch * max(steps, plan.warmup, round_steps if rounds else 0))
     acc._process_warmup(devices)
     runners = {s: acc.build(s, wl, x, y, devices) for s in systems}
     for runner in runners.values():
         runner.call(1)
         runner.call(plan.warmup)
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {s: {} for s in systems}
+    if rounds:
+        timed: dict[str, list[float]] = {s: [] for s in systems}
+        for r in range(rounds):
+            for s in systems if r % 2 == 0 else systems[::-1]:
+                t0 = time.perf_counter()
+                runners[s].call(round_steps)
+                timed[s].append(time.perf_counter() - t0)
+        ref = timed[systems[0]]
+        for s in systems:
+            ratios = [a / b for a, b in zip(ref, timed[s])]
+            results[s].update(rounds_s=timed[s], round_steps=round_steps, ratio_to_first=statistics.median(ratios))
+            print(f"{workload} {s}: {1e3 * statistics.median(timed[s]) / round_steps:.4f} ms a step over {rounds} "
+                  f"rounds of {round_steps} steps; / {systems[0]}: {statistics.median(ratios):.4f} (per round "
+                  + " ".join(f"{v:.3f}" for v in ratios) + ")", flush=True)
     for s, runner in runners.items():
         chunks = []
         for _ in range(2):
@@ -120,7 +141,7 @@ def measure(workload: str, systems: list[str], steps: int, out: str | None = Non
             profiled = time.perf_counter() - t0
             jax.profiler.stop_trace()
             lines = summarize(read_trace(d))
-        results[s] = {"chunk_s": chunks, "profiled_chunk_s": profiled, "timelines": lines}
+        results[s].update(chunk_s=chunks, profiled_chunk_s=profiled, timelines=lines)
         print(f"{workload} {s}: {steps} steps in {min(chunks):.4f} s ({1e3 * min(chunks) / steps:.3f} ms a step), "
               f"profiled {profiled:.4f} s", flush=True)
         for where, v in lines.items():
@@ -139,9 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="transformer")
     p.add_argument("--systems", default="jax,mirrorax,keras_scope,guide_api")
     p.add_argument("--steps", type=int, default=300, help="steps per chunk (one fit call)")
+    p.add_argument("--rounds", type=int, default=0, help="interleaved rounds of unprofiled chunks first (default 0)")
+    p.add_argument("--round-steps", type=int, default=1000, help="steps per chunk of those rounds (default 1000)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
-    measure(args.workload, args.systems.split(","), args.steps, args.out)
+    measure(args.workload, args.systems.split(","), args.steps, args.out, rounds=args.rounds,
+            round_steps=args.round_steps)
     return 0
 
 

@@ -198,17 +198,20 @@ def test_step_timeline_counts_each_step_once_with_its_idle_gap():
 
 
 def test_step_timeline_reads_the_profilers_trace_on_cpu(tmp_path):
-    """``python -m benchmarks.step_timeline`` on the CPU: each system's profiled chunk is read back from
-    jax.profiler's Perfetto trace, one host call per step (the CPU client keeps no device timeline)."""
+    """``python -m benchmarks.step_timeline`` on the CPU: the interleaved rounds, then each system's profiled
+    chunk read back from jax.profiler's Perfetto trace, one host call per step (the CPU client keeps no
+    device timeline)."""
     out = tmp_path / "timeline.json"
     proc = subprocess.run(python("-m", "benchmarks.step_timeline", "--workload", "mlp", "--systems", "jax,mirrorax",
-                                 "--steps", "4", "--out", str(out)),
+                                 "--steps", "4", "--rounds", "2", "--round-steps", "3", "--out", str(out)),
                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     systems = json.loads(out.read_text())["systems"]
     assert sorted(systems) == ["jax", "mirrorax"]
+    assert systems["jax"]["ratio_to_first"] == 1.0  # the first system is the rounds' reference
     for s, r in systems.items():
         assert len(r["chunk_s"]) == 2 and r["profiled_chunk_s"] > 0
+        assert len(r["rounds_s"]) == 2 and r["round_steps"] == 3 and r["ratio_to_first"] > 0
         # The Python thread is named after the interpreter's executable (python, python3, python3.11).
         host = [v for k, v in r["timelines"].items() if k.startswith("/host:")]
         assert len(host) == 1 and host[0]["steps"] == 4, (s, r["timelines"])
