@@ -24,11 +24,13 @@ of its own, so that the device's peak memory (``memory_stats()["peak_bytes_in_us
 Every process first runs a tiny Keras ``fit`` and a tiny mirrorax ``fit`` (the one-time costs of a process:
 imports, JAX's and Keras's first programs), then each system's **time to first step**: its first call of
 one step, from the call to the step's state being ready (the step's trace and compile included; the table
-also gives the XLA compile's share of the last one, which is the compiler's time on the same program
-for every system), then a warm-up call, then the timed chunks. On a TPU the first large program a process
-compiles takes ~1.5 s longer (the CNN: 4.7 s first, 3.2 s last in one order; the same in reverse), so
-where the systems share a process (mlp, cnn) each is built and timed ``first_rounds`` times, forward and
-reverse order in turn, after an untimed first step of the hand loop; the median is shown.
+also gives, as medians over the timed builds, the XLA compile's share, which is the compiler's time and
+varies up to 2x between builds of one program on a TPU, and the trace and lowering's, which is the
+host's Python work and what a system controls), then a warm-up call, then the timed chunks. On a TPU the
+first large program a process compiles takes ~1.5 s longer (the CNN: 4.7 s first, 3.2 s last in one
+order; the same in reverse), so where the systems share a process (mlp, cnn) each is built and timed
+``first_rounds`` times, forward and reverse order in turn, after an untimed first step of the hand loop;
+the median is shown.
 MFU: model FLOPs per sample (``workloads.flops_per_sample``: ``6 x
 params`` per token plus attention) times samples/s over the device's dense bf16 peak (``--peak-tflops``;
 known: TPU v5e 197, v4 275, v5p 459, v6e 918, H100/H200 989 TFLOP/s). ``mx.plan`` is called after each
@@ -233,14 +235,17 @@ def child(workload: str, systems: list[str], plan: Plan, out_path: str) -> None:
     _process_warmup(devices)
     runners, results = {}, {}
     firsts: dict[str, list[float]] = {s: [] for s in systems}
+    breakdowns: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}  # each timed build's trace and compile
     if plan.first_rounds > 1:
         build("jax", wl, x, y, devices).call(1)  # the compiler's first program of this size, untimed
         for r in range(plan.first_rounds - 1):
             for s in systems[::-1] if r % 2 == 0 else systems:
                 runner = build(s, wl, x, y, devices)
                 t0 = time.perf_counter()
-                runner.call(1)
+                with _Compiles() as counted:
+                    runner.call(1)
                 firsts[s].append(time.perf_counter() - t0)
+                breakdowns[s].append(counted.breakdown())
                 del runner
     for s in systems:
         runners[s] = build(s, wl, x, y, devices)
@@ -248,6 +253,7 @@ def child(workload: str, systems: list[str], plan: Plan, out_path: str) -> None:
         with _Compiles() as first_compiles:
             runners[s].call(1)
         firsts[s].append(time.perf_counter() - t0)
+        breakdowns[s].append(first_compiles.breakdown())
         first = statistics.median(firsts[s])
         t0 = time.perf_counter()
         runners[s].call(plan.warmup)
@@ -256,7 +262,10 @@ def child(workload: str, systems: list[str], plan: Plan, out_path: str) -> None:
                       "warmup_s": time.perf_counter() - t0, "chunk_s": [], "steps": plan.steps, "batch": wl.batch,
                       "bf16": plan.bf16, "num_params": params, "seq_len": wl.seq_len,
                       "flops_per_sample": workloads.flops_per_sample(wl, params), "device_kind": devices[0].device_kind,
-                      "first_step_breakdown": first_compiles.breakdown()}
+                      "first_step_breakdown": first_compiles.breakdown(),
+                      # medians over the timed builds: the host's part (trace and lowering), and XLA's
+                      "first_trace_s": statistics.median(b["trace_s"] + b["lower_s"] for b in breakdowns[s]),
+                      "first_compile_s": statistics.median(b["compile_s"] for b in breakdowns[s])}
         print(f"{workload} {s}: first step {first:.2f} s (" + " ".join(f"{v:.2f}" for v in firsts[s])
               + f"); the last one's trace and compile: {json.dumps(first_compiles.breakdown())}", flush=True)
     for r in range(plan.rounds):
@@ -303,7 +312,8 @@ def summarize(rows: list[dict[str, Any]], peak_tflops: float | None) -> dict[str
             "ratio_to_hand": ratio, "mfu": flops / (peak * 1e12) if peak else None,
             "device_peak_mib": r["device_peak_bytes"] / 2**20 if r.get("device_peak_bytes") else None,
             "first_step_s": r["first_step_s"], "plan_compiles": r.get("plan_compiles"),
-            "first_compile_s": (r.get("first_step_breakdown") or {}).get("compile_s"),
+            "first_compile_s": r.get("first_compile_s", (r.get("first_step_breakdown") or {}).get("compile_s")),
+            "first_trace_s": r.get("first_trace_s"),
             "step_ms": 1e3 / (rate / r["batch"]) if rate else None}
     return out
 
@@ -312,8 +322,8 @@ def markdown(summary: dict[str, dict[str, dict[str, Any]]], device: str) -> str:
     """The table: a row per workload and system."""
     lines = [f"Device: {device}. Ratio: samples/s over the hand-written loop's (>= 0.98 is the bar).", "",
              "| workload | system | samples/s | tokens/s | ms/step | / hand loop | MFU | peak device MiB | "
-             "first step s | of which XLA compile s | plan compiles |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "first step s | of which XLA compile s | of which trace and lowering s | plan compiles |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
@@ -327,7 +337,7 @@ def markdown(summary: dict[str, dict[str, dict[str, Any]]], device: str) -> str:
                          f"{f(v['step_ms'], '.3f')} | {f(v['ratio_to_hand'], '.3f')} | "
                          f"{f(v['mfu'] and 100 * v['mfu'], '.1f')}{'%' if v['mfu'] else ''} | "
                          f"{f(v['device_peak_mib'], ',.0f')} | {v['first_step_s']:.2f} | "
-                         f"{f(v.get('first_compile_s'), '.2f')} | "
+                         f"{f(v.get('first_compile_s'), '.2f')} | {f(v.get('first_trace_s'), '.3f')} | "
                          f"{f(v['plan_compiles'], 'd')} |")
     return "\n".join(lines) + "\n"
 

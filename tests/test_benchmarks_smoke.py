@@ -145,8 +145,13 @@ def test_accelerator_table_cpu_smoke(tmp_path):
         assert len(firsts) == (2 if r["workload"] == "mlp" else 1), r
         assert r["first_step_s"] == pytest.approx(sum(firsts) / len(firsts))
         assert b["compiles"] >= 1 and b["traces"] >= 1 and 0 < b["compile_s"] < r["first_step_s"] + 1, b
+        # the medians over the timed builds: the host's trace and lowering, and XLA's compile
+        assert 0 < r["first_trace_s"] < max(firsts) and 0 < r["first_compile_s"] < max(firsts) + 1, r
+    for rows in summary.values():
+        assert all(v["first_trace_s"] > 0 and v["first_compile_s"] > 0 for v in rows.values()), rows
     table = (tmp_path / "results.md").read_text()
     assert "| lm | model.fit under scope |" in table and "python -m benchmarks.accelerator --cpu-smoke" in table
+    assert "| of which trace and lowering s |" in table
 
 
 def test_gpu_script_names_the_systems_when_one_is_unknown(capsys):
