@@ -1,4 +1,4 @@
-"""A program's first call runs with the frame stack's room reserved (``mirrorax._first_call``).
+"""A program's first call runs with the collector paused and the frame stack's room reserved (``mirrorax._first_call``).
 
 CPython maps its frames' stack in 16 KiB chunks and unmaps a chunk as soon as the call that needed it
 returns: a trace going up and down across a chunk's end maps, faults in and unmaps a chunk at every
@@ -68,15 +68,22 @@ def test_an_error_inside_leaves_the_collector_on():
 
 
 @pytest.mark.multi_device
-def test_every_program_traces_with_the_room():
-    """fit's, evaluate's and predict's programs and strategy.jit's first call trace inside a first call
-    (the model's function runs only while a program is traced, after its first look at the shapes)."""
+@pytest.mark.parametrize("collector_on", [True, False])
+def test_every_program_traces_in_a_first_call(collector_on):
+    """fit's, evaluate's and predict's programs, strategy.jit's first call of a signature and its
+    discovery trace (stateful) or layout trace (given layouts) all trace inside a first call: the collector
+    paused (full collections of a large heap took half of a fresh process's step trace) and the frame
+    stack's room reserved; afterwards the collector is as the user left it. The traced functions run
+    Python only while a program is traced (after the model's first look at the shapes)."""
     import optax
 
-    faults = []
+    seen = []  # (collector on, faults going deep) at each trace
+
+    def look():
+        seen.append((gc.isenabled(), _faults_going_deep()))
 
     def apply(p, x):
-        faults.append(_faults_going_deep())
+        look()
         return jnp.tanh(x @ p["w"])
 
     model = mx.FunctionalModel(apply, {"w": np.full((3, 2), 0.1, np.float32)},
@@ -84,10 +91,23 @@ def test_every_program_traces_with_the_room():
     s = mx.MirroredStrategy(devices=jax.devices()[:2])
     trainer = mx.Trainer(model, s)
     x, y = np.ones((10, 3), np.float32), np.arange(10) % 2
-    trainer.fit(x, y, batch_size=4, epochs=1, verbose=0)  # a full batch, then the short last one
-    trainer.evaluate(x, y, batch_size=4, verbose=0)
-    trainer.predict(x, batch_size=4)
-    double = s.jit(lambda a: (faults.append(_faults_going_deep()), a * 2)[1])
-    double(s.replicate(np.ones(2, np.float32)))
-    assert len(faults) >= 6, faults  # the build's look, two train programs, evaluate's, predict's, the jit's
-    assert all(f < ROUNDS // 10 for f in faults[1:]), faults
+    if not collector_on:
+        gc.disable()
+    try:
+        trainer.fit(x, y, batch_size=4, epochs=2, verbose=0)  # a full batch, then the short last one
+        trainer.evaluate(x, y, batch_size=4, verbose=0)
+        trainer.predict(x, batch_size=4)
+        double = s.jit(lambda a: (look(), a * 2)[1])
+        double(s.replicate(np.ones(2, np.float32)))
+        double(s.replicate(np.ones(2, np.float32)))
+        for stateful in (True, False):  # given layouts: the trace is the first call's own
+            triple = s.jit(lambda a: (look(), a * 3)[1], out_shardings=s.replicated, stateful=stateful)
+            triple(s.replicate(np.ones(2, np.float32)))
+            triple(s.replicate(np.ones(2, np.float32)))
+        assert gc.isenabled() is collector_on
+    finally:
+        gc.enable()
+    # The first look is the model's build (the outputs' shape, before any program); then the programs.
+    assert seen[0][0] is collector_on and not any(on for on, _ in seen[1:]), seen
+    assert all(faults < ROUNDS // 10 for _, faults in seen[1:]), seen
+    assert len(seen) >= 8  # two train programs, evaluate's, predict's, the jits' traces
