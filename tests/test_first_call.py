@@ -111,3 +111,39 @@ def test_every_program_traces_in_a_first_call(collector_on):
     assert seen[0][0] is collector_on and not any(on for on, _ in seen[1:]), seen
     assert all(faults < ROUNDS // 10 for _, faults in seen[1:]), seen
     assert len(seen) >= 8  # two train programs, evaluate's, predict's, the jits' traces
+
+
+def _deep(k: int, f):
+    return f() if k == 0 else _deep(k - 1, f)
+
+
+@pytest.mark.multi_device
+def test_a_warm_fit_keeps_its_frames_in_one_chunk_from_any_depth():
+    """Trainer.fit (evaluate, predict) runs with the room too: called from deeper and deeper stacks (a
+    notebook's, a framework's), a warm fit's own Python straddles a chunk's end at some depth, and there
+    it mapped a chunk again and again (the bare method: >= 30 faults a call; with the room a few)."""
+    import optax
+
+    model = mx.FunctionalModel(lambda p, x: jnp.tanh(x @ p["w"]), {"w": np.full((3, 2), 0.1, np.float32)},
+                               loss="sparse_categorical_crossentropy_from_logits", optimizer=optax.sgd(0.1))
+    trainer = mx.Trainer(model, mx.MirroredStrategy(devices=jax.devices()[:2]))
+    x, y = np.ones((16, 3), np.float32), np.arange(16) % 2
+
+    def faults(fit) -> int:
+        fit()  # warm: the programs compiled
+        worst = 0
+        for depth in range(0, 240, 3):  # ~24 KiB of frames: more than a chunk, so some depth straddles one
+            before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+            _deep(depth, fit)
+            worst = max(worst, resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+        return worst
+
+    def roomy():
+        trainer.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+    def bare():
+        type(trainer).fit.__wrapped__(trainer, x, y, batch_size=8, epochs=1, verbose=0)
+
+    assert faults(bare) >= 30  # the case the room is for happens here
+    assert faults(roomy) < 15
+    assert int(trainer.state.step) == 2 * (1 + 80) * 2  # every fit ran: 2 steps each, 81 fits per form, 2 forms

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Any, Literal, NoReturn
 
-from mirrorax import fit_plan, planner, preemption
+from mirrorax import _first_call, fit_plan, planner, preemption
 from mirrorax import resume as resume_lib
 from mirrorax._checks import check_int
 from mirrorax._host import host_tree
@@ -202,6 +202,7 @@ class Trainer:
         return check_batch_size(batch_size)
 
     # -- fit ---------------------------------------------------------------------------------------
+    @_first_call.with_room  # the frame stack's room for the whole call: mirrorax._first_call
     def fit(self, x: Any, y: Any = None, *, batch_size: int | None = None, epochs: int = 1,
             validation_data: Any = None, validation_batch_size: int | None = None,
             validation_steps: int | None = None, validation_freq: int | Sequence[int] = 1,
@@ -296,6 +297,7 @@ class Trainer:
         optimizer.finalize_variable_values(self.model.trainable_weights)
 
     # -- evaluate / predict ------------------------------------------------------------------------
+    @_first_call.with_room  # the frame stack's room for the whole call: mirrorax._first_call
     def evaluate(self, x: Any, y: Any = None, *, batch_size: int | None = None, sample_weight: Any = None,
                  verbose: int | str = 0, steps: int | None = None, callbacks: Any = None) -> dict[str, float]:
         """Loss and metrics over every example of ``(x, y)``, in inference mode.
@@ -323,6 +325,7 @@ class Trainer:
             self.stream.write(f"evaluate - {format_logs(logs)}\n")
         return logs
 
+    @_first_call.with_room  # the frame stack's room for the whole call: mirrorax._first_call
     def predict(self, x: Any, *, batch_size: int | None = None, verbose: int | str = 0, steps: int | None = None,
                 callbacks: Any = None) -> Any:
         """The model's outputs for every row of ``x``, in input order.
