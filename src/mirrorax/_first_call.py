@@ -63,7 +63,18 @@ def _roomy(plain: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _roomy_call = _roomy(_call)
-_inside = threading.local()  # whether this thread already runs a first call (a nested one needs no new room)
+_inside = threading.local()  # whether this thread already runs in the room (a nested call needs no new one)
+
+
+def _in_room(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+    """``fn(*args, **kwargs)`` from a frame with the frame stack's room reserved; inside one, as it is."""
+    if getattr(_inside, "on", False):
+        return fn(*args, **kwargs)
+    _inside.on = True
+    try:
+        return cast(T, _roomy_call(fn, args, kwargs))
+    finally:
+        _inside.on = False
 
 
 def run(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
@@ -71,28 +82,19 @@ def run(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     runs) and the frame stack's room reserved; the collector is left enabled or disabled as it was found."""
     enabled = gc.isenabled()
     gc.disable()
-    nested = getattr(_inside, "on", False)
-    _inside.on = True
     try:
-        return fn(*args, **kwargs) if nested else cast(T, _roomy_call(fn, args, kwargs))
+        return _in_room(fn, args, kwargs)
     finally:
-        _inside.on = nested
         if enabled:
             gc.enable()
 
 
 def with_room(method: Callable[..., T]) -> Callable[..., T]:
-    """``method`` run from a frame with the frame stack's room reserved (the collector untouched: a whole
-    fit must collect); a call already inside one runs as it is."""
+    """``method`` run with the frame stack's room reserved (the collector untouched: a whole fit must
+    collect)."""
 
     @functools.wraps(method)
     def roomy(*args: Any, **kwargs: Any) -> T:
-        if getattr(_inside, "on", False):
-            return method(*args, **kwargs)
-        _inside.on = True
-        try:
-            return cast(T, _roomy_call(method, args, kwargs))
-        finally:
-            _inside.on = False
+        return _in_room(method, args, kwargs)
 
     return roomy
