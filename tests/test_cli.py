@@ -1,9 +1,9 @@
 """The main job and the device listing, run as a user runs them.
 
-The main job reaching 95% and the device listing run as processes (``python -m mirrorax.cli``), as a user
-runs them; the flags' behaviours (a missing file, an MNIST .npz, resuming from ``--checkpoint-dir``, the
-plan) run through the same ``main`` in this process, on its 8 devices: each process would pay the imports
-and compiles again for the same code path.
+The main job reaching 95% and the device listing run as processes (``python -m mirrorax``, what a user of
+a checkout without the console script types); the flags' behaviours (a missing file, an MNIST .npz, resuming
+from ``--checkpoint-dir``, the plan) run through the same ``main`` in this process, on its 8 devices: each
+process would pay the imports and compiles again for the same code path.
 """
 
 import os
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.multi_device
 def _run(args, tmp_path, timeout=300):
     # The CLI turns on its compilation cache in MIRRORAX_CACHE_DIR: the session's (tests/conftest.py).
     cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path / "xla")
-    return subprocess.run(python("-m", "mirrorax.cli", *args), capture_output=True, text=True,
+    return subprocess.run(python("-m", "mirrorax", *args), capture_output=True, text=True,
                           timeout=timeout, env=clean_env(MIRRORAX_CACHE_DIR=cache))
 
 
