@@ -206,11 +206,12 @@ _FAILED: dict[str, frozenset[tuple[str, str]]] = {}
 
 
 def _detect(kinds: Sequence[Any]) -> ClusterInfo | None:
+    environ = frozenset(os.environ.items())  # what a detector that failed read: skip it while it stays so
     for env in kinds:
         if env.opt_in_only_method:
             continue
         name = env.name or env.__name__
-        if _FAILED.get(name) == frozenset(os.environ.items()):
+        if _FAILED.get(name) == environ:
             continue
         # JAX's Kubernetes detector warns in every pod without the `kubernetes` package and queries
         # the API server otherwise: consult it only for indexed jobs, the kind it can bootstrap.
@@ -238,7 +239,7 @@ def _detect(kinds: Sequence[Any]) -> ClusterInfo | None:
         except (AttributeError, TypeError):
             raise  # the private interface changed under us: _from_jax_detectors says so
         except Exception as e:  # noqa: BLE001 - the environment looked like a cluster but could not be read
-            _FAILED[name] = frozenset(os.environ.items())
+            _FAILED[name] = environ
             _say(f"mirrorax: JAX's {name!r} cluster detector found its environment but "
                  f"failed to read the job ({type(e).__name__}: {_first_line(e)}); running as one process. To "
                  "join a multi-process job, set MIRRORAX_COORDINATOR=host:port, MIRRORAX_NUM_PROCESSES and "
