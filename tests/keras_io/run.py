@@ -173,17 +173,18 @@ def _differences(stem: str, current: dict[str, Any]) -> list[str]:
     return [f"{k}: recorded {recorded.get(k)!r}, now {v!r}" for k, v in current.items() if recorded.get(k) != v]
 
 
-def _current_stem(name: str) -> str | None:
-    current = record_key(name)
+def _current_stem(name: str, current: dict[str, Any] | None = None) -> str | None:
+    current = record_key(name) if current is None else current
     return next((stem for stem in _stems(name) if not _differences(stem, current)), None)
 
 
 def stale_fields(name: str) -> list[str]:
     """The key fields in which ``name``'s record differs from now (["no record"] when there is none);
     ``[]`` when one of its records (``_stems``) is current."""
-    if _current_stem(name) is not None:
+    current = record_key(name)
+    if _current_stem(name, current) is not None:
         return []
-    return _differences(name, record_key(name))
+    return _differences(name, current)
 
 
 def load_record(name: str) -> dict[str, np.ndarray]:
