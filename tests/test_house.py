@@ -44,6 +44,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("mirrorax",),  # the package's __init__: the public API, re-exported
     ("zoo",),
     ("cli",),
+    ("__main__",),  # python -m mirrorax: the cli, run
 ]
 FLOOR = {m if m == "mirrorax" else f"mirrorax.{m}": i for i, floor in enumerate(FLOORS) for m in floor}
 #: Names whose private members belong to another module's object (as the house tool reads them).
