@@ -261,7 +261,10 @@ class KerasAdapter(ModelAdapter):
     @contextlib.contextmanager
     def _watch_losses(self) -> Iterator[None]:
         """While Keras computes the loss: whether it is the compiled loss alone (no regularisation or
-        ``add_loss`` terms, no ``compute_loss`` of the model's own), recorded for :meth:`_rows_loss`."""
+        ``add_loss`` terms, no ``compute_loss`` of the model's own) of outputs without a Keras mask, recorded
+        for :meth:`_rows_loss`. (A masked loss divides by the batch's count of unmasked entries, so it does
+        not add up over rows; and the outputs a train step gets back from the gradient's trace have lost
+        their masks, so the loss is where they can be seen.)"""
         model = self.model
         self._compiled_loss_only = False
         if type(model).compute_loss is not internals.keras_trainer().compute_loss or \
@@ -271,7 +274,8 @@ class KerasAdapter(ModelAdapter):
         keras_compute_loss = model.compute_loss
 
         def compute_loss(*args: Any, **kwargs: Any) -> Any:
-            self._compiled_loss_only = not model.losses
+            y_pred = kwargs["y_pred"] if "y_pred" in kwargs else args[2] if len(args) > 2 else None
+            self._compiled_loss_only = not model.losses and keras_metrics.unmasked(y_pred)
             return keras_compute_loss(*args, **kwargs)
 
         model.compute_loss = compute_loss
