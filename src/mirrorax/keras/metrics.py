@@ -28,7 +28,7 @@ from mirrorax.keras import _internals as internals
 from mirrorax.models.base import real_count
 
 __all__ = ["update", "update_compile_metrics", "all_metrics", "resets_itself", "compiled_metric_args",
-           "ResultsProgram"]
+           "ResultsProgram", "unmasked"]
 
 PyTree = Any
 
@@ -56,7 +56,7 @@ def update(model: Any, values: list[Any], loss: Any, batch: dict[str, PyTree], y
     totals: list[Any] = []
     if where is not None:
         packed = [] if cm is None else _packable(cm, batch["y"], y_pred)
-        if not _unmasked(y_pred):
+        if not unmasked(y_pred):
             rows_loss = None
         own = [v for m in packed for v in m.variables]
         if rows_loss is not None or packed:
@@ -152,7 +152,17 @@ def update_compile_metrics(cm: Any, y: Any, y_pred: Any, mask: Any, weights: Any
     for metric, y_t, y_p, w in _compile_metric_items(cm, y, y_pred, mask, weights):
         if (skip is not None and id(metric) in skip) or (only is not None and id(metric) not in only):
             continue
-        metric.update_state(y_t, y_p, sample_weight=w if _per_example(metric, y_t, y_p) else None)
+        metric.update_state(y_t, y_p, sample_weight=_against_mask(w, y_p) if _per_example(metric, y_t, y_p)
+                            else None)
+
+
+def _against_mask(weights: Any, y_pred: Any) -> Any:
+    """Per-row ``weights`` shaped to multiply the Keras mask ``y_pred`` carries (a sequence model's
+    ``(batch, time)`` mask): Keras multiplies the two without broadcasting a ``(batch,)`` weight."""
+    mask = internals.keras_mask(y_pred)
+    if weights is None or mask is None or weights.ndim >= mask.ndim:
+        return weights
+    return weights.reshape(weights.shape + (1,) * (mask.ndim - weights.ndim))
 
 
 def _full_precision(y_pred: Any) -> bool:
@@ -161,7 +171,7 @@ def _full_precision(y_pred: Any) -> bool:
                for p in jax.tree.leaves(y_pred))
 
 
-def _unmasked(y_pred: Any) -> bool:
+def unmasked(y_pred: Any) -> bool:
     """Whether no output carries a Keras mask (a masked loss or metric divides by a global count)."""
     return all(internals.keras_mask(p) is None for p in jax.tree.leaves(y_pred))
 
@@ -176,7 +186,7 @@ def _packable(cm: Any, y: Any, y_pred: Any) -> list[Any]:
         return []
     if not cm.built:
         cm.build(y, y_pred)
-    if not _unmasked(y_pred):
+    if not unmasked(y_pred):
         return []
     adds_up = internals.sum_based_metric_updates()
     return [metric for metric, y_t, y_p, _ in _compile_metric_items(cm, y, y_pred, None, None)
