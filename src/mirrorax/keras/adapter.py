@@ -276,6 +276,10 @@ class KerasAdapter(ModelAdapter):
         def compute_loss(*args: Any, **kwargs: Any) -> Any:
             y_pred = kwargs["y_pred"] if "y_pred" in kwargs else args[2] if len(args) > 2 else None
             self._compiled_loss_only = not model.losses and keras_metrics.unmasked(y_pred)
+            if "sample_weight" in kwargs:
+                kwargs["sample_weight"] = _per_output(kwargs["sample_weight"], y_pred)
+            elif len(args) > 3:
+                args = (*args[:3], _per_output(args[3], y_pred), *args[4:])
             return keras_compute_loss(*args, **kwargs)
 
         model.compute_loss = compute_loss
@@ -793,3 +797,21 @@ def _masked_moments(x: Any, mask: Any, axes: tuple[int, ...]) -> tuple[Any, Any]
         limit = jnp.finfo(jnp.float16)
         mean, var = (jnp.clip(v, limit.min, limit.max).astype(dtype) for v in (mean, var))
     return mean, var
+
+
+def _per_output(weight: Any, y_pred: Any) -> Any:
+    """The loss's per-row ``weight`` (the padding mask times the user's weights) as Keras's loss of each of
+    several outputs takes it: Keras multiplies a weight by an output's per-example losses and its Keras
+    mask without broadcasting a ``(batch,)`` weight over their other axes, so it is shaped ``(batch, 1,
+    ...)`` to the mask's rank, or to the losses' (the output's rank less its last axis). One output (its
+    weight is shaped by its target) and weights that are not one array pass unchanged."""
+    if not hasattr(weight, "shape") or len(jax.tree.leaves(y_pred)) < 2:
+        return weight
+    rows = weight.reshape(-1)
+
+    def shaped(p: Any) -> Any:
+        mask = internals.keras_mask(p)
+        rank = mask.ndim if mask is not None else getattr(p, "ndim", 2) - 1
+        return rows.reshape((-1,) + (1,) * (max(rank, 1) - 1))
+
+    return jax.tree.map(shaped, y_pred)
