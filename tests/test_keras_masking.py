@@ -9,10 +9,13 @@ the mask here are random, so any step that ignores the mask reports other number
 
 from __future__ import annotations
 
+import jax
 import keras
 import numpy as np
 import pytest
 from helpers import strategy
+
+import mirrorax as mx
 
 pytestmark = pytest.mark.multi_device
 
@@ -105,3 +108,29 @@ def test_a_masked_output_beside_an_unmasked_one_gives_keras_numbers():
     # mask's (batch,) weight, given to both outputs, made the tags' loss raise on 8 devices.
     _assert_same(_run(8, _tagger_and_classifier, two_outputs=True),
                  _run(None, _tagger_and_classifier, two_outputs=True))
+
+
+def test_a_per_process_pipeline_padding_a_masked_batch_gives_keras_numbers():
+    # A per-process pipeline's short batch stays padded and masked (only the devices know the global
+    # count). Keras divides a masked loss by all the batch's unmasked timesteps: with the padding's
+    # weight zero and the real rows scaled by rows / real rows, the loss and its gradient were the
+    # wrong mean (1.6411 for Keras's 1.5979 in the first epoch of a longer run; the weights 7e-3 apart).
+    x, y = _data()
+    keras.utils.set_random_seed(1)
+    model = _tagger()
+    want = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+    want_evaluated = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+
+    s = mx.MirroredStrategy(devices=jax.devices()[:4])
+
+    def pipeline(ctx):
+        return [(x[lo:lo + BATCH], y[lo:lo + BATCH]) for lo in range(0, ROWS, BATCH)]
+
+    keras.utils.set_random_seed(1)
+    with s.scope():
+        scoped = _tagger()
+    trainer = mx.Trainer(scoped, s)
+    history = trainer.fit(s.distribute_datasets_from_function(pipeline), batch_size=BATCH, epochs=2,
+                          verbose=0).history
+    evaluated = trainer.evaluate(s.distribute_datasets_from_function(pipeline), batch_size=BATCH, verbose=0)
+    _assert_same((history, evaluated, scoped.get_weights()), (want, want_evaluated, model.get_weights()))

@@ -242,7 +242,7 @@ class KerasAdapter(ModelAdapter):
         mask = batch["mask"]
         loss_weight = self._loss_weight(batch["sample_weight"], mask, batch["y"], mask.shape[0], real_count(batch))
         with _masked_batch_norm(self.model, mask, self.keras), _loss_trackers_count(self.model, real_count(batch)), \
-                self._watch_losses():
+                self._watch_losses(mask, real_count(batch)):
             return self.model.compute_loss_and_updates(
                 self._unpack("params", params), self._unpack("model_state", model_state),
                 self._unpack("metrics", metrics), batch["x"], batch["y"], loss_weight,
@@ -259,12 +259,14 @@ class KerasAdapter(ModelAdapter):
         return loss_weight
 
     @contextlib.contextmanager
-    def _watch_losses(self) -> Iterator[None]:
+    def _watch_losses(self, row_mask: Any, real: Any) -> Iterator[None]:
         """While Keras computes the loss: whether it is the compiled loss alone (no regularisation or
         ``add_loss`` terms, no ``compute_loss`` of the model's own) of outputs without a Keras mask, recorded
         for :meth:`_rows_loss`. (A masked loss divides by the batch's count of unmasked entries, so it does
         not add up over rows; and the outputs a train step gets back from the gradient's trace have lost
-        their masks, so the loss is where they can be seen.)"""
+        their masks, so the loss is where they can be seen.) There the loss's weight is given to each output
+        as Keras's loss of it takes it (:func:`_per_output`; ``row_mask`` and ``real``: the batch's padding
+        mask and its count of real rows)."""
         model = self.model
         self._compiled_loss_only = False
         if type(model).compute_loss is not internals.keras_trainer().compute_loss or \
@@ -277,9 +279,9 @@ class KerasAdapter(ModelAdapter):
             y_pred = kwargs["y_pred"] if "y_pred" in kwargs else args[2] if len(args) > 2 else None
             self._compiled_loss_only = not model.losses and keras_metrics.unmasked(y_pred)
             if "sample_weight" in kwargs:
-                kwargs["sample_weight"] = _per_output(kwargs["sample_weight"], y_pred)
+                kwargs["sample_weight"] = _per_output(kwargs["sample_weight"], y_pred, row_mask, real)
             elif len(args) > 3:
-                args = (*args[:3], _per_output(args[3], y_pred), *args[4:])
+                args = (*args[:3], _per_output(args[3], y_pred, row_mask, real), *args[4:])
             return keras_compute_loss(*args, **kwargs)
 
         model.compute_loss = compute_loss
@@ -799,19 +801,32 @@ def _masked_moments(x: Any, mask: Any, axes: tuple[int, ...]) -> tuple[Any, Any]
     return mean, var
 
 
-def _per_output(weight: Any, y_pred: Any) -> Any:
-    """The loss's per-row ``weight`` (the padding mask times the user's weights) as Keras's loss of each of
-    several outputs takes it: Keras multiplies a weight by an output's per-example losses and its Keras
-    mask without broadcasting a ``(batch,)`` weight over their other axes, so it is shaped ``(batch, 1,
-    ...)`` to the mask's rank, or to the losses' (the output's rank less its last axis). One output (its
-    weight is shaped by its target) and weights that are not one array pass unchanged."""
-    if not hasattr(weight, "shape") or len(jax.tree.leaves(y_pred)) < 2:
+def _per_output(weight: Any, y_pred: Any, row_mask: Any, real: Any) -> Any:
+    """The loss's per-row ``weight`` (the user's weights times the padding mask, scaled by rows / real
+    rows: :meth:`KerasAdapter._loss_weight`) as Keras's loss of each output takes it.
+
+    Keras multiplies the weight by an output's per-example losses and its Keras mask without broadcasting
+    a ``(batch,)`` weight over their other axes: with several outputs it is shaped ``(batch, 1, ...)`` to
+    each one's mask's rank, or its losses' (the output's rank less its last axis). And Keras divides a
+    masked output's loss by the count of its unmasked entries, the padding rows' among them: a padded batch
+    (a per-process pipeline's) has its weight rescaled so that the loss is the real rows' masked mean.
+    One unmasked output (its weight already shaped by its target) and weights that are not one array
+    pass unchanged.
+    """
+    leaves = jax.tree.leaves(y_pred)
+    if not hasattr(weight, "shape") or (len(leaves) < 2 and all(internals.keras_mask(p) is None for p in leaves)):
         return weight
     rows = weight.reshape(-1)
 
     def shaped(p: Any) -> Any:
         mask = internals.keras_mask(p)
         rank = mask.ndim if mask is not None else getattr(p, "ndim", 2) - 1
-        return rows.reshape((-1,) + (1,) * (max(rank, 1) - 1))
+        w = rows.reshape((-1,) + (1,) * (max(rank, 1) - 1))
+        if mask is None:
+            return w
+        m = mask.astype(w.dtype)
+        valid_real = jnp.sum(m * row_mask.astype(w.dtype).reshape(w.shape))
+        # (rows / real, the factor in weight, is replaced by all entries unmasked / the real rows' ones)
+        return w * (jnp.sum(m) / jnp.maximum(valid_real, 1.0)) * (jnp.asarray(real, w.dtype) / row_mask.shape[0])
 
     return jax.tree.map(shaped, y_pred)
