@@ -212,3 +212,38 @@ def test_per_process_pipeline_keeps_padding_masked_and_per_output_losses_exact(k
                                            epochs=2, verbose=0).history
     for key, want in keras_two_outputs[0].items():
         np.testing.assert_allclose(hist[key], want, rtol=RTOL, err_msg=key)
+
+
+def test_a_summed_loss_from_a_per_process_pipeline_is_the_real_rows_sum():
+    # A padded batch's real rows are weighted rows / real rows, which makes a mean-reduced loss the real
+    # rows' mean; a loss reduced by "sum" (a VAE's, say) was then the real rows' sum times that factor
+    # (666.65 for Keras's 655.84 in the first epoch, 488.07 for 502.38 in the second).
+    def build():
+        keras.utils.set_random_seed(1)
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)])
+        m.compile(optimizer=keras.optimizers.SGD(1e-3), loss=keras.losses.MeanSquaredError(reduction="sum"),
+                  metrics=["mae"])
+        return m
+
+    x, y = X, np.concatenate([Y["a"], Y["b"]], axis=1)  # 100 rows at batch 32: a last batch of 4
+    plain = build()
+    want = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+    want_logs = plain.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+
+    strategy = mx.MirroredStrategy(devices=jax.devices()[:4])
+
+    def pipeline(ctx):
+        return [(x[lo:lo + 32], y[lo:lo + 32]) for lo in range(0, 100, 32)]
+
+    with strategy.scope():
+        model = build()
+    trainer = mx.Trainer(model, strategy)
+    hist = trainer.fit(strategy.distribute_datasets_from_function(pipeline), batch_size=32, epochs=2,
+                       verbose=0).history
+    logs = trainer.evaluate(strategy.distribute_datasets_from_function(pipeline), batch_size=32, verbose=0)
+    for key in want:
+        np.testing.assert_allclose(hist[key], want[key], rtol=RTOL, err_msg=key)
+    for key in want_logs:
+        np.testing.assert_allclose(logs[key], want_logs[key], rtol=RTOL, err_msg=key)
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=RTOL, atol=1e-6)

@@ -249,14 +249,25 @@ class KerasAdapter(ModelAdapter):
                 training=training, optimizer_variables=opt_vars)
 
     def _loss_weight(self, sample_weight, mask, y, rows, real):
-        # Keras divides by the number of rows: scale the weights so the loss is the mean over real rows.
+        # Keras divides by the number of rows: scale the weights so the loss is the mean over real rows
+        # (not a loss reduced by "sum": the padding's zero weight leaves the real rows' sum).
         # Every factor in the model's float type: a float64 model's loss stays float64 throughout.
         dt = self.float_dtype
-        loss_weight = sample_weight.astype(dt) * mask.astype(dt) * (rows / jnp.maximum(real.astype(dt), 1.0))
+        loss_weight = sample_weight.astype(dt) * mask.astype(dt)
+        if not self._summed_loss():
+            loss_weight = loss_weight * (rows / jnp.maximum(real.astype(dt), 1.0))
         if hasattr(y, "ndim") and y.ndim > 1:
             # Keras does not broadcast (batch,) weights over per-timestep losses: (batch, 1, ...) does.
             loss_weight = loss_weight.reshape((-1,) + (1,) * (y.ndim - 1))
         return loss_weight
+
+    def _summed_loss(self) -> bool:
+        """Whether every compiled loss is reduced by ``"sum"`` (a loss given as a string or a function
+        is Keras's default, ``"sum_over_batch_size"``)."""
+        cl = internals.compile_loss(self.model)
+        user = None if cl is None else internals.user_loss(cl)
+        losses = jax.tree.leaves(user, is_leaf=lambda v: not isinstance(v, (dict, list, tuple)))
+        return bool(losses) and all(getattr(loss, "reduction", None) == "sum" for loss in losses)
 
     @contextlib.contextmanager
     def _watch_losses(self, row_mask: Any, real: Any) -> Iterator[None]:
@@ -274,14 +285,15 @@ class KerasAdapter(ModelAdapter):
             yield
             return
         keras_compute_loss = model.compute_loss
+        summed = self._summed_loss()
 
         def compute_loss(*args: Any, **kwargs: Any) -> Any:
             y_pred = kwargs["y_pred"] if "y_pred" in kwargs else args[2] if len(args) > 2 else None
             self._compiled_loss_only = not model.losses and keras_metrics.unmasked(y_pred)
             if "sample_weight" in kwargs:
-                kwargs["sample_weight"] = _per_output(kwargs["sample_weight"], y_pred, row_mask, real)
+                kwargs["sample_weight"] = _per_output(kwargs["sample_weight"], y_pred, row_mask, real, summed)
             elif len(args) > 3:
-                args = (*args[:3], _per_output(args[3], y_pred, row_mask, real), *args[4:])
+                args = (*args[:3], _per_output(args[3], y_pred, row_mask, real, summed), *args[4:])
             return keras_compute_loss(*args, **kwargs)
 
         model.compute_loss = compute_loss
@@ -801,9 +813,10 @@ def _masked_moments(x: Any, mask: Any, axes: tuple[int, ...]) -> tuple[Any, Any]
     return mean, var
 
 
-def _per_output(weight: Any, y_pred: Any, row_mask: Any, real: Any) -> Any:
+def _per_output(weight: Any, y_pred: Any, row_mask: Any, real: Any, summed: bool = False) -> Any:
     """The loss's per-row ``weight`` (the user's weights times the padding mask, scaled by rows / real
-    rows: :meth:`KerasAdapter._loss_weight`) as Keras's loss of each output takes it.
+    rows unless the losses are ``summed``: :meth:`KerasAdapter._loss_weight`) as Keras's loss of each
+    output takes it.
 
     Keras multiplies the weight by an output's per-example losses and its Keras mask without broadcasting
     a ``(batch,)`` weight over their other axes: with several outputs it is shaped ``(batch, 1, ...)`` to
@@ -822,7 +835,7 @@ def _per_output(weight: Any, y_pred: Any, row_mask: Any, real: Any) -> Any:
         mask = internals.keras_mask(p)
         rank = mask.ndim if mask is not None else getattr(p, "ndim", 2) - 1
         w = rows.reshape((-1,) + (1,) * (max(rank, 1) - 1))
-        if mask is None:
+        if mask is None or summed:  # (a summed loss keeps the real rows' unmasked entries' sum)
             return w
         m = mask.astype(w.dtype)
         valid_real = jnp.sum(m * row_mask.astype(w.dtype).reshape(w.shape))
