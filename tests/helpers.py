@@ -14,6 +14,14 @@ def strategy(n: int) -> mx.MirroredStrategy:
     return mx.MirroredStrategy(devices=jax.devices()[:n])
 
 
+def built(build, n: int | None):
+    """``build()``'s model in plain Keras (``n`` None) or under the scope of ``n`` devices."""
+    if n is None:
+        return build()
+    with strategy(n).scope():
+        return build()
+
+
 def digits(n: int = 200):
     (x, y), (xt, yt) = zoo.load_digits()
     return x[:n], y[:n], xt, yt

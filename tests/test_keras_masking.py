@@ -13,7 +13,7 @@ import jax
 import keras
 import numpy as np
 import pytest
-from helpers import strategy
+from helpers import built
 
 import mirrorax as mx
 
@@ -65,11 +65,7 @@ def _run(n: int | None, build=_tagger, two_outputs: bool = False):
     if two_outputs:
         y = {"tags": y, "kind": (x.sum(axis=1) % 2).astype("int32")}
     keras.utils.set_random_seed(1)
-    if n is None:
-        model = build()
-    else:
-        with strategy(n).scope():
-            model = build()
+    model = built(build, n)
     history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                         validation_split=64 / ROWS).history
     evaluated = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)

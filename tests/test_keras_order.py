@@ -16,6 +16,7 @@ import jax
 import keras
 import numpy as np
 import pytest
+from helpers import built
 
 import mirrorax as mx
 
@@ -60,11 +61,7 @@ def _train(n: int | None, fit_kwargs: dict, data=None, epochs: int = 3, fits: in
     scope of ``n`` devices, from the same seed."""
     keras.backend.clear_session()
     keras.utils.set_random_seed(0)
-    if n is None:
-        m = _model()
-    else:
-        with mx.MirroredStrategy(devices=jax.devices()[:n]).scope():
-            m = _model()
+    m = built(_model, n)
     x, y = _data() if data is None else data
     draws = _Draws(per_batch)
     histories = []

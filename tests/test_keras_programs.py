@@ -14,7 +14,7 @@ import jax
 import keras
 import numpy as np
 import pytest
-from helpers import strategy
+from helpers import built, strategy
 
 pytestmark = pytest.mark.multi_device
 
@@ -27,11 +27,7 @@ def _fit(build, n: int | None, *data, method: str = "fit", **kwargs):
     """``build()``'s model trained by plain Keras (``n`` None) or under a scope of ``n`` devices: its
     History (or evaluate's dict) and weights."""
     keras.utils.set_random_seed(0)
-    if n is None:
-        model = build()
-    else:
-        with strategy(n).scope():
-            model = build()
+    model = built(build, n)
     if method == "fit":
         logs = model.fit(*data, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, **kwargs).history
     else:
