@@ -239,22 +239,22 @@ class KerasAdapter(ModelAdapter):
 
     # -- the pure functions ----------------------------------------------------------------------
     def _loss_and_updates(self, params, model_state, metrics, opt_vars, batch, training):
-        mask = batch["mask"]
-        loss_weight = self._loss_weight(batch["sample_weight"], mask, batch["y"], mask.shape[0], real_count(batch))
-        with _masked_batch_norm(self.model, mask, self.keras), _loss_trackers_count(self.model, real_count(batch)), \
-                self._watch_losses(mask, real_count(batch)):
+        mask, real, summed = batch["mask"], real_count(batch), self._summed_loss()
+        loss_weight = self._loss_weight(batch["sample_weight"], mask, batch["y"], mask.shape[0], real, summed)
+        with _masked_batch_norm(self.model, mask, self.keras), _loss_trackers_count(self.model, real), \
+                self._watch_losses(mask, real, summed):
             return self.model.compute_loss_and_updates(
                 self._unpack("params", params), self._unpack("model_state", model_state),
                 self._unpack("metrics", metrics), batch["x"], batch["y"], loss_weight,
                 training=training, optimizer_variables=opt_vars)
 
-    def _loss_weight(self, sample_weight, mask, y, rows, real):
+    def _loss_weight(self, sample_weight, mask, y, rows, real, summed=False):
         # Keras divides by the number of rows: scale the weights so the loss is the mean over real rows
         # (not a loss reduced by "sum": the padding's zero weight leaves the real rows' sum).
         # Every factor in the model's float type: a float64 model's loss stays float64 throughout.
         dt = self.float_dtype
         loss_weight = sample_weight.astype(dt) * mask.astype(dt)
-        if not self._summed_loss():
+        if not summed:  # (summed: _summed_loss)
             loss_weight = loss_weight * (rows / jnp.maximum(real.astype(dt), 1.0))
         if hasattr(y, "ndim") and y.ndim > 1:
             # Keras does not broadcast (batch,) weights over per-timestep losses: (batch, 1, ...) does.
@@ -270,14 +270,14 @@ class KerasAdapter(ModelAdapter):
         return bool(losses) and all(getattr(loss, "reduction", None) == "sum" for loss in losses)
 
     @contextlib.contextmanager
-    def _watch_losses(self, row_mask: Any, real: Any) -> Iterator[None]:
+    def _watch_losses(self, row_mask: Any, real: Any, summed: bool) -> Iterator[None]:
         """While Keras computes the loss: whether it is the compiled loss alone (no regularisation or
         ``add_loss`` terms, no ``compute_loss`` of the model's own) of outputs without a Keras mask, recorded
         for :meth:`_rows_loss`. (A masked loss divides by the batch's count of unmasked entries, so it does
         not add up over rows; and the outputs a train step gets back from the gradient's trace have lost
         their masks, so the loss is where they can be seen.) There the loss's weight is given to each output
         as Keras's loss of it takes it (:func:`_per_output`; ``row_mask`` and ``real``: the batch's padding
-        mask and its count of real rows)."""
+        mask and its count of real rows; ``summed``: :meth:`_summed_loss`)."""
         model = self.model
         self._compiled_loss_only = False
         if type(model).compute_loss is not internals.keras_trainer().compute_loss or \
@@ -285,7 +285,6 @@ class KerasAdapter(ModelAdapter):
             yield
             return
         keras_compute_loss = model.compute_loss
-        summed = self._summed_loss()
 
         def compute_loss(*args: Any, **kwargs: Any) -> Any:
             y_pred = kwargs["y_pred"] if "y_pred" in kwargs else args[2] if len(args) > 2 else None
@@ -833,9 +832,10 @@ def _per_output(weight: Any, y_pred: Any, row_mask: Any, real: Any, summed: bool
 
     def shaped(p: Any) -> Any:
         mask = internals.keras_mask(p)
-        rank = mask.ndim if mask is not None else getattr(p, "ndim", 2) - 1
-        w = rows.reshape((-1,) + (1,) * (max(rank, 1) - 1))
-        if mask is None or summed:  # (a summed loss keeps the real rows' unmasked entries' sum)
+        if mask is None:  # shaped to the losses' rank: the output's less its last axis
+            return rows.reshape((-1,) + (1,) * (max(getattr(p, "ndim", 2) - 1, 1) - 1))
+        w = keras_metrics.against_mask(rows, p)
+        if summed:  # (a summed loss keeps the real rows' unmasked entries' sum)
             return w
         m = mask.astype(w.dtype)
         valid_real = jnp.sum(m * row_mask.astype(w.dtype).reshape(w.shape))

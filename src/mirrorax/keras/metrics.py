@@ -28,7 +28,7 @@ from mirrorax.keras import _internals as internals
 from mirrorax.models.base import real_count
 
 __all__ = ["update", "update_compile_metrics", "all_metrics", "resets_itself", "compiled_metric_args",
-           "ResultsProgram", "unmasked"]
+           "ResultsProgram", "unmasked", "against_mask"]
 
 PyTree = Any
 
@@ -40,7 +40,8 @@ def update(model: Any, values: list[Any], loss: Any, batch: dict[str, PyTree], y
     Args:
       loss: the loss Keras computed on the global batch.
       rows_loss: the loss of some rows, summing over the replicas to ``loss`` (``None`` when it does not
-        add up so); on several devices the returned loss is then that sum, and ``loss`` goes unused.
+        add up so, a masked output's loss among them: the adapter tells); on several devices the returned
+        loss is then that sum, and ``loss`` goes unused.
     """
     from keras import StatelessScope
 
@@ -56,8 +57,6 @@ def update(model: Any, values: list[Any], loss: Any, batch: dict[str, PyTree], y
     totals: list[Any] = []
     if where is not None:
         packed = [] if cm is None else _packable(cm, batch["y"], y_pred)
-        if not unmasked(y_pred):
-            rows_loss = None
         own = [v for m in packed for v in m.variables]
         if rows_loss is not None or packed:
             def sums(rows: Any, real: Any) -> list[Any]:
@@ -152,11 +151,11 @@ def update_compile_metrics(cm: Any, y: Any, y_pred: Any, mask: Any, weights: Any
     for metric, y_t, y_p, w in _compile_metric_items(cm, y, y_pred, mask, weights):
         if (skip is not None and id(metric) in skip) or (only is not None and id(metric) not in only):
             continue
-        metric.update_state(y_t, y_p, sample_weight=_against_mask(w, y_p) if _per_example(metric, y_t, y_p)
+        metric.update_state(y_t, y_p, sample_weight=against_mask(w, y_p) if _per_example(metric, y_t, y_p)
                             else None)
 
 
-def _against_mask(weights: Any, y_pred: Any) -> Any:
+def against_mask(weights: Any, y_pred: Any) -> Any:
     """Per-row ``weights`` shaped to multiply the Keras mask ``y_pred`` carries (a sequence model's
     ``(batch, time)`` mask): Keras multiplies the two without broadcasting a ``(batch,)`` weight."""
     mask = internals.keras_mask(y_pred)
