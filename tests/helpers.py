@@ -22,6 +22,16 @@ def built(build, n: int | None):
         return build()
 
 
+def assert_same_run(got, want, rtol: float = 1e-4) -> None:
+    """Two runs' ``(History.history, evaluate's dict, arrays)`` agree: the same log keys, every logged
+    value and every array (predictions, weights) to ``rtol`` (arrays also to 1e-6 absolute)."""
+    for logs, want_logs in zip(got[:2], want[:2]):
+        assert set(logs) == set(want_logs), (logs, want_logs)
+        for key in want_logs:
+            np.testing.assert_allclose(logs[key], want_logs[key], rtol=rtol, err_msg=key)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6), got[2], want[2])
+
+
 def digits(n: int = 200):
     (x, y), (xt, yt) = zoo.load_digits()
     return x[:n], y[:n], xt, yt

@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import optax
 import pytest
+from helpers import assert_same_run
 from keras import ops
 
 import mirrorax as mx
@@ -89,15 +90,7 @@ def keras_batch_dot():
 
 
 def assert_same(got, want):
-    hist, logs, pred = got
-    want_hist, want_logs, want_pred = want
-    assert set(hist) == set(want_hist)
-    for key in want_hist:
-        np.testing.assert_allclose(hist[key], want_hist[key], rtol=RTOL, err_msg=key)
-    assert set(logs) == set(want_logs)
-    for key in want_logs:
-        np.testing.assert_allclose(logs[key], want_logs[key], rtol=RTOL, err_msg=key)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-6), pred, want_pred)
+    assert_same_run(got, want, rtol=RTOL)
 
 
 @pytest.mark.slow
@@ -241,9 +234,4 @@ def test_a_summed_loss_from_a_per_process_pipeline_is_the_real_rows_sum():
     hist = trainer.fit(strategy.distribute_datasets_from_function(pipeline), batch_size=32, epochs=2,
                        verbose=0).history
     logs = trainer.evaluate(strategy.distribute_datasets_from_function(pipeline), batch_size=32, verbose=0)
-    for key in want:
-        np.testing.assert_allclose(hist[key], want[key], rtol=RTOL, err_msg=key)
-    for key in want_logs:
-        np.testing.assert_allclose(logs[key], want_logs[key], rtol=RTOL, err_msg=key)
-    for a, b in zip(plain.get_weights(), model.get_weights()):
-        np.testing.assert_allclose(b, a, rtol=RTOL, atol=1e-6)
+    assert_same((hist, logs, model.get_weights()), (want, want_logs, plain.get_weights()))
