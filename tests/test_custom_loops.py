@@ -112,8 +112,9 @@ def test_gan_trains_and_equals_one_device(n):
 @pytest.mark.multi_process
 @pytest.mark.timeout(300)
 def test_examples_on_two_processes_equal_one_device(tmp_path):
-    """The keras.io guide's loop, the GAN and a per-replica evaluation loop (a Keras metric, predictions
-    gathered across steps) on 2 processes x 2 devices, uneven data: every process gets one device's numbers."""
+    """The keras.io guide's loop, the GAN, a per-replica evaluation loop (a Keras metric, predictions
+    gathered across steps) and batches unpacked in the loop on 2 processes x 2 devices, uneven data: every
+    process gets one device's numbers."""
     from jobs import custom_loops
     from jobs.procs import clean_env, launcher, python, run_all
 
@@ -130,6 +131,10 @@ def test_examples_on_two_processes_equal_one_device(tmp_path):
     for key in want:
         np.testing.assert_allclose(ranks[0][key], want[key], rtol=1e-5, atol=1e-5, err_msg=key)
     assert ranks[0]["rows['count']"] == custom_loops.ROWS and len(ranks[0]["rows['predictions']"]) == custom_loops.ROWS
+    # batches unpacked in the loop: each step's real rows (16, 16, 16, 2), the metric's 50
+    assert ranks[0]["pieces['count']"] == custom_loops.ROWS
+    assert ranks[0]["pieces['steps']"][:, 2].tolist() == [16, 16, 16, 2]
+    assert ranks[0]["pieces['steps']"][:, 0].tolist() == [8.5, 24.5, 40.5, 49.5]
 
 
 # -- DistributedBatch ---------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "src" / "mirrorax"
 #: Bottom floor first. A module may import modules of its own floor (no circle) or of a floor below.
 FLOORS: list[tuple[str, ...]] = [
     ("_checks", "_first_call", "_host", "_output", "_discovery", "_failure", "_integrity", "keras", "keras._internals",
-     "keras.callbacks", "keras.env", "preemption",
+     "keras.callbacks", "keras.env", "preemption", "distributed_batch",
      "replica", "batch_sums", "input_checks", "results", "train_state", "_version", "as_made", "hooks",
      "progress", "_integrity_item", "_orbax_quirks", "cache", "_dir_lock", "_watchdog", "traffic"),
     ("cluster", "launch"),

@@ -21,7 +21,7 @@ from mirrorax.cluster import ClusterError as ClusterError
 from mirrorax.cluster import ClusterInfo as ClusterInfo
 from mirrorax.cluster import initialize as initialize
 from mirrorax.consistency import ReplicaMismatchError as ReplicaMismatchError
-from mirrorax.inputs.distributed import DistributedBatch as DistributedBatch
+from mirrorax.distributed_batch import DistributedBatch as DistributedBatch
 from mirrorax.inputs.distributed import DistributedDataset as DistributedDataset
 
 # mirrorax.keras.fit is imported for what importing it does: strategy.scope() then routes the Keras models made in it.
@@ -32,6 +32,7 @@ from mirrorax.mesh import hybrid_mesh as hybrid_mesh
 from mirrorax.models.base import ModelAdapter as ModelAdapter
 from mirrorax.models.functional import FunctionalModel as FunctionalModel
 from mirrorax.padding import PaddingIgnoredWarning as PaddingIgnoredWarning
+from mirrorax.padding import ReplicatedBatchWarning as ReplicatedBatchWarning
 from mirrorax.planner import Plan as Plan
 from mirrorax.planner import plan as plan
 from mirrorax.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
@@ -111,6 +112,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "NonFiniteLossError",
     "PaddingIgnoredWarning",
+    "ReplicatedBatchWarning",
     "Plan",
     "PREEMPTED_EXIT_CODE",
     "Preempted",

@@ -39,8 +39,9 @@ from jax.extend import core as jax_core
 
 from mirrorax.replica import find_batch
 
-__all__ = ["PaddingIgnoredWarning", "padding_outputs", "warn_padding", "masked_metric_updates", "unmasked_metrics",
-           "per_row_leaves", "even_out_shardings", "even_layouts"]
+__all__ = ["PaddingIgnoredWarning", "ReplicatedBatchWarning", "padding_outputs", "warn_padding", "warn_stray_rows",
+           "warn_replicated_batch", "masked_metric_updates", "unmasked_metrics", "per_row_leaves",
+           "even_out_shardings", "even_layouts"]
 
 
 class PaddingIgnoredWarning(UserWarning):
@@ -61,6 +62,51 @@ class PaddingIgnoredWarning(UserWarning):
     :func:`mirrorax.compute_average_loss` (or the mask itself, e.g. :func:`mirrorax.masked_mean`), or
     ``experimental_distribute_dataset(..., drop_remainder=True)``.
     """
+
+
+class ReplicatedBatchWarning(UserWarning):
+    """A step was given what is almost certainly a global batch as host arrays, which it gets whole on every
+    device (replicated), not split over them.
+
+    A plain array argument of ``strategy.jit`` or ``strategy.run`` is placed on every device, as
+    ``tf.distribute`` does with a plain tensor: right for constants and for the state, but for a batch it
+    means that every device computes on all its rows (``strategy.jit``: the one-device numbers, with no
+    speed-up) or that every replica takes the whole batch (``strategy.run``: each replica's share of the
+    loss is then the whole batch's, and the summed gradient ``num_replicas_in_sync`` times too large).
+    Warned once per step signature when at least two host arrays among the arguments (and their entries)
+    share a leading axis (inputs and targets). Fix: iterate
+    ``strategy.experimental_distribute_dataset(...)`` and pass its batches (or their pieces).
+    """
+
+
+def warn_stray_rows(where: str, name: str, paths: list[str]) -> None:
+    """Warns (:class:`PaddingIgnoredWarning`) that the step ``name`` given to ``where`` was given arrays
+    (``paths``) with a padded batch's rows and layout that are no piece of it: their padding rows reach the
+    step."""
+    warnings.warn(
+        f"{where} received {', '.join(paths[:4])}{', ...' if len(paths) > 4 else ''} with the rows of a padded batch "
+        f"(the short last batch of an uneven dataset, or a batch size the device count does not divide) but no "
+        f"piece of that batch beside {'them' if len(paths) > 1 else 'it'}: an array computed from a batch outside "
+        f"the step is no longer its piece, so {name} sees its padding rows (copies of real rows). Compute it inside "
+        "the step from the batch's pieces (for x, y in dist: step(x, y)), or pass a piece of its batch with it, so "
+        "that the step is given the real rows only.", PaddingIgnoredWarning, stacklevel=4)
+
+
+def warn_replicated_batch(where: str, name: str, found: list[tuple[str, tuple[int, ...]]], replicas: int,
+                          per_replica: bool) -> None:
+    """Warns (:class:`ReplicatedBatchWarning`) that the step ``name`` given to ``where`` was given host arrays
+    (``found``: path and shape) that look like a global batch."""
+    what = ", ".join(f"{p} of shape {s}" for p, s in found[:4]) + (", ..." if len(found) > 4 else "")
+    if per_replica:
+        effect = ("every replica runs on all of its rows: each one's share of the loss is the whole batch's, and "
+                  f"the gradient summed over the {replicas} replicas is {replicas} times too large")
+    else:
+        effect = f"each of the {replicas} devices computes on all of its rows (the one-device numbers, no speed-up)"
+    warnings.warn(
+        f"{where} received host arrays that look like a global batch ({what}). A plain array argument is placed on "
+        f"every device whole (replicated, as tf.distribute does with a plain tensor), so {effect}. Split the batch "
+        f"over the devices: iterate strategy.experimental_distribute_dataset(data, batch_size=...) and pass its "
+        f"batches (or their pieces: for x, y in dist: {name}(..., x, y)).", ReplicatedBatchWarning, stacklevel=4)
 
 
 # -- which outputs let the padding in --------------------------------------------------------------------

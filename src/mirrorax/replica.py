@@ -25,6 +25,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from mirrorax.distributed_batch import is_batch
+
 __all__ = ["ReduceOp", "ReplicaContext", "get_replica_context", "compute_average_loss", "masked_mean",
            "scale_regularization_loss", "batch_scope", "find_batch", "real_rows_view", "keep_padding_view",
            "RowValues", "mark_rows", "rows_of"]
@@ -156,26 +158,22 @@ def replica_scope(context: ReplicaContext) -> Iterator[ReplicaContext]:
         stack.pop()
 
 
-def _is_batch(x: Any) -> bool:
-    return hasattr(x, "mask") and hasattr(x, "num_real") and hasattr(x, "data")
-
-
 def find_batch(args: Any) -> Any:
     """The one :class:`mirrorax.DistributedBatch` among ``args`` (any pytree), or ``None`` (none, or several)."""
-    found = [leaf for leaf in jax.tree.leaves(args, is_leaf=_is_batch) if _is_batch(leaf)]
+    found = [leaf for leaf in jax.tree.leaves(args, is_leaf=is_batch) if is_batch(leaf)]
     return found[0] if len(found) == 1 else None
 
 
 def real_rows_view(args: Any, sharding: Any) -> Any:
     """``args`` (any pytree) with each :class:`mirrorax.DistributedBatch` that knows its real rows cut to them:
     what a step in the global view is given (inside its trace; see ``DistributedBatch.real_rows_only``)."""
-    return jax.tree.map(lambda b: b.real_rows_only(sharding) if _is_batch(b) else b, args, is_leaf=_is_batch)
+    return jax.tree.map(lambda b: b.real_rows_only(sharding) if is_batch(b) else b, args, is_leaf=is_batch)
 
 
 def keep_padding_view(args: Any) -> Any:
     """``args`` with each :class:`mirrorax.DistributedBatch` without its static count, its padding kept: what
     ``strategy.run`` hands its replicas (as many rows on each), one program for every row count."""
-    return jax.tree.map(lambda b: b.keep_padding() if _is_batch(b) else b, args, is_leaf=_is_batch)
+    return jax.tree.map(lambda b: b.keep_padding() if is_batch(b) else b, args, is_leaf=is_batch)
 
 
 @contextlib.contextmanager
@@ -198,13 +196,24 @@ def _current_batch() -> Any:
 
 
 def _batch_fields(batch: Any) -> tuple[Any, Any]:
+    if not is_batch(batch) and jnp.ndim(batch):
+        # An array the step was given (x of ``for x, y in dist``): a piece of the step's batch gives that batch;
+        # any other array is a full batch's (its rows all real; per replica, as many on every replica).
+        current = _current_batch()
+        if current is not None and any(batch is leaf for leaf in jax.tree.leaves(current.data)):
+            batch = current
+        elif hasattr(batch, "shape"):
+            rows = jnp.shape(batch)[0]
+            ctx = get_replica_context()
+            return jnp.ones((rows,), jnp.float32), rows * (ctx.num_replicas_in_sync if ctx is not None else 1)
     try:
         return batch.mask, batch.num_real
     except AttributeError:
         raise TypeError(f"Expected an mx.DistributedBatch (from strategy.experimental_distribute_dataset), whose "
-                        f"mask and num_real say which rows are real. Received: {batch!r:.80} (of type "
-                        f"{type(batch).__name__}). Iterate over strategy.experimental_distribute_dataset(data, "
-                        "batch_size=...) and pass its batches.") from None
+                        f"mask and num_real say which rows are real, or an array of it as the step was given it "
+                        f"(x of for x, y in dist). Received: {batch!r:.80} (of type {type(batch).__name__}). "
+                        "Pass the batch (or one of its arrays) the step was given, or leave batch out inside a "
+                        "step: the step's batch is used.") from None
 
 
 def _per_row(values: Any, rows: int, what: str) -> Any:
@@ -284,10 +293,11 @@ def scale_regularization_loss(regularization_loss: Any) -> jax.Array:
     return total / ctx.num_replicas_in_sync if ctx is not None else total
 
 
-def masked_mean(values: Any, batch: Any) -> jax.Array:
+def masked_mean(values: Any, batch: Any = None) -> jax.Array:
     """The mean of per-row ``values`` over the real rows of the global batch (e.g. an accuracy).
 
-    The same rule as :func:`compute_average_loss` (global count; per replica, the replica's share).
+    The same rule as :func:`compute_average_loss` (global count; per replica, the replica's share);
+    ``batch=None``: the step's batch.
 
     Example:
       >>> accuracy = mx.masked_mean(jnp.argmax(logits, -1) == y, batch)

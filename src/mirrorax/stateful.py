@@ -43,6 +43,14 @@ from jax.sharding import NamedSharding
 
 from mirrorax import _first_call
 from mirrorax.dispatch import MISSED, InFlight, OutShardings, StrategyFunction
+from mirrorax.distributed_batch import (
+    Pieces,
+    gather_pieces,
+    host_batches,
+    padded_pieces_alive,
+    restore_pieces,
+    unpieced,
+)
 from mirrorax.padding import (
     even_out_shardings,
     masked_metric_updates,
@@ -50,6 +58,8 @@ from mirrorax.padding import (
     per_row_leaves,
     unmasked_metrics,
     warn_padding,
+    warn_replicated_batch,
+    warn_stray_rows,
 )
 from mirrorax.replica import RowValues, batch_scope, find_batch, keep_padding_view, mark_rows, real_rows_view
 from mirrorax.split_merge import Split, SplitMerge, objects_back, place, protocols, split_args, threaded
@@ -140,6 +150,28 @@ def _out_layouts(given: OutShardings, state: Callable[[Any, Any], Any]) -> OutSh
     return out_shardings
 
 
+def _of_pieces(given: OutShardings) -> OutShardings:
+    """``out_shardings`` for the function of ``(stubs, *args)`` (pieces taken out): a callable of the user's
+    arguments is given them with each piece back in its place."""
+    if not callable(given):
+        return given
+
+    def out_shardings(stubs: Any, *args: Any) -> Any:
+        return given(*restore_pieces(stubs, args))
+
+    return out_shardings
+
+
+def _pieces_first(run: Callable[..., Any]) -> Callable[..., Any]:
+    """``threaded(fn)``'s ``run(structure, states, *args)`` as a function of ``(structure, states, stubs, *args)``:
+    each piece of ``args`` restored from its stub, then the objects bound."""
+    @functools.wraps(run)
+    def with_pieces(structure: Any, states: Any, stubs: Any, *args: Any) -> Any:
+        return run(structure, states, *restore_pieces(stubs, args))
+
+    return with_pieces
+
+
 class StatefulFunction:
     """``strategy.jit(fn)`` / ``strategy.run``'s function: a :class:`~mirrorax.dispatch.StrategyFunction` that
     also threads the state of the objects ``fn`` changes in place (see the module's docstring).
@@ -152,7 +184,8 @@ class StatefulFunction:
 
     def __init__(self, mesh: BatchMesh, window: InFlight, fn: Callable[..., Any], *,
                  donate_argnums: int | Sequence[int] = (), per_replica: bool = False,
-                 out_shardings: OutShardings = None, where: str = "strategy.jit", arguments: bool = True) -> None:
+                 out_shardings: OutShardings = None, where: str = "strategy.jit", arguments: bool = True,
+                 pieces: bool = True, lead: int = 0, objects: bool = True) -> None:
         check_not_tf_function(fn, where)
         self._mesh = mesh
         self._window = window
@@ -203,8 +236,16 @@ class StatefulFunction:
         self._written: dict[int, weakref.ref[Any]] = {}
         self._prune_at = 64  # (dead entries dropped when the record grows past this)
         # objects among the arguments (off for the threaded function itself)
-        self._arguments = arguments
-        self._threaded: dict[bool, StatefulFunction] = {}  # donated state or not -> the threaded function
+        self._arguments = arguments and objects
+        self._objects = objects  # (off: strategy.jit(stateful=False): no object is looked for)
+        # (donated state or not, pieces or not) -> the threaded function
+        self._threaded: dict[tuple[bool, bool], StatefulFunction] = {}
+        # pieces of padded batches among the arguments, taken out (off for the functions that take them out)
+        self._gathers = pieces
+        self._with_pieces: StatefulFunction | None = None  # the function of (stubs, *args) (gather_pieces)
+        self._lead = lead  # arguments before the user's (the threaded and piece functions' own)
+        self._stray_warned = False
+        self._replicated_checked: set[Any] = set()  # signatures checked for a batch given whole from the host
         self._layouts: dict[Any, list[Any]] = {}  # (protocol, structure, shapes) -> each state leaf's layout
 
     def _even_outputs(self, given: OutShardings) -> Callable[..., Any]:
@@ -224,7 +265,8 @@ class StatefulFunction:
     def compile_count(self) -> int:
         """How many signatures were compiled (one per distinct input shape/layout and object structure)."""
         return (self._plain.compile_count + sum(e.function.compile_count for e in self._state.values() if e is not None)
-                + sum(f.compile_count for f in self._threaded.values()))
+                + sum(f.compile_count for f in self._threaded.values())
+                + (self._with_pieces.compile_count if self._with_pieces is not None else 0))
 
     def _split(self, args: tuple[Any, ...]) -> tuple[Split | None, tuple[SplitMerge, ...]]:
         kinds = protocols()
@@ -235,7 +277,12 @@ class StatefulFunction:
         split, kinds = self._split(args)
         if split is not None:
             self._check_global_view(split, kinds)
-            return self._function(split).lower(split.structure, self._placed(split, kinds), *split.args)
+            pieces = self._pieces(split.args)
+            return self._function(split, pieces is not None).lower(
+                split.structure, self._placed(split, kinds), *self._rest(split.args, pieces))
+        pieces = self._pieces(args)
+        if pieces is not None:
+            return self._pieced().lower(pieces.stubs, *pieces.args)
         with self._call(args):
             entry = self._entry(args)
             if entry is None:
@@ -257,6 +304,10 @@ class StatefulFunction:
         :meth:`mirrorax.dispatch.StrategyFunction.program`); a step that changes objects is called as a function."""
         name = getattr(self._user_fn, "__name__", "fn")
         split, _ = self._split(args)
+        if self._pieces(args if split is None else split.args) is not None:
+            raise TypeError(f"{name} was given pieces of a padded batch (arrays unpacked from a DistributedBatch, "
+                            "e.g. for x, y in dist): a call cuts each to its batch's real rows, which program() "
+                            "cannot. Call the function itself, or take program() with whole batches.")
         if split is not None:
             raise TypeError(f"{name} takes stateful objects (e.g. Flax NNX modules): call it as a function (their new "
                             "state is written back after each call). program() is for steps whose state is an "
@@ -292,18 +343,25 @@ class StatefulFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not kwargs:
-            out = self._call_fast(args)
-            if out is not MISSED:
-                return out
+            if not (self._gathers and padded_pieces_alive()):  # (else a padded batch's piece may be among args)
+                out = self._call_fast(args)
+                if out is not MISSED:
+                    return out
             split, kinds = self._split(args)
             if split is not None:
                 self._plain_last = False  # (the next call with objects looks for them again)
                 self._check_global_view(split, kinds)
+                pieces = self._pieces(split.args)
                 states = self._placed(split, kinds)
-                out, new = self._function(split)(split.structure, states, *split.args)
+                out, new = self._function(split, pieces is not None)(split.structure, states,
+                                                                     *self._rest(split.args, pieces))
                 for (k, _), state in zip(split.structure.value, new):
                     kinds[k].update(tuple(split.objects[k]), state)
                 return objects_back(out, split)
+            pieces = self._pieces(args)
+            if pieces is not None:
+                self._plain_last = False
+                return self._pieced()(pieces.stubs, *pieces.args)
         self._check_not_in_tf_function()
         if kwargs:
             return self._plain(*args, **kwargs)  # raises, naming the fix
@@ -379,8 +437,53 @@ class StatefulFunction:
         key = _shape_key(args) if key is None else key
         if key in self._state:
             return self._state[key]
+        self._check_host_batches(args[self._lead:])
+        if not self._objects:
+            self._state[key] = None
+            return None
         entry = self._state[key] = _first_call.run(self._discover, args)  # the step's first trace
         return entry
+
+    def _check_host_batches(self, args: tuple[Any, ...]) -> None:
+        """Warns (once per signature) when the user's arguments hold what is almost certainly a global batch
+        given whole from the host, which a step gets replicated, not split (:func:`mirrorax.padding.host_batches`)."""
+        if self._mesh.num_replicas_in_sync < 2:
+            return
+        if self._per_replica:  # strategy.run's function takes (args, kwargs)
+            args = (*args[0], *args[1].values()) if len(args) == 2 else args
+        found = host_batches(args)
+        if found:
+            warn_replicated_batch(self._where, getattr(self._user_fn, "__name__", "fn"), found,
+                                  self._mesh.num_replicas_in_sync, self._per_replica)
+
+    # -- pieces of padded batches among the arguments ---------------------------------------------------
+    def _pieces(self, args: tuple[Any, ...]) -> Pieces | None:
+        """The pieces of padded batches among ``args`` (:func:`mirrorax.distributed_batch.gather_pieces`), or
+        ``None``; an array with a padded batch's rows that joins none is warned of once."""
+        if not (self._gathers and padded_pieces_alive()):
+            return None
+        pieces = gather_pieces(args)
+        if pieces is None:
+            return None
+        if pieces.stray and not self._stray_warned:
+            self._stray_warned = True
+            warn_stray_rows(self._where, getattr(self._user_fn, "__name__", "fn"), pieces.stray)
+        return pieces if pieces.stubs else None
+
+    @staticmethod
+    def _rest(args: tuple[Any, ...], pieces: Pieces | None) -> tuple[Any, ...]:
+        return args if pieces is None else (pieces.stubs, *pieces.args)
+
+    def _pieced(self) -> StatefulFunction:
+        """The function of ``(stubs, *args)`` (:class:`~mirrorax.distributed_batch.Pieces`): the step given each
+        piece from its stub, which the step sees as its batch (cut to its real rows in the global view)."""
+        function = self._with_pieces
+        if function is None:
+            function = self._with_pieces = StatefulFunction(
+                self._mesh, self._window, unpieced(self._user_fn), donate_argnums=tuple(i + 1 for i in self._donate),
+                per_replica=self._per_replica, out_shardings=_of_pieces(self._given_out), where=self._where,
+                arguments=False, pieces=False, lead=self._lead + 1, objects=self._objects)
+        return function
 
     def _discover(self, args: tuple[Any, ...]) -> _Found | None:
         recorders = [(p, r) for p in protocols() if (r := p.discover(args, self._where)) is not None]
@@ -506,16 +609,20 @@ class StatefulFunction:
             states.append(state)
         return states
 
-    def _function(self, split: Split) -> StatefulFunction:
-        """The function of ``threaded(structure, states, *args)`` (one per donation of the state): objects the
+    def _function(self, split: Split, pieced: bool = False) -> StatefulFunction:
+        """The function of ``threaded(structure, states, *args)`` (one per donation of the state; with
+        ``pieced``, ``args`` are ``(stubs, *args)`` of the pieces of padded batches among them): objects the
         step also reaches by itself are found in its own discovery trace."""
         donated = bool(split.positions) and split.positions <= set(self._donate)
-        function = self._threaded.get(donated)
+        function = self._threaded.get((donated, pieced))
         if function is None:
-            donate = ((1,) if donated else ()) + tuple(i + 2 for i in self._donate)
-            out_shardings = _out_layouts(self._given_out,
-                                         lambda structure, states: jax.tree.map(lambda a: a.sharding, states))
-            function = self._threaded[donated] = StatefulFunction(
-                self._mesh, self._window, threaded(self._user_fn), donate_argnums=donate,
-                out_shardings=out_shardings, where=self._where, arguments=False)
+            lead = 3 if pieced else 2
+            donate = ((1,) if donated else ()) + tuple(i + lead for i in self._donate)
+            given = _of_pieces(self._given_out) if pieced else self._given_out
+            out_shardings = _out_layouts(given, lambda structure, states: jax.tree.map(lambda a: a.sharding, states))
+            # (the pieces restored before the objects are bound: a step's objects are never rebuilt as pytrees)
+            fn = _pieces_first(threaded(self._user_fn)) if pieced else threaded(self._user_fn)
+            function = self._threaded[donated, pieced] = StatefulFunction(
+                self._mesh, self._window, fn, donate_argnums=donate, out_shardings=out_shardings, where=self._where,
+                arguments=False, pieces=False, lead=self._lead + lead)
         return function

@@ -139,10 +139,11 @@ class StepFunctions:
         rep = strategy.replicated
         # Evaluation: the metrics donated and returned, all replicated; prediction: the outputs split as
         # the batch is, the model state replicated.
-        # (stateful=False: the whole state is explicit; no trace to look for Keras variables)
-        self.evaluate = strategy.jit(self._eval_with_logs, donate_argnums=1, out_shardings=rep, stateful=False)
-        self.predict = strategy.jit(self._predict_step, out_shardings=(strategy.batch_sharding, rep),
-                                    stateful=False)
+        # (the whole state is explicit: no trace to look for Keras variables, and the batch is the Trainer's)
+        self.evaluate = StrategyFunction(strategy.batch_mesh, strategy.in_flight, self._eval_with_logs,
+                                         donate_argnums=1, out_shardings=rep)
+        self.predict = StrategyFunction(strategy.batch_mesh, strategy.in_flight, self._predict_step,
+                                        out_shardings=(strategy.batch_sharding, rep))
         self._donate_args = (0,) if donate else ()
         self._check_labels = True
         self._variants: dict[bool, tuple[Any, Any]] = {}

@@ -26,13 +26,12 @@ from jax.sharding import Mesh, NamedSharding
 
 import mirrorax.cluster as cluster
 from mirrorax._host import host_value
-from mirrorax.dispatch import InFlight, OutShardings, StrategyFunction, check_out_shardings
+from mirrorax.dispatch import InFlight, OutShardings, check_out_shardings
 from mirrorax.inputs.distributed import DistributedDataset
 from mirrorax.inputs.iterables import PerProcessDataset
 from mirrorax.inputs.source import InputContext
 from mirrorax.mesh import AxisName, BatchMesh, ShardMode, check_shard
-from mirrorax.padding import even_out_shardings
-from mirrorax.replica import ReduceOp, batch_scope, find_batch, real_rows_view, resolve_op, rows_of
+from mirrorax.replica import ReduceOp, resolve_op, rows_of
 from mirrorax.stateful import StatefulFunction, check_not_tf_function
 
 __all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "InputContext", "get_strategy", "current_scope",
@@ -276,7 +275,9 @@ class MirroredStrategy:
         Returns:
           A :class:`mirrorax.DistributedDataset`: each ``iter()`` is one pass; each batch has the same
           fixed shape (padded, with ``mask``, ``num_real`` and, where the host knows it, the static count
-          ``rows``): a step compiles once for the full batches and once for a short one.
+          ``rows``): a step compiles once for the full batches and once for a short one. Its arrays,
+          unpacked in the loop (``for x, y in dist``), reach a step as the whole batch's do (a dataset of
+          one array yields that array).
 
         Example:
           >>> dist = strategy.experimental_distribute_dataset((x, y), batch_size=256, shuffle=True)
@@ -322,8 +323,7 @@ class MirroredStrategy:
             explicit.
 
         Returns:
-          A :class:`mirrorax.dispatch.StrategyFunction` (``stateful=False``) or a
-          :class:`mirrorax.stateful.StatefulFunction`: call it like ``fn``; ``.program(*args)`` gives the
+          A :class:`mirrorax.stateful.StatefulFunction`: call it like ``fn``; ``.program(*args)`` gives the
           compiled program of one signature (of a step that changes no object in place) for a loop that
           pushes into :attr:`in_flight` itself; ``.lower(*args)`` gives ``jax.jit``'s lowering.
 
@@ -342,16 +342,9 @@ class MirroredStrategy:
         """
         check_out_shardings(out_shardings)
 
-        def make(f: Callable[..., Any]) -> StrategyFunction | StatefulFunction:
-            if stateful:
-                return StatefulFunction(self._layout, self._window, f, donate_argnums=donate_argnums,
-                                        out_shardings=out_shardings)
-            check_not_tf_function(f, "strategy.jit")
-            step = _global_view(f, self.batch_sharding)
-            layouts = out_shardings if out_shardings is None else even_out_shardings(
-                out_shardings, functools.partial(jax.eval_shape, step), self.replicated, self.num_replicas_in_sync)
-            return StrategyFunction(self._layout, self._window, step, donate_argnums=donate_argnums,
-                                    out_shardings=layouts)
+        def make(f: Callable[..., Any]) -> StatefulFunction:
+            return StatefulFunction(self._layout, self._window, f, donate_argnums=donate_argnums,
+                                    out_shardings=out_shardings, objects=stateful)
 
         return make if fn is None else make(fn)
 
@@ -549,18 +542,6 @@ class MirroredStrategy:
         shape = "" if self.mesh.axis_names == ("batch",) else f"mesh={dict(self.mesh.shape)}, "
         return (f"MirroredStrategy({shape}num_replicas_in_sync={self.num_replicas_in_sync}, "
                 f"processes={self.process_count}, platform={','.join(kinds)})")
-
-
-def _global_view(fn: Callable[..., Any], sharding: NamedSharding) -> Callable[..., Any]:
-    """``fn`` as ``strategy.jit(fn, stateful=False)`` traces it: a batch that knows its real rows cut to
-    them, and the step's batch known to :func:`mirrorax.compute_average_loss`."""
-    @functools.wraps(fn)
-    def step(*args: Any) -> Any:
-        args = real_rows_view(args, sharding)
-        with batch_scope(find_batch(args)):
-            return fn(*args)
-
-    return step
 
 
 MultiWorkerMirroredStrategy = MirroredStrategy

@@ -4,7 +4,8 @@ Run under ``mirrorax launch`` (``tests/test_multiprocess.py``), each process tra
 and ``examples/gan.py`` on every device of the job and writes what it got to ``$MP_OUT/rank<R>.npz``; the test
 compares the processes with each other and with one device (``results(1)``, in the test's own process).
 ``per_example`` adds a ``strategy.run`` step over an uneven dataset: a Keras metric's count and the
-predictions gathered across steps (only real rows, every process the same).
+predictions gathered across steps (only real rows, every process the same); ``pieces`` the same data unpacked
+in the loop (``for x, y in dist``) into ``strategy.jit`` and ``strategy.run``.
 """
 
 from __future__ import annotations
@@ -57,6 +58,32 @@ def per_example(num_devices: int | None) -> dict[str, np.ndarray]:
             "accuracy": np.asarray(float(accuracy.result()))}
 
 
+def pieces(num_devices: int | None) -> dict[str, np.ndarray]:
+    """Batches unpacked in the loop (``for x, y in dist``): what ``strategy.jit`` computes of each piece, and a
+    Keras metric updated in ``strategy.run`` with them (real rows only, every process the same)."""
+    import jax
+    import jax.numpy as jnp
+    import keras
+
+    import mirrorax as mx
+
+    strategy = mx.MirroredStrategy(devices=None if num_devices is None else jax.devices()[:num_devices])
+    x = np.arange(1, ROWS + 1, dtype=np.float32)
+    y = (np.arange(ROWS) % 3).astype(np.float32)
+    mean = keras.metrics.Mean()
+
+    def update(x):
+        mean.update_state(x)
+
+    step = strategy.jit(lambda x, y: (jnp.mean(x), jnp.sum(x * y), jnp.asarray(x.shape[0])))
+    got = []
+    for xb, yb in strategy.experimental_distribute_dataset((x, y), batch_size=16):
+        got.append(step(xb, yb))
+        strategy.run(update, args=(xb,))
+    return {"steps": np.asarray([[float(v) for v in g] for g in got]), "mean": np.asarray(float(mean.result())),
+            "count": np.asarray(float(mean.count.value))}
+
+
 def results(num_devices: int | None) -> dict[str, np.ndarray]:
     """Every number the two examples and :func:`per_example` return, flat (``guide_*``, ``gan_*``, ``rows_*``)."""
     import jax
@@ -64,7 +91,8 @@ def results(num_devices: int | None) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     guide = example("keras_io_guide").main(num_devices=num_devices, verbose=False)
     gan = example("gan").main(num_devices=num_devices, verbose=False)
-    for prefix, tree in (("guide", guide), ("gan", gan), ("rows", per_example(num_devices))):
+    for prefix, tree in (("guide", guide), ("gan", gan), ("rows", per_example(num_devices)),
+                         ("pieces", pieces(num_devices))):
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
             out[f"{prefix}{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
     return out

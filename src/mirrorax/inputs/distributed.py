@@ -1,9 +1,11 @@
 """``strategy.experimental_distribute_dataset``: global batches as arrays split over the devices.
 
-Iterating a :class:`DistributedDataset` yields :class:`DistributedBatch` es: the item's own structure
-(``(x, y)``, a dict, ...) as global ``jax.Array`` s split over the batch axis, padded to one fixed shape,
-with a ``mask`` (1.0 for real rows, 0.0 for padding) and ``num_real`` (real rows of the global batch).
-Padding rows are copies of a real row, so they are harmless inputs.
+Iterating a :class:`DistributedDataset` yields :class:`~mirrorax.distributed_batch.DistributedBatch` es: the
+item's own structure (``(x, y)``, a dict, ...) as global ``jax.Array`` s split over the batch axis, padded to
+one fixed shape, with a ``mask`` (1.0 for real rows, 0.0 for padding) and ``num_real`` (real rows of the
+global batch); a dataset of one array yields that array. Padding rows are copies of a real row, so they are
+harmless inputs. Each array is a piece of its batch (:func:`~mirrorax.distributed_batch.remember_pieces`):
+unpacked in the loop, it still reaches a step on its batch's real rows.
 
 Where the host knows the global batch's real rows (arrays, iterables of global batches) the padding sits at
 the end of the global batch and the count travels statically with the batch (``rows``, part of its tree
@@ -31,9 +33,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from mirrorax.distributed_batch import DistributedBatch, remember_pieces
 from mirrorax.inputs.arrays import ArraySource
 from mirrorax.inputs.batch import Batch, padded_batch_size, take_rows
 from mirrorax.inputs.iterables import PerProcessDataset, agreed_items, empty_like, padding_index
@@ -46,89 +48,6 @@ if TYPE_CHECKING:
 __all__ = ["DistributedBatch", "DistributedDataset"]
 
 PyTree = Any
-
-
-class DistributedBatch:
-    """One global batch on the devices; unpacks as its data does (``images, labels = batch``), as TF's do.
-
-    Attributes:
-      data: the item's own structure (e.g. ``(x, y)``) as global ``jax.Array`` s split over the batch axis,
-        every leaf with the same fixed number of rows (the global batch rounded up to the device count).
-      mask: float32 ``(rows,)``: 1.0 for a real example, 0.0 for a padding row.
-      num_real: a replicated float32 scalar: the real examples of the whole global batch.
-      padded: whether this process's rows hold padding (known on the host, with no device read;
-        ``None`` for a batch rebuilt from its leaves).
-      rows: the real rows of the global batch as a Python int, its padding at its end, when the host knows
-        them (arrays, iterables of global batches); ``None`` where only the devices know the count
-        (per-process pipelines on several processes). Static: part of the batch's tree structure, so a
-        step compiles once per count (the full batches, the short last one), as for a shape.
-
-    Iterating, indexing and ``len`` go to ``data``, so a TF step's ``images, labels = inputs`` works;
-    the batch itself (a pytree of ``data``, ``mask`` and ``num_real``) is what
-    :func:`mirrorax.compute_average_loss` takes to leave the padding out.
-    """
-
-    __slots__ = ("data", "mask", "num_real", "padded", "rows")
-
-    def __init__(self, data: PyTree, mask: jax.Array, num_real: jax.Array, padded: bool | None = None,
-                 rows: int | None = None) -> None:
-        self.data = data
-        self.mask = mask
-        self.num_real = num_real
-        self.padded = padded
-        self.rows = rows
-
-    @property
-    def has_padding(self) -> bool:
-        """Whether the global batch may hold padding rows, the same answer on every process: its real rows
-        are fewer than its rows, or only the devices know how many are real."""
-        return self.rows is None or self.rows < np.shape(self.mask)[0]
-
-    def real_rows_only(self, sharding: jax.sharding.Sharding) -> DistributedBatch:
-        """The batch cut to its :attr:`rows` real rows, inside a traced step (the global view); itself when
-        the count is unknown (``rows is None``).
-
-        Each leaf keeps its first ``rows`` rows, split over the batch axis again (XLA splits a count that
-        the devices do not divide unevenly itself); the mask becomes ones and ``num_real`` the count, both
-        constants that XLA folds away.
-        """
-        n = self.rows
-        if n is None:
-            return self
-
-        def cut(a: Any) -> Any:
-            return jax.lax.with_sharding_constraint(a[:n], sharding)
-
-        return DistributedBatch(jax.tree.map(cut, self.data), jnp.ones((n,), jnp.result_type(self.mask)),
-                                jnp.asarray(n, jnp.float32), padded=False, rows=n)
-
-    def keep_padding(self) -> DistributedBatch:
-        """The same arrays without the static count (``rows=None``): the form ``strategy.run`` hands its
-        replicas, whose rows must be as many on each; one program then serves every row count."""
-        if self.rows is None:
-            return self
-        return DistributedBatch(self.data, self.mask, self.num_real, self.padded)
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.data)
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.data[index]
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __repr__(self) -> str:
-        rows = "" if self.rows is None else f", rows={self.rows}"
-        return f"DistributedBatch(data={self.data!r}, mask={self.mask!r}, num_real={self.num_real!r}{rows})"
-
-
-jax.tree_util.register_pytree_with_keys(
-    DistributedBatch,
-    lambda b: (((jax.tree_util.GetAttrKey("data"), b.data), (jax.tree_util.GetAttrKey("mask"), b.mask),
-                (jax.tree_util.GetAttrKey("num_real"), b.num_real)), b.rows),
-    lambda rows, children: DistributedBatch(*children, rows=rows),  # type: ignore[misc]  # (data, mask, num_real)
-    flatten_func=lambda b: ((b.data, b.mask, b.num_real), b.rows))
 
 
 def _numeric(a: Any, what: str) -> np.ndarray:
@@ -308,7 +227,10 @@ class DistributedDataset:
             num_real = cached_put(np.asarray(host.num_real, np.float32), s.replicated, s.replicate)
         padded = not full and not bool(np.all(host.mask))
         rows = host.rows if isinstance(host.rows, int) else None
-        return DistributedBatch(jax.tree.unflatten(treedef, placed), mask, num_real, padded, rows)
+        batch = DistributedBatch(jax.tree.unflatten(treedef, placed), mask, num_real, padded, rows)
+        remember_pieces(batch)  # (a padded batch's arrays: pieces that keep its real rows in a step)
+        # A dataset of one array gives that array (a piece of its batch): an array to the step and outside it.
+        return batch.data if jax.tree_util.treedef_is_leaf(treedef) else batch
 
     def _put_rows(self, a: np.ndarray) -> jax.Array:
         s = self._mesh
