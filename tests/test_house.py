@@ -25,7 +25,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("cluster", "launch"),
     ("consistency",),
     ("mesh",),
-    ("dispatch", "padding", "split_merge", "stateful", "keras.stateful", "nnx.split_merge"),
+    ("dispatch", "padding", "split_merge", "held", "stateful", "keras.stateful", "nnx.split_merge"),
     ("inputs", "inputs.source", "inputs.batch", "inputs.position", "keras.order", "keras.data",
      "inputs.streams", "inputs.placement", "inputs.prefetch", "inputs.arrays", "inputs.iterables", "inputs.make",
      "inputs.distributed"),

@@ -20,6 +20,7 @@ import sys
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -237,16 +238,163 @@ def test_errors_name_the_fix():
     batch = next(iter(s.experimental_distribute_dataset(data(), batch_size=16)))
 
     @s.jit
-    def grows(model, batch):
-        model.extra = nnx.Param(jax.numpy.zeros(3))
+    def grows(model, batch):  # a variable created in the step: the caller's model gets it, as under nnx.jit
+        model.extra = nnx.Param(jax.numpy.ones(3))
 
-    with pytest.raises(ValueError, match=r"changed the structure of the NNX objects it was given \(variables "
-                                         r"added: \['0/extra'\], removed: \[\].*outside the step"):
-        grows(model, batch)
+    grows(model, batch)
+    np.testing.assert_array_equal(model.extra[...], np.ones(3))
+
+    @s.jit
+    def switches(model, batch):
+        model.drop.rate = 0.9
+
+    with pytest.raises(ValueError, match=r"changed the structure of the NNX objects it was given \(the same \d+ "
+                                         r"variables, but a static attribute or a submodule changed\).*outside the "
+                                         r"step"):
+        switches(model, batch)
     with pytest.raises(TypeError, match=r"strategy.run received stateful objects \(.*CNN.*\).*@strategy.jit"):
         s.run(train_step, args=(model, optimizer, metrics, batch))
     with pytest.raises(TypeError, match=r"call it as a function"):
         s.jit(train_step).program(model, optimizer, metrics, batch)
+
+
+# -- objects held between calls (mirrorax.held): walked once, every change between calls seen -------------------
+class Loss(nnx.Variable):
+    pass
+
+
+class Encoder(nnx.Module):
+    """A module that creates a variable in ``__call__`` (as Flax's VAE example does), and sows an intermediate
+    when asked (Flax's intermediates guide)."""
+
+    def __init__(self, rngs: nnx.Rngs, sow: bool = False):
+        self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs)])
+        self.bn = nnx.BatchNorm(4, rngs=rngs)
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
+        self.sows = sow
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = nnx.tanh(layer(x))
+        x = self.drop(self.bn(x))
+        self.kl_loss = Loss(jnp.mean(x ** 2))
+        if self.sows:
+            self.sow(nnx.Intermediate, "features", x)
+        return x
+
+
+def _changes_between_calls(jit) -> list[np.ndarray]:
+    """A loop that changes its objects between calls in every way a loop does, under ``jit``: what each call
+    returned and the objects' state after it. Each change is followed by a call of a step that the same
+    objects went through before it (a held call, if nothing saw the change)."""
+    model = Encoder(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @jit
+    def step(model, optimizer, x):
+        def loss_fn(model):
+            return jnp.mean((model(x) - 1) ** 2) + model.kl_loss[...]
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    @jit
+    def forward(model, x):
+        return model(x)
+
+    x = np.linspace(-1, 1, 24, dtype=np.float32).reshape(6, 4)
+    seen = []
+
+    def record(*values):
+        seen.extend(np.asarray(v) for v in values)
+        seen.extend(host(nnx.state(model)))
+
+    for _ in range(3):
+        record(step(model, optimizer, x), forward(model, x))
+    model.layers[0].bias[...] = np.full(4, 0.5, np.float32)  # a value assigned (from the host)
+    record(step(model, optimizer, x))
+    model.eval()  # static attributes: BatchNorm's running statistics, no Dropout
+    record(forward(model, x))
+    model.train()
+    record(forward(model, x), step(model, optimizer, x))
+    model.layers.append(nnx.Linear(4, 4, rngs=nnx.Rngs(1)))  # a submodule added to a list
+    record(forward(model, x))
+    model.bn = nnx.BatchNorm(4, rngs=nnx.Rngs(2))  # a submodule replaced
+    record(forward(model, x))
+    model.drop.rate = 0.7  # a static attribute set
+    record(forward(model, x))
+    model.sows = True  # the module sows: a variable added by each call, popped between calls
+    record(forward(model, x))
+    record(*jax.tree.leaves(nnx.pop(model, nnx.Intermediate)), forward(model, x))
+    record(*jax.tree.leaves(nnx.pop(model, nnx.Intermediate)), forward(model, x))
+    model.sows = False
+    del model.kl_loss  # an attribute removed
+    record(forward(model, x))
+    view = nnx.view(model, deterministic=True)  # another object sharing the variables
+    record(forward(view, x), forward(model, x))
+    return seen
+
+
+def test_changes_between_calls_are_seen_as_nnx_jit_sees_them():
+    # Each call after the first reads the held objects; every change between calls must reach the step as it
+    # reaches nnx.jit's (one device: bitwise).
+    want = _changes_between_calls(nnx.jit)
+    got = _changes_between_calls(strategy(1).jit)
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(want, got)):
+        np.testing.assert_array_equal(b, a, err_msg=f"value {i}")
+
+
+def test_a_loop_walks_its_objects_once(monkeypatch):
+    from mirrorax.nnx import split_merge
+
+    walks = []
+    split = split_merge.NnxSplitMerge.split
+    monkeypatch.setattr(split_merge.NnxSplitMerge, "split", lambda self, o: walks.append(1) or split(self, o))
+    s = strategy(2)
+    model, optimizer, metrics = objects()
+    step = s.jit(train_step)
+    for _ in range(3):
+        for batch in s.experimental_distribute_dataset(data(), batch_size=16):
+            step(model, optimizer, metrics, batch)
+    assert len(walks) == 1 and int(optimizer.step[...]) == 12 and step.compile_count == 2
+    model.eval()  # a new structure: walked once more, then held again
+    for batch in s.experimental_distribute_dataset(data(), batch_size=16):
+        step(model, optimizer, metrics, batch)
+    assert len(walks) == 2
+
+
+def test_held_objects_go_with_the_caller():
+    import gc
+    import weakref
+
+    s = strategy(2)
+    model, optimizer, metrics = objects()
+    step = s.jit(train_step)
+    batch = next(iter(s.experimental_distribute_dataset(data(), batch_size=16)))
+    step(model, optimizer, metrics, batch)
+    kernel = weakref.ref(model.conv.kernel[...])
+    gone = weakref.ref(model)
+    del model, optimizer, metrics
+    gc.collect()
+    assert gone() is None and kernel() is None  # the step holds neither the objects nor their arrays
+
+
+def test_cached_partial_as_under_nnx_jit():
+    # Flax's performance guide: nnx.cached_partial(step, model, optimizer, metrics) over the decorated step.
+    def run(jit, batches):
+        model, optimizer, metrics = objects()
+        cached = nnx.cached_partial(jit(train_step), model, optimizer, metrics)
+        for batch in batches:
+            cached(batch)
+        return host(nnx.state((model, optimizer, metrics)))
+
+    want = run(nnx.jit, [{k: v[i:i + 16] for k, v in data().items()} for i in range(0, ROWS, 16)])
+    s = strategy(1)
+    got = run(s.jit, s.experimental_distribute_dataset(data(), batch_size=16))
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(b, a)
 
 
 # -- Flax's sharding annotations on a 2-D mesh -------------------------------------------------------------

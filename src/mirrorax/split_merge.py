@@ -61,8 +61,8 @@ import jax
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh
 
-__all__ = ["SplitMerge", "register", "register_front_end", "protocols", "split_args", "threaded", "objects_back",
-           "place", "Split"]
+__all__ = ["SplitMerge", "Held", "register", "register_front_end", "protocols", "split_args", "threaded",
+           "objects_back", "place", "Split", "is_slot"]
 
 PyTree = Any
 
@@ -107,14 +107,22 @@ class SplitMerge(Protocol):
 
     def state(self, structure: Any, before: PyTree, objects: Any) -> PyTree:
         """The new state after the step, read from what :meth:`bind` yielded, still bound (``before``: the
-        state bound): :meth:`split`'s tree, or for found objects its ``changed`` part. Raises ``ValueError``
-        when the objects' structure is no longer ``structure``."""
+        state bound): :meth:`split`'s tree, or for found objects its ``changed`` part. Objects among the arguments
+        may come out with variables added or removed (a module that creates one in its ``__call__``): the new
+        state's tree then differs, and :meth:`update` writes it, structure and all. Raises ``ValueError`` for
+        any other change of the objects' structure."""
         ...
 
     def update(self, objects: Any, state: PyTree) -> None:
-        """Writes ``state`` (:meth:`split`'s tree: new device arrays, or the ones placed) into the caller's
-        ``objects``. A found object's ``read`` part is the very object :meth:`split` gave unless a leaf of it
-        was placed (it may then be skipped by identity); a leaf the object holds already may be left as it is."""
+        """Writes ``state`` (:meth:`split`'s tree: new device arrays, or the ones placed; for objects among the
+        arguments, possibly with variables added by the step) into the caller's ``objects``. A found object's
+        ``read`` part is the very object :meth:`split` gave unless a leaf of it was placed (it may then be
+        skipped by identity); a leaf the object holds already may be left as it is."""
+        ...
+
+    def prune(self, objects: Any, state: PyTree) -> None:
+        """For objects among the arguments, after a step that removed variables: removes from ``objects`` those
+        ``state`` (the new state, just written by :meth:`update`) no longer holds. Optional."""
         ...
 
     def owned(self, objects: Any, changed: PyTree) -> list[bool]:
@@ -126,6 +134,31 @@ class SplitMerge(Protocol):
     def names(self, structure: Any) -> list[str]:
         """For found objects: what each leaf of the ``changed`` state is, as a message names it (Keras:
         ``variable 'dense/kernel'``)."""
+        ...
+
+    def hold(self, objects: Any, structure: Any, state: PyTree) -> Held | None:
+        """For objects among the arguments: ``objects``, just split into ``structure`` and ``state``, held for
+        the calls that follow with the same objects (:class:`Held`), or ``None`` (every call splits them)."""
+        ...
+
+
+class Held(Protocol):
+    """Objects among a step's arguments held between calls (:meth:`SplitMerge.hold`): the calls that follow with
+    the same objects read and write their state without walking them (a walk of a small Flax NNX model and its
+    optimizer costs more than its step on an accelerator), while a change made to them between calls is seen."""
+
+    def unchanged(self) -> bool:
+        """Whether the objects still have the structure they were held with (nothing added, removed or
+        replaced, no static attribute changed): the held program and leaves still apply. Errs towards
+        ``False`` (the call then splits them again)."""
+        ...
+
+    def read(self) -> list[Any]:
+        """The state's leaves now, in the order of the ``state`` held (a value the user assigned included)."""
+        ...
+
+    def write(self, leaves: list[Any]) -> None:
+        """Writes new leaves (device arrays) into the objects, as :meth:`SplitMerge.update` does."""
         ...
 
 
@@ -171,31 +204,38 @@ jax.tree_util.register_pytree_node(_Slot, lambda s: ((), (s.kind, s.index)), lam
 
 
 class _Structure:
-    """The objects' structures, per protocol (static: the aux data of a node with no leaves)."""
+    """The objects' structures, per protocol: ``(protocol index, structure, the state's treedef)`` (static: the
+    aux data of a node with no leaves)."""
 
     __slots__ = ("value",)
 
-    def __init__(self, value: tuple[tuple[int, Hashable], ...]) -> None:
+    def __init__(self, value: tuple[tuple[int, Hashable, Any], ...]) -> None:
         self.value = value
 
 
 jax.tree_util.register_pytree_node(_Structure, lambda s: ((), s.value), lambda value, _: _Structure(value))
 
 
-def _is_slot(x: Any) -> bool:
+def is_slot(x: Any) -> bool:
+    """Whether ``x`` is an object's place among a :class:`Split`'s arguments (``.kind``: its protocol's index,
+    ``.index``: its place among that protocol's objects)."""
     return isinstance(x, _Slot)
+
+
+_is_slot = is_slot
 
 
 class Split:
     """A call's arguments with their objects split out: ``args`` holds a slot in each object's place;
-    ``objects`` (per protocol index, in order), ``structure`` (static) and ``states`` (one per protocol with
-    objects); ``positions``: the arguments that hold objects."""
+    ``objects`` (per protocol index, in order), ``structure`` (static), ``states`` (one per protocol with
+    objects, as :meth:`SplitMerge.split` gave it) and ``leaves`` (each state's leaves: what a program takes);
+    ``positions``: the arguments that hold objects."""
 
-    __slots__ = ("objects", "structure", "states", "args", "positions")
+    __slots__ = ("objects", "structure", "states", "leaves", "args", "positions")
 
-    def __init__(self, objects: dict[int, list[Any]], structure: Any, states: list[PyTree],
-                 args: tuple[Any, ...], positions: set[int]) -> None:
-        self.objects, self.structure, self.states, self.args = objects, structure, states, args
+    def __init__(self, objects: dict[int, list[Any]], structure: _Structure, states: list[PyTree],
+                 leaves: list[list[Any]], args: tuple[Any, ...], positions: set[int]) -> None:
+        self.objects, self.structure, self.states, self.leaves, self.args = objects, structure, states, leaves, args
         self.positions = positions
 
 
@@ -226,20 +266,27 @@ def split_args(args: tuple[Any, ...], kinds: Sequence[SplitMerge]) -> Split | No
             group.append(leaf)
         leaves[i] = slot
     parts = [(k, kinds[k].split(tuple(group))) for k, group in sorted(objects.items())]
-    structure = _Structure(tuple((k, s) for k, (s, _) in parts))
+    flat = [jax.tree.flatten(state) for _, (_, state) in parts]
+    structure = _Structure(tuple((k, s, tree) for (k, (s, _)), (_, tree) in zip(parts, flat)))
     slotted = jax.tree.unflatten(treedef, leaves)
     positions = {i for i, a in enumerate(slotted) if any(_is_slot(x) for x in jax.tree.leaves(a, is_leaf=_is_slot))}
-    return Split(objects, structure, [st for _, (_, st) in parts], tuple(slotted), positions)
+    return Split(objects, structure, [st for _, (_, st) in parts], [list(x) for x, _ in flat], tuple(slotted),
+                 positions)
 
 
 def threaded(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` as a function of ``(structure, states, *args)`` (a :class:`Split`'s): the objects bound and
-    handed to ``fn`` in their slots of ``args``, and their new states returned beside ``fn``'s outputs."""
+    """``fn`` as a function of ``(structure, leaves, *args)`` (a :class:`Split`'s: each protocol's state as its
+    leaves' list): the objects bound and handed to ``fn`` in their slots of ``args``, and their new states'
+    leaves returned beside ``fn``'s outputs. (Lists of leaves, not the states' own trees: a call flattens its
+    arguments and rebuilds its outputs each time, and a front-end's state tree, NNX's nested ``State``, costs
+    tens of microseconds a call to walk in Python; a list of arrays is walked in C.)"""
     @functools.wraps(fn)
-    def run(structure: _Structure, states: list[PyTree], *args: Any) -> Any:
+    def run(structure: _Structure, leaves: list[list[Any]], *args: Any) -> Any:
         kinds = protocols()
+        states = [tree.unflatten(part) for (_, _, tree), part in zip(structure.value, leaves)]
         with contextlib.ExitStack() as stack:
-            merged = {k: stack.enter_context(kinds[k].bind(s, state)) for (k, s), state in zip(structure.value, states)}
+            merged = {k: stack.enter_context(kinds[k].bind(s, state))
+                      for (k, s, _), state in zip(structure.value, states)}
             args = jax.tree.map(lambda x: merged[x.kind][x.index] if _is_slot(x) else x, args, is_leaf=_is_slot)
             out = fn(*args)
             mine = {id(o): _Slot(k, i) for k, group in merged.items() for i, o in enumerate(group)}
@@ -257,8 +304,16 @@ def threaded(fn: Callable[..., Any]) -> Callable[..., Any]:
                 return any(p.owns(x) for p in kinds)
 
             out = jax.tree.map(lambda x: returned(x) if owned(x) else x, out, is_leaf=owned)
-            return out, [kinds[k].state(s, state, merged[k]) for (k, s), state in zip(structure.value, states)]
+            new = [jax.tree.flatten(kinds[k].state(s, state, merged[k]))
+                   for (k, s, _), state in zip(structure.value, states)]
+            # A step that added or removed variables (a module that creates one in __call__): the new state's
+            # structure, per part, for the call to write back (recorded at the trace: it is static).
+            trees = [None if tree == before else tree for (_, tree), (_, _, before) in zip(new, structure.value)]
+            if any(t is not None for t in trees):
+                run.changed[structure.value] = trees  # type: ignore[attr-defined]
+            return out, [leaves for leaves, _ in new]
 
+    run.changed = {}  # type: ignore[attr-defined]  # structure.value -> each part's new state tree (None: same)
     return run
 
 

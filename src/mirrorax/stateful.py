@@ -51,6 +51,7 @@ from mirrorax.distributed_batch import (
     restore_pieces,
     unpieced,
 )
+from mirrorax.held import HeldCall
 from mirrorax.padding import (
     even_out_shardings,
     masked_metric_updates,
@@ -163,11 +164,11 @@ def _of_pieces(given: OutShardings) -> OutShardings:
 
 
 def _pieces_first(run: Callable[..., Any]) -> Callable[..., Any]:
-    """``threaded(fn)``'s ``run(structure, states, *args)`` as a function of ``(structure, states, stubs, *args)``:
+    """``threaded(fn)``'s ``run(structure, leaves, *args)`` as a function of ``(structure, leaves, stubs, *args)``:
     each piece of ``args`` restored from its stub, then the objects bound."""
     @functools.wraps(run)
-    def with_pieces(structure: Any, states: Any, stubs: Any, *args: Any) -> Any:
-        return run(structure, states, *restore_pieces(stubs, args))
+    def with_pieces(structure: Any, leaves: Any, stubs: Any, *args: Any) -> Any:
+        return run(structure, leaves, *restore_pieces(stubs, args))
 
     return with_pieces
 
@@ -239,12 +240,13 @@ class StatefulFunction:
         self._arguments = arguments and objects
         self._objects = objects  # (off: strategy.jit(stateful=False): no object is looked for)
         # (donated state or not, pieces or not) -> the threaded function
-        self._threaded: dict[tuple[bool, bool], StatefulFunction] = {}
+        self._threaded: dict[tuple[bool, bool], tuple[StatefulFunction, Any]] = {}
         # pieces of padded batches among the arguments, taken out (off for the functions that take them out)
         self._gathers = pieces
         self._with_pieces: StatefulFunction | None = None  # the function of (stubs, *args) (gather_pieces)
         self._lead = lead  # arguments before the user's (the threaded and piece functions' own)
         self._stray_warned = False
+        self._holds: list[HeldCall] = []  # the objects of the latest calls, held (at most 4)
         self._replicated_checked: set[Any] = set()  # signatures checked for a batch given whole from the host
         self._layouts: dict[Any, list[Any]] = {}  # (protocol, structure, shapes) -> each state leaf's layout
 
@@ -265,7 +267,7 @@ class StatefulFunction:
     def compile_count(self) -> int:
         """How many signatures were compiled (one per distinct input shape/layout and object structure)."""
         return (self._plain.compile_count + sum(e.function.compile_count for e in self._state.values() if e is not None)
-                + sum(f.compile_count for f in self._threaded.values())
+                + sum(f.compile_count for f, _ in self._threaded.values())
                 + (self._with_pieces.compile_count if self._with_pieces is not None else 0))
 
     def _split(self, args: tuple[Any, ...]) -> tuple[Split | None, tuple[SplitMerge, ...]]:
@@ -278,8 +280,9 @@ class StatefulFunction:
         if split is not None:
             self._check_global_view(split, kinds)
             pieces = self._pieces(split.args)
-            return self._function(split, pieces is not None).lower(
-                split.structure, self._placed(split, kinds), *self._rest(split.args, pieces))
+            donated = bool(split.positions) and split.positions <= set(self._donate)
+            return self._function(donated, pieces is not None)[0].lower(
+                split.structure, self._placed(split, kinds)[0], *self._rest(split.args, pieces))
         pieces = self._pieces(args)
         if pieces is not None:
             return self._pieced().lower(pieces.stubs, *pieces.args)
@@ -347,17 +350,13 @@ class StatefulFunction:
                 out = self._call_fast(args)
                 if out is not MISSED:
                     return out
+            if self._holds:
+                out = self._call_held(args)
+                if out is not MISSED:
+                    return out
             split, kinds = self._split(args)
             if split is not None:
-                self._plain_last = False  # (the next call with objects looks for them again)
-                self._check_global_view(split, kinds)
-                pieces = self._pieces(split.args)
-                states = self._placed(split, kinds)
-                out, new = self._function(split, pieces is not None)(split.structure, states,
-                                                                     *self._rest(split.args, pieces))
-                for (k, _), state in zip(split.structure.value, new):
-                    kinds[k].update(tuple(split.objects[k]), state)
-                return objects_back(out, split)
+                return self._call_split(args, split, kinds)
             pieces = self._pieces(args)
             if pieces is not None:
                 self._plain_last = False
@@ -578,6 +577,67 @@ class StatefulFunction:
         return changed_all, read_all
 
     # -- objects among the arguments ------------------------------------------------------------------
+    def _call_split(self, args: tuple[Any, ...], split: Split, kinds: Sequence[SplitMerge]) -> Any:
+        """A call whose objects were split out: their state placed, the threaded program called, the new state
+        written back; the objects are then held for the calls that follow (:mod:`mirrorax.held`)."""
+        self._plain_last = False  # (the next call with objects looks for them again)
+        self._check_global_view(split, kinds)
+        pieces = self._pieces(split.args)
+        leaves, targets = self._placed(split, kinds)
+        donated = bool(split.positions) and split.positions <= set(self._donate)
+        function, run = self._function(donated, pieces is not None)
+        out, new = function(split.structure, leaves, *self._rest(split.args, pieces))
+        changed = run.changed.get(split.structure.value)  # (variables the step added or removed)
+        held = None if changed else HeldCall.of(args, split, kinds, targets, new, donated)
+        if held is None:
+            trees = changed or [None] * len(new)
+            for (k, _, tree), part, after in zip(split.structure.value, new, trees):
+                self._write_back(kinds[k], tuple(split.objects[k]), (after or tree).unflatten(part), after is not None)
+        else:
+            held.write(new)
+            self._holds = [h for h in self._holds if h.alive][-3:] + [held]
+        return objects_back(out, split)
+
+    @staticmethod
+    def _write_back(kind: SplitMerge, objects: tuple[Any, ...], state: PyTree, restructured: bool) -> None:
+        """``state`` written into ``objects``; ``restructured``: the step added or removed variables (those it
+        removed are removed from the objects too, by the front-end's ``prune``)."""
+        kind.update(objects, state)
+        prune = getattr(kind, "prune", None) if restructured else None
+        if prune is not None:
+            prune(objects, state)
+
+    def _call_held(self, args: tuple[Any, ...]) -> Any:
+        """The call with the objects of an earlier call held (:class:`~mirrorax.held.HeldCall`): their leaves
+        read, the same program called, the new leaves written back, nothing walked; else
+        :data:`~mirrorax.dispatch.MISSED` (other objects, a changed structure: the call splits them)."""
+        held = next((h for h in self._holds if h.alive and h.matches(args)), None)
+        if held is None:
+            return MISSED
+        if not held.unchanged():
+            self._holds.remove(held)
+            return MISSED
+        kinds = protocols()
+        rest = held.rest(args, lambda x: any(p.owns(x) for p in kinds))
+        if rest is None:
+            return MISSED
+        self._check_not_in_tf_function()
+        leaves = held.read()
+        if not held.fresh(leaves):  # (a value the user assigned: placed where it lives, if it is not there)
+            for part, targets, last in zip(leaves, held.targets, held.written):
+                _place_stray(self._mesh, part, targets, [j for j, a in enumerate(part) if a is not last[j]])
+        pieces = self._pieces(rest)
+        function, run = self._function(held.donated, pieces is not None)
+        out, new = function(held.structure, leaves, *self._rest(rest, pieces))
+        if held.structure.value in run.changed:  # (a batch of another shape whose trace adds a variable)
+            self._holds.remove(held)
+            objects = held.objects(args)
+            for (k, _, tree), part, after in zip(held.structure.value, new, run.changed[held.structure.value]):
+                self._write_back(kinds[k], tuple(objects[k]), (after or tree).unflatten(part), after is not None)
+            return held.objects_back(out, args)
+        held.write(new)
+        return held.objects_back(out, args)
+
     def _check_global_view(self, split: Split, kinds: Sequence[SplitMerge]) -> None:
         if self._per_replica:
             names = sorted({type(o).__name__ for k, group in split.objects.items() for o in group} |
@@ -587,42 +647,44 @@ class StatefulFunction:
                             "global batch, the one-device numbers on every device); per replica it would "
                             "diverge. Decorate the step with @strategy.jit and call it directly.")
 
-    def _placed(self, split: Split, kinds: Sequence[SplitMerge]) -> list[PyTree]:
-        """Each protocol's state on the strategy's mesh: a leaf elsewhere (the objects' first call, an array
-        the user set) is placed where :meth:`SplitMerge.layouts` says (process 0's values) and written back
-        into the caller's objects, so that the next call finds it placed; a leaf on the mesh keeps its layout."""
-        states = []
+    def _placed(self, split: Split, kinds: Sequence[SplitMerge]) -> tuple[list[list[Any]], list[list[Any]]]:
+        """Each protocol's state leaves on the strategy's mesh, and their layouts: a leaf elsewhere (the objects'
+        first call, an array the user set) is placed where :meth:`SplitMerge.layouts` says (process 0's values)
+        and written back into the caller's objects, so that the next call finds it placed; a leaf on the mesh
+        keeps its layout."""
+        out, layouts = [], []
         mesh = self._mesh.mesh
-        for (k, structure), state in zip(split.structure.value, split.states):
-            leaves, treedef = jax.tree.flatten(state)
-            if all(type(a) is not np.ndarray and isinstance(getattr(a, "sharding", None), NamedSharding)
-                   and (a.sharding.mesh is mesh or a.sharding.mesh == mesh) for a in leaves):
-                states.append(state)  # the previous call's outputs (checked without the layouts)
-                continue
+        for (k, structure, tree), state, leaves in zip(split.structure.value, split.states, split.leaves):
             key = (k, structure, tuple((getattr(a, "shape", None), getattr(a, "dtype", None)) for a in leaves))
             targets = self._layouts.get(key)
             if targets is None:
                 targets = self._layouts[key] = list(kinds[k].layouts(structure, state, self._mesh))
+            layouts.append(targets)
+            if all(type(a) is not np.ndarray and isinstance(getattr(a, "sharding", None), NamedSharding)
+                   and (a.sharding.mesh is mesh or a.sharding.mesh == mesh) for a in leaves):
+                out.append(leaves)  # the previous call's outputs (checked without the layouts)
+                continue
+            leaves = list(leaves)
             if _place_stray(self._mesh, leaves, targets, range(len(leaves))):
-                state = jax.tree.unflatten(treedef, leaves)
-                kinds[k].update(tuple(split.objects[k]), state)
-            states.append(state)
-        return states
+                kinds[k].update(tuple(split.objects[k]), tree.unflatten(leaves))
+            out.append(leaves)
+        return out, layouts
 
-    def _function(self, split: Split, pieced: bool = False) -> StatefulFunction:
-        """The function of ``threaded(structure, states, *args)`` (one per donation of the state; with
-        ``pieced``, ``args`` are ``(stubs, *args)`` of the pieces of padded batches among them): objects the
+    def _function(self, donated: bool, pieced: bool = False) -> tuple[StatefulFunction, Any]:
+        """The function of ``threaded(structure, leaves, *args)`` (one per donation of the state; with
+        ``pieced``, ``args`` are ``(stubs, *args)`` of the pieces of padded batches among them), and the
+        ``threaded`` run it calls (its ``changed``: the structures its traces saw the step change): objects the
         step also reaches by itself are found in its own discovery trace."""
-        donated = bool(split.positions) and split.positions <= set(self._donate)
-        function = self._threaded.get((donated, pieced))
-        if function is None:
+        entry = self._threaded.get((donated, pieced))
+        if entry is None:
             lead = 3 if pieced else 2
             donate = ((1,) if donated else ()) + tuple(i + lead for i in self._donate)
             given = _of_pieces(self._given_out) if pieced else self._given_out
-            out_shardings = _out_layouts(given, lambda structure, states: jax.tree.map(lambda a: a.sharding, states))
+            out_shardings = _out_layouts(given, lambda structure, leaves: jax.tree.map(lambda a: a.sharding, leaves))
             # (the pieces restored before the objects are bound: a step's objects are never rebuilt as pytrees)
-            fn = _pieces_first(threaded(self._user_fn)) if pieced else threaded(self._user_fn)
-            function = self._threaded[donated, pieced] = StatefulFunction(
-                self._mesh, self._window, fn, donate_argnums=donate, out_shardings=out_shardings, where=self._where,
-                arguments=False, pieces=False, lead=self._lead + lead)
-        return function
+            run = threaded(self._user_fn)
+            function = StatefulFunction(
+                self._mesh, self._window, _pieces_first(run) if pieced else run, donate_argnums=donate,
+                out_shardings=out_shardings, where=self._where, arguments=False, pieces=False, lead=self._lead + lead)
+            entry = self._threaded[donated, pieced] = (function, run)
+        return entry

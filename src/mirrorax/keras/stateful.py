@@ -315,6 +315,13 @@ class KerasVariables:
         """``variable 'sequential/dense/kernel'`` per assigned variable."""
         return [f"variable {getattr(v, 'path', v)!r}" for v in structure.assigned]
 
+    def hold(self, objects: Any, structure: Any, state: Any) -> None:
+        """``None``: Keras's variables are found by the step's trace, never among its arguments."""
+        return None
+
+    def prune(self, objects: Any, state: Any) -> None:
+        """Never asked (a step cannot add or remove a Keras variable the trace found)."""
+
 
 KERAS = KerasVariables()
 """The protocol ``strategy.jit`` uses for Keras variables (registered once Keras is imported)."""

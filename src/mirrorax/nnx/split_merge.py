@@ -20,6 +20,7 @@ annotated.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, cast
@@ -59,6 +60,7 @@ class NnxSplitMerge:
 
     def split(self, objects: tuple[Any, ...]) -> tuple[Hashable, PyTree]:
         """``nnx.split`` of the objects together: ``(GraphDef, State)``."""
+        _take_cached_partial()
         return nnx.split(objects)
 
     @contextlib.contextmanager
@@ -67,25 +69,44 @@ class NnxSplitMerge:
         yield nnx.merge(cast(Any, structure), state)
 
     def state(self, structure: Hashable, before: PyTree, objects: tuple[Any, ...]) -> PyTree:
-        """The merged objects' ``State`` after the step; their ``GraphDef`` must be ``structure``."""
+        """The merged objects' ``State`` after the step. Their ``GraphDef`` is ``structure``, or differs by
+        variables the step added or removed (a module that creates one in its ``__call__``, as ``nnx.jit``
+        allows): :meth:`update` and :meth:`prune` write those. Any other change raises ``ValueError``."""
         graphdef, state = nnx.split(objects)
         if graphdef != structure:
             def paths(tree: PyTree) -> set[str]:
                 return {_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
             added, removed = sorted(paths(state) - paths(before)), sorted(paths(before) - paths(state))
-            what = (f"variables added: {added}, removed: {removed}" if added or removed else
-                    f"the same {len(paths(state))} variables, but a static attribute or a submodule changed")
+            if added or removed:
+                return state
             raise ValueError(
-                f"The step changed the structure of the NNX objects it was given ({what}; paths from the first "
-                "object passed, 0/...). strategy.jit compiles one program per structure and writes the new state "
-                "back into the objects as they came in. Make such changes outside the step (e.g. model.train() / "
-                "model.eval() or nnx.view(...) before calling it).")
+                f"The step changed the structure of the NNX objects it was given (the same {len(paths(state))} "
+                "variables, but a static attribute or a submodule changed). strategy.jit compiles one program per "
+                "structure and writes the new state back into the objects as they came in. Make such changes "
+                "outside the step (e.g. model.train() / model.eval() or nnx.view(...) before calling it).")
         return state
 
     def update(self, objects: tuple[Any, ...], state: PyTree) -> None:
-        """``nnx.update``: the caller's variables take the new arrays."""
+        """``nnx.update``: the caller's variables take the new arrays (a variable the step added is added)."""
         nnx.update(objects, state)
+
+    def prune(self, objects: tuple[Any, ...], state: PyTree) -> None:
+        """Removes from the caller's objects the variables ``state`` no longer holds (the step removed them, e.g.
+        with ``nnx.pop``)."""
+        keep = {p for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]}
+        gone = [p for p, _ in jax.tree_util.tree_flatten_with_path(nnx.state(objects))[0] if p not in keep]
+        for path in gone:
+            keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
+            if keys and keys[-1] == "value":
+                keys = keys[:-1]
+            parent: Any = objects
+            for key in keys[:-1]:
+                parent = parent[key] if isinstance(parent, (tuple, list, dict)) else getattr(parent, key)
+            if isinstance(parent, nnx.Pytree):
+                delattr(parent, keys[-1])
+            else:
+                del parent[keys[-1]]
 
     def layouts(self, structure: Hashable, state: PyTree, mesh: BatchMesh) -> list[jax.sharding.Sharding]:
         """Replicated, or as each variable's sharding annotation names the mesh's axes."""
@@ -102,6 +123,81 @@ class NnxSplitMerge:
     def names(self, structure: Hashable) -> list[str]:
         """Never asked (objects among the arguments are named by their place in the outputs)."""
         return []
+
+    def hold(self, objects: tuple[Any, ...], structure: Hashable, state: PyTree) -> NnxHeld | None:
+        """The objects held for the calls that follow (:class:`NnxHeld`)."""
+        return NnxHeld.of(objects, state)
+
+
+def _take_cached_partial() -> None:
+    """Takes the cache ``nnx.cached_partial(step, model, ...)`` hands the transform it calls (Flax's graph
+    context, which raises after the call unless a transform took it). ``strategy.jit`` holds the objects itself
+    (:class:`NnxHeld`: the partial's objects, Flax's copies that share the caller's variables, are held like any
+    others), so the cache is left unused."""
+    context = nnx.graph.GRAPH_CONTEXT
+    if context.tmp_static_cache is not None:
+        context.tmp_static_cache = None
+
+
+class NnxHeld:
+    """Flax NNX objects held between calls (:class:`mirrorax.split_merge.Held`): the ``Variable`` s of their state,
+    in its leaves' order, read and written in place; and what makes their structure, each ``nnx.Pytree`` 's
+    attributes and each list's and dict's items among them, as they were (by identity), to tell that they are
+    unchanged without walking the graph.
+
+    Not seen: a ``Variable``'s metadata changed in place (``set_metadata``), which no training loop does
+    between steps; everything else a loop does between calls (a value assigned, ``model.eval()``,
+    ``nnx.view``, an attribute added, removed or replaced, a list of submodules changed) is.
+    """
+
+    __slots__ = ("variables", "containers")
+
+    def __init__(self, variables: list[Any], containers: list[tuple[Any, tuple[Any, ...]]]) -> None:
+        self.variables, self.containers = variables, containers
+
+    @classmethod
+    def of(cls, objects: tuple[Any, ...], state: PyTree) -> NnxHeld | None:
+        """``objects`` held, ``state`` the ``State`` ``nnx.split`` just gave of them; ``None`` if its leaves are not
+        the variables' own values (a Flax whose ``split`` copies)."""
+        variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        values = jax.tree.leaves(state)
+        if len(variables) != len(values) or not all(isinstance(v, nnx.Variable) and v.get_raw_value() is a
+                                                    for v, a in zip(variables, values)):
+            return None
+        containers: list[tuple[Any, tuple[Any, ...]]] = []
+        for _, node in nnx.iter_graph(objects):
+            if isinstance(node, nnx.Variable):
+                continue
+            if isinstance(node, nnx.Pytree):
+                attributes = vars(node)
+                containers.append((attributes, tuple(attributes.values())))
+            elif type(node) is dict:
+                containers.append((node, tuple(node.values())))
+            elif type(node) is list:
+                containers.append((node, tuple(node)))
+        return cls(variables, containers)
+
+    def unchanged(self) -> bool:
+        """Every attribute, list item and dict entry is the object it was held with (a static attribute set to an
+        equal but new value counts as a change: the call then splits the objects again)."""
+        _take_cached_partial()
+        for container, was in self.containers:
+            now = container.values() if type(container) is dict else container
+            if len(now) != len(was) or not all(map(operator.is_, now, was)):
+                return False
+        return True
+
+    def read(self) -> list[Any]:
+        """Each variable's value now."""
+        return [v.get_raw_value() for v in self.variables]
+
+    def write(self, leaves: list[Any]) -> None:
+        """Each variable takes its new value. Flax checks at each write that no trace is under way (a value
+        traced inside a program must not leak into a variable made outside it), which costs more than the
+        write: the leaves say it once (a call made inside a trace gives tracers; those keep Flax's check)."""
+        unsafe = not (leaves and isinstance(leaves[0], jax.core.Tracer))
+        for v, a in zip(self.variables, leaves):
+            v.set_raw_value(a, _unsafe_bypass_check=unsafe)
 
 
 NNX = NnxSplitMerge()
