@@ -205,15 +205,27 @@ jax.tree_util.register_pytree_node(_Slot, lambda s: ((), (s.kind, s.index)), lam
 
 class _Structure:
     """The objects' structures, per protocol: ``(protocol index, structure, the state's treedef)`` (static: the
-    aux data of a node with no leaves)."""
+    aux data of a node with no leaves, itself).
 
-    __slots__ = ("value",)
+    Its hash is computed once: JAX hashes a call's static structure at every call of a compiled program, and a
+    Flax ``GraphDef`` is hashed by walking it (270 us a call for the performance guide's small model, more
+    than its step), while a loop passes the same structure every step."""
+
+    __slots__ = ("value", "_hash")
 
     def __init__(self, value: tuple[tuple[int, Hashable, Any], ...]) -> None:
         self.value = value
+        self._hash = hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, _Structure) and self._hash == hash(other)
+                                 and self.value == other.value)
 
 
-jax.tree_util.register_pytree_node(_Structure, lambda s: ((), s.value), lambda value, _: _Structure(value))
+jax.tree_util.register_pytree_node(_Structure, lambda s: ((), s), lambda structure, _: structure)
 
 
 def is_slot(x: Any) -> bool:
@@ -310,10 +322,10 @@ def threaded(fn: Callable[..., Any]) -> Callable[..., Any]:
             # structure, per part, for the call to write back (recorded at the trace: it is static).
             trees = [None if tree == before else tree for (_, tree), (_, _, before) in zip(new, structure.value)]
             if any(t is not None for t in trees):
-                run.changed[structure.value] = trees  # type: ignore[attr-defined]
+                run.changed[structure] = trees  # type: ignore[attr-defined]
             return out, [leaves for leaves, _ in new]
 
-    run.changed = {}  # type: ignore[attr-defined]  # structure.value -> each part's new state tree (None: same)
+    run.changed = {}  # type: ignore[attr-defined]  # structure -> each part's new state tree (None: the same)
     return run
 
 

@@ -587,7 +587,7 @@ class StatefulFunction:
         donated = bool(split.positions) and split.positions <= set(self._donate)
         function, run = self._function(donated, pieces is not None)
         out, new = function(split.structure, leaves, *self._rest(split.args, pieces))
-        changed = run.changed.get(split.structure.value)  # (variables the step added or removed)
+        changed = run.changed.get(split.structure)  # (variables the step added or removed)
         held = None if changed else HeldCall.of(args, split, kinds, targets, new, donated)
         if held is None:
             trees = changed or [None] * len(new)
@@ -629,10 +629,10 @@ class StatefulFunction:
         pieces = self._pieces(rest)
         function, run = self._function(held.donated, pieces is not None)
         out, new = function(held.structure, leaves, *self._rest(rest, pieces))
-        if held.structure.value in run.changed:  # (a batch of another shape whose trace adds a variable)
+        if held.structure in run.changed:  # (a batch of another shape whose trace adds a variable)
             self._holds.remove(held)
             objects = held.objects(args)
-            for (k, _, tree), part, after in zip(held.structure.value, new, run.changed[held.structure.value]):
+            for (k, _, tree), part, after in zip(held.structure.value, new, run.changed[held.structure]):
                 self._write_back(kinds[k], tuple(objects[k]), (after or tree).unflatten(part), after is not None)
             return held.objects_back(out, args)
         held.write(new)
