@@ -1,0 +1,305 @@
+"""Flax NNX training loops on one device: Flax's own loops against mirrorax's two doors, alternated in one process.
+
+The workloads are Flax's: the MNIST tutorial's CNN (BatchNorm, Dropout with its ``nnx.Rngs``, AdamW,
+``nnx.MultiMetric``) and a small transformer classifier (two pre-norm blocks of ``nnx.MultiHeadAttention``
+and an MLP, Dropout, Adam), each at a global batch of 32 and 256, and the performance guide's own small
+model (``guide``: 2 -> 64 -> 3 with BatchNorm and Dropout, a mean squared error), fed host numpy batches as
+the tutorial does. The systems:
+
+* ``flax_split_merge``: Flax's performance guide's fastest loop: ``nnx.split`` once before the loop, a plain
+  ``jax.jit`` step over the state (``nnx.merge`` inside, ``nnx.state`` out), the state donated, ``nnx.update``
+  after the loop;
+* ``nnx_jit``: the tutorial's ``@nnx.jit`` step on the objects;
+* ``strategy_jit``: the same step under ``@strategy.jit`` (``donate_argnums`` on the objects), over
+  ``strategy.experimental_distribute_dataset`` of the same arrays;
+* ``trainer``: ``mx.Trainer(module, loss=..., optimizer=...).fit`` of the same module and optimizer.
+
+Each chunk is ``steps`` steps, ended when the state is ready (a Trainer chunk is one ``fit`` call, its set-up
+included); the systems alternate in ABBA order over the rounds, and each ratio to ``flax_split_merge`` is the
+median of the per-round ratios (drift on a shared host hits all alike).
+
+Run: ``python -m benchmarks.nnx_loops --workloads guide`` (the CPU, 1 device: the guide's model, whose step is
+small enough that the loops' host work shows), or
+``python -m benchmarks.nnx_loops --workloads cnn,transformer --batches 32,256`` on an accelerator;
+``python -m benchmarks.accelerator --workloads nnx`` runs it there with the other tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from functools import partial
+from typing import Any
+
+SYSTEMS = ("flax_split_merge", "nnx_jit", "strategy_jit", "trainer")
+LABELS = {"flax_split_merge": "Flax's split/merge jax.jit loop", "nnx_jit": "@nnx.jit",
+          "strategy_jit": "@strategy.jit", "trainer": "mx.Trainer"}
+
+
+def _models() -> dict[str, Any]:
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class CNN(nnx.Module):
+        """Flax's MNIST tutorial CNN."""
+
+        def __init__(self, *, rngs: nnx.Rngs):
+            self.conv1 = nnx.Conv(1, 32, kernel_size=(3, 3), rngs=rngs)
+            self.batch_norm1 = nnx.BatchNorm(32, rngs=rngs)
+            self.dropout1 = nnx.Dropout(rate=0.025, rngs=rngs)
+            self.conv2 = nnx.Conv(32, 64, kernel_size=(3, 3), rngs=rngs)
+            self.batch_norm2 = nnx.BatchNorm(64, rngs=rngs)
+            self.avg_pool = partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
+            self.linear1 = nnx.Linear(3136, 256, rngs=rngs)
+            self.dropout2 = nnx.Dropout(rate=0.025, rngs=rngs)
+            self.linear2 = nnx.Linear(256, 10, rngs=rngs)
+
+        def __call__(self, x):
+            x = self.avg_pool(nnx.relu(self.batch_norm1(self.dropout1(self.conv1(x)))))
+            x = self.avg_pool(nnx.relu(self.batch_norm2(self.conv2(x))))
+            x = x.reshape(x.shape[0], -1)
+            x = nnx.relu(self.dropout2(self.linear1(x)))
+            return self.linear2(x)
+
+    class Block(nnx.Module):
+        def __init__(self, dim: int, heads: int, rngs: nnx.Rngs):
+            self.norm1 = nnx.LayerNorm(dim, rngs=rngs)
+            self.attention = nnx.MultiHeadAttention(heads, dim, dropout_rate=0.1, decode=False, rngs=rngs)
+            self.norm2 = nnx.LayerNorm(dim, rngs=rngs)
+            self.up = nnx.Linear(dim, 4 * dim, rngs=rngs)
+            self.down = nnx.Linear(4 * dim, dim, rngs=rngs)
+            self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, x):
+            x = x + self.attention(self.norm1(x))
+            return x + self.dropout(self.down(nnx.gelu(self.up(self.norm2(x)))))
+
+    class Transformer(nnx.Module):
+        """A small transformer classifier: token and position embeddings, two blocks, mean pooling."""
+
+        def __init__(self, *, rngs: nnx.Rngs, vocab: int = 1000, length: int = 64, dim: int = 128, heads: int = 4):
+            self.tokens = nnx.Embed(vocab, dim, rngs=rngs)
+            self.positions = nnx.Embed(length, dim, rngs=rngs)
+            self.blocks = nnx.List([Block(dim, heads, rngs) for _ in range(2)])
+            self.norm = nnx.LayerNorm(dim, rngs=rngs)
+            self.head = nnx.Linear(dim, 10, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.tokens(x) + self.positions(jnp.arange(x.shape[1]))[None]
+            for block in self.blocks:
+                h = block(h)
+            return self.head(self.norm(h).mean(axis=1))
+
+    class Guide(nnx.Module):
+        """The model of Flax's guide "Performance considerations" (2 -> 64 -> 3, BatchNorm, Dropout)."""
+
+        def __init__(self, *, rngs: nnx.Rngs):
+            self.linear = nnx.Linear(2, 64, rngs=rngs)
+            self.bn = nnx.BatchNorm(64, rngs=rngs)
+            self.dropout = nnx.Dropout(0.2, rngs=rngs)
+            self.linear_out = nnx.Linear(64, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.linear_out(nnx.relu(self.dropout(self.bn(self.linear(x)))))
+
+    return {"cnn": CNN, "transformer": Transformer, "guide": Guide}
+
+
+def make_data(workload: str, rows: int, seed: int = 0) -> tuple[Any, Any]:
+    """Host arrays in the tutorial's form: float32 images in [0, 1] (the CNN) or int32 tokens, int labels."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    if workload == "guide":  # the guide's regression: 2 inputs, 3 targets
+        x = rng.normal(size=(rows, 2)).astype(np.float32)
+        return x, np.stack([np.sin(x[:, 0]), np.cos(x[:, 1]), x[:, 0] * x[:, 1]], axis=1).astype(np.float32)
+    y = rng.integers(0, 10, rows).astype(np.int32)
+    if workload == "cnn":
+        return rng.uniform(0, 1, (rows, 28, 28, 1)).astype(np.float32), y
+    return rng.integers(0, 1000, (rows, 64)).astype(np.int32), y
+
+
+def objects(workload: str) -> tuple[Any, Any, Any]:
+    """The model, its ``nnx.Optimizer`` and the tutorial's ``nnx.MultiMetric``, seeded."""
+    import optax
+    from flax import nnx
+
+    model = _models()[workload](rngs=nnx.Rngs(0))
+    model.train()  # (Dropout on, BatchNorm's batch statistics: as the Trainer trains it)
+    tx = optax.adamw(0.005, 0.9) if workload == "cnn" else optax.adam(1e-3)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    if workload == "guide":
+        return model, optimizer, nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+    metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+    return model, optimizer, metrics
+
+
+def train_step(model: Any, optimizer: Any, metrics: Any, x: Any, y: Any) -> Any:
+    """The tutorial's step: loss and gradients, the metrics and the optimizer updated in place (the guide's
+    regression: a mean squared error, its average the one metric)."""
+    import optax
+    from flax import nnx
+
+    if y.ndim > 1:  # (the guide's model)
+        def mse(model: Any) -> Any:
+            return ((model(x) - y) ** 2).mean()
+
+        loss, grads = nnx.value_and_grad(mse)(model)
+        optimizer.update(model, grads)
+        metrics.update(loss=loss)
+        return loss
+
+    def loss_fn(model: Any) -> Any:
+        logits = model(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits=logits, labels=y).mean(), logits
+
+    (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    metrics.update(loss=loss, logits=logits, labels=y)
+    optimizer.update(model, grads)
+    return loss
+
+
+def squared_error(y: Any, y_pred: Any) -> Any:
+    """Per example, for the Trainer: the guide's loss."""
+    return ((y_pred - y) ** 2).mean(axis=-1)
+
+
+class System:
+    """One loop on one workload: ``call(n)`` trains ``n`` steps and returns when the state is ready."""
+
+    def __init__(self, name: str, workload: str, x: Any, y: Any, batch: int, devices: list[Any]) -> None:
+        import jax
+        from flax import nnx
+
+        import mirrorax as mx
+
+        self.name = name
+        model, optimizer, metrics = objects(workload)
+        steps_per_pass = len(x) // batch
+        batches = [(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]) for i in range(steps_per_pass)]
+        self._i = 0
+        if name == "flax_split_merge":
+            graphdef, state = nnx.split((model, optimizer, metrics))
+
+            @partial(jax.jit, donate_argnums=1)
+            def step(state: Any, x: Any, y: Any) -> Any:
+                model, optimizer, metrics = nnx.merge(graphdef, state)
+                loss = train_step(model, optimizer, metrics, x, y)
+                return loss, nnx.state((model, optimizer, metrics))
+
+            box = [state]
+
+            def call(n: int) -> None:
+                loss = None
+                for _ in range(n):
+                    xb, yb = batches[self._i % steps_per_pass]
+                    self._i += 1
+                    loss, box[0] = step(box[0], xb, yb)
+                jax.block_until_ready(box[0])
+        elif name == "nnx_jit":
+            step = nnx.jit(train_step, donate_argnums=(0, 1, 2))
+
+            def call(n: int) -> None:
+                for _ in range(n):
+                    xb, yb = batches[self._i % steps_per_pass]
+                    self._i += 1
+                    step(model, optimizer, metrics, xb, yb)
+                jax.block_until_ready(nnx.state((model, optimizer)))
+        elif name == "strategy_jit":
+            strategy = mx.MirroredStrategy(devices=devices)
+            step = strategy.jit(train_step, donate_argnums=(0, 1, 2))
+            dist = strategy.experimental_distribute_dataset((x, y), batch_size=batch)
+            stream = [iter(dist)]
+
+            def call(n: int) -> None:
+                for _ in range(n):
+                    try:
+                        xb, yb = next(stream[0])
+                    except StopIteration:
+                        stream[0] = iter(dist)
+                        xb, yb = next(stream[0])
+                    step(model, optimizer, metrics, xb, yb)
+                strategy.in_flight.drain()
+                jax.block_until_ready(nnx.state(model, nnx.Param))
+        elif name == "trainer":
+            guide = workload == "guide"
+            trainer = mx.Trainer(model, mx.MirroredStrategy(devices=devices),
+                                 loss=squared_error if guide else "sparse_categorical_crossentropy_from_logits",
+                                 optimizer=optimizer.tx, metrics=[] if guide else ["accuracy"])
+
+            def call(n: int) -> None:
+                trainer.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=n, shuffle=False, verbose=0)
+                jax.block_until_ready(trainer.state)
+        else:
+            raise ValueError(f"unknown system {name!r}; expected one of {SYSTEMS}")
+        self.call = call
+
+
+def measure(workload: str, batch: int, systems: list[str], steps: int, rounds: int, devices: list[Any]) -> dict:
+    """Every system built, warmed up (its compile) and timed in ``rounds`` chunks of ``steps`` steps, ABBA."""
+    x, y = make_data(workload, batch * max(steps, 8))
+    built = {s: System(s, workload, x, y, batch, devices) for s in systems}
+    first = {}
+    for s in systems:
+        t0 = time.perf_counter()
+        built[s].call(3)
+        first[s] = time.perf_counter() - t0
+    chunks: dict[str, list[float]] = {s: [] for s in systems}
+    for r in range(rounds):
+        for s in systems if r % 2 == 0 else systems[::-1]:
+            t0 = time.perf_counter()
+            built[s].call(steps)
+            chunks[s].append(time.perf_counter() - t0)
+    rows = {}
+    base = chunks.get("flax_split_merge")
+    for s in systems:
+        rate = statistics.median(steps / t for t in chunks[s])
+        ratio = statistics.median(b / t for b, t in zip(base, chunks[s])) if base else None
+        rows[s] = {"steps_per_s": rate, "ratio": ratio, "chunk_s": chunks[s], "warmup_s": first[s]}
+    return {"workload": workload, "batch": batch, "steps": steps, "rounds": rounds,
+            "device_kind": devices[0].device_kind, "systems": rows}
+
+
+def markdown(results: list[dict]) -> str:
+    lines = ["| workload | batch | system | steps/s | / Flax's split/merge loop |", "|---|---:|---|---:|---:|"]
+    for r in results:
+        for s, v in r["systems"].items():
+            ratio = "-" if v["ratio"] is None else f"{v['ratio']:.3f}"
+            lines.append(f"| {r['workload']} | {r['batch']} | {LABELS[s]} | {v['steps_per_s']:,.0f} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.nnx_loops", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default="guide", help="guide, cnn, transformer (comma-separated; default guide)")
+    p.add_argument("--batches", default="32", help="global batches (comma-separated; default 32)")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--steps", type=int, default=200, help="steps per chunk (default 200)")
+    p.add_argument("--rounds", type=int, default=6, help="chunks per system (default 6)")
+    p.add_argument("--out", default=None, help="a JSON file for the results")
+    args = p.parse_args(argv)
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    import jax
+
+    devices = jax.devices()[:1]
+    systems = [s for s in args.systems.split(",") if s]
+    results = []
+    for w in [w for w in args.workloads.split(",") if w]:
+        for b in [int(b) for b in args.batches.split(",") if b]:
+            results.append(measure(w, b, systems, args.steps, args.rounds, devices))
+            print(markdown(results[-1:]), flush=True)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=1)
+    print(f"Device: {devices[0].device_kind}\n\n" + markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    if __package__ in (None, ""):
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(main())
