@@ -5,7 +5,12 @@ Run from the repository root, on a machine with an accelerator (a TPU or GPU tha
 
     python -m benchmarks.accelerator                  # the whole table (about 9 minutes on one TPU v5e)
     python -m benchmarks.accelerator --workloads lm   # some workloads, some systems (--systems jax,mirrorax)
+    python -m benchmarks.accelerator --workloads nnx  # the Flax NNX loops alone (benchmarks/nnx_loops.py)
     python -m benchmarks.accelerator --cpu-smoke      # the same path on 1 CPU device at tiny sizes (CI)
+
+The workload ``nnx`` is the Flax NNX table (``benchmarks/nnx_loops.py``: Flax's MNIST CNN and a small
+transformer at batch 32 and 256, Flax's split/merge ``jax.jit`` loop, ``@nnx.jit``, ``@strategy.jit`` and
+``mx.Trainer``), run in a process of its own; its rows follow the Keras table in ``results.md``.
 
 The systems, on the same model, data, optimizer and global batch (``benchmarks/workloads.py``):
 
@@ -345,7 +350,7 @@ def markdown(summary: dict[str, dict[str, dict[str, Any]]], device: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Runs the table; returns 0 if every process ran."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.accelerator", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workloads", default="mlp,cnn,transformer,lm")
+    p.add_argument("--workloads", default="mlp,cnn,transformer,lm,nnx")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--rounds", type=int, default=None, help="timed chunks per system (default 3)")
     p.add_argument("--first-rounds", type=int, default=None,
@@ -358,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     plans = SMOKE if args.cpu_smoke else PLANS
-    names = [workloads.get(w.strip()).name for w in args.workloads.split(",") if w.strip()]
+    wanted = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    nnx = "nnx" in wanted
+    names = [workloads.get(w).name for w in wanted if w != "nnx"]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
@@ -406,6 +413,29 @@ def main(argv: list[str] | None = None) -> int:
             with open(os.path.join(out, "results.md"), "w") as f:
                 f.write(f"{stamp}, `{command}`\n\n" + markdown(summary, device)
                         + (f"\nFailed: {failed}\n" if failed else ""))
+    if nnx:
+        if not names:  # (the NNX table alone)
+            with open(os.path.join(out, "results.md"), "w") as f:
+                f.write(f"{stamp}, `{command}`\n")
+        nnx_args = (["--workloads", "guide", "--batches", "8", "--steps", "3", "--rounds", "2"] if args.cpu_smoke
+                    else ["--workloads", "cnn,transformer", "--batches", "32,256"])
+        cmd = [sys.executable, "-m", "benchmarks.nnx_loops", *nnx_args, "--out", os.path.join(out, "nnx.json")]
+        t0 = time.monotonic()
+        try:
+            rc = subprocess.run(cmd, cwd=REPO, env=env, timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        print(f"nnx: rc {rc} in {time.monotonic() - t0:.0f} s", flush=True)
+        if rc != 0:
+            failed.append(f"nnx: {rc}")
+        from benchmarks import nnx_loops
+
+        nnx_rows = json.load(open(os.path.join(out, "nnx.json"))) if os.path.exists(os.path.join(out, "nnx.json")) \
+            else []
+        with open(os.path.join(out, "results.md"), "a") as f:
+            f.write("\nFlax NNX loops (`benchmarks/nnx_loops.py`), steps/s and the ratio to Flax's split/merge "
+                    "`jax.jit` loop (>= 0.98 is the bar):\n\n" + nnx_loops.markdown(nnx_rows)
+                    + (f"\nFailed: {failed}\n" if failed else ""))
     print(open(os.path.join(out, "results.md")).read(), flush=True)
     return 1 if failed else 0
 

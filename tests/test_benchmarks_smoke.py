@@ -119,9 +119,10 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
 def test_accelerator_table_cpu_smoke(tmp_path):
     """``python -m benchmarks.accelerator --cpu-smoke``: the accelerator table's whole path on one CPU device
     at tiny sizes: a shared process interleaving the systems (mlp), a process per system (the LM), every
-    figure of the table, and mx.plan after each mirrorax fit compiling nothing. The plumbing, not the speed."""
-    proc = subprocess.run(python("-m", "benchmarks.accelerator", "--cpu-smoke", "--workloads", "mlp,lm", "--systems",
-                                 "jax,mirrorax,keras_scope", "--peak-tflops", "1", "--out", str(tmp_path)),
+    figure of the table, and mx.plan after each mirrorax fit compiling nothing; the Flax NNX loops' table
+    (``benchmarks/nnx_loops.py``). The plumbing, not the speed."""
+    proc = subprocess.run(python("-m", "benchmarks.accelerator", "--cpu-smoke", "--workloads", "mlp,lm,nnx",
+                                 "--systems", "jax,mirrorax,keras_scope", "--peak-tflops", "1", "--out", str(tmp_path)),
                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "results.json").read_text())
@@ -152,6 +153,12 @@ def test_accelerator_table_cpu_smoke(tmp_path):
     table = (tmp_path / "results.md").read_text()
     assert "| lm | model.fit under scope |" in table and "python -m benchmarks.accelerator --cpu-smoke" in table
     assert "| of which trace and lowering s |" in table
+    # the Flax NNX loops: every system, its ratio to Flax's split/merge loop
+    nnx = json.loads((tmp_path / "nnx.json").read_text())
+    assert [(r["workload"], r["batch"]) for r in nnx] == [("guide", 8)]
+    assert sorted(nnx[0]["systems"]) == ["flax_split_merge", "nnx_jit", "strategy_jit", "trainer"]
+    assert all(v["steps_per_s"] > 0 and v["ratio"] > 0 for v in nnx[0]["systems"].values())
+    assert "| guide | 8 | @strategy.jit |" in table and "| guide | 8 | mx.Trainer |" in table
 
 
 def test_gpu_script_names_the_systems_when_one_is_unknown(capsys):
