@@ -171,7 +171,8 @@ def squared_error(y: Any, y_pred: Any) -> Any:
 class System:
     """One loop on one workload: ``call(n)`` trains ``n`` steps and returns when the state is ready."""
 
-    def __init__(self, name: str, workload: str, x: Any, y: Any, batch: int, devices: list[Any]) -> None:
+    def __init__(self, name: str, workload: str, x: Any, y: Any, batch: int, devices: list[Any],
+                 max_in_flight: int = 2) -> None:
         import jax
         from flax import nnx
 
@@ -210,7 +211,7 @@ class System:
                     step(model, optimizer, metrics, xb, yb)
                 jax.block_until_ready(nnx.state((model, optimizer)))
         elif name == "strategy_jit":
-            strategy = mx.MirroredStrategy(devices=devices)
+            strategy = mx.MirroredStrategy(devices=devices, max_in_flight=max_in_flight)
             step = strategy.jit(train_step, donate_argnums=(0, 1, 2))
             dist = strategy.experimental_distribute_dataset((x, y), batch_size=batch)
             stream = [iter(dist)]
@@ -227,7 +228,7 @@ class System:
                 jax.block_until_ready(nnx.state(model, nnx.Param))
         elif name == "trainer":
             guide = workload == "guide"
-            trainer = mx.Trainer(model, mx.MirroredStrategy(devices=devices),
+            trainer = mx.Trainer(model, mx.MirroredStrategy(devices=devices, max_in_flight=max_in_flight),
                                  loss=squared_error if guide else "sparse_categorical_crossentropy_from_logits",
                                  optimizer=optimizer.tx, metrics=[] if guide else ["accuracy"])
 
@@ -239,10 +240,11 @@ class System:
         self.call = call
 
 
-def measure(workload: str, batch: int, systems: list[str], steps: int, rounds: int, devices: list[Any]) -> dict:
+def measure(workload: str, batch: int, systems: list[str], steps: int, rounds: int, devices: list[Any],
+            max_in_flight: int = 2) -> dict:
     """Every system built, warmed up (its compile) and timed in ``rounds`` chunks of ``steps`` steps, ABBA."""
     x, y = make_data(workload, batch * max(steps, 8))
-    built = {s: System(s, workload, x, y, batch, devices) for s in systems}
+    built = {s: System(s, workload, x, y, batch, devices, max_in_flight) for s in systems}
     first = {}
     for s in systems:
         t0 = time.perf_counter()
@@ -260,7 +262,7 @@ def measure(workload: str, batch: int, systems: list[str], steps: int, rounds: i
         rate = statistics.median(steps / t for t in chunks[s])
         ratio = statistics.median(b / t for b, t in zip(base, chunks[s])) if base else None
         rows[s] = {"steps_per_s": rate, "ratio": ratio, "chunk_s": chunks[s], "warmup_s": first[s]}
-    return {"workload": workload, "batch": batch, "steps": steps, "rounds": rounds,
+    return {"workload": workload, "batch": batch, "steps": steps, "rounds": rounds, "max_in_flight": max_in_flight,
             "device_kind": devices[0].device_kind, "systems": rows}
 
 
@@ -280,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--steps", type=int, default=200, help="steps per chunk (default 200)")
     p.add_argument("--rounds", type=int, default=6, help="chunks per system (default 6)")
+    p.add_argument("--max-in-flight", type=int, default=2, help="the strategy's dispatch window (default 2)")
     p.add_argument("--out", default=None, help="a JSON file for the results")
     args = p.parse_args(argv)
     os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -290,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for w in [w for w in args.workloads.split(",") if w]:
         for b in [int(b) for b in args.batches.split(",") if b]:
-            results.append(measure(w, b, systems, args.steps, args.rounds, devices))
+            results.append(measure(w, b, systems, args.steps, args.rounds, devices, args.max_in_flight))
             print(markdown(results[-1:]), flush=True)
             if args.out:
                 with open(args.out, "w") as f:
