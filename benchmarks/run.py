@@ -252,9 +252,12 @@ def main(argv: list[str] | None = None) -> int:
         batch = args.batch or wl.batch
         stem = f"{wl.name}_{s}_{n}dev_r{r}"
         json_path = os.path.join(args.out, "logs", stem + ".json")
+        # (the timed steps: --steps, else the workload's, which a peer on an accelerator raises to its
+        # accel_steps: a few steps there time a fit call's set-up, not its steps)
         cmd = [sys.executable, "-m", SYSTEMS[s].module, "--workload", wl.name, "--devices", str(n),
-               "--steps", str(steps), "--warmup", str(warmup), "--repeats", str(args.repeats),
-               "--batch", str(batch), "--json-out", json_path]
+               *(["--steps", str(args.steps)] if args.steps else ["--quick"] if args.quick else []),
+               "--warmup", str(warmup), "--repeats", str(args.repeats), "--batch", str(batch), "--json-out",
+               json_path]
         if args.bf16:
             cmd.append("--bf16")
         if s.startswith("mirrorax") and args.steps_per_execution > 1:
@@ -265,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         host_was_idle = busy is None or busy <= 0.25
         res = run_one(cmd, os.path.join(args.out, "logs", stem + ".log"), json_path,
                       args.timeout or wl.timeout_s * (0.5 if args.quick else 1.0))
-        res.update(system=s, workload=wl.name, devices=n, round=r, batch=batch, steps=steps, host_busy_before=busy)
+        res.update(system=s, workload=wl.name, devices=n, round=r, batch=batch, host_busy_before=busy)
+        res.setdefault("steps", steps)  # (the peer's own count, where it wrote one)
         runs.append(res)
         if res["status"] != "ok":
             failed.add((wl.name, n, s))

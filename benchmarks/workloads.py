@@ -39,6 +39,8 @@ class Workload:
       steps: timed steps per timed run in a full run.
       warmup: warm-up steps (compilation plus a few steps) before timing.
       quick_steps: timed steps per timed run with ``--quick``.
+      accel_steps: timed steps per timed run on an accelerator, unless ``--steps`` says otherwise: a run of the
+        CPU's few steps lasts milliseconds there, and times a ``fit`` call's set-up more than its steps.
       timeout_s: a run (one subprocess) that takes longer is killed and recorded as a timeout.
       rounds: processes per (devices, system) in a full run (each does a warm-up and timed runs).
       seq_len: sequence length (language models only).
@@ -55,6 +57,7 @@ class Workload:
     quick_steps: int
     timeout_s: float
     rounds: int = 2
+    accel_steps: int = 0
     seq_len: int = 0
     vocab: int = 0
     layers: int = 0
@@ -70,15 +73,16 @@ class Workload:
 
 WORKLOADS: dict[str, Workload] = {
     "mlp": Workload("mlp", "(a) MLP 784-512-10, MNIST-shaped", batch=256, steps=100, warmup=10,
-                    quick_steps=30, timeout_s=240),
+                    quick_steps=30, timeout_s=240, accel_steps=2000),
     "cnn": Workload("cnn", "(b) mirrorax train CNN, 8x8x1 digits", batch=256, steps=100, warmup=10,
-                    quick_steps=30, timeout_s=240),
+                    quick_steps=30, timeout_s=240, accel_steps=2000),
     # On 2 CPU cores a step of the LM takes about a second: one round, few steps, still the issue's sizes.
     "transformer": Workload("transformer", "(c) Transformer LM 4x256, seq 128", batch=16, steps=5, warmup=2,
-                            quick_steps=2, timeout_s=420, rounds=1, seq_len=128, vocab=1024, layers=4, width=256,
-                            heads=4, ffn=1024),
+                            quick_steps=2, timeout_s=420, rounds=1, accel_steps=1000, seq_len=128, vocab=1024,
+                            layers=4, width=256, heads=4, ffn=1024),
     "lm": Workload("lm", "(d) LM 12x1024, seq 1024, 219M parameters", batch=8, steps=16, warmup=3, quick_steps=8,
-                   timeout_s=420, rounds=1, seq_len=1024, vocab=32768, layers=12, width=1024, heads=8, ffn=4096),
+                   timeout_s=420, rounds=1, accel_steps=16, seq_len=1024, vocab=32768, layers=12, width=1024,
+                   heads=8, ffn=4096),
 }
 """The workloads by name."""
 

@@ -42,6 +42,7 @@ def parse_args(system: str, argv: list[str] | None = None) -> argparse.Namespace
     p.add_argument("--seed", type=int, default=0, help="data seed")
     p.add_argument("--steps-per-execution", type=int, default=1,
                    help="mirrorax / keras fit: steps fused into one dispatch (where supported)")
+    p.add_argument("--quick", action="store_true", help="the workload's quick steps (unless --steps)")
     p.add_argument("--json-out", default=None, help="write the result here (else print it)")
     args = p.parse_args(argv)
     args.system = system
@@ -50,7 +51,8 @@ def parse_args(system: str, argv: list[str] | None = None) -> argparse.Namespace
 
     wl = workloads.get(args.workload)
     args.workload = wl.name
-    args.steps = args.steps or wl.steps
+    args.steps_given = args.steps is not None
+    args.steps = args.steps or (wl.quick_steps if args.quick else wl.steps)
     args.warmup = wl.warmup if args.warmup is None else args.warmup
     args.batch = args.batch or wl.batch
     if args.batch % args.devices:
@@ -72,13 +74,21 @@ def use_cpu_devices(n: int) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
-def jax_devices(n: int) -> list[Any]:
-    """The first ``n`` JAX devices; raises if there are fewer."""
+def jax_devices(args: argparse.Namespace) -> list[Any]:
+    """The first ``args.devices`` JAX devices (raises if there are fewer). On an accelerator, unless ``--steps``
+    was given, ``args.steps`` becomes the workload's ``accel_steps``: the CPU's few steps would time a fit
+    call's set-up there, not its steps."""
     import jax
 
+    n = args.devices
     devices = jax.devices()
     if len(devices) < n:
         raise RuntimeError(f"Expected at least {n} {jax.default_backend()} devices. Received: {len(devices)}")
+    from benchmarks import workloads
+
+    accel = workloads.get(args.workload).accel_steps
+    if devices[0].platform != "cpu" and not getattr(args, "steps_given", True) and not args.quick and accel:
+        args.steps = max(args.steps, accel)
     return devices[:n]
 
 

@@ -78,7 +78,7 @@ def run(args: Any) -> None:
     from benchmarks import workloads
 
     wl = workloads.get(args.workload)
-    devices = _common.jax_devices(args.devices)
+    devices = _common.jax_devices(args)
     strategy = mx.MirroredStrategy(devices=devices)
     if args.bf16:
         keras.mixed_precision.set_global_policy("mixed_bfloat16")

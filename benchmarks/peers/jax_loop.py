@@ -100,7 +100,7 @@ def run(args: Any) -> None:
     from benchmarks import workloads
 
     wl = workloads.get(args.workload)
-    devices = _common.jax_devices(args.devices)
+    devices = _common.jax_devices(args)
     mesh = jax.make_mesh((args.devices,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
 
     if args.bf16:

@@ -29,7 +29,7 @@ def run(args: Any) -> None:
     from benchmarks import workloads
 
     wl = workloads.get(args.workload)
-    devices = _common.jax_devices(args.devices)
+    devices = _common.jax_devices(args)
     if args.devices > 1:
         keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
     if args.bf16:

@@ -34,7 +34,7 @@ def run(args: Any, shard: str | None = None) -> None:
     from benchmarks import workloads
 
     wl = workloads.get(args.workload)
-    devices = _common.jax_devices(args.devices)
+    devices = _common.jax_devices(args)
     strategy = mx.MirroredStrategy(devices=devices, shard=shard) if shard else mx.MirroredStrategy(devices=devices)
     if args.bf16:
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
