@@ -163,6 +163,19 @@ def _of_pieces(given: OutShardings) -> OutShardings:
     return out_shardings
 
 
+def _write_back(kinds: Sequence[SplitMerge], structure: Any, objects: dict[int, list[Any]], new: list[list[Any]],
+                changed: list[Any] | None) -> None:
+    """The new state's leaves ``new`` (per part of ``structure``) written into ``objects`` (per protocol index) by
+    each front-end's ``update``; ``changed``: per part, the new state's tree where the step added or removed
+    variables (``None``: unchanged), those it removed taken from the objects too (the front-end's ``prune``)."""
+    for (k, _, tree), part, after in zip(structure.value, new, changed or [None] * len(new)):
+        state = (after or tree).unflatten(part)
+        kinds[k].update(tuple(objects[k]), state)
+        prune = getattr(kinds[k], "prune", None) if after is not None else None
+        if prune is not None:
+            prune(tuple(objects[k]), state)
+
+
 def _pieces_first(run: Callable[..., Any]) -> Callable[..., Any]:
     """``threaded(fn)``'s ``run(structure, leaves, *args)`` as a function of ``(structure, leaves, stubs, *args)``:
     each piece of ``args`` restored from its stub, then the objects bound."""
@@ -247,7 +260,6 @@ class StatefulFunction:
         self._lead = lead  # arguments before the user's (the threaded and piece functions' own)
         self._stray_warned = False
         self._holds: list[HeldCall] = []  # the objects of the latest calls, held (at most 4)
-        self._replicated_checked: set[Any] = set()  # signatures checked for a batch given whole from the host
         self._layouts: dict[Any, list[Any]] = {}  # (protocol, structure, shapes) -> each state leaf's layout
 
     def _even_outputs(self, given: OutShardings) -> Callable[..., Any]:
@@ -587,25 +599,13 @@ class StatefulFunction:
         donated = bool(split.positions) and split.positions <= set(self._donate)
         function, run = self._function(donated, pieces is not None)
         out, new = function(split.structure, leaves, *self._rest(split.args, pieces))
-        changed = run.changed.get(split.structure)  # (variables the step added or removed)
-        held = None if changed else HeldCall.of(args, split, kinds, targets, new, donated)
+        held = None if split.structure in run.changed else HeldCall.of(args, split, kinds, targets, new, donated)
         if held is None:
-            trees = changed or [None] * len(new)
-            for (k, _, tree), part, after in zip(split.structure.value, new, trees):
-                self._write_back(kinds[k], tuple(split.objects[k]), (after or tree).unflatten(part), after is not None)
+            _write_back(kinds, split.structure, split.objects, new, run.changed.get(split.structure))
         else:
             held.write(new)
             self._holds = [h for h in self._holds if h.alive][-3:] + [held]
         return objects_back(out, split)
-
-    @staticmethod
-    def _write_back(kind: SplitMerge, objects: tuple[Any, ...], state: PyTree, restructured: bool) -> None:
-        """``state`` written into ``objects``; ``restructured``: the step added or removed variables (those it
-        removed are removed from the objects too, by the front-end's ``prune``)."""
-        kind.update(objects, state)
-        prune = getattr(kind, "prune", None) if restructured else None
-        if prune is not None:
-            prune(objects, state)
 
     def _call_held(self, args: tuple[Any, ...]) -> Any:
         """The call with the objects of an earlier call held (:class:`~mirrorax.held.HeldCall`): their leaves
@@ -631,11 +631,9 @@ class StatefulFunction:
         out, new = function(held.structure, leaves, *self._rest(rest, pieces))
         if held.structure in run.changed:  # (a batch of another shape whose trace adds a variable)
             self._holds.remove(held)
-            objects = held.objects(args)
-            for (k, _, tree), part, after in zip(held.structure.value, new, run.changed[held.structure]):
-                self._write_back(kinds[k], tuple(objects[k]), (after or tree).unflatten(part), after is not None)
-            return held.objects_back(out, args)
-        held.write(new)
+            _write_back(kinds, held.structure, held.objects(args), new, run.changed[held.structure])
+        else:
+            held.write(new)
         return held.objects_back(out, args)
 
     def _check_global_view(self, split: Split, kinds: Sequence[SplitMerge]) -> None:
