@@ -195,6 +195,27 @@ def test_state_lives_on_the_devices_and_rngs_advance():
     assert step.compile_count == 2  # the full batches and the short one
 
 
+def test_a_step_that_calls_another_runs_it_inline():
+    # As a jax.jit inside a jax.jit: the inner @strategy.jit step runs in the outer step's trace, on its objects.
+    s = strategy(3)
+    inner = s.jit(train_step)
+
+    @s.jit
+    def outer(model, optimizer, metrics, x, y):
+        inner(model, optimizer, metrics, {"x": x, "y": y})
+
+    runs = []
+    for nested in (False, True):
+        model, optimizer, metrics = objects()
+        step = outer if nested else s.jit(train_step_xy)
+        for x, y in s.experimental_distribute_dataset((data()["x"], data()["y"]), batch_size=16):
+            step(model, optimizer, metrics, x, y)
+        assert int(metrics.accuracy.count[...]) == ROWS
+        runs.append(host(nnx.state((model, optimizer, metrics))))
+    for a, b in zip(*runs, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 # -- donation, returned objects, errors ------------------------------------------------------------------
 def test_donation_is_explicit():
     s = strategy(2)

@@ -36,9 +36,10 @@ def test_nnx_on_two_processes_equals_one_device(tmp_path):
     assert sorted(got) == sorted(want)
     # the metrics counted the real rows only, every pass (train and evaluation, two epochs), as on one device
     assert got["loop_counts"].tolist() == want["loop_counts"].tolist() == [nnx_train.ROWS] * 4
+    assert got["unpacked_counts"].tolist() == [nnx_train.ROWS] * 4  # batches unpacked in the loop (for x, y in dist)
     assert got["trainer_predict"].shape == (nnx_train.ROWS, 5)
     for key in want:
-        if key.startswith(("loop_state", "trainer_model")):  # weights, BatchNorm statistics, optimizer state
+        if key.startswith(("loop_state", "unpacked_state", "trainer_model")):  # weights, statistics, optimizer
             np.testing.assert_allclose(got[key], want[key], rtol=0, atol=1e-5, err_msg=key)
         else:  # metrics, history, evaluate, predictions
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)

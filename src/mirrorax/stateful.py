@@ -594,6 +594,11 @@ class StatefulFunction:
         written back; the objects are then held for the calls that follow (:mod:`mirrorax.held`)."""
         self._plain_last = False  # (the next call with objects looks for them again)
         self._check_global_view(split, kinds)
+        if any(isinstance(a, jax.core.Tracer) for part in split.leaves for a in part):
+            # Called inside another step's trace (a step that calls another): the objects are that step's,
+            # already bound, and its batch already as the step sees it; the inner step runs inline, as a
+            # jax.jit inside a jax.jit does (the objects handed over as they are: never rebuilt as pytrees).
+            return self._user_fn(*args)
         pieces = self._pieces(split.args)
         leaves, targets = self._placed(split, kinds)
         donated = bool(split.positions) and split.positions <= set(self._donate)

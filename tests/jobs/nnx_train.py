@@ -53,9 +53,10 @@ def _host(tree) -> list[np.ndarray]:
             for a in jax.tree.leaves(tree)]
 
 
-def custom_loop(strategy) -> dict[str, np.ndarray]:
+def custom_loop(strategy, unpacked: bool = False) -> dict[str, np.ndarray]:
     """Two epochs of ``@strategy.jit`` train and evaluation steps with an ``nnx.Optimizer`` and an
-    ``nnx.MultiMetric``: the metrics of each pass, the rows ``Accuracy`` counted, the model and optimizer."""
+    ``nnx.MultiMetric``: the metrics of each pass, the rows ``Accuracy`` counted, the model and optimizer.
+    ``unpacked``: each batch unpacked in the loop (``for x, y in dist``), the steps given ``x, y``."""
     import optax
     from flax import nnx
 
@@ -78,14 +79,24 @@ def custom_loop(strategy) -> dict[str, np.ndarray]:
         loss, logits = loss_fn(model, batch)
         metrics.update(loss=loss, logits=logits, labels=batch["y"])
 
-    batches = strategy.experimental_distribute_dataset(data(), batch_size=BATCH)
+    @strategy.jit
+    def train_step_xy(model, optimizer, metrics, x, y):
+        train_step(model, optimizer, metrics, {"x": x, "y": y})
+
+    @strategy.jit
+    def eval_step_xy(model, metrics, x, y):
+        eval_step(model, metrics, {"x": x, "y": y})
+
+    items = (data()["x"], data()["y"]) if unpacked else data()
+    batches = strategy.experimental_distribute_dataset(items, batch_size=BATCH)
+    steps = (train_step_xy, eval_step_xy) if unpacked else (train_step, eval_step)
     out: dict[str, list] = {"metrics": [], "counts": []}
     for _ in range(EPOCHS):
-        for mode, step, args in (("train", train_step, (model, optimizer, metrics)), ("eval", eval_step,
-                                                                                     (model, metrics))):
+        for mode, step, args in (("train", steps[0], (model, optimizer, metrics)), ("eval", steps[1],
+                                                                                   (model, metrics))):
             model.train() if mode == "train" else model.eval()
             for batch in batches:
-                step(*args, batch)
+                step(*args, *(batch if unpacked else (batch,)))
             out["metrics"].append([float(v) for _, v in sorted(metrics.compute().items())])
             out["counts"].append(int(metrics.accuracy.count[...]))
             metrics.reset()
@@ -116,8 +127,10 @@ def trainer(strategy) -> dict[str, np.ndarray]:
 
 
 def results(strategy) -> dict[str, np.ndarray]:
-    """Every number :func:`custom_loop` and :func:`trainer` return, flat (``loop_*``, ``trainer_*``)."""
+    """Every number :func:`custom_loop` (its batches whole and unpacked) and :func:`trainer` return, flat
+    (``loop_*``, ``unpacked_*``, ``trainer_*``)."""
     out = {f"loop_{k}": v for k, v in custom_loop(strategy).items()}
+    out.update({f"unpacked_{k}": v for k, v in custom_loop(strategy, unpacked=True).items()})
     out.update({f"trainer_{k}": v for k, v in trainer(strategy).items()})
     return out
 
