@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 
 import mirrorax.cluster as cluster
 from mirrorax._host import host_value
+from mirrorax.cluster_resolver import ClusterResolver
 from mirrorax.dispatch import InFlight, OutShardings, StrategyFunction, check_out_shardings
 from mirrorax.inputs.distributed import DistributedDataset
 from mirrorax.inputs.iterables import PerProcessDataset
@@ -527,6 +528,19 @@ class MirroredStrategy:
     def input_context(self) -> InputContext:
         """This process's :class:`InputContext`."""
         return InputContext(self.process_count, self.process_index, self.num_replicas_in_sync)
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        """This process's task in the job, as TF's strategy reports it: ``task_type`` (``"chief"``,
+        ``"worker"``; ``None`` on one process without ``TF_CONFIG``), ``task_id`` and ``cluster_spec()``
+        (``.as_dict()``), from ``TF_CONFIG`` or, in a job started any other way (``mirrorax launch``,
+        SLURM), one ``worker`` per process. See :mod:`mirrorax.cluster_resolver`.
+
+        Example:
+          >>> r = strategy.cluster_resolver
+          >>> is_chief = r.task_type in (None, "chief") or (r.task_type == "worker" and r.task_id == 0)
+        """
+        return ClusterResolver.for_this_process()
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Any]) -> DistributedDataset:
         """This process's input pipeline ``dataset_fn(ctx)`` (``ctx`` an :class:`InputContext`), distributed.
