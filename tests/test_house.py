@@ -22,7 +22,7 @@ FLOORS: list[tuple[str, ...]] = [
      "keras.callbacks", "keras.env", "preemption",
      "replica", "batch_sums", "input_checks", "results", "train_state", "_version", "as_made", "hooks",
      "progress", "_integrity_item", "_orbax_quirks", "cache", "_dir_lock", "_watchdog", "traffic"),
-    ("cluster", "launch", "cluster_resolver"),
+    ("cluster", "launch", "cluster_resolver", "_checkpoint_job"),
     ("consistency",),
     ("mesh",),
     ("dispatch", "padding", "split_merge", "stateful", "keras.stateful", "nnx.split_merge"),

@@ -27,15 +27,16 @@ over). ``read_only=True`` (what ``Trainer.load`` uses) neither locks nor writes 
 
 Every process of a multi-process job must call :meth:`Checkpointer.save`,
 :meth:`Checkpointer.restore_latest`, :meth:`Checkpointer.wait` and :meth:`Checkpointer.close` in the
-same order; Orbax coordinates the writes and the primary process writes the shared metadata.
+same order; Orbax coordinates the writes and the primary process writes the shared metadata. The
+processes write one directory, process 0's, whatever directory each named (TF's workers name paths of
+their own: :mod:`mirrorax._checkpoint_job`), and values that live on one process's devices (a Keras
+variable made outside the strategy's scope) are written from process 0.
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
-import hashlib
-import itertools
 import os
 import re
 import shutil
@@ -49,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from mirrorax._checkpoint_job import placed_like, process_0_directory, restorable, savable, use_distributed_barriers
 from mirrorax._checks import check_int
 from mirrorax._dir_lock import DirectoryLocked, acquire, release
 from mirrorax._integrity import HostDigest, all_finite, digest, path_str
@@ -69,8 +71,7 @@ from mirrorax._orbax_quirks import (
     stop_tensorstore_spec_leak,
 )
 from mirrorax._version import __version__
-from mirrorax._watchdog import in_checkpoint, waiting_for_peers
-from mirrorax.cluster import coordination_client
+from mirrorax._watchdog import in_checkpoint
 from mirrorax.consistency import debug_checks
 from mirrorax.train_state import COUNTERS, TrainState, pack_counters
 
@@ -302,10 +303,9 @@ class Checkpointer:
                         "which is not a directory. Pass the checkpoint_dir that fit(checkpoint_dir=...) wrote."
                     )
             else:
-                _check_writable(self._directory)
-                self._lock()
+                self._open_for_writing()
         if jax.process_count() > 1:
-            _use_distributed_barriers()
+            use_distributed_barriers()
         stop_tensorstore_metric_leak()
         stop_tensorstore_spec_leak()
         try:
@@ -330,21 +330,29 @@ class Checkpointer:
             raise
         self._closed = False
 
-    def _lock(self) -> None:
-        """Takes the directory's lock (process 0 of a job takes it for the job and tells the others);
-        refuses a second run, on every process of it, before any collective."""
-        refusal = None
+    def _open_for_writing(self) -> None:
+        """Proves the directory writable and takes its lock: process 0 for the job, which then tells the
+        others its directory (the job's checkpoint, whatever directory they named) and whether it took the
+        lock; a refusal is raised on every process, before any collective."""
+        refusal: str | None = None
+        failure: BaseException | None = None
         if jax.process_index() == 0:
             try:
+                _check_writable(self._directory)
                 message = acquire(self._directory)
-            except DirectoryLocked as exc:
-                refusal = str(exc)
+            except (CheckpointError, DirectoryLocked) as exc:
+                refusal, failure = str(exc), exc
             else:
                 self._locked = True
                 if message:
                     print(f"mirrorax: {message}", file=sys.stderr, flush=True)
         if jax.process_count() > 1:
-            refusal = _lock_outcome_of_process_0(self._directory, refusal)
+            self._directory, verdict = process_0_directory(self._directory, {"refusal": refusal})
+            refusal = verdict.get("refusal")
+            if refusal is None and jax.process_index() != 0:
+                _check_writable(self._directory)  # this process writes its shards there too
+        if isinstance(failure, CheckpointError):
+            raise failure
         if refusal is not None:
             raise CheckpointError(refusal)
 
@@ -431,7 +439,7 @@ class Checkpointer:
             )
         check_int("step", step, 0)
         step = int(step)
-        state = _stored(state)
+        state = savable(_stored(state))
         if not isinstance(meta, Mapping):
             raise TypeError(
                 f"Expected meta to be a dict of JSON values. Received: meta={meta!r:.80} (of type "
@@ -660,7 +668,7 @@ class Checkpointer:
                 restored = self._manager.restore(
                     step,
                     args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state),
+                        state=ocp.args.StandardRestore(restorable(abstract_state)),
                         meta=ocp.args.JsonRestore(),
                     ),
                 )
@@ -670,7 +678,7 @@ class Checkpointer:
                 drain_abandoned_reads()
         if failure is not None:
             return failure
-        state, meta = restored["state"], restored["meta"]
+        state, meta = placed_like(restored["state"], abstract_state), restored["meta"]
         if not isinstance(meta, dict):
             return "its meta record is not a JSON object"
         if record["format"] >= 2 and meta_digest(meta) != record.get("meta_sha256"):
@@ -806,56 +814,6 @@ class Checkpointer:
         if jax.process_index() == 0:
             # + 2: this frame, and the public method's _checkpoint_time wrapper (every warning comes from one)
             warnings.warn(message, CheckpointWarning, stacklevel=stacklevel + 2)
-
-
-_lock_rounds = itertools.count()
-#: How long the other processes wait for process 0 to say whether it took the lock.
-LOCK_AGREE_SECONDS = 300
-
-
-def _lock_outcome_of_process_0(directory: str, refusal: str | None) -> str | None:
-    """Process 0's verdict on the lock, on every process: ``None`` (taken) or its refusal, word for word.
-
-    Through JAX's coordination service (a key per Checkpointer, in the order every process opens
-    them), not a device collective: a refused process must not wait in a collective for a process 0
-    that raised. On a JAX without a reachable client, a device broadcast of the verdict.
-    """
-    round_ = next(_lock_rounds)
-    client = coordination_client()
-    if client is None:
-        from jax.experimental import multihost_utils
-
-        flag = multihost_utils.broadcast_one_to_all(np.array([refusal is not None], np.int32))
-        if refusal is None and bool(np.asarray(flag)[0]):
-            refusal = (f"Checkpoint directory {directory} is in use by another run (process 0 of this job "
-                       f"says why: the owner's host and pid are in {os.path.join(directory, '.mirrorax-lock')}).")
-        return refusal
-    tag = hashlib.sha256(directory.encode()).hexdigest()[:16]
-    key = f"mirrorax/checkpoint_lock/{round_}/{tag}"
-    if jax.process_index() == 0:
-        client.key_value_set(key, "" if refusal is None else "refused:" + refusal)
-        return refusal
-    with waiting_for_peers():  # for mirrorax launch's watchdog: process 0 is the one to name if it hangs
-        value = client.blocking_key_value_get(key, LOCK_AGREE_SECONDS * 1000)
-    return value[len("refused:"):] if value.startswith("refused:") else None
-
-
-def _use_distributed_barriers() -> None:
-    """Makes Orbax synchronise processes through JAX's coordination service, not device collectives.
-
-    By default Orbax 0.12's barrier is ``sync_global_devices``, a collective over every device. An
-    asynchronous save reaches it from a background thread, at a moment that differs between processes,
-    so one process's barrier meets another's train-step all-reduce: gloo aborts ("Received data size
-    doesn't match expected size ... collective mismatch"). The coordination service's barrier involves
-    no device, so training collectives stay in step. (Orbax reads the flag through absl; an unparsed
-    flag set is marked parsed, which changes nothing for a program that parses its own flags later.)
-    """
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
-    # absl's stub types a flag attribute as the flag's declared value type, which it cannot know here.
-    flags.FLAGS.experimental_orbax_use_distributed_barrier = True  # type: ignore[assignment]
 
 
 def _check_writable(directory: str) -> None:
