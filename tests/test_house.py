@@ -156,9 +156,11 @@ def test_the_engine_stands_on_no_front_ends_protocol(house):
 
 #: The one module that may import ``keras.src`` and read private members of Keras objects.
 DOOR = "mirrorax.keras._internals"
-#: Private members read outside the door that are not Keras's (module, what is read): the standard library's,
-#: and JAX's cluster registry behind ``_discovery``'s own accessor.
+#: Private members read outside the door that are not Keras's (module, what is read): the standard library's
+#: (``threading._register_atexit``: the one hook that runs before Python stops its executors, which Orbax's
+#: last save of a program needs), and JAX's cluster registry behind ``_discovery``'s own accessor.
 NOT_KERAS = {("mirrorax._failure", "os._exit"), ("mirrorax._discovery", "os._Environ"),
+             ("mirrorax._orbax_quirks", "getattr(threading, '_register_atexit')"),
              ("mirrorax._discovery", "getattr(getattr(private_jax('clusters'), 'ClusterEnv', None), '_cluster_types')")}
 
 

@@ -31,6 +31,10 @@ same order; Orbax coordinates the writes and the primary process writes the shar
 processes write one directory, process 0's, whatever directory each named (TF's workers name paths of
 their own: :mod:`mirrorax._checkpoint_job`), and values that live on one process's devices (a Keras
 variable made outside the strategy's scope) are written from process 0.
+
+A save still being written when the program ends is finished before Python stops the executors Orbax
+writes with (every writing checkpointer still open is closed then); one that fails then is said in one
+line, and the process exits with status 1.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ import orbax.checkpoint as ocp
 from mirrorax._checkpoint_job import placed_like, process_0_directory, restorable, savable, use_distributed_barriers
 from mirrorax._checks import check_int
 from mirrorax._dir_lock import DirectoryLocked, acquire, release
+from mirrorax._failure import die
 from mirrorax._integrity import HostDigest, all_finite, digest, path_str
 from mirrorax._integrity_item import (
     FORMAT_VERSION,
@@ -64,6 +69,7 @@ from mirrorax._integrity_item import (
 )
 from mirrorax._orbax_quirks import (
     QuietSaveErrors,
+    before_executors_shut_down,
     close_abandoned_writes,
     drain_abandoned_reads,
     dropping_orbax_read_errors_of_abandoned_reads,
@@ -329,6 +335,8 @@ class Checkpointer:
             self._unlock()
             raise
         self._closed = False
+        if not self._read_only:
+            _writing(self)
 
     def _open_for_writing(self) -> None:
         """Proves the directory writable and takes its lock: process 0 for the job, which then tells the
@@ -504,6 +512,7 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        _OPEN.pop(id(self), None)
         try:
             self._finish()
         finally:
@@ -814,6 +823,35 @@ class Checkpointer:
         if jax.process_index() == 0:
             # + 2: this frame, and the public method's _checkpoint_time wrapper (every warning comes from one)
             warnings.warn(message, CheckpointWarning, stacklevel=stacklevel + 2)
+
+
+#: The writing checkpointers not closed yet, closed (their saves finished) when the program ends.
+_OPEN: dict[int, Checkpointer] = {}
+_exit_hook_registered = False
+
+
+def _writing(checkpointer: Checkpointer) -> None:
+    """Records an open writing checkpointer, so that its pending save is finished when the program ends."""
+    global _exit_hook_registered
+    _OPEN[id(checkpointer)] = checkpointer
+    if not _exit_hook_registered:
+        _exit_hook_registered = True
+        before_executors_shut_down(_close_at_exit)
+
+
+def _close_at_exit() -> None:
+    """Closes every checkpointer still open when the program ends: a save started as its last act is
+    finished, never left a temporary directory. A save that fails then is said in one line and the process
+    exits with status 1 (the newest checkpoint is then the one before)."""
+    failure: Exception | None = None
+    while _OPEN:
+        _, checkpointer = _OPEN.popitem()
+        try:
+            checkpointer.close()
+        except Exception as exc:  # noqa: BLE001 - said below, once every checkpointer was closed
+            failure = failure or exc
+    if failure is not None:
+        die(f"mirrorax: {type(failure).__name__}: {failure}", 1)
 
 
 def _check_writable(directory: str) -> None:
