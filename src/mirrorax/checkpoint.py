@@ -40,6 +40,7 @@ line, and the process exits with status 1.
 from __future__ import annotations
 
 import datetime
+import errno
 import functools
 import os
 import re
@@ -220,6 +221,48 @@ def _short(exc: BaseException) -> str:
     return text if len(text) <= 400 else text[:200] + " ... " + text[-195:]  # the end says what failed
 
 
+def _check_savable(state: PyTree) -> None:
+    """Refuses, before Orbax sees it, a leaf Orbax cannot write (a string, an object, an empty array).
+
+    Orbax refuses them too, but from inside its save, after some of its background threads started
+    waiting for the rest of the save: those then wait for good, and the program hangs at exit.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        where = path_str(path) or "the top level"
+        if isinstance(leaf, (bool, int, float)):
+            continue
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+            raise TypeError(f"Expected the state to save to hold jax.Arrays, numpy arrays and Python numbers. "
+                            f"Received {leaf!r:.80} (of type {type(leaf).__name__}) at {where!r}. Convert it "
+                            "(np.asarray) or keep it in the meta record (JSON).")
+        dtype = np.dtype(leaf.dtype) if not jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else None
+        if dtype is not None and not (np.issubdtype(dtype, np.number) or dtype == np.bool_):
+            raise TypeError(f"Expected the arrays of the state to save to hold numbers. Received an array of dtype "
+                            f"{dtype} at {where!r}. Encode it as numbers, or keep it in the meta record (JSON).")
+        if leaf.size == 0:
+            raise ValueError(f"Expected the arrays of the state to save to hold at least one element (Orbax "
+                             f"writes no empty array). Received shape {tuple(leaf.shape)} at {where!r}. Leave it "
+                             "out of the state.")
+
+
+def _storage_fault(exc: BaseException) -> str | None:
+    """The file-system error behind a failed save (``"ENOSPC: No space left on device"``), or ``None`` when
+    the failure is not the storage's (Orbax refusing a value, a bug)."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError):
+            name = errno.errorcode.get(error.errno, "OSError") if error.errno is not None else "OSError"
+            return f"{name}: {error.strerror or error}"
+        text = str(error)
+        for code in ("ENOSPC", "EDQUOT", "EFBIG", "EACCES", "EROFS", "EPERM", "EIO"):
+            if code in text or (os.strerror(getattr(errno, code)) in text):
+                return f"{code}: {os.strerror(getattr(errno, code))}"
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def _json_clean(value: Any, where: str) -> Any:
     """A copy of ``value`` made of JSON types only (numpy scalars and arrays become Python values)."""
     if isinstance(value, Mapping):
@@ -298,6 +341,7 @@ class Checkpointer:
         self._is_local = "://" not in self._directory
         self._locked = False
         self._pending_step: int | None = None
+        self._failed = False  # a save failed (and was said): Orbax's later echoes of it are dropped
         self._quiet = QuietSaveErrors()
         self._closed = True  # until the manager exists: close() then has nothing to release
         if self._is_local:
@@ -448,6 +492,7 @@ class Checkpointer:
         check_int("step", step, 0)
         step = int(step)
         state = savable(_stored(state))
+        _check_savable(state)
         if not isinstance(meta, Mapping):
             raise TypeError(
                 f"Expected meta to be a dict of JSON values. Received: meta={meta!r:.80} (of type "
@@ -517,9 +562,27 @@ class Checkpointer:
             self._finish()
         finally:
             try:
-                self._manager.close()
+                self._close_manager()
             finally:
                 self._unlock()
+
+    def _close_manager(self) -> None:
+        """Orbax's close. After a failed save (said already, in one line) Orbax's echoes of it are dropped:
+        the same error raised again by its close, tracebacks logged from its background threads (one still
+        creating the step's directories meets executors already shut down): the clean error stays the last
+        word."""
+        if not self._failed:
+            self._manager.close()
+            return
+        self._quiet.start()
+        try:
+            try:
+                self._manager.close()
+            except Exception:  # noqa: BLE001, S110 - an echo of the failure already raised
+                pass
+            close_abandoned_writes()
+        finally:
+            self._quiet.stop(failed=True)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -787,12 +850,20 @@ class Checkpointer:
         newest = (f"the newest good checkpoint is step {latest}" if latest is not None
                   else "there is no good checkpoint yet")
         what = f"step {step}" if step is not None else "a step"
+        storage = _storage_fault(exc)
+        if storage is not None:
+            fix = (f"Free space on that file system (or fix its permissions: {storage}) and run the same "
+                   "command again to resume from the newest good checkpoint")
+        else:  # the values, not the disk: advice about the disk would send the user the wrong way
+            fix = ("Nothing is wrong with the file system: Orbax refused what it was given to write. Save "
+                   "jax.Arrays, numpy arrays and Python numbers (Keras variables through mx.Checkpoint), and "
+                   "report this error with the state's structure if it holds only those")
         error = CheckpointError(
-            f"Checkpoint {what} could not be written to {self._directory}: {_short(exc)}; {newest}. "
-            "Free space on that file system (or fix its permissions) and run the same command again to "
-            "resume from the newest good checkpoint (set MIRRORAX_DEBUG=1 for Orbax's full traceback)."
+            f"Checkpoint {what} could not be written to {self._directory}: {_short(exc)}; {newest}. {fix} "
+            "(set MIRRORAX_DEBUG=1 for Orbax's full traceback)."
         )
         error.cause = exc  # type: ignore[attr-defined]
+        self._failed = True
         if debug_checks():
             raise error from exc
         raise error from None
