@@ -69,7 +69,7 @@ def one_device(tmp_path_factory):
 def _assert_within_rounding(got: list, want: list) -> None:
     assert [e for e, _, _ in got] == [e for e, _, _ in want] == [0, 1, 2]
     for (epoch, accuracy, loss), (_, want_accuracy, want_loss) in zip(got, want):
-        rtol = 1e-6 if epoch == 0 else 2e-5  # float32 rounding: the first epoch's, then compounded
+        rtol = 1e-6 if epoch == 0 else 1e-5  # float32 rounding (measured <= 1.1e-7 here, 3.3e-7 at 8,910 rows)
         np.testing.assert_allclose([accuracy, loss], [want_accuracy, want_loss], rtol=rtol, err_msg=f"epoch {epoch}")
 
 
