@@ -610,3 +610,31 @@ def test_host_digest_of_shards_equals_the_device_digest():
     checksums, non_finite = digest(tree)
     assert HostDigest(tree).result() == (checksums, non_finite)
     assert non_finite == ["nan"] and len(checksums) == len(tree)
+
+
+def test_a_value_orbax_cannot_write_is_refused_before_the_save_naming_it(tmp_path):
+    # Refused by Orbax from inside its save, such a value left background threads waiting for good.
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(TypeError, match=r"Received 'text' \(of type str\) at 'a/b'"):
+            ckpt.save(1, {"a": {"b": "text"}}, {})
+        with pytest.raises(TypeError, match=r"dtype <U1 at 'w'"):
+            ckpt.save(1, {"w": np.array(["x"])}, {})
+        with pytest.raises(ValueError, match=r"Received shape \(0, 3\) at 'w'"):
+            ckpt.save(1, {"w": jnp.zeros((0, 3))}, {})
+        assert ckpt.save(1, {"w": jnp.ones(3), "n": 2.0}, {})
+    assert Checkpointer(tmp_path, read_only=True).all_steps() == [1]
+
+
+def test_only_a_storage_fault_gets_storage_advice():
+    import errno
+
+    from mirrorax.checkpoint import _storage_fault
+
+    assert _storage_fault(OSError(errno.ENOSPC, "No space left on device")) == "ENOSPC: No space left on device"
+    tensorstore = ValueError('RESOURCE_EXHAUSTED: Failed to write 409429 bytes: No space left on device '
+                             "[os_error_code='28']")
+    assert _storage_fault(RuntimeError("commit failed").with_traceback(None)) is None
+    wrapped = RuntimeError("commit failed")
+    wrapped.__cause__ = tensorstore
+    assert _storage_fault(wrapped) == "ENOSPC: No space left on device"
+    assert _storage_fault(ValueError("Cannot serialize host local jax.Array (ParamInfo=[name=epoch.0])")) is None

@@ -551,6 +551,16 @@ def test_tf_custom_training_port_changes_at_most_10_lines():
     assert len(changed_lines((EXAMPLES / "tf_custom_training_tf.py").read_text(), port)) == len(changed) + 1
 
 
+def test_tf_multi_worker_ctl_port_changes_at_most_12_lines():
+    # TF's multi-worker custom loop (examples/tf_multi_worker_ctl.py; run on 2 processes by
+    # tests/test_tf_multi_worker.py): the tape, compute_average_loss, the checkpoint and its manager, the
+    # counters as Keras variables, Keras 3's reset_state; the input pipeline and its per-worker paths stay.
+    changed = changed_lines((EXAMPLES / "tf_multi_worker_ctl_tf.py").read_text(),
+                             (EXAMPLES / "tf_multi_worker_ctl.py").read_text())
+    assert 0 < len(changed) <= 12, changed
+    assert not any("dataset" in line or "filepath" in line or "cluster_resolver" in line for line in changed), changed
+
+
 TUTORIAL_ROWS = {"num_train": 300, "num_test": 100}  # at a global batch of 192: 192 + 108, and 100 alone
 
 

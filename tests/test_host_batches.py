@@ -70,3 +70,55 @@ def test_per_process_pipelines_on_several_processes_leave_the_count_to_the_devic
     # each process pads its own share: the global count, and where the padding sits, only the devices know
     assert [b.mask.tolist() for b in batches] == [[1, 1], [1, 0]]
     assert [b.num_real for b in batches] == [None, None] and [b.rows for b in batches] == [None, None]
+
+
+def _pipeline(rows: int, ctx, size: str, global_batch: int = 8):
+    """TF's ``dataset_fn``: this pipeline's shard of ``rows`` numbered rows, batched by the size ``size`` asks."""
+    ask = ctx.get_per_replica_batch_size if size == "replica" else ctx.get_per_pipeline_batch_size
+    batch = ask(global_batch)
+    mine = np.arange(rows, dtype=np.float32)[ctx.input_pipeline_id::ctx.num_input_pipelines]
+    return [(mine[lo:lo + batch, None],) for lo in range(0, len(mine), batch)]
+
+
+@pytest.mark.parametrize("size", ["replica", "pipeline"])
+def test_per_replica_batches_make_tfs_global_batch_on_2_processes_x_2_devices(size):
+    # TF's tutorial batches each pipeline by get_per_replica_batch_size(global): each replica takes its
+    # own batch, so a global batch of 8 is 4 replicas' batches of 2 (each process's two consecutive
+    # ones). Batched by the per-pipeline size, each item is already the process's share of 4.
+    from mirrorax.inputs.iterables import PerProcessDataset
+    from mirrorax.inputs.source import InputContext
+
+    per_process = []
+    for index in (0, 1):
+        ctx = InputContext(2, index, 4)
+        ds = DistributedDataset(_fake(4, 2, index), PerProcessDataset(_pipeline(21, ctx, size), ctx))
+        batches = _host(ds)
+        per_process.append([b.x[0][:, 0][b.mask > 0].tolist() for b in batches])
+        assert [len(b.mask) for b in batches] == [4, 4, 4] and ds.batch_size == 8
+    # process 0 holds the even rows, process 1 the odd ones: each global batch is 8 consecutive rows
+    assert per_process[0] == [[0, 2, 4, 6], [8, 10, 12, 14], [16, 18, 20]]
+    assert per_process[1] == [[1, 3, 5, 7], [9, 11, 13, 15], [17, 19]]
+
+
+def test_per_replica_batches_on_one_process_make_the_global_batch_with_its_count():
+    from mirrorax.inputs.iterables import PerProcessDataset
+    from mirrorax.inputs.source import InputContext
+
+    ctx = InputContext(1, 0, 4)
+    ds = DistributedDataset(_fake(4), PerProcessDataset(_pipeline(21, ctx, "replica"), ctx))
+    batches = _host(ds)
+    assert [b.rows for b in batches] == [8, 8, 5] and len(ds) == 3  # 11 items of 2 rows (the last 1), 4 a step
+    assert batches[2].x[0][:5, 0].tolist() == [16, 17, 18, 19, 20]
+
+
+def test_a_pipeline_that_asks_no_size_is_read_by_process_and_refused_when_it_looks_per_replica():
+    # Items of one replica's rows (2 of a global 8 on 4 replicas) read as the process's share would
+    # train on global batches 4 times smaller: with the global batch known, that is refused.
+    from mirrorax.inputs.iterables import PerProcessDataset
+    from mirrorax.inputs.source import InputContext
+
+    items = [(np.ones((2, 1), np.float32),)] * 3
+    with pytest.raises(ValueError, match=r"get_per_replica_batch_size\(8\)"):
+        _host(DistributedDataset(_fake(4), PerProcessDataset(items, InputContext(1, 0, 4)), batch_size=8))
+    batches = _host(DistributedDataset(_fake(4), PerProcessDataset(items, InputContext(1, 0, 4))))
+    assert [b.rows for b in batches] == [2, 2, 2]  # no global batch given: each item is the process's share

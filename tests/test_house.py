@@ -22,7 +22,7 @@ FLOORS: list[tuple[str, ...]] = [
      "keras.callbacks", "keras.env", "preemption", "distributed_batch",
      "replica", "batch_sums", "input_checks", "results", "train_state", "_version", "as_made", "hooks",
      "progress", "_integrity_item", "_orbax_quirks", "cache", "_dir_lock", "_watchdog", "traffic"),
-    ("cluster", "launch"),
+    ("cluster", "launch", "cluster_resolver", "_checkpoint_job"),
     ("consistency",),
     ("mesh",),
     ("dispatch", "padding", "split_merge", "held", "stateful", "keras.stateful", "nnx.split_merge"),
@@ -156,14 +156,16 @@ def test_the_engine_stands_on_no_front_ends_protocol(house):
 
 #: The one module that may import ``keras.src`` and read private members of Keras objects.
 DOOR = "mirrorax.keras._internals"
-#: Private members read outside the door that are not Keras's (module, what is read): the standard library's,
-#: and JAX's cluster registry behind ``_discovery``'s own accessor.
+#: Private members read outside the door that are not Keras's (module, what is read): the standard library's
+#: (``threading._register_atexit``: the one hook that runs before Python stops its executors, which Orbax's
+#: last save of a program needs), and JAX's cluster registry behind ``_discovery``'s own accessor.
 NOT_KERAS = {("mirrorax._failure", "os._exit"), ("mirrorax._discovery", "os._Environ"),
              # A Flax Variable's value slot, written past Flax's per-write trace check after a held call (the
              # check costs more than the step on small models; mirrorax.nnx.split_merge.NnxHeld.write)
              ("mirrorax.nnx.split_merge", "object.__setattr__(variable, '_raw_value')"),
              # mirrorax's own cache on a Keras model (its trainer), set past Keras's attribute tracking
              ("mirrorax.keras.fit", "object.__setattr__(model, '_mirrorax_trainer')"),
+             ("mirrorax._orbax_quirks", "getattr(threading, '_register_atexit')"),
              ("mirrorax._discovery", "getattr(getattr(private_jax('clusters'), 'ClusterEnv', None), '_cluster_types')")}
 
 

@@ -77,16 +77,18 @@ if TYPE_CHECKING:  # loaded on first use (below); imported here for type checker
     from mirrorax.checkpoint import CheckpointMismatchError as CheckpointMismatchError
     from mirrorax.checkpoint import CheckpointWarning as CheckpointWarning
     from mirrorax.keras.checkpoint import Checkpoint as Checkpoint
+    from mirrorax.keras.checkpoint import CheckpointManager as CheckpointManager
 
 # The checkpoint layer imports Orbax and TensorStore (~25 MB of resident memory): loaded on first use.
-_LAZY = {"Checkpoint", "CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer"}
+_LAZY = {"Checkpoint", "CheckpointManager", "CheckpointError", "CheckpointMismatchError", "CheckpointWarning",
+         "Checkpointer"}
 
 
 def __getattr__(name: str):  # PEP 562
-    if name == "Checkpoint":
+    if name in ("Checkpoint", "CheckpointManager"):
         from mirrorax.keras import checkpoint as object_checkpoint
 
-        return object_checkpoint.Checkpoint
+        return getattr(object_checkpoint, name)
     if name in _LAZY:
         from mirrorax import checkpoint
 
@@ -96,6 +98,7 @@ def __getattr__(name: str):  # PEP 562
 __all__ = [
     "Checkpoint",
     "CheckpointError",
+    "CheckpointManager",
     "CheckpointMismatchError",
     "CheckpointWarning",
     "Checkpointer",

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import ast
+import atexit
 import contextlib
 import gc
 import inspect
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
     "QuietSaveErrors",
+    "before_executors_shut_down",
     "close_abandoned_writes",
     "dropping_orbax_read_errors_of_abandoned_reads",
     "drain_abandoned_reads",
@@ -199,3 +202,24 @@ def _without_leak(original: Any) -> Any:
 
     _to_json_without_leak.__doc__ = original.__doc__
     return _to_json_without_leak
+
+
+def before_executors_shut_down(hook: Any) -> None:
+    """Runs ``hook()`` when the program ends, before Python stops its thread-pool executors.
+
+    Orbax 0.12 finishes a save (writes, renames, re-lists the steps) on ``concurrent.futures`` executors.
+    When the main thread ends, Python first runs the exit hooks of the threading module, among them
+    ``concurrent.futures``', after which every executor refuses new work ("cannot schedule new futures
+    after interpreter shutdown"), and only then ``atexit``'s: a save still being written there is lost
+    (its ``<step>.orbax-checkpoint-tmp`` directory stays, the exit status 0). CPython's
+    ``threading._register_atexit`` runs hooks at that first stage, newest first, so one registered after
+    ``concurrent.futures`` was imported runs while the executors still work. ``atexit`` gets ``hook`` too
+    (it must be idempotent): on an interpreter without that function, and for a process that exits by
+    running ``atexit``'s hooks alone.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if callable(register):
+        import concurrent.futures.thread  # noqa: F401 - imported first, so that its hook runs after ours
+
+        register(hook)
+    atexit.register(hook)

@@ -27,15 +27,21 @@ over). ``read_only=True`` (what ``Trainer.load`` uses) neither locks nor writes 
 
 Every process of a multi-process job must call :meth:`Checkpointer.save`,
 :meth:`Checkpointer.restore_latest`, :meth:`Checkpointer.wait` and :meth:`Checkpointer.close` in the
-same order; Orbax coordinates the writes and the primary process writes the shared metadata.
+same order; Orbax coordinates the writes and the primary process writes the shared metadata. The
+processes write one directory, process 0's, whatever directory each named (TF's workers name paths of
+their own: :mod:`mirrorax._checkpoint_job`), and values that live on one process's devices (a Keras
+variable made outside the strategy's scope) are written from process 0.
+
+A save still being written when the program ends is finished before Python stops the executors Orbax
+writes with (every writing checkpointer still open is closed then); one that fails then is said in one
+line, and the process exits with status 1.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
 import functools
-import hashlib
-import itertools
 import os
 import re
 import shutil
@@ -49,8 +55,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from mirrorax._checkpoint_job import placed_like, process_0_directory, restorable, savable, use_distributed_barriers
 from mirrorax._checks import check_int
 from mirrorax._dir_lock import DirectoryLocked, acquire, release
+from mirrorax._failure import die
 from mirrorax._integrity import HostDigest, all_finite, digest, path_str
 from mirrorax._integrity_item import (
     FORMAT_VERSION,
@@ -62,6 +70,7 @@ from mirrorax._integrity_item import (
 )
 from mirrorax._orbax_quirks import (
     QuietSaveErrors,
+    before_executors_shut_down,
     close_abandoned_writes,
     drain_abandoned_reads,
     dropping_orbax_read_errors_of_abandoned_reads,
@@ -69,8 +78,7 @@ from mirrorax._orbax_quirks import (
     stop_tensorstore_spec_leak,
 )
 from mirrorax._version import __version__
-from mirrorax._watchdog import in_checkpoint, waiting_for_peers
-from mirrorax.cluster import coordination_client
+from mirrorax._watchdog import in_checkpoint
 from mirrorax.consistency import debug_checks
 from mirrorax.train_state import COUNTERS, TrainState, pack_counters
 
@@ -213,6 +221,48 @@ def _short(exc: BaseException) -> str:
     return text if len(text) <= 400 else text[:200] + " ... " + text[-195:]  # the end says what failed
 
 
+def _check_savable(state: PyTree) -> None:
+    """Refuses, before Orbax sees it, a leaf Orbax cannot write (a string, an object, an empty array).
+
+    Orbax refuses them too, but from inside its save, after some of its background threads started
+    waiting for the rest of the save: those then wait for good, and the program hangs at exit.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        where = path_str(path) or "the top level"
+        if isinstance(leaf, (bool, int, float)):
+            continue
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+            raise TypeError(f"Expected the state to save to hold jax.Arrays, numpy arrays and Python numbers. "
+                            f"Received {leaf!r:.80} (of type {type(leaf).__name__}) at {where!r}. Convert it "
+                            "(np.asarray) or keep it in the meta record (JSON).")
+        dtype = np.dtype(leaf.dtype) if not jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else None
+        if dtype is not None and not (np.issubdtype(dtype, np.number) or dtype == np.bool_):
+            raise TypeError(f"Expected the arrays of the state to save to hold numbers. Received an array of dtype "
+                            f"{dtype} at {where!r}. Encode it as numbers, or keep it in the meta record (JSON).")
+        if leaf.size == 0:
+            raise ValueError(f"Expected the arrays of the state to save to hold at least one element (Orbax "
+                             f"writes no empty array). Received shape {tuple(leaf.shape)} at {where!r}. Leave it "
+                             "out of the state.")
+
+
+def _storage_fault(exc: BaseException) -> str | None:
+    """The file-system error behind a failed save (``"ENOSPC: No space left on device"``), or ``None`` when
+    the failure is not the storage's (Orbax refusing a value, a bug)."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError):
+            name = errno.errorcode.get(error.errno, "OSError") if error.errno is not None else "OSError"
+            return f"{name}: {error.strerror or error}"
+        text = str(error)
+        for code in ("ENOSPC", "EDQUOT", "EFBIG", "EACCES", "EROFS", "EPERM", "EIO"):
+            if code in text or (os.strerror(getattr(errno, code)) in text):
+                return f"{code}: {os.strerror(getattr(errno, code))}"
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def _json_clean(value: Any, where: str) -> Any:
     """A copy of ``value`` made of JSON types only (numpy scalars and arrays become Python values)."""
     if isinstance(value, Mapping):
@@ -291,6 +341,7 @@ class Checkpointer:
         self._is_local = "://" not in self._directory
         self._locked = False
         self._pending_step: int | None = None
+        self._failed = False  # a save failed (and was said): Orbax's later echoes of it are dropped
         self._quiet = QuietSaveErrors()
         self._closed = True  # until the manager exists: close() then has nothing to release
         if self._is_local:
@@ -302,10 +353,9 @@ class Checkpointer:
                         "which is not a directory. Pass the checkpoint_dir that fit(checkpoint_dir=...) wrote."
                     )
             else:
-                _check_writable(self._directory)
-                self._lock()
+                self._open_for_writing()
         if jax.process_count() > 1:
-            _use_distributed_barriers()
+            use_distributed_barriers()
         stop_tensorstore_metric_leak()
         stop_tensorstore_spec_leak()
         try:
@@ -329,22 +379,32 @@ class Checkpointer:
             self._unlock()
             raise
         self._closed = False
+        if not self._read_only:
+            _writing(self)
 
-    def _lock(self) -> None:
-        """Takes the directory's lock (process 0 of a job takes it for the job and tells the others);
-        refuses a second run, on every process of it, before any collective."""
-        refusal = None
+    def _open_for_writing(self) -> None:
+        """Proves the directory writable and takes its lock: process 0 for the job, which then tells the
+        others its directory (the job's checkpoint, whatever directory they named) and whether it took the
+        lock; a refusal is raised on every process, before any collective."""
+        refusal: str | None = None
+        failure: BaseException | None = None
         if jax.process_index() == 0:
             try:
+                _check_writable(self._directory)
                 message = acquire(self._directory)
-            except DirectoryLocked as exc:
-                refusal = str(exc)
+            except (CheckpointError, DirectoryLocked) as exc:
+                refusal, failure = str(exc), exc
             else:
                 self._locked = True
                 if message:
                     print(f"mirrorax: {message}", file=sys.stderr, flush=True)
         if jax.process_count() > 1:
-            refusal = _lock_outcome_of_process_0(self._directory, refusal)
+            self._directory, verdict = process_0_directory(self._directory, {"refusal": refusal})
+            refusal = verdict.get("refusal")
+            if refusal is None and jax.process_index() != 0:
+                _check_writable(self._directory)  # this process writes its shards there too
+        if isinstance(failure, CheckpointError):
+            raise failure
         if refusal is not None:
             raise CheckpointError(refusal)
 
@@ -431,7 +491,8 @@ class Checkpointer:
             )
         check_int("step", step, 0)
         step = int(step)
-        state = _stored(state)
+        state = savable(_stored(state))
+        _check_savable(state)
         if not isinstance(meta, Mapping):
             raise TypeError(
                 f"Expected meta to be a dict of JSON values. Received: meta={meta!r:.80} (of type "
@@ -496,13 +557,32 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        _OPEN.pop(id(self), None)
         try:
             self._finish()
         finally:
             try:
-                self._manager.close()
+                self._close_manager()
             finally:
                 self._unlock()
+
+    def _close_manager(self) -> None:
+        """Orbax's close. After a failed save (said already, in one line) Orbax's echoes of it are dropped:
+        the same error raised again by its close, tracebacks logged from its background threads (one still
+        creating the step's directories meets executors already shut down): the clean error stays the last
+        word."""
+        if not self._failed:
+            self._manager.close()
+            return
+        self._quiet.start()
+        try:
+            try:
+                self._manager.close()
+            except Exception:  # noqa: BLE001, S110 - an echo of the failure already raised
+                pass
+            close_abandoned_writes()
+        finally:
+            self._quiet.stop(failed=True)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -660,7 +740,7 @@ class Checkpointer:
                 restored = self._manager.restore(
                     step,
                     args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state),
+                        state=ocp.args.StandardRestore(restorable(abstract_state)),
                         meta=ocp.args.JsonRestore(),
                     ),
                 )
@@ -670,7 +750,7 @@ class Checkpointer:
                 drain_abandoned_reads()
         if failure is not None:
             return failure
-        state, meta = restored["state"], restored["meta"]
+        state, meta = placed_like(restored["state"], abstract_state), restored["meta"]
         if not isinstance(meta, dict):
             return "its meta record is not a JSON object"
         if record["format"] >= 2 and meta_digest(meta) != record.get("meta_sha256"):
@@ -770,12 +850,20 @@ class Checkpointer:
         newest = (f"the newest good checkpoint is step {latest}" if latest is not None
                   else "there is no good checkpoint yet")
         what = f"step {step}" if step is not None else "a step"
+        storage = _storage_fault(exc)
+        if storage is not None:
+            fix = (f"Free space on that file system (or fix its permissions: {storage}) and run the same "
+                   "command again to resume from the newest good checkpoint")
+        else:  # the values, not the disk: advice about the disk would send the user the wrong way
+            fix = ("Nothing is wrong with the file system: Orbax refused what it was given to write. Save "
+                   "jax.Arrays, numpy arrays and Python numbers (Keras variables through mx.Checkpoint), and "
+                   "report this error with the state's structure if it holds only those")
         error = CheckpointError(
-            f"Checkpoint {what} could not be written to {self._directory}: {_short(exc)}; {newest}. "
-            "Free space on that file system (or fix its permissions) and run the same command again to "
-            "resume from the newest good checkpoint (set MIRRORAX_DEBUG=1 for Orbax's full traceback)."
+            f"Checkpoint {what} could not be written to {self._directory}: {_short(exc)}; {newest}. {fix} "
+            "(set MIRRORAX_DEBUG=1 for Orbax's full traceback)."
         )
         error.cause = exc  # type: ignore[attr-defined]
+        self._failed = True
         if debug_checks():
             raise error from exc
         raise error from None
@@ -808,54 +896,33 @@ class Checkpointer:
             warnings.warn(message, CheckpointWarning, stacklevel=stacklevel + 2)
 
 
-_lock_rounds = itertools.count()
-#: How long the other processes wait for process 0 to say whether it took the lock.
-LOCK_AGREE_SECONDS = 300
+#: The writing checkpointers not closed yet, closed (their saves finished) when the program ends.
+_OPEN: dict[int, Checkpointer] = {}
+_exit_hook_registered = False
 
 
-def _lock_outcome_of_process_0(directory: str, refusal: str | None) -> str | None:
-    """Process 0's verdict on the lock, on every process: ``None`` (taken) or its refusal, word for word.
-
-    Through JAX's coordination service (a key per Checkpointer, in the order every process opens
-    them), not a device collective: a refused process must not wait in a collective for a process 0
-    that raised. On a JAX without a reachable client, a device broadcast of the verdict.
-    """
-    round_ = next(_lock_rounds)
-    client = coordination_client()
-    if client is None:
-        from jax.experimental import multihost_utils
-
-        flag = multihost_utils.broadcast_one_to_all(np.array([refusal is not None], np.int32))
-        if refusal is None and bool(np.asarray(flag)[0]):
-            refusal = (f"Checkpoint directory {directory} is in use by another run (process 0 of this job "
-                       f"says why: the owner's host and pid are in {os.path.join(directory, '.mirrorax-lock')}).")
-        return refusal
-    tag = hashlib.sha256(directory.encode()).hexdigest()[:16]
-    key = f"mirrorax/checkpoint_lock/{round_}/{tag}"
-    if jax.process_index() == 0:
-        client.key_value_set(key, "" if refusal is None else "refused:" + refusal)
-        return refusal
-    with waiting_for_peers():  # for mirrorax launch's watchdog: process 0 is the one to name if it hangs
-        value = client.blocking_key_value_get(key, LOCK_AGREE_SECONDS * 1000)
-    return value[len("refused:"):] if value.startswith("refused:") else None
+def _writing(checkpointer: Checkpointer) -> None:
+    """Records an open writing checkpointer, so that its pending save is finished when the program ends."""
+    global _exit_hook_registered
+    _OPEN[id(checkpointer)] = checkpointer
+    if not _exit_hook_registered:
+        _exit_hook_registered = True
+        before_executors_shut_down(_close_at_exit)
 
 
-def _use_distributed_barriers() -> None:
-    """Makes Orbax synchronise processes through JAX's coordination service, not device collectives.
-
-    By default Orbax 0.12's barrier is ``sync_global_devices``, a collective over every device. An
-    asynchronous save reaches it from a background thread, at a moment that differs between processes,
-    so one process's barrier meets another's train-step all-reduce: gloo aborts ("Received data size
-    doesn't match expected size ... collective mismatch"). The coordination service's barrier involves
-    no device, so training collectives stay in step. (Orbax reads the flag through absl; an unparsed
-    flag set is marked parsed, which changes nothing for a program that parses its own flags later.)
-    """
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
-    # absl's stub types a flag attribute as the flag's declared value type, which it cannot know here.
-    flags.FLAGS.experimental_orbax_use_distributed_barrier = True  # type: ignore[assignment]
+def _close_at_exit() -> None:
+    """Closes every checkpointer still open when the program ends: a save started as its last act is
+    finished, never left a temporary directory. A save that fails then is said in one line and the process
+    exits with status 1 (the newest checkpoint is then the one before)."""
+    failure: Exception | None = None
+    while _OPEN:
+        _, checkpointer = _OPEN.popitem()
+        try:
+            checkpointer.close()
+        except Exception as exc:  # noqa: BLE001 - said below, once every checkpointer was closed
+            failure = failure or exc
+    if failure is not None:
+        die(f"mirrorax: {type(failure).__name__}: {failure}", 1)
 
 
 def _check_writable(directory: str) -> None:

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 
 import mirrorax.cluster as cluster
 from mirrorax._host import host_value
+from mirrorax.cluster_resolver import ClusterResolver
 from mirrorax.dispatch import InFlight, OutShardings, check_out_shardings
 from mirrorax.inputs.distributed import DistributedDataset
 from mirrorax.inputs.iterables import PerProcessDataset
@@ -521,21 +522,54 @@ class MirroredStrategy:
         """This process's :class:`InputContext`."""
         return InputContext(self.process_count, self.process_index, self.num_replicas_in_sync)
 
-    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Any]) -> PerProcessDataset:
-        """Builds this process's input pipeline: ``dataset_fn(ctx)``, with ``ctx`` an :class:`InputContext`.
-
-        The pipeline yields this process's share of each global batch: ``(x, y)`` or ``(x, y, w)``
-        with ``ctx.get_per_pipeline_batch_size(global_batch)`` rows. Pass the result to
-        ``Trainer.fit(..., batch_size=global_batch)``; every process must yield the same number of
-        batches per epoch or end at the same time (a short or missing batch is padded and masked).
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        """This process's task in the job, as TF's strategy reports it: ``task_type`` (``"chief"``,
+        ``"worker"``; ``None`` on one process without ``TF_CONFIG``), ``task_id`` and ``cluster_spec()``
+        (``.as_dict()``), from ``TF_CONFIG`` or, in a job started any other way (``mirrorax launch``,
+        SLURM), one ``worker`` per process. See :mod:`mirrorax.cluster_resolver`.
 
         Example:
-          >>> def fn(ctx):
-          ...     rows = ctx.get_per_pipeline_batch_size(64)
-          ...     return [(np.zeros((rows, 4)), np.zeros((rows,)))]
-          >>> ds = MirroredStrategy().distribute_datasets_from_function(fn)
+          >>> r = strategy.cluster_resolver
+          >>> is_chief = r.task_type in (None, "chief") or (r.task_type == "worker" and r.task_id == 0)
         """
-        return PerProcessDataset(dataset_fn(self.input_context()), self.input_context())
+        return ClusterResolver.for_this_process()
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Any]) -> DistributedDataset:
+        """This process's input pipeline ``dataset_fn(ctx)`` (``ctx`` an :class:`InputContext`), distributed.
+
+        Each process reads only its own pipeline: TF's ``dataset_fn`` shards by
+        ``ctx.num_input_pipelines`` / ``ctx.input_pipeline_id``. How its batches make up a global batch
+        follows what the function asked ``ctx``:
+
+        * batched by ``ctx.get_per_replica_batch_size(global_batch)`` (TF's way): each batch is one
+          replica's, and each replica takes its own, so a global batch holds ``global_batch`` rows (each
+          process's ``num_replicas_in_sync / num_input_pipelines`` consecutive batches);
+        * batched by ``ctx.get_per_pipeline_batch_size(global_batch)``, or by a size of its own: each batch
+          is this process's whole share of a global batch.
+
+        A pipeline that asked for neither size and whose first batch holds one replica's rows of the
+        ``batch_size`` given to ``fit`` or :meth:`experimental_distribute_dataset` is refused, naming both
+        ways. Every process must yield its batches in step: a process whose pipeline ended while another's
+        has data gets padding, masked.
+
+        Returns:
+          A :class:`mirrorax.DistributedDataset`: iterate it (``iter``, ``next``, ``for``) for
+          :class:`mirrorax.DistributedBatch` es to pass to :meth:`run` or :meth:`jit`, as TF's; or pass it
+          to ``Trainer.fit`` / ``model.fit`` (with ``batch_size=`` the global batch) or
+          :meth:`experimental_distribute_dataset`.
+
+        Example:
+          >>> def dataset_fn(ctx):
+          ...     batch = ctx.get_per_replica_batch_size(64)
+          ...     return tf.data.Dataset.from_tensor_slices((x, y)).shard(
+          ...         ctx.num_input_pipelines, ctx.input_pipeline_id).batch(batch)
+          >>> iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+          >>> per_replica_losses = strategy.run(step_fn, args=(next(iterator),))
+        """
+        context = self.input_context()
+        pipeline = PerProcessDataset(dataset_fn(context), context)
+        return DistributedDataset(self._layout, pipeline, window=self._window)
 
     def __repr__(self) -> str:
         kinds = sorted({d.platform for d in self.devices})

@@ -260,12 +260,12 @@ def child(listener, conn, request, fds, answers):
 
 
 def exit_as_python_would(code):
-    """Python's exit: wait for the non-daemon threads, run the atexit handlers, flush; then leave without
-    tearing down the interpreter (seconds of garbage collection over the preloaded libraries for nothing)."""
+    """Python's exit: the threading module's exit hooks (``concurrent.futures`` stops its executors there)
+    and the wait for the non-daemon threads, both ``threading._shutdown``'s, then the atexit handlers, a
+    flush; then leave without tearing down the interpreter (seconds of garbage collection over the
+    preloaded libraries for nothing)."""
     import atexit, threading
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -38,7 +38,7 @@ import numpy as np
 from mirrorax.distributed_batch import DistributedBatch, remember_pieces
 from mirrorax.inputs.arrays import ArraySource
 from mirrorax.inputs.batch import Batch, padded_batch_size, take_rows
-from mirrorax.inputs.iterables import PerProcessDataset, agreed_items, empty_like, padding_index
+from mirrorax.inputs.iterables import PerProcessDataset, agreed_items, empty_like, padding_index, per_process_pipeline
 from mirrorax.inputs.placement import cached_put, is_shared, put_rows, shared_constant
 
 if TYPE_CHECKING:
@@ -106,7 +106,9 @@ class DistributedDataset:
         self._window = window
         self._shuffle, self._seed = bool(shuffle), int(seed)
         self._passes = 0
-        self._per_process = isinstance(data, PerProcessDataset)
+        pipeline = per_process_pipeline(data)  # a per-process pipeline, or the result of distributing one
+        data = data if pipeline is None else pipeline
+        self._per_process = pipeline is not None
         self._source: ArraySource | None = None
         if _is_arrays(data):
             if batch_size is None:
@@ -142,6 +144,12 @@ class DistributedDataset:
                              "ds.batch(per_process_batch, drop_remainder=True)).")
 
     # -- sizes -----------------------------------------------------------------------------------
+    @property
+    def per_process(self) -> PerProcessDataset | None:
+        """The per-process pipeline this dataset places (``strategy.distribute_datasets_from_function``), or
+        ``None``: what ``Trainer.fit`` and ``experimental_distribute_dataset`` read when given this dataset."""
+        return self._iterable if self._per_process else None  # type: ignore[return-value]
+
     @property
     def batch_size(self) -> int | None:
         """The global batch (``None`` for an iterable until its first item is seen)."""
@@ -185,6 +193,8 @@ class DistributedDataset:
                 continue
             rows = _tree(item, f"batch {index}")
             n = _rows(rows, f"batch {index}")
+            if index == 0 and isinstance(self._iterable, PerProcessDataset):
+                self._iterable.check_share(n, self._batch_size)
             if self._batch_size is None:
                 self._batch_size = n * s.process_count if self._per_process else n
             if self._drop_remainder and n < self._batch_size:

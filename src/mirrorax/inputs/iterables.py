@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 
 from mirrorax.input_checks import batch_weights, leaves, rows_shape, tree_numeric
@@ -25,21 +26,102 @@ if TYPE_CHECKING:
     from mirrorax.inputs.source import InputContext
     from mirrorax.mesh import BatchMesh
 
-__all__ = ["IterableSource", "IterStream", "PerProcessDataset", "agreed_items", "padding_index", "empty_like"]
+__all__ = ["IterableSource", "IterStream", "PerProcessDataset", "agreed_items", "padding_index", "empty_like",
+           "per_process_pipeline"]
 
 PyTree = Any
 
 
 class PerProcessDataset:
     """Marks an iterable as yielding this process's rows only (not the global batch): what
-    ``strategy.distribute_datasets_from_function`` returns."""
+    ``strategy.distribute_datasets_from_function`` reads.
+
+    Iterating it yields this process's share of each global batch. How its items make up a share is
+    decided by what the pipeline function asked its ``context``, as TF reads them:
+
+    * batched by ``context.get_per_replica_batch_size(global)`` (TF's tutorials): each item is one
+      replica's batch, and each of this process's replicas takes its own, so a share is
+      ``context.replicas_per_pipeline`` consecutive items (their rows joined; the last share of a pass
+      may hold fewer, or shorter, items, padded as any short batch);
+    * otherwise (``context.get_per_pipeline_batch_size(global)``, or no size asked): each item is the
+      whole share.
+
+    Args:
+      iterable: the pipeline (a ``tf.data.Dataset``, a generator, a list of batches, ...).
+      context: the :class:`~mirrorax.inputs.source.InputContext` the pipeline function was given.
+    """
 
     def __init__(self, iterable: Any, context: InputContext) -> None:
         self.iterable = iterable
         self.context = context
+        asked = set(context.asked)
+        self.per_replica = asked == {"replica"} and context.replicas_per_pipeline > 1
+        self.size_asked = bool(asked)
+
+    @property
+    def items_per_share(self) -> int:
+        """How many of the pipeline's items make up one share of a global batch."""
+        return self.context.replicas_per_pipeline if self.per_replica else 1
+
+    def __len__(self) -> int:
+        return -(-len(self.iterable) // self.items_per_share)  # TypeError for a pipeline without a length
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.iterable)
+        k = self.items_per_share
+        if k == 1:
+            return iter(self.iterable)
+        return _joined(iter(self.iterable), k)
+
+    def check_share(self, rows: int, global_batch: int | None) -> None:
+        """Refuses a first item of ``rows`` rows that is one replica's batch of ``global_batch`` where the
+        pipeline function asked for no size: read as the process's share, it would make every global batch
+        ``replicas_per_pipeline`` times smaller than ``global_batch``, silently.
+
+        Raises:
+          ValueError: the item holds ``global_batch / num_replicas_in_sync`` rows, fewer than the share.
+        """
+        ctx = self.context
+        if self.size_asked or global_batch is None or ctx.replicas_per_pipeline == 1:
+            return
+        share = global_batch // ctx.num_input_pipelines
+        if rows < share and rows * ctx.num_replicas_in_sync == global_batch:
+            raise ValueError(
+                f"The per-process pipeline yielded a first batch of {rows} rows for a global batch of {global_batch}: "
+                f"one replica's batch ({global_batch} / {ctx.num_replicas_in_sync} replicas), while each item is "
+                f"read as this process's whole share ({share} rows), which would train on global batches "
+                f"{ctx.replicas_per_pipeline} times smaller. Batch the pipeline with "
+                f"ctx.get_per_replica_batch_size({global_batch}) (each replica then takes its own batch, as in "
+                f"TF), or yield {share} rows per batch (ctx.get_per_pipeline_batch_size({global_batch})).")
+
+    def __repr__(self) -> str:
+        kind = "a replica's batch" if self.per_replica else "the process's share"
+        return f"PerProcessDataset({type(self.iterable).__name__}, each item {kind}, context={self.context})"
+
+
+def _joined(it: Iterator[Any], k: int) -> Iterator[Any]:
+    """The items of ``it`` ``k`` at a time, each group's rows joined into one item of the same structure."""
+    while True:
+        group = list(itertools.islice(it, k))
+        if not group:
+            return
+        yield group[0] if len(group) == 1 else _concatenate(group)
+
+
+def _concatenate(group: list[Any]) -> Any:
+    structures = {str(jax.tree.structure(item)) for item in group}
+    if len(structures) > 1:
+        raise ValueError(f"The per-process pipeline's batches of one global batch differ in structure: received "
+                         f"{sorted(structures)}. Yield the same structure (e.g. (x, y)) in every batch.")
+    return jax.tree.map(lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *group)
+
+
+def per_process_pipeline(data: Any) -> PerProcessDataset | None:
+    """The per-process pipeline ``data`` reads: ``data`` itself, or the one a distributed dataset places
+    (what ``strategy.distribute_datasets_from_function`` returns, TF's form); ``None`` for any other input."""
+    if isinstance(data, PerProcessDataset):
+        return data
+    inner = getattr(data, "per_process", None)
+    return inner if isinstance(inner, PerProcessDataset) else None
 
 
 class IterableSource:
@@ -51,8 +133,10 @@ class IterableSource:
     """
 
     def __init__(self, iterable: Iterable[Any], *, float_dtype: Any = np.float32) -> None:
-        self.per_process = isinstance(iterable, PerProcessDataset)
-        self.iterable = iterable
+        pipeline = per_process_pipeline(iterable)
+        self.per_process = pipeline is not None
+        self.pipeline = pipeline
+        self.iterable = iterable if pipeline is None else pipeline
         self.float_dtype = np.dtype(float_dtype)
         self._first: Any = None
         self._opened: tuple[Iterator[Any], Any] | None = None  # the pass peek() began, and its first item
@@ -193,6 +277,8 @@ class IterableSource:
                 raise ValueError(f"A batch's arrays have different lengths {sorted(lengths)}; each item must hold "
                                  "one row per example in x, y and sample_weight.")
             n = lengths.pop()
+            if index == 1 and self.pipeline is not None:
+                self.pipeline.check_share(n, batch_size)
             if n > rows:
                 raise ValueError(f"The input yielded a batch of {n} rows, more than batch_size={batch_size}"
                                  f" ({rows} rows per {'process' if self.per_process else 'step'}). Pass "

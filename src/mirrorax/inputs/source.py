@@ -23,18 +23,28 @@ __all__ = ["InputContext", "Source", "no_targets"]
 class InputContext:
     """What a per-process input pipeline needs to know (``tf.distribute.InputContext``'s meaning).
 
+    Which of the two sizes the pipeline function asks for says how its batches are read
+    (``strategy.distribute_datasets_from_function``): batched by :meth:`get_per_replica_batch_size`, as
+    in TF, each replica takes its own batch, so one global batch is one batch of every replica;
+    batched by :meth:`get_per_pipeline_batch_size`, each batch is this process's whole share.
+
     Attributes:
       num_input_pipelines: how many pipelines feed the job (one per process).
       input_pipeline_id: this pipeline's index, ``0 <= id < num_input_pipelines``.
       num_replicas_in_sync: the global device count.
+      asked: the sizes asked for, in order (``"replica"``, ``"pipeline"``).
     """
 
     num_input_pipelines: int = 1
     input_pipeline_id: int = 0
     num_replicas_in_sync: int = 1
+    asked: list[str] = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """The batch size of one replica (device) for a global batch of ``global_batch_size``.
+
+        A pipeline batched by it yields one replica's batch at a time, as TF's do: each replica takes
+        its own, so the global batch is ``global_batch_size``.
 
         Raises:
           ValueError: ``global_batch_size`` does not divide by the replica count.
@@ -47,16 +57,23 @@ class InputContext:
             raise ValueError(
                 f"global_batch_size={global_batch_size} does not divide by num_replicas_in_sync="
                 f"{self.num_replicas_in_sync}. Use a multiple of {self.num_replicas_in_sync}.")
+        self.asked.append("replica")
         return global_batch_size // self.num_replicas_in_sync
 
     def get_per_pipeline_batch_size(self, global_batch_size: int) -> int:
-        """Rows of each global batch that this pipeline produces (``global / num_input_pipelines``)."""
+        """Rows of each global batch that this pipeline produces (``global / num_input_pipelines``): a
+        pipeline batched by it yields this process's whole share of a global batch at a time."""
         if global_batch_size % self.num_input_pipelines:
             raise ValueError(
                 f"global_batch_size={global_batch_size} does not divide by num_input_pipelines="
                 f"{self.num_input_pipelines}. Use a multiple of {self.num_input_pipelines}.")
+        self.asked.append("pipeline")
         return global_batch_size // self.num_input_pipelines
 
+    @property
+    def replicas_per_pipeline(self) -> int:
+        """The replicas this pipeline feeds (``num_replicas_in_sync / num_input_pipelines``)."""
+        return max(1, self.num_replicas_in_sync // self.num_input_pipelines)
 
 
 class Source(Protocol):

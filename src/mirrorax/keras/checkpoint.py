@@ -1,4 +1,6 @@
-"""``mx.Checkpoint``: a custom loop's Keras objects saved and restored by name, as ``tf.train.Checkpoint``.
+"""``mx.Checkpoint``: a custom loop's Keras objects saved and restored by name, as ``tf.train.Checkpoint``;
+``mx.CheckpointManager``: its numbered checkpoints in a directory, the newest few kept, as
+``tf.train.CheckpointManager``.
 
 ``Checkpoint(model=model, optimizer=optimizer, step=step_variable)`` holds Keras objects (anything with
 ``.variables``: models, layers, optimizers, metrics) and Keras variables. ``save(prefix)`` writes every
@@ -9,28 +11,38 @@ devices their values live on now, so a checkpoint written on 8 devices restores 
 that was never called (a ``Sequential`` without an ``Input``) is built first from the input shape the
 checkpoint recorded, and an optimizer that never stepped is built on the checkpoint's model, as TF's
 deferred restore would fill them in on first use.
+
+On several processes every process calls ``save`` and ``restore``, as TF's workers do, and they write
+one checkpoint together: at process 0's path. TF's ``write_filepath`` pattern (the chief saves to
+``ckpt/``, each worker to a throwaway ``workertemp_<i>/``) thus writes the chief's checkpoint, once; a
+worker's own directory is made and left empty (:mod:`mirrorax._checkpoint_job`).
+
+TF's ``checkpoint`` state file is written beside the checkpoints once the first of them is complete (a
+directory's first save returns when it is on disk; later ones write in the background). It names their
+directory, whose newest good checkpoint :meth:`Checkpoint.restore` takes, so a ported
+``checkpoint.restore(tf.train.latest_checkpoint(checkpoint_dir))`` runs unchanged and, after a crash,
+resumes from the newest complete checkpoint. A save still being written when the program ends is
+finished first (:class:`mirrorax.Checkpointer`).
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 
+from mirrorax._checkpoint_job import process_0_directory
+from mirrorax._checks import check_int
 from mirrorax.checkpoint import Checkpointer, CheckpointError
 
-__all__ = ["Checkpoint"]
+__all__ = ["Checkpoint", "CheckpointManager"]
 
+# One Checkpointer per directory in the process, shared by every Checkpoint and manager: a second one would
+# clean up the first one's save in progress (Orbax removes unfinished step directories).
 _SAVERS: dict[str, Checkpointer] = {}
-
-
-@atexit.register
-def _close_all() -> None:  # pending saves finish before the program ends
-    while _SAVERS:
-        _SAVERS.popitem()[1].close()
+_ANY: Any = object()  # what a reader asks: any saver of the directory, whatever it keeps
 
 
 def _is_variable(x: Any) -> bool:
@@ -76,29 +88,51 @@ class Checkpoint:
     def _variables(self) -> dict[str, list[Any]]:
         return {name: [obj] if _is_variable(obj) else list(obj.variables) for name, obj in self._objects.items()}
 
-    def _saver(self, directory: str) -> Checkpointer:
-        # One Checkpointer per directory in the process, shared by every Checkpoint: a second one would
-        # clean up the first one's save in progress (Orbax removes unfinished step directories).
-        directory = os.path.abspath(directory)
-        if directory not in _SAVERS:
-            _SAVERS[directory] = Checkpointer(directory, keep=None)
-        return _SAVERS[directory]
-
     def save(self, file_prefix: str | os.PathLike[str]) -> str:
         """Starts writing every object's variables as checkpoint ``save_counter + 1`` under ``file_prefix``
-        (a directory of numbered checkpoints); returns that checkpoint's path before the write ends.
+        (a directory of numbered checkpoints); returns that checkpoint's path (``<file_prefix>/<n>``).
 
         The values are copied off the devices before ``save`` returns; the files are written in the
-        background (see :meth:`mirrorax.Checkpointer.save`). :meth:`restore` and :meth:`wait` wait for them.
+        background (see :meth:`mirrorax.Checkpointer.save`), but for the first checkpoint of a directory,
+        on disk when ``save`` returns. :meth:`restore`, :meth:`wait` and the end of the program wait for
+        them. On several processes every process calls it; the checkpoint is written at process 0's
+        ``file_prefix``, whose path every process gets back.
         """
-        saver = self._saver(os.fspath(file_prefix))
-        self.save_counter = max(self.save_counter, saver.latest_step() or 0) + 1
+        own = os.path.abspath(os.fspath(file_prefix))
+        prefix = _agreed(own)
+        self.save_counter = max(self.save_counter, _saver(prefix, _ANY).latest_step() or 0) + 1
+        return self._write(own, prefix, self.save_counter)
+
+    def write(self, file_path: str | os.PathLike[str]) -> str:
+        """Starts writing every object's variables as the checkpoint ``file_path`` (``<prefix>/<n>``, ``n`` a
+        number above the newest checkpoint in ``<prefix>``), ``save_counter`` unchanged (TF's ``write``);
+        returns the path written (process 0's, on several processes). Asynchronous as :meth:`save`.
+
+        Raises:
+          ValueError: ``file_path`` does not end in a checkpoint number.
+        """
+        own = os.path.abspath(os.fspath(file_path))
+        if not os.path.basename(own).isdigit():
+            raise ValueError(f"Checkpoint.write takes '<prefix>/<n>' (n the checkpoint's number). Received "
+                             f"{os.fspath(file_path)!r}. Pass e.g. 'checkpoints/ckpt/3', or save(prefix), which "
+                             "numbers it.")
+        prefix = os.path.dirname(own)
+        return self._write(prefix, _agreed(prefix), int(os.path.basename(own)))
+
+    def _write(self, own: str, prefix: str, number: int) -> str:
+        """Checkpoint ``number`` of directory ``prefix`` (process 0's; ``own`` is this process's)."""
+        if prefix != own and "://" not in own:
+            os.makedirs(os.path.dirname(own), exist_ok=True)  # a worker's own path exists, as under TF
+        saver = _saver(prefix, _ANY)
+        first = not saver.all_steps()
         state = {name: [v.value for v in variables] for name, variables in self._variables().items()}
         shapes = {name: list(_input_shape(obj)) for name, obj in self._objects.items()
                   if getattr(obj, "built", False) and isinstance(_input_shape(obj), tuple)}
-        saver.save(self.save_counter, state, {"save_counter": self.save_counter, "input_shapes": shapes})
+        saver.save(number, state, {"save_counter": number, "input_shapes": shapes})
+        if first:
+            saver.wait()  # the directory's first checkpoint: on disk before TF's state file names the directory
         _write_tf_state(saver.directory)
-        return os.path.join(saver.directory, str(self.save_counter))
+        return os.path.join(saver.directory, str(number))
 
     def wait(self) -> None:
         """Blocks until every started save (of any ``Checkpoint`` of this process) is on disk."""
@@ -126,10 +160,11 @@ class Checkpoint:
         path = os.path.abspath(os.fspath(save_path))
         base = os.path.basename(path)
         directory, step = (os.path.dirname(path), int(base)) if base.isdigit() else (path, None)
+        directory = _agreed(directory)
         if not os.path.isdir(directory):
             raise CheckpointError(f"No checkpoint at {path}: {directory} does not exist. Pass what "
                                   "checkpoint.save(prefix) returned, or that prefix.")
-        saver = self._saver(directory)
+        saver = _saver(directory, _ANY)
         self.wait()
         self._build_missing(saver.read_meta() or {})
         variables = self._variables()
@@ -166,9 +201,127 @@ class Checkpoint:
         return f"Checkpoint({', '.join(self._objects)}; save_counter={self.save_counter})"
 
 
+class CheckpointManager:
+    """Numbered checkpoints of a :class:`Checkpoint` in ``directory``, the newest ``max_to_keep`` kept (TF's
+    ``tf.train.CheckpointManager``).
+
+    Checkpoint ``n`` is ``<directory>/<checkpoint_name>/<n>`` (TF's ``<directory>/<checkpoint_name>-<n>``)
+    and TF's ``checkpoint`` state file in ``directory`` names ``<checkpoint_name>``, so
+    ``tf.train.latest_checkpoint(directory)`` gives a path :meth:`Checkpoint.restore` takes (its newest good
+    checkpoint). An older checkpoint is deleted once a newer one is complete. On several processes every
+    process calls :meth:`save`, and the checkpoint goes to process 0's ``directory`` (see
+    :class:`Checkpoint`); :attr:`latest_checkpoint` and :attr:`checkpoints` name it on every process.
+
+    Args:
+      checkpoint: the :class:`Checkpoint` to save.
+      directory: where the checkpoints go (created on the first save).
+      max_to_keep: how many of the newest checkpoints to keep (>= 1), or ``None`` for all.
+      checkpoint_name: the name of the checkpoints' folder in ``directory``.
+
+    Raises:
+      TypeError: ``checkpoint`` is not a :class:`Checkpoint`.
+      ValueError: ``max_to_keep`` is not a positive int or ``None``.
+
+    Example:
+      >>> manager = mx.CheckpointManager(checkpoint, directory="/tmp/run", max_to_keep=3)
+      >>> manager.save()                     # '/tmp/run/ckpt/1'
+      >>> checkpoint.restore(manager.latest_checkpoint)
+    """
+
+    def __init__(self, checkpoint: Checkpoint, directory: str | os.PathLike[str], max_to_keep: int | None,
+                 checkpoint_name: str = "ckpt") -> None:
+        if not isinstance(checkpoint, Checkpoint):
+            raise TypeError(f"CheckpointManager takes an mx.Checkpoint. Received {checkpoint!r} (of type "
+                            f"{type(checkpoint).__name__}). Pass mx.Checkpoint(model=model, ...).")
+        if max_to_keep is not None:
+            check_int("max_to_keep", max_to_keep, 1, meaning="the number of newest checkpoints to keep; None keeps all")
+        self._checkpoint = checkpoint
+        self._directory = os.path.abspath(os.fspath(directory))
+        self._name = checkpoint_name
+        self._max_to_keep = max_to_keep
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        """The :class:`Checkpoint` this manager saves."""
+        return self._checkpoint
+
+    @property
+    def directory(self) -> str:
+        """The directory given (this process's, which may differ from process 0's)."""
+        return self._directory
+
+    @property
+    def max_to_keep(self) -> int | None:
+        """How many of the newest checkpoints are kept (``None``: all)."""
+        return self._max_to_keep
+
+    def save(self, checkpoint_number: int | None = None) -> str:
+        """Starts writing checkpoint ``checkpoint_number`` (default: one above the newest and the checkpoint's
+        ``save_counter``, which becomes that number) and returns its path; the older checkpoints beyond
+        ``max_to_keep`` go once it is complete. Every process must call it (see the class); asynchronous
+        as :meth:`Checkpoint.save`.
+        """
+        own = os.path.join(self._directory, self._name)
+        saver = _saver(_agreed(own), self._max_to_keep)
+        if checkpoint_number is None:
+            checkpoint_number = max(self._checkpoint.save_counter, saver.latest_step() or 0) + 1
+        check_int("checkpoint_number", checkpoint_number, 0)
+        self._checkpoint.save_counter = checkpoint_number
+        return self._checkpoint.write(os.path.join(own, str(checkpoint_number)))
+
+    @property
+    def checkpoints(self) -> list[str]:
+        """The paths of the complete checkpoints kept, oldest first."""
+        saver = self._reader()
+        return [] if saver is None else [os.path.join(saver.directory, str(s)) for s in saver.all_steps()]
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """The path of the newest complete checkpoint, or ``None`` when there is none."""
+        found = self.checkpoints
+        return found[-1] if found else None
+
+    def restore_or_initialize(self) -> str | None:
+        """Restores the newest good checkpoint into the checkpoint's objects and returns its directory, or
+        ``None`` (and changes nothing) when there is none."""
+        if self._reader() is None or not self.checkpoints:
+            return None
+        prefix = os.path.join(self._directory, self._name)
+        self._checkpoint.restore(prefix)
+        return self.latest_checkpoint
+
+    def _reader(self) -> Checkpointer | None:
+        """The saver of this manager's checkpoints (process 0's), or ``None`` when none was written yet."""
+        prefix = _agreed(os.path.join(self._directory, self._name))
+        if prefix not in _SAVERS and not os.path.isdir(prefix):
+            return None
+        return _saver(prefix, _ANY)
+
+    def __repr__(self) -> str:
+        return (f"CheckpointManager({os.path.join(self._directory, self._name)!r}, "
+                f"max_to_keep={self._max_to_keep!r})")
+
+
+def _agreed(directory: str) -> str:
+    """Process 0's ``directory`` on every process of a job (``directory`` itself on one process)."""
+    return process_0_directory(directory)[0] if "://" not in directory else directory
+
+
+def _saver(directory: str, keep: Any) -> Checkpointer:
+    """The directory's saver in this process: the one open, or a new one keeping ``keep`` newest
+    checkpoints; one that keeps another number is closed first (its saves finished) and reopened."""
+    saver = _SAVERS.get(directory)
+    if saver is not None and (keep is _ANY or saver.keep == keep):
+        return saver
+    if saver is not None:
+        saver.close()
+    _SAVERS[directory] = Checkpointer(directory, keep=None if keep is _ANY else keep)
+    return _SAVERS[directory]
+
+
 def _write_tf_state(prefix: str) -> None:
     """Writes TF's ``checkpoint`` state file beside ``prefix``, naming it: ``tf.train.latest_checkpoint(dir)``
-    then returns ``prefix``, which :meth:`Checkpoint.restore` takes (its newest checkpoint), so a ported
+    then returns ``prefix``, which :meth:`Checkpoint.restore` takes (its newest good checkpoint), so a ported
     ``checkpoint.restore(tf.train.latest_checkpoint(checkpoint_dir))`` runs unchanged."""
     if jax.process_index() != 0 or "://" in prefix:
         return
