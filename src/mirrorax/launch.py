@@ -311,6 +311,10 @@ class _Group:
         code = own_code if own_code else failed[1]
         if own_code:
             what = f"failed ({_describe(own_code)})"
+        elif own_code == 0:  # it left by itself, status 0 (sys.exit(0) in a callback): never "stopped by us"
+            said = _own_words(tails[rank])
+            what = f"exited (status 0{': ' + said if said else ''}) while the others still trained"
+            code = 1
         elif rank in frozen:
             what = ("stopped answering (its process was stopped: SIGSTOP, Ctrl-Z or a debugger; the others "
                     "gave up on it when its heartbeats stopped)")
@@ -550,6 +554,14 @@ def _root_cause(tails: Sequence[Sequence[str]], first: int, frozen: Set[int] = f
         if rank is not None and 0 <= rank < len(tails):
             return rank
     return first
+
+
+def _own_words(tail: Sequence[str]) -> str:
+    """What a process said of its own failure ("mirrorax: process K of N failed with X; leaving ..." -> X)."""
+    for line in tail:
+        if _OWN.search(line):
+            return line.partition(" failed with ")[2].partition("; leaving now")[0]
+    return ""
 
 
 def _unhealthy(tails: Sequence[Sequence[str]]) -> set[int]:
