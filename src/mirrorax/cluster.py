@@ -45,6 +45,7 @@ import mirrorax._discovery as _discovery
 import mirrorax._failure as _failure
 import mirrorax._output as _output
 import mirrorax._watchdog as _watchdog
+from mirrorax import ray_train
 from mirrorax._checks import check_int
 from mirrorax._discovery import ClusterError, ClusterInfo, accelerators_present, job_from_env, private_jax
 from mirrorax.preemption import PREEMPTED_EXIT_CODE  # (kept here too: mx.cluster.PREEMPTED_EXIT_CODE)
@@ -230,7 +231,7 @@ def maybe_initialize_from_env() -> bool:
     """
     if is_initialized():
         return False
-    info = job_from_env()
+    info = ray_train.job_from_ray() or job_from_env()  # a Ray Train worker: the job of Ray's worker group
     if info is None or info.num_processes == 1:
         if not backend_started():
             _apply_cpu_devices()
