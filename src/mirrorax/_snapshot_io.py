@@ -29,12 +29,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mirrorax._integrity import path_str
 
-__all__ = ["DIR_ENV", "SECONDS_ENV", "STEPS_ENV", "node_name", "SnapshotError", "Writer", "writer", "on_one_device",
-           "named_leaves", "write", "read", "complete_steps", "place", "stored_like", "key_impl", "REACHED_SECONDS"]
+__all__ = ["DIR_ENV", "SECONDS_ENV", "STEPS_ENV", "LOST_ENV", "node_name", "SnapshotError", "Writer", "writer",
+           "on_one_device", "named_leaves", "write", "read", "complete_steps", "place", "stored_like", "key_impl",
+           "REACHED_SECONDS"]
 
 DIR_ENV = "MIRRORAX_SNAPSHOT_DIR"  # each node's snapshots go under it (mirrorax launch and Ray set it)
 SECONDS_ENV = "MIRRORAX_SNAPSHOT_SECONDS"
 STEPS_ENV = "MIRRORAX_SNAPSHOT_STEPS"
+LOST_ENV = "MIRRORAX_ELASTIC_LOST"  # set by mirrorax launch for a restarted group: what the last one lost
 FORMAT = 1
 STATE_FILE, INDEX_FILE, META_FILE = "state.bin", "index.json", "meta.json"
 ALIGN = 64
