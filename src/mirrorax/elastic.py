@@ -20,7 +20,6 @@ and the steps lost::
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -29,12 +28,10 @@ import jax
 from mirrorax import preemption
 from mirrorax.epoch import EpochHook, EpochRun, Outcome
 from mirrorax.resume import Saver
-from mirrorax.snapshot import Snapshots, configured, nodes
+from mirrorax.snapshot import Snapshots, configured, restart_line
 
-__all__ = ["FitSnapshots", "SnapshotHook", "ReachedHook", "LOST_ENV", "restart_line"]
+__all__ = ["FitSnapshots", "SnapshotHook", "ReachedHook"]
 
-#: Set by ``mirrorax launch`` for a restarted group: which processes the last group lost, and how.
-LOST_ENV = "MIRRORAX_ELASTIC_LOST"
 
 _fits = itertools.count(1)  # the fits of this process, in order: the same in every process, and after a restart
 
@@ -50,6 +47,7 @@ class FitSnapshots:
 
     def __init__(self, snapshots: Snapshots, saver: Saver) -> None:
         self.snapshots, self.saver = snapshots, saver
+        snapshots.say = False  # said here, with the epoch and batch (:meth:`said`)
         self.ordinal = int(snapshots.name.removeprefix("fit") or 0)
 
     @classmethod
@@ -91,17 +89,17 @@ class FitSnapshots:
             return ckpt
         return self.snapshots
 
-    def said(self, step: int, epoch: int, batch: int, kind: str, done: bool) -> None:
-        """Says the restart (resumed from ``kind`` step ``step``, at ``epoch``'s ``batch``; ``done``: the fit had
-        ended), from process 0: every process reaches the same conclusion."""
+    def said(self, step: int, epoch: int, batch: int, kind: str, done: bool, devices: int) -> None:
+        """Says the restart (resumed from ``kind`` step ``step``, at ``epoch``'s ``batch``, on ``devices``; ``done``:
+        the fit had ended), from process 0: every process reaches the same conclusion."""
         if done:
             line = (f"mirrorax: elastic restart: fit {self.ordinal} had ended before it (its {kind} step {step}): its "
                     "final state and history are restored.")
         else:
             held = self.snapshots.last_held
-            facts = {"epoch": epoch, "batch_in_epoch": batch, "reached": held.get("reached", -1),
-                     "group": held.get("group") if kind == "snapshot" else None}
-            line = restart_line(self.ordinal, step, facts, kind, lost=os.environ.get(LOST_ENV, ""))
+            facts = {"reached": held.get("reached", -1), "group": held.get("group") if kind == "snapshot" else None}
+            line = restart_line(f"fit {self.ordinal}", f"{kind} step {step} (epoch {epoch + 1}, batch {batch})", step,
+                                facts, devices)
         preemption.announce(line, jax.process_index() == 0)
 
 
@@ -130,27 +128,3 @@ class SnapshotHook(EpochHook):
             meta = self.fit.meta(step, self.epoch, run.in_epoch, self.order(run.in_epoch))
             snapshots.save(step, run.state, meta, window=run.window)
         return None
-
-
-def restart_line(ordinal: int, step: int, meta: dict[str, Any], kind: str, lost: str = "") -> str:
-    """The restart, in one line: the job now, the step resumed from, the job before, who was lost, the steps
-    lost (``meta``: the record resumed from, with a snapshot's ``group`` and ``reached``)."""
-    now = f"{jax.process_count()} process{'es' if jax.process_count() != 1 else ''} ({jax.device_count()} devices)"
-    where = f"{kind} step {step} (epoch {int(meta.get('epoch', 0)) + 1}, batch {meta.get('batch_in_epoch', 0)})"
-    parts = [f"mirrorax: elastic restart: fit {ordinal} continues on {now} from {where}"]
-    before = meta.get("group") or {}
-    if before:
-        n = int(before.get("processes", 0))
-        parts.append(f"the job had {n} process{'es' if n != 1 else ''} ({before.get('devices', '?')} devices)")
-        here = set(nodes())
-        gone = [p for p, node in enumerate(before.get("nodes", [])) if node not in here]
-        if not lost and gone:
-            lost = ", ".join(f"process {p} (its node {before['nodes'][p]} left)" for p in gone)
-        elif not lost and n > jax.process_count():
-            lost = f"{n - jax.process_count()} process(es)"
-    if lost:
-        parts.append(f"lost: {lost}")
-    reached = int(meta.get("reached", -1))
-    if reached >= step:
-        parts.append(f"{reached - step} step{'s' if reached - step != 1 else ''} lost (it had reached step {reached})")
-    return "; ".join(parts) + "."

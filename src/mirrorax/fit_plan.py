@@ -234,7 +234,9 @@ def resume(plan: FitPlan, device: DeviceState) -> FitPlan:
         plan.out.write(f"Resumed from {kind} step {resumed.step} in {source.directory} "
                        f"(epoch {resumed.epoch + 1}, batch {resumed.batch_in_epoch}).\n")
     if plan.snapshots is not None:
-        plan.snapshots.said(resumed.step, resumed.epoch, resumed.batch_in_epoch, kind, resumed.epoch >= plan.epochs)
+        devices = len(resumed.state.counters.sharding.device_set)
+        plan.snapshots.said(resumed.step, resumed.epoch, resumed.batch_in_epoch, kind, resumed.epoch >= plan.epochs,
+                            devices)
         order = plan.snapshots.snapshots.last_held.get("meta", {}).get("order_state") if kind == "snapshot" else None
         if order is not None and plan.keras_order:  # Keras's order of the pass resumed in, drawn again
             order_lib.set_random_state(order)

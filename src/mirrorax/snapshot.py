@@ -31,6 +31,7 @@ import itertools
 import json
 import os
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -40,13 +41,13 @@ import jax
 import numpy as np
 
 from mirrorax import _snapshot_io as io
-from mirrorax._snapshot_io import DIR_ENV, SECONDS_ENV, STEPS_ENV, SnapshotError, node_name
+from mirrorax._snapshot_io import DIR_ENV, LOST_ENV, SECONDS_ENV, STEPS_ENV, SnapshotError, node_name
 from mirrorax._watchdog import in_checkpoint, waiting_for_peers
 from mirrorax.cluster import coordination_client
 from mirrorax.consistency import broadcast_from
 
-__all__ = ["Snapshots", "SnapshotError", "SnapshotWarning", "DIR_ENV", "SECONDS_ENV", "STEPS_ENV",
-           "DEFAULT_SECONDS", "node_name", "configured"]
+__all__ = ["Snapshots", "SnapshotError", "SnapshotWarning", "DIR_ENV", "SECONDS_ENV", "STEPS_ENV", "LOST_ENV",
+           "DEFAULT_SECONDS", "node_name", "configured", "nodes", "group", "restart_line"]
 
 #: Seconds between snapshots unless ``MIRRORAX_SNAPSHOT_SECONDS`` or ``MIRRORAX_SNAPSHOT_STEPS`` says.
 DEFAULT_SECONDS = 30.0
@@ -117,9 +118,9 @@ def nodes() -> list[str]:
     return _roster
 
 
-def group() -> dict[str, Any]:
-    """The job as a snapshot records it: its processes, devices and the node of each process."""
-    return {"processes": jax.process_count(), "devices": jax.device_count(), "nodes": list(nodes())}
+def group(devices: int) -> dict[str, Any]:
+    """The job as a snapshot records it: its processes, the devices its state is on, the node of each process."""
+    return {"processes": jax.process_count(), "devices": devices, "nodes": list(nodes())}
 
 
 def _writes() -> bool:
@@ -177,8 +178,10 @@ class Snapshots:
         self._writes: bool | None = None  # whether this process writes its node's snapshots (asked once)
         self._seen = -1  # the newest step given to due(): a snapshot is due when a multiple of every_steps is passed
         self._loaded: tuple[int, dict[str, np.ndarray], dict[str, Any], dict[str, Any]] | None = None
-        self._said: BaseException | None = None
+        self.failure: BaseException | None = None  # the first write of these that failed (on the writer thread)
+        self._said = False
         self.last_held: dict[str, Any] = {}  # what held() agreed last (the newest step, who holds it, reached)
+        self.say = True  # restore_latest says the restart on stderr (fit says its own, with the epoch)
 
     @property
     def directory(self) -> str:
@@ -248,9 +251,10 @@ class Snapshots:
             index = [{"path": p, "dtype": str(np.dtype(c.dtype)), "shape": list(c.shape), "key_impl": io.key_impl(a)}
                      for (p, a), c in zip(named, copies)]
             # The record as it is now (the caller goes on changing its lists), and JSON: said here, not later.
-            record = {"step": step, "meta": json.loads(json.dumps(meta or {})), "group": group()}
+            devices = max((len(a.sharding.device_set) for _, a in named), default=0)
+            record = {"step": step, "meta": json.loads(json.dumps(meta or {})), "group": group(devices)}
             directory = self.directory
-            io.writer().submit(lambda: io.write(directory, step, copies, index, record))
+            io.writer().submit(lambda: self._write(directory, step, copies, index, record))
         self.last_step = step
         self._plan_next(step)
 
@@ -281,10 +285,17 @@ class Snapshots:
                 with contextlib.suppress(OSError):
                     os.remove(f"{self.directory}.reached")
 
+    def _write(self, *args: Any) -> None:
+        """On the writer thread: one snapshot written, or its failure kept (said by the next call here)."""
+        try:
+            io.write(*args)
+        except Exception as exc:  # noqa: BLE001 - a full disk, a bad path: said once, training goes on
+            self.failure = self.failure or exc
+
     def _say_failure(self) -> None:
-        failure = io.writer().failure
-        if failure is not None and failure is not self._said:
-            self._said = failure
+        failure = self.failure
+        if failure is not None and not self._said:
+            self._said = True
             warnings.warn(f"A snapshot could not be written to {self.directory}: {type(failure).__name__}: {failure}. "
                           "Training goes on; a restart would resume from an older snapshot or checkpoint. Point "
                           "MIRRORAX_SNAPSHOT_DIR at a local disk with room for the state.", SnapshotWarning,
@@ -337,6 +348,11 @@ class Snapshots:
         meta = dict(record.get("meta", {}))
         meta.update(group=record.get("group", {}), reached=held["reached"])
         held.update(group=meta["group"], meta=meta)
+        if self.say:
+            devices = max((len(a.sharding.device_set) for _, a in named), default=0)
+            line = restart_line(f"{self.name!r}", f"snapshot step {step}", step, meta, devices)
+            if jax.process_index() == 0:
+                print(line, file=sys.stderr, flush=True)
         return step, jax.tree.unflatten(treedef, leaves), meta
 
     def _checked(self, step: int, named: list[tuple[str, Any]]
@@ -387,6 +403,32 @@ class Snapshots:
                 return int(f.read().split()[0])
         except (OSError, ValueError, IndexError):
             return -1
+
+
+def restart_line(what: str, where: str, step: int, facts: dict[str, Any], devices: int) -> str:
+    """A restart in one line: ``what`` (``"fit 2"``, ``"loop"``) continues on the job as it is now (on
+    ``devices``) from ``where``; the job before (``facts["group"]``), which processes it lost (told by ``mirrorax
+    launch``: ``MIRRORAX_ELASTIC_LOST``; else the processes whose node left), the steps lost (from step
+    ``step`` back from ``facts["reached"]``)."""
+    n = jax.process_count()
+    parts = [f"mirrorax: elastic restart: {what} continues on {n} process{'es' if n != 1 else ''} ({devices} devices) "
+             f"from {where}"]
+    before, lost = facts.get("group") or {}, os.environ.get(LOST_ENV, "")
+    if before:
+        was = int(before.get("processes", 0))
+        parts.append(f"the job had {was} process{'es' if was != 1 else ''} ({before.get('devices', '?')} devices)")
+        here = set(nodes())
+        gone = [p for p, node in enumerate(before.get("nodes", [])) if node not in here]
+        if not lost and gone:
+            lost = ", ".join(f"process {p} (its node {before['nodes'][p]} left)" for p in gone)
+        elif not lost and was > n:
+            lost = f"{was - n} process(es)"
+    if lost:
+        parts.append(f"lost: {lost}")
+    reached = int(facts.get("reached", -1))
+    if reached >= step:
+        parts.append(f"{reached - step} step{'s' if reached - step != 1 else ''} lost (it had reached step {reached})")
+    return "; ".join(parts) + "."
 
 
 def _env_number(name: str, kind: type) -> Any:
