@@ -16,6 +16,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import threading
 
 import jax
@@ -294,6 +295,43 @@ def test_the_launcher_leaves_out_a_slot_that_keeps_failing(tmp_path):
     assert _restarts.Restarts(4, 4, 0, env := {}).made is None and env == {}
 
 
+def test_a_ray_train_worker_reads_its_job_from_rays_context(monkeypatch, tmp_path):
+    """mirrorax.ray_train with Ray's train context and collective stubbed: the rank and size are Ray's, the
+    coordinator rank 0's (broadcast once), the job kept in MIRRORAX_* for the calls after, and the run's
+    snapshot directory set."""
+    import types
+
+    from mirrorax import ray_train
+
+    sent = []
+    context = types.SimpleNamespace(get_world_size=lambda: 4, get_world_rank=lambda: 0,
+                                    get_experiment_name=lambda: "my run/1")
+    train = types.ModuleType("ray.train")
+    train.get_context = lambda: context
+    collective = types.ModuleType("ray.train.collective")
+    collective.broadcast_from_rank_zero = lambda value: sent.append(value) or value
+    ray = types.ModuleType("ray")
+    ray.util = types.SimpleNamespace(get_node_ip_address=lambda: "127.0.0.1")
+    ray.train = train
+    for name, module in (("ray", ray), ("ray.train", train), ("ray.train.collective", collective)):
+        monkeypatch.setitem(sys.modules, name, module)
+    for var in ("MIRRORAX_COORDINATOR", "MIRRORAX_NUM_PROCESSES", "MIRRORAX_PROCESS_ID", snapshot.DIR_ENV):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(ray_train, "SNAPSHOT_ROOT", str(tmp_path))
+    info = ray_train.job_from_ray()
+    assert (info.num_processes, info.process_id, info.source) == (4, 0, "ray") and len(sent) == 1
+    assert sent[0].startswith("127.0.0.1:") and os.environ["MIRRORAX_COORDINATOR"] == sent[0]
+    assert os.environ[snapshot.DIR_ENV] == os.path.join(str(tmp_path), "my_run_1")
+    assert ray_train.job_from_ray() is None and len(sent) == 1  # agreed once: the variables say it from here
+    assert mx.cluster.job_from_env().process_id == 0
+    context.get_world_rank = lambda: 2  # a worker that is not rank 0 sends nothing and takes rank 0's address
+    monkeypatch.delenv("MIRRORAX_COORDINATOR")
+    collective.broadcast_from_rank_zero = lambda value: sent.append(value) or "10.0.0.7:1234"
+    assert ray_train.job_from_ray().coordinator_address == "10.0.0.7:1234" and sent[-1] is None
+    monkeypatch.setattr(train, "get_context", lambda: (_ for _ in ()).throw(RuntimeError("not in a worker")))
+    assert ray_train.job_from_ray() is None and not ray_train.in_ray_worker()
+
+
 def test_launch_refuses_a_minimum_above_the_processes():
     from mirrorax import launch
 
@@ -394,8 +432,6 @@ def test_ray_train_loses_a_worker_and_grows_back_with_the_same_numbers(tmp_path,
     rank 3): the group goes on with 3; at step 13 a node comes back and Ray's next resize grows the group to 4.
     Each training equals the uninterrupted 4-process run; the steps lost are at most the 3 since a snapshot."""
     pytest.importorskip("ray.train", reason='Ray Train is not installed (pip install "mirrorax[ray]")')
-    import sys
-
     events = ("hold:fit:10:rank2:4,wait:fit:13:all:3,hold:trainer:10:rank0:4,wait:trainer:13:all:3,"
               "hold:loop:10:rank3:4,wait:loop:13:all:3")
     env = _job_env(tmp_path, EJ_EVENTS=events, MIRRORAX_SNAPSHOT_STEPS="3",

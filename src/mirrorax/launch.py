@@ -8,8 +8,9 @@ Each child gets ``MIRRORAX_COORDINATOR=127.0.0.1:<free port>``, ``MIRRORAX_NUM_P
 the others (SIGTERM to each child's process group, SIGKILL after a grace period), prints which rank
 failed and the last lines it wrote, and returns non-zero; ``--max-restarts`` restarts the whole group
 instead, and ``--min-nprocs`` leaves out a process that keeps failing (:mod:`mirrorax._restarts`): the
-restarted group resumes from the newest snapshot (:mod:`mirrorax.snapshot`) on the processes left. SIGTERM to the launcher (preemption) is forwarded to every child, which then has ``--grace``
-seconds to save and exit (a second SIGTERM changes nothing); Ctrl-C sends SIGINT. A watchdog reads each
+restarted group resumes from the newest snapshot (:mod:`mirrorax.snapshot`) on the processes left.
+SIGTERM to the launcher (preemption) is forwarded to every child, which then has ``--grace`` seconds to
+save and exit (a second SIGTERM changes nothing); Ctrl-C sends SIGINT. A watchdog reads each
 child's progress (:mod:`mirrorax._watchdog`): no progress for ``--watchdog`` seconds ends the group,
 naming the rank furthest behind with its Python stack; a rank that exits while the others wait for it
 ends the group within seconds. Children die with the launcher (``PR_SET_PDEATHSIG``). See

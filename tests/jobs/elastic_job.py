@@ -9,14 +9,14 @@ Phases, each on 300 digits at global batch 48 (7 batches per epoch, the last one
 
 Run three ways: as it is (one process; ``--devices N``), under ``mirrorax launch`` (each process one JAX
 process), or as Ray Train's training function (:func:`ray_main`: each worker one JAX process). Process 0
-writes ``<EJ_OUT>/<phase>.npz`` (weights, history, evaluation) and prints ``PHASE <name> <step> <processes>``
-after each step of each phase (flushed).
+writes ``<EJ_OUT>/<phase>.npz`` (weights, history, evaluation) and prints ``PHASE <name> <step> <processes>
+<time>`` after each step of each phase (flushed; the time is the wall clock's, as ``time.time()``).
 
 Faults (``EJ_EVENTS``, comma-separated ``action:phase:step:who:processes``; each happens once, a marker file
 in ``EJ_OUT`` says it did): after step ``step`` of ``phase``, in a job of ``processes`` processes, the
 process ``who`` (``rank<R>``, ``slot<S>``: ``mirrorax launch``'s slot, or ``all``)
 
-* ``kill``: SIGKILLs itself;
+* ``kill``: prints ``KILL <phase> <step> <time>`` and SIGKILLs itself;
 * ``hold``: writes ``held-<phase>-<step>`` (its pid and node) and waits to be killed (the test kills it and
   removes its node);
 * ``wait``: waits to be killed, after process 0 wrote ``wait-<phase>-<step>`` (the test adds a node: Ray's
@@ -49,7 +49,7 @@ def at_step(phase: str, step: int) -> None:
 
     n, rank = jax.process_count(), jax.process_index()
     if rank == 0:
-        print(f"PHASE {phase} {step} {n}", flush=True)
+        print(f"PHASE {phase} {step} {n} {time.time():.3f}", flush=True)
     for i, (action, where, at, who, size) in enumerate(_events()):
         if (where, int(at), int(size)) != (phase, step, n):
             continue
@@ -61,6 +61,7 @@ def at_step(phase: str, step: int) -> None:
             continue
         if action == "kill":
             open(marker, "w").close()
+            print(f"KILL {phase} {step} {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if action == "hold":
             open(marker, "w").close()

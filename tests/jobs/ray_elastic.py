@@ -9,7 +9,7 @@ worker, ``FailureConfig(max_failures=...)``. This driver acts on the job's marke
 ``held-<phase>-<step>`` (a worker waits): SIGKILL that worker and remove its node, a lost host;
 ``done-*-wait-*`` (a smaller group waits): add a node, so that Ray's next resize grows the group back.
 It prints ``LISTENERS`` (every TCP socket a process of the cluster listens on, from psutil: what
-``ss -ltnp`` shows), ``EVENT ...`` lines with the times, and ``RESULT ok`` or the error.
+``ss -ltnp`` shows), ``EVENT ...`` lines (each ends with the wall clock's time), and ``RESULT ok`` or the error.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ START = time.monotonic()
 
 
 def say(*words: object) -> None:
-    print(f"EVENT {time.monotonic() - START:7.1f}s", *words, flush=True)
+    print(f"EVENT {time.monotonic() - START:7.1f}s", *words, f"at {time.time():.3f}", flush=True)
 
 
 def listeners() -> list[tuple[str, str]]:
@@ -107,9 +107,10 @@ def main() -> None:
                     checked = True
                 node = next(n for n in nodes if n.node_id == held["node"])
                 os.kill(held["pid"], signal.SIGKILL)  # the worker dies at once; then its host leaves the cluster
+                say("killed", name, "pid", held["pid"])
                 cluster.remove_node(node, allow_graceful=True)
                 nodes.remove(node)
-                say("killed", name, "pid", held["pid"], "and removed its node")
+                say("removed its node")
             else:
                 nodes.append(cluster.add_node(**NODE))
                 say("added a node after", name)
