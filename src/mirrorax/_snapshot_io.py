@@ -228,7 +228,9 @@ def read(directory: str, step: int) -> tuple[dict[str, np.ndarray], dict[str, di
             index = json.load(f)
         with open(os.path.join(where, META_FILE)) as f:
             record = json.load(f)
-        data = np.fromfile(os.path.join(where, STATE_FILE), np.uint8)
+        state = os.path.join(where, STATE_FILE)
+        # Mapped, not read: the processes of a node share the pages (a snapshot in /dev/shm is not copied).
+        data = np.memmap(state, np.uint8, mode="r") if os.path.getsize(state) else np.zeros(0, np.uint8)
     except (OSError, ValueError) as exc:
         raise SnapshotError(f"snapshot {where} cannot be read ({type(exc).__name__}: {exc})") from None
     arrays, entries = {}, {}

@@ -175,7 +175,7 @@ class Snapshots:
         self.next_step: int | None = None  # by the clock: the next snapshot's step (agreed)
         self.last_step: int | None = None
         self._clock: tuple[int, float] | None = None  # (step, time) of the last snapshot: the rate
-        self._writes: bool | None = None  # whether this process writes its node's snapshots (asked once)
+        self._writer_here: bool | None = None  # whether this process writes its node's snapshots (asked once)
         self._seen = -1  # the newest step given to due(): a snapshot is due when a multiple of every_steps is passed
         self._loaded: tuple[int, dict[str, np.ndarray], dict[str, Any], dict[str, Any]] | None = None
         self.failure: BaseException | None = None  # the first write of these that failed (on the writer thread)
@@ -224,9 +224,9 @@ class Snapshots:
     def reached(self, step: int) -> None:
         """Notes that the job reached step ``step`` (one dict store; the writer thread writes it now and then),
         so that a restart can say how many steps it lost."""
-        if self._writes is None:
-            self._writes = self.enabled and _writes()
-        if self._writes:
+        if self._writer_here is None:
+            self._writer_here = self.enabled and _writes()
+        if self._writer_here:
             io.writer().reached[self.name] = (f"{self.directory}.reached", step)
 
     def save(self, step: int, state: PyTree, meta: dict[str, Any] | None = None, *, window: Any = None) -> None:
@@ -243,7 +243,7 @@ class Snapshots:
                 raise TypeError(f"Snapshots.save takes a pytree of jax.Array; received a leaf of type "
                                 f"{type(a).__name__} at {path!r}. Place the state first (strategy.replicate, or the "
                                 "state a strategy.jit step returns).")
-        writes = self._writes = _writes()
+        writes = self._writer_here = _writes()
         copies = io.on_one_device([a for _, a in named], window, copy=writes)
         if writes:
             for c in copies:
@@ -316,7 +316,11 @@ class Snapshots:
 
     def latest_step(self) -> int | None:
         """The newest step any node holds a snapshot of (every process calls it together)."""
-        return self.held()["step"] if self.enabled else None
+        if not self.enabled:
+            return None
+        step = self.held()["step"]
+        self._loaded = None  # (read to check it: not kept, a restore reads it again)
+        return step
 
     def restore_latest(self, abstract_state: PyTree) -> tuple[int, PyTree, dict[str, Any]] | None:
         """``(step, state, meta)`` of the newest snapshot any node holds, placed as ``abstract_state`` (a tree of

@@ -17,9 +17,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -41,7 +43,10 @@ sys.path.insert(0, os.path.dirname(HERE))
 import mirrorax.ray_train as mx_ray  # noqa: E402
 from jobs import elastic_job  # noqa: E402
 
-NODE = dict(node_ip_address="127.0.0.1", num_cpus=1, resources={"mx_worker": 1}, include_dashboard=False)
+# Ray's sessions (logs, sockets) in a directory of this run, removed at its end: short, for Unix socket paths.
+TEMP = tempfile.mkdtemp(prefix="mxray-")
+NODE = dict(node_ip_address="127.0.0.1", num_cpus=1, resources={"mx_worker": 1}, include_dashboard=False,
+            temp_dir=TEMP)
 START = time.monotonic()
 
 
@@ -66,7 +71,7 @@ PROBE = ("import ray, sys\ntry:\n    ray.init(address=sys.argv[1])\n    print('C
 
 def main() -> None:
     cluster = Cluster(initialize_head=True, head_node_args=dict(node_ip_address="127.0.0.1", num_cpus=0,
-                                                                include_dashboard=False))
+                                                                include_dashboard=False, temp_dir=TEMP))
     nodes = [cluster.add_node(**NODE) for _ in range(4)]
     ray.init(address=cluster.address)
     assert ray.get_runtime_context().get_node_id() == cluster.head_node.node_id, "the driver is not on the head"
@@ -120,6 +125,7 @@ def main() -> None:
     print("TOKEN", probe.communicate(timeout=120)[0].strip(), flush=True)
     ray.shutdown()
     cluster.shutdown()
+    shutil.rmtree(TEMP, ignore_errors=True)
     print("RESULT", "ok" if outcome and outcome[0] is None else outcome, flush=True)
 
 
