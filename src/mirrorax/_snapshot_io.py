@@ -10,6 +10,7 @@ agreement between processes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import queue
@@ -133,6 +134,13 @@ def _copies(leaves: list[Any]) -> list[Any]:
     return [jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else jnp.copy(a) for a in leaves]
 
 
+@functools.lru_cache(maxsize=8)
+def _gather(mesh: Any) -> Any:
+    """The whole of split leaves on every device of ``mesh``: one program per mesh and signature, compiled once
+    (a new function per snapshot would compile at each)."""
+    return jax.jit(lambda xs: xs, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
 def on_one_device(leaves: list[Any], window: Any, copy: bool) -> list[Any]:
     """Each leaf's whole value on this process's first device of it, in buffers of their own, dispatched and
     not waited for: a replicated leaf's first copy; a split one (``shard=``) gathered first, a collective
@@ -143,9 +151,7 @@ def on_one_device(leaves: list[Any], window: Any, copy: bool) -> list[Any]:
     if split:
         if window is not None:
             window.drain()
-        mesh = leaves[split[0]].sharding.mesh
-        whole_layout = NamedSharding(mesh, PartitionSpec())
-        gathered = jax.jit(lambda xs: xs, out_shardings=whole_layout)([leaves[i] for i in split])
+        gathered = _gather(leaves[split[0]].sharding.mesh)([leaves[i] for i in split])
         for i, a in zip(split, gathered):
             whole[i] = a
     return _copies([a.addressable_data(0) for a in whole]) if copy else []

@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
                   RAY_USAGE_STATS_ENABLED="0", RAY_TRAIN_V2_ENABLED="1",
                   # a group started while Ray still counts a removed node waits this long for it (default 60 s)
-                  RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="20")
+                  RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="10")
 
 import psutil  # noqa: E402  (Ray's dependency)
 import ray  # noqa: E402
