@@ -30,7 +30,6 @@ import contextlib
 import itertools
 import json
 import os
-import shutil
 import sys
 import time
 import warnings
@@ -209,6 +208,8 @@ class Snapshots:
         last_step, last_time = self._clock or (step, now)
         interval = int(min(max(round((step - last_step) / max(now - last_time, 1e-6) * self.every_seconds), 1), 10**9))
         self._clock = (step, now)
+        # (One key of a few bytes per snapshot, kept: a process may read it late, and a day of 30 s snapshots is
+        # 3 KB of the coordination service's store.)
         self.next_step = int(_from(0, _key(self.name, "next"), step + interval))
 
     # -- taking one ---------------------------------------------------------------------------------------------
@@ -274,16 +275,6 @@ class Snapshots:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def remove(self) -> None:
-        """Deletes this node's snapshots of this name: the run they belong to is over."""
-        if self.enabled:
-            self.wait()
-            io.writer().reached.pop(self.name, None)
-            if _writes():
-                shutil.rmtree(self.directory, ignore_errors=True)
-                with contextlib.suppress(OSError):
-                    os.remove(f"{self.directory}.reached")
 
     def _write(self, *args: Any) -> None:
         """On the writer thread: one snapshot written, or its failure kept (said by the next call here)."""
