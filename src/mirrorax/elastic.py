@@ -13,8 +13,8 @@ Process 0 then says, on stderr, the job before and after, which processes were l
 and the steps lost::
 
     mirrorax: elastic restart: fit 1 continues on 3 processes (6 devices) from snapshot step 40 (epoch 3,
-    batch 5); the job had 4 processes (8 devices); lost: process 1 (killed by SIGKILL); 3 steps lost (it had
-    reached step 43).
+    batch 5); the job had 4 processes (8 devices); lost: process 1 (slot 1: killed by signal SIGKILL), its
+    failure 2: left out; 3 steps lost (it had reached step 43).
 """
 
 from __future__ import annotations
