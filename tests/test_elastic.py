@@ -324,7 +324,8 @@ def test_a_ray_train_worker_reads_its_job_from_rays_context(monkeypatch, tmp_pat
     for name, module in (("ray", ray), ("ray.train", train), ("ray.train.collective", collective)):
         monkeypatch.setitem(sys.modules, name, module)
     for var in ("MIRRORAX_COORDINATOR", "MIRRORAX_NUM_PROCESSES", "MIRRORAX_PROCESS_ID", snapshot.DIR_ENV):
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "")  # (recorded, so that what job_from_ray writes is undone after the test)
+        monkeypatch.delenv(var)
     monkeypatch.setattr(ray_train, "SNAPSHOT_ROOT", str(tmp_path))
     info = ray_train.job_from_ray()
     assert (info.num_processes, info.process_id, info.source) == (4, 0, "ray") and len(sent) == 1
