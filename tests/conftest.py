@@ -78,6 +78,7 @@ def _fresh_keras_state():
 # measured wall, largest first: MIRRORAX_TEST_CPU_LOG above); the rest by number of tests, as
 # xdist would. Only the order of modules changes: a module's tests stay together and in their order.
 LONGEST_FIRST = [  # the modules' wall in a full run (tests/tools/cpu_report.py), 2026-12-03, over ~30 s
+    "test_elastic.py",  # (2026-12-06: ~7 min, its Ray cluster's restarts)
     "test_mesh2d.py", "test_keras_io.py", "test_docs.py", "test_multiprocess.py", "test_plan.py", "test_cli.py",
     "test_faults_launch.py", "test_keras_fit.py", "test_benchmarks_smoke.py", "test_custom_loops.py",
     "test_preemption.py", "test_front_ends.py", "test_launch.py", "test_bad_inputs.py", "test_checkpoint.py",

@@ -227,3 +227,15 @@ def test_step_timeline_reads_the_profilers_trace_on_cpu(tmp_path):
         # The Python thread is named after the interpreter's executable (python, python3, python3.11).
         host = [v for k, v in r["timelines"].items() if k.startswith("/host:")]
         assert len(host) == 1 and host[0]["steps"] == 4, (s, r["timelines"])
+
+
+def test_snapshot_cost_prints_a_row_with_its_costs():
+    """``python -m benchmarks.snapshot_cost`` on 1 device, a few steps, one round: the table's row with the
+    loop's wait in a snapshot and the writer's time both measured. The plumbing, not the figure."""
+    cmd = [*python(), "-m", "benchmarks.snapshot_cost", "--devices", "1", "--modes", "None", "--rounds", "1",
+           "--steps", "12"]
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("| 1 | None |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[2]) > 0.5 and float(cells[5]) > 0 and float(cells[6]) > 0, row  # state MiB, save, writer

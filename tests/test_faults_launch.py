@@ -55,6 +55,9 @@ def test_a_stuck_rank_is_named_with_its_stack(tmp_path, fault, where, stack):
 @pytest.mark.parametrize("fault, status, verdict", [
     ("exit:1:5", 3, "mirrorax launch: rank 1 failed (exit code 3)"),
     ("osexit:1:5", 1, "mirrorax launch: rank 1 exited (status 0) while rank(s) 0 still waited for it"),
+    # Its own words, not "failed (stopped by the launcher)": it left by itself (issue 48)
+    ("exit0:1:5", 1, "mirrorax launch: rank 1 exited (status 0: SystemExit(0) inside the training loop (exit "
+                     "status 0)) while the others still trained"),
 ])
 @pytest.mark.slow
 @pytest.mark.multi_process
@@ -64,7 +67,7 @@ def test_a_rank_that_exits_early_ends_the_group_within_seconds(tmp_path, fault, 
     code, out, seconds = _faulty(tmp_path, fault, "--watchdog", "60")
     print(f"{fault}: {seconds:.1f} s")
     assert code == status and verdict in out, (code, out[-3000:])
-    assert "mirrorax launch: rank 0" not in out, out[-3000:]
+    assert "mirrorax launch: rank 0" not in out and "stopped by the launcher" not in out, out[-3000:]
 
 
 @pytest.mark.slow

@@ -45,6 +45,9 @@ from mirrorax.replica import masked_mean as masked_mean
 from mirrorax.replica import scale_regularization_loss as scale_regularization_loss
 from mirrorax.results import History as History
 from mirrorax.results import NonFiniteLossError as NonFiniteLossError
+from mirrorax.snapshot import SnapshotError as SnapshotError
+from mirrorax.snapshot import Snapshots as Snapshots
+from mirrorax.snapshot import SnapshotWarning as SnapshotWarning
 from mirrorax.split_merge import register as _register
 from mirrorax.split_merge import register_front_end as _register_front_end
 from mirrorax.strategy import InputContext as InputContext
@@ -122,6 +125,9 @@ __all__ = [
     "ReduceOp",
     "ReplicaContext",
     "ReplicaMismatchError",
+    "SnapshotError",
+    "SnapshotWarning",
+    "Snapshots",
     "Traffic",
     "TrainState",
     "Trainer",

@@ -240,18 +240,13 @@ def _detect(kinds: Sequence[Any]) -> ClusterInfo | None:
             raise  # the private interface changed under us: _from_jax_detectors says so
         except Exception as e:  # noqa: BLE001 - the environment looked like a cluster but could not be read
             _FAILED[name] = environ
-            _say(f"mirrorax: JAX's {name!r} cluster detector found its environment but "
-                 f"failed to read the job ({type(e).__name__}: {_first_line(e)}); running as one process. To "
-                 "join a multi-process job, set MIRRORAX_COORDINATOR=host:port, MIRRORAX_NUM_PROCESSES and "
-                 "MIRRORAX_PROCESS_ID (or call mx.initialize(...)).")
+            # One short line: the error's type, never its text (a requests ConnectionError's is a 500-character
+            # repr of the connection pool); a one-chip host without the metadata server is the common case.
+            _say(f"mirrorax: running as one process (JAX's {name!r} job detector failed: {type(e).__name__}; "
+                 "set MIRRORAX_COORDINATOR=host:port to join a job)")
             continue
         return make_info(address, count, process_id, _local_ids(env), name)
     return None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:200] if text else "no message"
 
 
 def _say(message: str) -> None:

@@ -7,6 +7,8 @@ moves training data: this module only finds out which job we are in and joins it
 
 Where the job description comes from, first match wins (:func:`job_from_env`):
 
+0. Inside a Ray Train worker: Ray's worker group (:func:`mirrorax.ray_train.job_from_ray`, which writes
+   the three variables below for the calls after it).
 1. ``MIRRORAX_COORDINATOR`` (``host:port``), ``MIRRORAX_NUM_PROCESSES``, ``MIRRORAX_PROCESS_ID``
    (``mirrorax launch`` sets these), optionally ``MIRRORAX_LOCAL_DEVICE_IDS`` (``"0,1"``).
 2. ``TF_CONFIG``: ``cluster.chief`` + ``cluster.worker`` in that order are processes ``0..n-1``; the
@@ -45,6 +47,7 @@ import mirrorax._discovery as _discovery
 import mirrorax._failure as _failure
 import mirrorax._output as _output
 import mirrorax._watchdog as _watchdog
+from mirrorax import ray_train
 from mirrorax._checks import check_int
 from mirrorax._discovery import ClusterError, ClusterInfo, accelerators_present, job_from_env, private_jax
 from mirrorax.preemption import PREEMPTED_EXIT_CODE  # (kept here too: mx.cluster.PREEMPTED_EXIT_CODE)
@@ -230,7 +233,7 @@ def maybe_initialize_from_env() -> bool:
     """
     if is_initialized():
         return False
-    info = job_from_env()
+    info = ray_train.job_from_ray() or job_from_env()  # a Ray Train worker: the job of Ray's worker group
     if info is None or info.num_processes == 1:
         if not backend_started():
             _apply_cpu_devices()
@@ -265,7 +268,7 @@ def _resolve(address: str | None, num_processes: int | None, process_id: int | N
             address, num_processes, process_id, ids = detect(
                 address, num_processes, process_id, local_device_ids, method, timeout)
             local_device_ids, source = ids, method
-        elif (found := job_from_env()) is not None:
+        elif (found := ray_train.job_from_ray() or job_from_env()) is not None:
             address = address if address is not None else found.coordinator_address
             num_processes = num_processes if num_processes is not None else found.num_processes
             process_id = process_id if process_id is not None else found.process_id

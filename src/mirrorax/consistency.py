@@ -27,7 +27,8 @@ from mirrorax._host import host_value
 from mirrorax._watchdog import waiting_for_peers
 from mirrorax.cluster import coordination_client
 
-__all__ = ["broadcast_from_primary", "any_process", "check_replicas", "ReplicaMismatchError", "debug_checks"]
+__all__ = ["broadcast_from_primary", "broadcast_from", "any_process", "check_replicas", "ReplicaMismatchError",
+           "debug_checks"]
 
 PyTree = Any
 
@@ -57,6 +58,12 @@ def broadcast_from_primary(tree: PyTree) -> PyTree:
     Example:
       >>> weights = broadcast_from_primary({"w": np.random.normal(size=(3,))})  # the same on every process
     """
+    return broadcast_from(tree, 0)
+
+
+def broadcast_from(tree: PyTree, source: int) -> PyTree:
+    """``tree`` with process ``source``'s values on every process, as :func:`broadcast_from_primary` (a
+    restarted job's snapshot may be held by any process)."""
     if jax.process_count() == 1:
         return tree
     from jax.experimental import multihost_utils
@@ -67,7 +74,8 @@ def broadcast_from_primary(tree: PyTree) -> PyTree:
     padded = np.zeros(-(-raw.size // 4) * 4 or 4, np.uint8)
     padded[:raw.size] = raw
     # broadcast_one_to_all sums process 0's words with the others' zeros: exact for unsigned integers.
-    words = np.asarray(multihost_utils.broadcast_one_to_all(padded.view(np.uint32)), np.uint32)
+    words = np.asarray(multihost_utils.broadcast_one_to_all(padded.view(np.uint32),
+                                                            is_source=jax.process_index() == source), np.uint32)
     data = words.view(np.uint8)
     out, offset = [], 0
     for h in host:

@@ -14,10 +14,11 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any, Literal
 
-from mirrorax import consistency, planner, preemption
+from mirrorax import consistency, planner, preemption, snapshot
 from mirrorax import resume as resume_lib
 from mirrorax._checks import check_int
 from mirrorax.device_state import DeviceState
+from mirrorax.elastic import FitSnapshots
 from mirrorax.hooks import Callbacks
 from mirrorax.input_checks import check_batch_size
 from mirrorax.inputs.arrays import ArraySource
@@ -25,6 +26,7 @@ from mirrorax.inputs.make import make_source, validation_source
 from mirrorax.inputs.position import InputState
 from mirrorax.inputs.source import Source
 from mirrorax.inputs.streams import Stream
+from mirrorax.keras import order as order_lib
 from mirrorax.progress import resolve_verbose
 from mirrorax.results import History
 from mirrorax.step import StepFunctions
@@ -43,6 +45,7 @@ class Start:
     epoch: int
     batch: int = 0
     input_state: dict[str, Any] | None = None
+    first_epoch: int | None = None  # a resumed fit's first epoch (Keras's order counts its passes from there)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +62,8 @@ class FitPlan:
       run: what a checkpoint records of the run and a resume must find the same (batch, order, seed).
       inputs: the input's own position, kept in checkpoints (``None``: found by index, or replayed).
       start: where the epochs start (:func:`resume` and Keras's ``BackupAndRestore`` move it).
-      resumed: whether ``start`` is a checkpoint's.
+      resumed: whether ``start`` is a checkpoint's (or a snapshot's).
+      snapshots: the fit's snapshots (``MIRRORAX_SNAPSHOT_DIR``: an elastic job), ``None`` without.
       epochs, steps_per_epoch, batch_size: as given to fit (``batch_size`` resolved).
       validation_batch_size, validation_steps: the validation's batch and batches; ``validate(epoch)``:
         whether epoch ``epoch`` (0-based) ends with a validation.
@@ -90,12 +94,15 @@ class FitPlan:
     ends_with_data: bool
     keras_order: bool
     resumed: bool = False
+    snapshots: FitSnapshots | None = None
 
     @property
     def first_epoch(self) -> int:
         """The epoch the stream's epochs are counted from: Keras's order counts each fit's passes from
         its first epoch, as Keras's iterator does; mirrorax's from epoch 0 (a resumed run replays it)."""
-        return self.start.epoch if self.keras_order else 0
+        if not self.keras_order:
+            return 0
+        return self.start.epoch if self.start.first_epoch is None else self.start.first_epoch
 
     def starting_at(self, epoch: int) -> FitPlan:
         """The same plan, starting at the beginning of ``epoch``."""
@@ -184,9 +191,12 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, x: Any, y: An
                                "seed": int(seed), "steps_per_epoch": steps_per_epoch}
         if ckpt is not None:  # as configured now, before a resume or a callback changes them
             run["hyperparameters"] = resume_lib.hyperparameters(device.value)
-        inputs = None if ckpt is None else source.track_position(strategy.process_count)
+        elastic = snapshot.configured()  # an elastic job: a restart resumes from a snapshot, as from a checkpoint
+        inputs = None if ckpt is None and not elastic else source.track_position(strategy.process_count)
         saver = None if ckpt is None else resume_lib.Saver(
             ckpt, every, run, history, resume_lib.sample_spec(sample), inputs=inputs)
+        snapshots = FitSnapshots.start(saver or resume_lib.Saver(
+            None, None, run, history, resume_lib.sample_spec(sample), inputs=inputs))
         _wait_checked(source, val)  # the join: nothing of the model, the state or the callbacks changed yet
         ready = True
     except Exception:
@@ -199,7 +209,8 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, x: Any, y: An
                    ckpt=ckpt, saver=saver, run=run, inputs=inputs, start=Start(initial_epoch), epochs=epochs,
                    steps_per_epoch=steps_per_epoch, batch_size=batch_size,
                    validation_batch_size=validation_batch_size or batch_size, validation_steps=validation_steps,
-                   validate=validate, mode=mode, out=out, ends_with_data=ends_with_data, keras_order=keras_order)
+                   validate=validate, mode=mode, out=out, ends_with_data=ends_with_data, keras_order=keras_order,
+                   snapshots=snapshots)
 
 
 def resume(plan: FitPlan, device: DeviceState) -> FitPlan:
@@ -211,16 +222,26 @@ def resume(plan: FitPlan, device: DeviceState) -> FitPlan:
       CheckpointError: the checkpoint belongs to a run with another global batch, order or seed.
       CheckpointMismatchError: it belongs to a different model.
     """
-    if plan.ckpt is None:
+    source = plan.ckpt if plan.snapshots is None else plan.snapshots.source(plan.ckpt)
+    if source is None:
         return plan
-    resumed = resume_lib.resume(plan.ckpt, device.abstract(), plan.run, plan.history)
+    resumed = resume_lib.resume(source, device.abstract(), plan.run, plan.history)
     if resumed is None:
         return plan
     device.value = resumed.state
+    kind = "checkpoint" if source is plan.ckpt else "snapshot"
     if plan.mode:
-        plan.out.write(f"Resumed from checkpoint step {resumed.step} in {plan.ckpt.directory} "
+        plan.out.write(f"Resumed from {kind} step {resumed.step} in {source.directory} "
                        f"(epoch {resumed.epoch + 1}, batch {resumed.batch_in_epoch}).\n")
-    start = Start(resumed.epoch, resumed.batch_in_epoch, resumed.input_state)
+    if plan.snapshots is not None:
+        devices = len(resumed.state.counters.sharding.device_set)
+        plan.snapshots.said(resumed.step, resumed.epoch, resumed.batch_in_epoch, kind, resumed.epoch >= plan.epochs,
+                            devices)
+        order = plan.snapshots.snapshots.last_held.get("meta", {}).get("order_state") if kind == "snapshot" else None
+        if order is not None and plan.keras_order:  # Keras's order of the pass resumed in, drawn again
+            order_lib.set_random_state(order)
+    # A resumed fit's data order counts its passes from where the interrupted fit counted them.
+    start = Start(resumed.epoch, resumed.batch_in_epoch, resumed.input_state, first_epoch=plan.start.epoch)
     return dataclasses.replace(plan, start=start, resumed=True)
 
 

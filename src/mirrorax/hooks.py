@@ -71,6 +71,20 @@ class Callbacks:
         """The ``CallbackList`` (Keras models) or the list of callbacks."""
         return self._list
 
+    def restore_history(self, history: Any) -> None:
+        """A resumed fit: Keras's ``History`` callbacks (emptied by ``on_train_begin``) hold the epochs that ran
+        before the restart, as ``history`` (a :class:`mirrorax.History`) does, and the model holds them."""
+        if not self.keras:
+            return
+        import keras
+
+        for cb in self._list.callbacks:
+            if isinstance(cb, keras.callbacks.History):
+                cb.epoch = list(history.epoch)
+                cb.history = {k: list(v) for k, v in history.history.items()}
+                if cb.model is not None:
+                    cb.model.history = cb
+
     def call(self, method: str, *args: Any) -> None:
         """Calls ``method`` (e.g. ``"on_epoch_end"``) on every callback that has it.
 

@@ -7,8 +7,10 @@ Each child gets ``MIRRORAX_COORDINATOR=127.0.0.1:<free port>``, ``MIRRORAX_NUM_P
 ``MIRRORAX_VERBOSE_COLLECTIVES=1``). When a child fails (non-zero exit or a signal) the launcher stops
 the others (SIGTERM to each child's process group, SIGKILL after a grace period), prints which rank
 failed and the last lines it wrote, and returns non-zero; ``--max-restarts`` restarts the whole group
-instead. SIGTERM to the launcher (preemption) is forwarded to every child, which then has ``--grace``
-seconds to save and exit (a second SIGTERM changes nothing); Ctrl-C sends SIGINT. A watchdog reads each
+instead, and ``--min-nprocs`` leaves out a process that keeps failing (:mod:`mirrorax._restarts`): the
+restarted group resumes from the newest snapshot (:mod:`mirrorax.snapshot`) on the processes left.
+SIGTERM to the launcher (preemption) is forwarded to every child, which then has ``--grace`` seconds to
+save and exit (a second SIGTERM changes nothing); Ctrl-C sends SIGINT. A watchdog reads each
 child's progress (:mod:`mirrorax._watchdog`): no progress for ``--watchdog`` seconds ends the group,
 naming the rank furthest behind with its Python stack; a rank that exits while the others wait for it
 ends the group within seconds. Children die with the launcher (``PR_SET_PDEATHSIG``). See
@@ -40,6 +42,7 @@ import mirrorax._watchdog as _watchdog
 from mirrorax._checks import check_int
 from mirrorax._discovery import accelerators_present
 from mirrorax._output import ChatterFilter, verbose
+from mirrorax._restarts import Restarts, default_max_restarts
 from mirrorax.preemption import PREEMPTED_EXIT_CODE
 
 __all__ = ["add_parser", "run", "launch", "main"]
@@ -79,8 +82,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--nprocs", "-n", type=int, required=True, help="how many processes to start")
     p.add_argument("--cpu-devices-per-proc", type=int, default=None, metavar="K",
                    help="give each process K simulated CPU devices (CPU-only machines)")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="R",
-                   help="restart the whole group up to R times after a failure (default 0)")
+    p.add_argument("--max-restarts", type=int, default=None, metavar="R",
+                   help="restart the whole group up to R times after a failure (default 0; with --min-nprocs, "
+                        "enough to leave out each process it may drop); restarts resume from the newest snapshot "
+                        "(MIRRORAX_SNAPSHOT_DIR, made for the launch) or checkpoint")
+    p.add_argument("--min-nprocs", type=int, default=None, metavar="M",
+                   help="elastic: a process that failed twice is left out and the group restarts on the processes "
+                        "left, with the same global batch and data order, while at least M are left (default: "
+                        "--nprocs, none left out)")
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
     p.add_argument("--failure-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="bound on how long processes outlive a dead peer (default 60; sets the "
@@ -106,16 +115,16 @@ def run(args: argparse.Namespace) -> int:
         command = command[1:]
     try:
         return launch(command, args.nprocs, cpu_devices_per_proc=args.cpu_devices_per_proc,
-                      max_restarts=args.max_restarts, port=args.port, failure_timeout=args.failure_timeout,
-                      grace=args.grace, watchdog=args.watchdog)
+                      max_restarts=args.max_restarts, min_nprocs=args.min_nprocs, port=args.port,
+                      failure_timeout=args.failure_timeout, grace=args.grace, watchdog=args.watchdog)
     except ValueError as e:
         print(f"mirrorax launch: error: {e}", file=sys.stderr)
         return 2
 
 
 def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None = None,
-           max_restarts: int = 0, port: int | None = None, failure_timeout: float = 60.0,
-           grace: float = TERM_GRACE_SECONDS, watchdog: float = WATCHDOG_SECONDS,
+           max_restarts: int | None = None, min_nprocs: int | None = None, port: int | None = None,
+           failure_timeout: float = 60.0, grace: float = TERM_GRACE_SECONDS, watchdog: float = WATCHDOG_SECONDS,
            env: Mapping[str, str] | None = None, out: IO[str] | None = None) -> int:
     """Runs ``cmd`` as ``nprocs`` processes of one job and waits for them.
 
@@ -126,6 +135,12 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
         on a machine with accelerators.
       max_restarts: how many times to restart the whole group after a failure; children that exit
         with ``PREEMPTED_EXIT_CODE`` count as one. Never after the launcher itself got SIGINT/SIGTERM.
+        ``None``: 0, or with ``min_nprocs`` enough to leave out each process it may drop
+        (:func:`mirrorax._restarts.default_max_restarts`). With restarts, the children get a snapshot
+        directory (``MIRRORAX_SNAPSHOT_DIR``, removed when the launch ends) and resume from it.
+      min_nprocs: elastic: a process (a slot) that failed twice is left out and the group restarts on the
+        processes left, as long as ``min_nprocs`` are (``None``: ``nprocs``, none left out). The global
+        batch and the data order do not depend on the process count: the run ends with the same numbers.
       port: the coordinator port; ``None`` picks a free one for every attempt.
       failure_timeout: seconds within which the processes stop after one dies: children get half of
         it as ``MIRRORAX_HEARTBEAT_TIMEOUT`` (unless ``env`` sets one); the launcher stops the rest at once.
@@ -162,8 +177,16 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
     if not cmd:
         raise ValueError(f"No command to launch: received cmd={cmd!r}. Put it after --, e.g. "
                          "mirrorax launch --nprocs 2 -- python train.py")
-    for name, value, low in (("nprocs", nprocs, 1), ("max_restarts", max_restarts, 0)):
-        check_int(name, value, low)
+    check_int("nprocs", nprocs, 1)
+    if min_nprocs is None:
+        min_nprocs = nprocs
+    check_int("min_nprocs", min_nprocs, 1)
+    if min_nprocs > nprocs:
+        raise ValueError(f"min_nprocs must be at most nprocs ({nprocs}); received min_nprocs={min_nprocs}. Pass "
+                         "e.g. --nprocs 4 --min-nprocs 2 to go on with 2 or 3 processes when some keep failing.")
+    if max_restarts is None:
+        max_restarts = default_max_restarts(nprocs, min_nprocs)
+    check_int("max_restarts", max_restarts, 0)
     if nprocs > MAX_NPROCS:
         raise ValueError(
             f"nprocs must be at most {MAX_NPROCS} (every process runs on this machine); received {nprocs}. "
@@ -186,16 +209,22 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
     if port is not None and not 0 < port < 65536:
         raise ValueError(f"port must be in 1..65535; received {port!r}.")
     out = out or sys.stdout
-    group = _Group(cmd, nprocs, dict(os.environ if env is None else env), cpu_devices_per_proc,
-                   failure_timeout, grace, out, watchdog)
-    with _forward_signals(group):
-        for attempt in range(max_restarts + 1):
-            code = group.run(port if port is not None else free_port(), attempt)
-            if code == 0 or group.interrupted:
-                return code
-            if attempt < max_restarts:
-                group.say(f"restarting the group of {nprocs} (restart {attempt + 1} of {max_restarts})")
-    return code
+    base = dict(os.environ if env is None else env)
+    restarts = Restarts(nprocs, min_nprocs, max_restarts, base)
+    group = _Group(cmd, nprocs, base, cpu_devices_per_proc, failure_timeout, grace, out, watchdog, restarts)
+    try:
+        with _forward_signals(group):
+            for attempt in range(max_restarts + 1):
+                group.nprocs = len(restarts.slots)
+                code = group.run(port if port is not None else free_port(), attempt)
+                if code == 0 or group.interrupted:
+                    return code
+                if attempt < max_restarts:
+                    plan = restarts.after_failure(*group.failure)
+                    group.say(f"{plan} (restart {attempt + 1} of {max_restarts})")
+        return code
+    finally:
+        restarts.close()
 
 
 def free_port() -> int:
@@ -209,9 +238,11 @@ class _Group:
     """One attempt at a time: start N children, stream their output, stop all when one fails."""
 
     def __init__(self, cmd: list[str], nprocs: int, env: dict[str, str], cpu_devices: int | None,
-                 failure_timeout: float, term_grace: float, out: IO[str], watchdog: float = WATCHDOG_SECONDS
-                 ) -> None:
+                 failure_timeout: float, term_grace: float, out: IO[str], watchdog: float = WATCHDOG_SECONDS,
+                 restarts: Restarts | None = None) -> None:
         self.cmd, self.nprocs, self.env, self.cpu_devices = cmd, nprocs, env, cpu_devices
+        self.restarts = restarts
+        self.failure: tuple[int | None, str] = (None, "")  # the rank the last attempt's report named, and how
         self.failure_timeout, self.term_grace, self.out = failure_timeout, term_grace, out
         self.grace = min(2.0, failure_timeout / 4)
         self.verbose = verbose(env)
@@ -234,6 +265,8 @@ class _Group:
         env.update(MIRRORAX_COORDINATOR=f"127.0.0.1:{port}", MIRRORAX_NUM_PROCESSES=str(self.nprocs),
                    MIRRORAX_PROCESS_ID=str(rank), MIRRORAX_RESTART=str(attempt), PYTHONUNBUFFERED="1",
                    MIRRORAX_LAUNCHED="1")  # the launcher filters the output: the child need not
+        if self.restarts is not None:  # its slot, and what the last attempt lost
+            env.update(self.restarts.env(rank))
         env.setdefault("MIRRORAX_HEARTBEAT_TIMEOUT", str(max(2, int(self.failure_timeout // 2))))
         # Progress for the watchdog; faulthandler prints the Python stack of a rank it sends SIGABRT.
         env.update({_watchdog.PROGRESS_DIR_ENV: self.progress_dir, _watchdog.LAUNCHER_PID_ENV: str(os.getpid())})
@@ -253,6 +286,7 @@ class _Group:
             shutil.rmtree(self.progress_dir, ignore_errors=True)
 
     def _run(self, port: int, attempt: int) -> int:
+        self.failure = (None, "")
         tails: list[collections.deque[str]] = [collections.deque(maxlen=TAIL_LINES) for _ in range(self.nprocs)]
         self.children, readers = [], []
         self.capture = [None] * self.nprocs
@@ -311,6 +345,10 @@ class _Group:
         code = own_code if own_code else failed[1]
         if own_code:
             what = f"failed ({_describe(own_code)})"
+        elif own_code == 0:  # it left by itself, status 0 (sys.exit(0) in a callback): never "stopped by us"
+            said = _own_words(tails[rank])
+            what = f"exited (status 0{': ' + said if said else ''}) while the others still trained"
+            code = 1
         elif rank in frozen:
             what = ("stopped answering (its process was stopped: SIGSTOP, Ctrl-Z or a debugger; the others "
                     "gave up on it when its heartbeats stopped)")
@@ -319,6 +357,7 @@ class _Group:
         else:
             what = "failed (stopped by the launcher)"
         tail = "".join(f"    {line}\n" for line in tails[rank]) or "    (no output)\n"
+        self.failure = (rank, what.removeprefix("failed (").removesuffix(")"))
         self.say(f"rank {rank} {what}; stopped the other {self.nprocs - 1} process(es). "
                  f"Last lines of rank {rank}:\n{tail.rstrip()}")
         return 128 - code if code < 0 else code
@@ -346,6 +385,7 @@ class _Group:
             where = "Its Python stack (every thread, most recent call first):\n" + "\n".join(f"    {x}" for x in shown)
         else:
             where = f"Last lines of rank {rank}:\n" + ("\n".join(f"    {x}" for x in tails[rank]) or "    (no output)")
+        self.failure = (rank, why)
         self.say(f"rank {rank} {why}; stopped all {self.nprocs} processes. {where.rstrip()}")
         if code is not None:  # it exited by itself: its status, but never 0 (the job did not finish)
             return (128 - code if code < 0 else code) or 1
@@ -550,6 +590,14 @@ def _root_cause(tails: Sequence[Sequence[str]], first: int, frozen: Set[int] = f
         if rank is not None and 0 <= rank < len(tails):
             return rank
     return first
+
+
+def _own_words(tail: Sequence[str]) -> str:
+    """What a process said of its own failure ("mirrorax: process K of N failed with X; leaving ..." -> X)."""
+    for line in tail:
+        if _OWN.search(line):
+            return line.partition(" failed with ")[2].partition("; leaving now")[0]
+    return ""
 
 
 def _unhealthy(tails: Sequence[Sequence[str]]) -> set[int]:

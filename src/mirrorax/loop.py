@@ -141,6 +141,8 @@ class Loop:
         if hasattr(self.model, "stop_training"):
             self.model.stop_training = False  # as Keras's fit: a flag left by an interrupted run
         hooks.call("on_train_begin")
+        if plan.resumed:  # Keras's History (emptied by on_train_begin) holds the epochs run before the restart
+            hooks.restore_history(plan.history)
         # keras.callbacks.BackupAndRestore says where to resume in on_train_begin (Keras's fit reads
         # model._initial_epoch only then); its restored weights are adopted at on_epoch_begin.
         restored = None if plan.resumed else keras_internals.initial_epoch(self.model)
@@ -166,6 +168,10 @@ class Loop:
                 consistency.check_replicas(device.value)
             if plan.saver is not None:
                 plan.saver.save(device.live, epoch + 1, 0)
+            if plan.snapshots is not None:
+                following = plan.stream.epoch_span(epoch + 1 - plan.first_epoch, plan.steps_per_epoch)[0]
+                plan.snapshots.at_epoch_end(device.live, int(device.live.host_counters()["step"]), epoch + 1,
+                                            plan.stream.order_state(following))
             hooks.call("on_epoch_end", epoch, logs)
             training_logs = logs
             device.adopt_callback_changes()
@@ -203,12 +209,16 @@ class Loop:
         run = epoch_lib.EpochRun(state, self.strategy.in_flight, start_batch, int(state.host_counters()["step"]), total)
         progress = Progress(plan.mode, total, epoch + 1, plan.epochs,
                             lambda: self.adapter.metric_results(host_tree(run.state.metrics)), stream=plan.out)
+        reached, snapshot = (None, None) if plan.snapshots is None else plan.snapshots.hooks(
+            epoch, lambda batch: stream.order_state(position + batch))
         loop_hooks: list[epoch_lib.EpochHook] = [h for h in (
+            reached,
             epoch_lib.BatchCallbacks(hooks, self.steps_per_execution, self._train_batch_end(hooks), self.model,
                                      steps.batch_logs),
             epoch_lib.HaltWatch(steps.halted),
             epoch_lib.PreemptionStop(plan.watch, saver, steps, epoch),
             None if saver is None else epoch_lib.PeriodicSave(saver, steps, epoch),
+            snapshot,
             epoch_lib.ProgressHook(progress)) if h is not None]
 
         def placed() -> Iterator[tuple[int, Batch]]:

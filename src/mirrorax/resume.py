@@ -161,6 +161,10 @@ class Saver:
 
     def save(self, state: TrainState, epoch: int, batch_in_epoch: int) -> None:
         step = int(state.host_counters()["step"])
+        self.ckpt.save(step, state, self.meta(step, epoch, batch_in_epoch))
+
+    def meta(self, step: int, epoch: int, batch_in_epoch: int) -> dict[str, Any]:
+        """The record kept beside the state of ``step`` (a checkpoint's, a snapshot's): where in the data."""
         meta = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "run": self.run,
                 "history": self.history.as_dict(), "sample_spec": self.spec,
                 "mirrorax_version": __version__}
@@ -168,7 +172,7 @@ class Saver:
             position = self.inputs.state_at(batch_in_epoch)
             if position is not None:
                 meta["input_state"] = position
-        self.ckpt.save(step, state, meta)
+        return meta
 
 
 def sample_spec(sample: Batch) -> dict[str, Any]:

@@ -268,10 +268,15 @@ class Trainer:
         training_logs: dict[str, float] = {}
         try:
             training_logs = self.loop.fit(fit_plan.resume(plan, self.device_state))
+            if plan.snapshots is not None:  # the fit is done: a restarted script passes through it
+                live = self.device_state.live
+                plan.snapshots.finish(live, int(live.host_counters()["step"]), plan.epochs)
         except preemption.Preempted as stop:
             stopped = stop
         finally:
             try:
+                if plan.snapshots is not None:
+                    plan.snapshots.snapshots.wait()
                 self.device_state.write_back()
                 self._finalize_optimizer(epochs)
                 if plan.ckpt is not None:

@@ -2,9 +2,9 @@
 
 Run by tests/test_faults_launch.py under ``mirrorax launch`` (2 processes). Environment: ``MP_FAULT``
 ``KIND:R:S`` makes rank R misbehave at its step S: ``input`` (its generator blocks), ``callback`` (a batch
-callback blocks), ``exit`` (``sys.exit(3)`` in a callback), ``osexit`` (``os._exit(0)`` in a callback),
-``nojoin`` (rank R blocks before it joins the job), ``epochexit`` (``sys.exit(3)`` in ``on_epoch_end`` of
-epoch S). ``MP_OUT``: each rank writes ``pid<R>`` there.
+callback blocks), ``exit`` (``sys.exit(3)`` in a callback), ``exit0`` (``sys.exit(0)``), ``osexit``
+(``os._exit(0)`` in a callback), ``nojoin`` (rank R blocks before it joins the job), ``epochexit``
+(``sys.exit(3)`` in ``on_epoch_end`` of epoch S). ``MP_OUT``: each rank writes ``pid<R>`` there.
 ``MP_CKPT``: a checkpoint directory; ``MP_SLEEP``: seconds per step; ``MP_EPOCHS`` (default 30).
 ``MP_CATCH=N``: a ``CheckpointError`` from fit is caught, printed (``rank R refused: ...``) and ends the
 script with ``sys.exit(N)``, as a script that handles it would. ``MP_SLOW_SAVE=S``: each checkpoint save
@@ -44,6 +44,9 @@ class Fault:
             if KIND == "exit":
                 print(f"rank {RANK} calls sys.exit(3)", flush=True)
                 sys.exit(3)
+            if KIND == "exit0":
+                print(f"rank {RANK} calls sys.exit(0)", flush=True)
+                sys.exit(0)
             if KIND == "osexit":
                 print(f"rank {RANK} calls os._exit(0)", flush=True)
                 os._exit(0)

@@ -19,7 +19,7 @@ from mirrorax.inputs.batch import Batch, padded_batch_size, row_counts
 from mirrorax.inputs.placement import shared_constant
 from mirrorax.inputs.source import no_targets
 from mirrorax.inputs.streams import Stream
-from mirrorax.keras.order import pass_order
+from mirrorax.keras.order import pass_order, random_state
 
 if TYPE_CHECKING:
     from mirrorax.inputs.position import InputState
@@ -223,6 +223,7 @@ class ArrayStream(Stream):
         self.batches_per_pass = source.batches_per_pass(batch_size)
         self.keras_order = keras_order
         self._drawn: dict[int, np.ndarray | None] = {}  # Keras's order of the pass being read
+        self._drawn_from: dict[int, dict[str, Any]] = {}  # the global generators' state before that draw
 
     def _order(self, pass_index: int) -> np.ndarray | None:
         """The order of pass ``pass_index``: ``None`` for ``(seed, pass)``'s; Keras's, drawn the first time
@@ -230,8 +231,17 @@ class ArrayStream(Stream):
         if not self.keras_order:
             return None
         if pass_index not in self._drawn:
+            self._drawn_from = {pass_index: random_state()} if self.shuffle else {}
             self._drawn = {pass_index: pass_order(self.shuffle, self.source.num_examples, self.batch_size)}
         return self._drawn[pass_index]
+
+    def order_state(self, position: int) -> dict[str, Any] | None:
+        """With Keras's order, the global generators' state from which the pass holding stream ``position``
+        is drawn (before its draw if it was drawn, else now): set back, a restarted fit draws that pass's order
+        as the interrupted one did. ``None`` for mirrorax's order, a function of ``(seed, pass)``."""
+        if not (self.keras_order and self.shuffle):
+            return None
+        return self._drawn_from.get(position // self.batches_per_pass) or random_state()
 
     def batches(self, position: int, count: int | None, start: int = 0) -> Iterator[Batch]:
         """Batches ``start..count`` (default: to the end of the pass) of the epoch at stream ``position``."""

@@ -48,6 +48,11 @@ class Stream:
         pass_index, j = divmod(epoch, per_pass)
         return pass_index * n + j * steps_per_epoch, min(steps_per_epoch, n - j * steps_per_epoch)
 
+    def order_state(self, position: int) -> dict[str, Any] | None:
+        """What a restarted fit must set back to read stream ``position`` in the same order (the global
+        generators Keras's order is drawn from); ``None``: the order needs nothing (see ``ArrayStream``)."""
+        return None
+
     def last_real(self, k: int) -> int:
         """Real examples in the next ``max(k, 1)`` batches handed out (those a step just consumed)."""
         take = max(k, 1)

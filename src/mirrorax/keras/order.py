@@ -23,7 +23,7 @@ import numpy as np
 from mirrorax.consistency import broadcast_from_primary
 from mirrorax.keras import _internals as internals
 
-__all__ = ["pass_order", "build_read", "batch_indices", "keras_builds"]
+__all__ = ["pass_order", "build_read", "batch_indices", "keras_builds", "random_state", "set_random_state"]
 
 
 def pass_order(shuffle: Any, num_examples: int, batch_size: int) -> np.ndarray | None:
@@ -80,3 +80,20 @@ def keras_builds(model: Any, *, predict: bool = False) -> bool:
     metrics = internals.compile_metrics(model)
     loss = internals.compile_loss(model)
     return not layers or (metrics is not None and not metrics.built) or (loss is not None and not loss.built)
+
+
+def random_state() -> dict[str, Any]:
+    """numpy's and Python's global generators' states, as JSON: what Keras draws its orders from. A restarted
+    fit sets them back (:func:`set_random_state`) to draw the order the interrupted fit drew."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    return {"numpy": [kind, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(gauss)],
+            "python": [version, list(internal), gauss_next]}
+
+
+def set_random_state(saved: dict[str, Any]) -> None:
+    """Sets numpy's and Python's global generators to a :func:`random_state`."""
+    kind, keys, pos, has_gauss, gauss = saved["numpy"]
+    np.random.set_state((kind, np.asarray(keys, np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = saved["python"]
+    random.setstate((version, tuple(internal), gauss_next))

@@ -1,0 +1,77 @@
+"""``mirrorax launch``'s restarts: which processes the next attempt starts, and the snapshots they resume from.
+
+The processes sit in *slots* (``MIRRORAX_SLOT``; their ranks are their places among the slots left). A group
+that fails restarts on the same slots (``--max-restarts``); with ``--min-nprocs M`` below ``--nprocs``, a slot
+that failed :data:`SLOT_FAILURES` times keeps failing (a bad device, a host that kills it) and the group
+restarts without it, as long as ``M`` are left. The restarted processes resume from the newest snapshot
+(``MIRRORAX_SNAPSHOT_DIR``, made here for the launch and removed when it ends) or checkpoint, and are told
+which process the last group lost (``MIRRORAX_ELASTIC_LOST``): ``fit`` says it in its restart line.
+"""
+
+from __future__ import annotations
+
+import collections
+import shutil
+import tempfile
+
+from mirrorax._snapshot_io import DIR_ENV, LOST_ENV
+
+__all__ = ["Restarts", "SLOT_FAILURES", "SLOT_ENV", "default_max_restarts"]
+
+#: A slot that fails this many times keeps failing: with ``--min-nprocs``, the group restarts without it.
+SLOT_FAILURES = 2
+SLOT_ENV = "MIRRORAX_SLOT"
+
+
+class Restarts:
+    """The slots of the next attempt, and what the last one lost.
+
+    Args:
+      nprocs: the processes asked for (slots ``0..nprocs-1``).
+      min_nprocs: the fewest processes to go on with.
+      max_restarts: the restarts allowed, whatever their cause.
+      env: the children's base environment: a snapshot directory is added to it when a restart may come.
+    """
+
+    def __init__(self, nprocs: int, min_nprocs: int, max_restarts: int, env: dict[str, str]) -> None:
+        self.slots = list(range(nprocs))
+        self.min_nprocs, self.max_restarts = min_nprocs, max_restarts
+        self.failures: collections.Counter[int] = collections.Counter()
+        self.made: str | None = None  # the snapshot directory made for this launch (removed at its end)
+        self.lost = ""  # what the last attempt lost, for the next one's processes
+        if max_restarts and not env.get(DIR_ENV):
+            self.made = tempfile.mkdtemp(prefix="mirrorax-snapshots-")
+            env[DIR_ENV] = self.made
+
+    def after_failure(self, rank: int | None, how: str) -> str:
+        """Process ``rank`` of the last attempt failed (``how``: its words); returns what the launcher says about
+        the next attempt, and sets :attr:`lost` (what the children are told)."""
+        if rank is None or not 0 <= rank < len(self.slots):
+            self.lost = ""
+            return f"restarting the group of {len(self.slots)}"
+        slot = self.slots[rank]
+        self.failures[slot] += 1
+        self.lost = f"process {rank} (slot {slot}: {how})"
+        if self.failures[slot] >= SLOT_FAILURES and len(self.slots) > self.min_nprocs:
+            self.slots = [s for s in self.slots if s != slot]
+            self.lost += f", its failure {self.failures[slot]}: left out"
+            return (f"slot {slot} failed {self.failures[slot]} times: restarting on the {len(self.slots)} "
+                    f"process(es) left (--min-nprocs {self.min_nprocs})")
+        return f"restarting the group of {len(self.slots)}"
+
+    def env(self, rank: int) -> dict[str, str]:
+        """What the process of ``rank`` is told besides the job: its slot and what the last group lost."""
+        return {SLOT_ENV: str(self.slots[rank]), LOST_ENV: self.lost}
+
+    def close(self) -> None:
+        """Removes the snapshot directory made for this launch."""
+        if self.made is not None:
+            shutil.rmtree(self.made, ignore_errors=True)
+            self.made = None
+
+
+def default_max_restarts(nprocs: int, min_nprocs: int) -> int:
+    """``--max-restarts`` when not given: none, or with ``--min-nprocs`` enough to leave out each slot it may
+    drop (each after :data:`SLOT_FAILURES` failures) plus one more."""
+    return 0 if min_nprocs >= nprocs else SLOT_FAILURES * (nprocs - min_nprocs) + 1
+

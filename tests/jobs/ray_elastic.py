@@ -1,0 +1,141 @@
+"""A Ray Train job of ``elastic_job.py`` on a local cluster of simulated nodes, workers lost and brought back.
+
+Usage: python ray_elastic.py OUT  (environment: ``EJ_EVENTS``, ``EJ_PHASES``, ``MIRRORAX_SNAPSHOT_STEPS``)
+
+The cluster: a head node (no CPU: the driver and Ray Train's controller live there) and 4 worker nodes of one
+``mx_worker`` slot each, every Ray process on 127.0.0.1 with Ray's token authentication on. The training:
+``mirrorax.ray_train.JaxTrainer`` with ``ScalingConfig(num_workers=(2, 4))`` (elastic), 2 CPU devices per
+worker, ``FailureConfig(max_failures=...)``. This driver acts on the job's markers (``elastic_job.py``):
+``held-<phase>-<step>`` (a worker waits): SIGKILL that worker and remove its node, a lost host;
+``done-*-wait-*`` (a smaller group waits): add a node, so that Ray's next resize grows the group back.
+It prints ``LISTENERS`` (every TCP socket a process of the cluster listens on, from psutil: what
+``ss -ltnp`` shows), ``EVENT ...`` lines (each ends with the wall clock's time), and ``RESULT ok`` or the error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+OUT = os.path.abspath(sys.argv[1])
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Ray's own setup, before Ray is imported: token authentication, and a driver that connects on loopback (Ray
+# otherwise swaps 127.0.0.1 in an address for this host's outward address, where nothing listens).
+os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+                  RAY_USAGE_STATS_ENABLED="0", RAY_TRAIN_V2_ENABLED="1",
+                  # a group started while Ray still counts a removed node waits this long for it (default 60 s)
+                  RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="10")
+
+import psutil  # noqa: E402  (Ray's dependency)
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(HERE))
+import mirrorax.ray_train as mx_ray  # noqa: E402
+from jobs import elastic_job  # noqa: E402
+
+# Ray's sessions (logs, sockets) in a directory of this run, removed at its end: short, for Unix socket paths.
+TEMP = tempfile.mkdtemp(prefix="mxray-")
+NODE = dict(node_ip_address="127.0.0.1", num_cpus=1, resources={"mx_worker": 1}, include_dashboard=False,
+            temp_dir=TEMP)
+START = time.monotonic()
+
+
+def say(*words: object) -> None:
+    print(f"EVENT {time.monotonic() - START:7.1f}s", *words, f"at {time.time():.3f}", flush=True)
+
+
+def listeners() -> list[tuple[str, str]]:
+    """(address, process name) of every listening TCP socket of this process's descendants."""
+    ours = {p.pid: p.name() for p in psutil.Process().children(recursive=True)}
+    found = []
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.pid in ours:
+            found.append((c.laddr.ip, ours[c.pid]))
+    return found
+
+
+# A client with the wrong token: Ray must refuse it (it retries for ~20 s first: run beside the training).
+PROBE = ("import ray, sys\ntry:\n    ray.init(address=sys.argv[1])\n    print('CONNECTED')\n"
+         "except Exception as e:\n    print('REFUSED', type(e).__name__)\n")
+
+
+def main() -> None:
+    cluster = Cluster(initialize_head=True, head_node_args=dict(node_ip_address="127.0.0.1", num_cpus=0,
+                                                                include_dashboard=False, temp_dir=TEMP))
+    nodes = [cluster.add_node(**NODE) for _ in range(4)]
+    ray.init(address=cluster.address)
+    assert ray.get_runtime_context().get_node_id() == cluster.head_node.node_id, "the driver is not on the head"
+    say("cluster up")
+    probe = subprocess.Popen([sys.executable, "-c", PROBE, cluster.address], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, RAY_AUTH_TOKEN="0" * 32))
+    import numpy as np
+
+    x, y, xt, yt = elastic_job.data()
+    np.savez(os.path.join(OUT, "data.npz"), x=x, y=y, xt=xt, yt=yt)
+    env = {"EJ_OUT": OUT, "EJ_EVENTS": os.environ.get("EJ_EVENTS", ""), "EJ_PHASES": os.environ.get("EJ_PHASES", ""),
+           "MIRRORAX_SNAPSHOT_STEPS": os.environ.get("MIRRORAX_SNAPSHOT_STEPS", "3"),
+           "EJ_DATA": os.path.join(OUT, "data.npz")}
+    env = {k: v for k, v in env.items() if v}
+    trainer = mx_ray.JaxTrainer(
+        elastic_job.ray_main, train_loop_config={"env": env}, cpu_devices_per_worker=2,
+        snapshot_dir=os.path.join(OUT, "snapshots"),
+        scaling_config=ScalingConfig(num_workers=(2, 4), resources_per_worker={"mx_worker": 1},
+                                     elastic_resize_monitor_interval_s=2.0),
+        run_config=RunConfig(name="elastic", storage_path=os.path.join(OUT, "ray"),
+                             failure_config=FailureConfig(max_failures=8),
+                             worker_runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}}))
+    outcome: list[object] = []
+    thread = threading.Thread(target=lambda: outcome.append(_fit(trainer)), daemon=True)
+    thread.start()
+    seen: set[str] = set()
+    checked = False
+    while thread.is_alive():
+        for name in sorted(os.listdir(OUT)):
+            if name in seen or not (name.startswith("held-") or "-wait-" in name) or name.endswith(".tmp"):
+                continue
+            seen.add(name)
+            if name.startswith("held-"):
+                with open(os.path.join(OUT, name)) as f:
+                    held = json.load(f)
+                if not checked:  # every process of the cluster is up: the training's too
+                    print("LISTENERS", json.dumps(listeners()), flush=True)
+                    checked = True
+                node = next(n for n in nodes if n.node_id == held["node"])
+                os.kill(held["pid"], signal.SIGKILL)  # the worker dies at once; then its host leaves the cluster
+                say("killed", name, "pid", held["pid"])
+                cluster.remove_node(node, allow_graceful=True)
+                nodes.remove(node)
+                say("removed its node")
+            else:
+                nodes.append(cluster.add_node(**NODE))
+                say("added a node after", name)
+        time.sleep(0.1)
+    thread.join()
+    say("fit returned", outcome)
+    print("TOKEN", probe.communicate(timeout=120)[0].strip(), flush=True)
+    ray.shutdown()
+    cluster.shutdown()
+    shutil.rmtree(TEMP, ignore_errors=True)
+    print("RESULT", "ok" if outcome and outcome[0] is None else outcome, flush=True)
+
+
+def _fit(trainer) -> object:
+    try:
+        trainer.fit()
+        return None
+    except Exception as e:  # noqa: BLE001 - reported on the RESULT line
+        return f"{type(e).__name__}: {e}"[:2000]
+
+
+if __name__ == "__main__":
+    main()
