@@ -104,7 +104,8 @@ def checkpoint_dir(name: str = "mirrorax-checkpoints") -> str:
     ctx = _context()
     if ctx is None:
         raise RuntimeError("mirrorax.ray_train.checkpoint_dir() names a directory in a Ray Train run's storage; "
-                           "call it inside the training function (ray.train.get_context() is not available here).")
+                           f"call it inside the training function. Received: no Ray Train context (in_ray_worker() is "
+                           f"{in_ray_worker()}).")
     storage = ctx.get_storage()
     path = f"{storage.experiment_fs_path}/{name}"
     kind = storage.storage_filesystem.type_name

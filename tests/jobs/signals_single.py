@@ -39,6 +39,7 @@ if __name__ == "__main__":
     import mirrorax.planner as planner
 
     mode, ckpt = sys.argv[1], sys.argv[2]
+    print(f"SIGINT at start: {signal.getsignal(signal.SIGINT)}", flush=True)  # Python's own handler, or inherited
     callbacks = []
     if mode == "build":
         compile_step = planner.at_fit_start
