@@ -15,8 +15,8 @@ import time
 import pytest
 from jobs.procs import ROOT, SCRIPTS, clean_env, launcher, python
 
-from mirrorax import _watchdog
-from mirrorax import launch as launch_lib
+from mirrorax.cluster import launch as launch_lib
+from mirrorax.cluster import watchdog as _watchdog
 
 WATCHDOG = "5"
 

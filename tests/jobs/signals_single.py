@@ -35,7 +35,7 @@ def entries(ckpt: str) -> None:
 
 if __name__ == "__main__":
     import mirrorax as mx
-    import mirrorax.checkpoint as checkpoint
+    import mirrorax.checkpoint.checkpointer as checkpoint
     import mirrorax.planner as planner
 
     mode, ckpt = sys.argv[1], sys.argv[2]
