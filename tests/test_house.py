@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -136,6 +137,19 @@ def test_no_circle_among_the_rebuilt_modules(house):
 def test_no_private_reach_in(house):
     reaches = [r for m in FLOOR for r in house[m][1]]
     assert not reaches, "\n".join(reaches)
+
+
+def test_every_module_is_in_the_test_index(house):
+    # tests/README.md's "Which file tests what": a reader finds a module's tests from its name.
+    readme = (ROOT.parent.parent / "tests" / "README.md").read_text()
+    table = readme.split("## Which file tests what", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ", 1) for line in table.splitlines() if line.startswith("| ") and " | " in line]
+    named = {m for first, _ in rows for m in re.findall(r"`([\w.]+)`", first)}
+    missing = sorted(m for m in house if (m if m == "mirrorax" else m.removeprefix("mirrorax.")) not in named)
+    assert not missing, f"name these modules in tests/README.md's index: {missing}"
+    files = {f for _, rest in rows for f in re.findall(r"`(test_\w+\.py)`", rest)}
+    absent = sorted(f for f in files if not (ROOT.parent.parent / "tests" / f).exists())
+    assert not absent, f"tests/README.md's index names files that do not exist: {absent}"
 
 
 #: The front-ends' wings: each stands on the engine's floors, and no engine module stands on them.
