@@ -50,8 +50,9 @@ def _child(devices: int, modes: list[str], rounds: int, hidden: int, directory: 
     import orbax.checkpoint as ocp
 
     import mirrorax as mx
-    from mirrorax import resume, zoo
-    from mirrorax.checkpoint import Checkpointer
+    from mirrorax import zoo
+    from mirrorax.checkpoint import resume
+    from mirrorax.checkpoint.checkpointer import Checkpointer
     from mirrorax.results import History
 
     rng = np.random.default_rng(0)

@@ -68,7 +68,7 @@ def _after(lines: list[tuple[float, str]], t: float, pattern: str) -> float:
 
 def launch() -> None:
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "mirrorax.launch", "--nprocs", "4", "--min-nprocs", "2",
+        cmd = [sys.executable, "-m", "mirrorax.cluster.launch", "--nprocs", "4", "--min-nprocs", "2",
                "--cpu-devices-per-proc", "2", "--", sys.executable, JOB]
         lines = _stamped(cmd, _env(out, EJ_EVENTS="kill:fit:10:slot1:4,kill:fit:12:slot1:4"))
     kills = dict.fromkeys(re.search(r"KILL fit (\d+) ([\d.]+)", x).groups()  # type: ignore[union-attr]

@@ -26,7 +26,7 @@ from typing import Any
 def _programs(box: dict[str, Any]) -> Iterator[None]:
     """While open, every program a ``StrategyFunction`` hands out records its last call in ``box`` (the
     state as the loop keeps it: its leaves)."""
-    from mirrorax import dispatch
+    from mirrorax.steps import dispatch
 
     real = dispatch.StrategyFunction.flat_program
 

@@ -52,7 +52,7 @@ def _child(devices: int, modes: list[str], rounds: int, steps: int) -> list[dict
 
     import mirrorax as mx
     from benchmarks import workloads
-    from mirrorax import snapshot
+    from mirrorax.checkpoint import snapshot
 
     wl = workloads.get("cnn")
     x, y = workloads.make_data(wl, wl.batch * steps)

@@ -72,7 +72,7 @@ def train_step_args(trainer: mx.Trainer, x, y, batch_size: int = 24) -> tuple:
     """The arguments ``trainer``'s compiled train step is called with in a one-step ``fit`` on ``(x, y)``
     (for ``trainer.steps.train.lower(*args)`` or a ``jax.make_jaxpr`` of the step). Read
     ``trainer.steps.train`` after this call: ``fit`` selects which compiled variant it names."""
-    from mirrorax import dispatch
+    from mirrorax.steps import dispatch
 
     captured = {}
     original = dispatch.StrategyFunction.flat_program  # (the loop keeps the state as its leaves)

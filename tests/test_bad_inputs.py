@@ -390,7 +390,7 @@ def test_dict_inputs_with_the_wrong_names():
 def test_nan_in_large_arrays_is_refused_with_nothing_changed():
     """Large arrays are scanned on a thread while fit builds the state; the scan is joined before a
     checkpoint, a callback or a step can change anything: the same refusal as a scan up front."""
-    from mirrorax.input_checks import BACKGROUND_MIN_BYTES
+    from mirrorax.inputs.checks import BACKGROUND_MIN_BYTES
 
     x = np.random.default_rng(0).normal(size=(1100, 1000)).astype(np.float32)
     assert x.nbytes >= BACKGROUND_MIN_BYTES

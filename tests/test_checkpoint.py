@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mirrorax.checkpoint import (
+from mirrorax.checkpoint.checkpointer import (
     Checkpointer,
     CheckpointError,
     CheckpointMismatchError,
@@ -249,7 +249,7 @@ _CRASHING_WRITER = r'''
 import os, sys
 import jax
 import numpy as np
-from mirrorax.checkpoint import Checkpointer
+from mirrorax.checkpoint.checkpointer import Checkpointer
 
 directory = sys.argv[1]
 small = {"w": jax.numpy.ones((64, 64)), "step": jax.numpy.int32(1)}
@@ -471,7 +471,7 @@ jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid,
                            initialization_timeout=60, heartbeat_timeout_seconds=20)
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from mirrorax.checkpoint import Checkpointer
+from mirrorax.checkpoint.checkpointer import Checkpointer
 
 mesh = jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
 rep = NamedSharding(mesh, P())
@@ -581,7 +581,7 @@ def test_host_digest_of_shards_equals_the_device_digest():
     """A save sums this process's shards on the host; restore verifies with the devices' sums."""
     import ml_dtypes
 
-    from mirrorax._integrity import HostDigest, digest
+    from mirrorax.checkpoint.integrity import HostDigest, digest
 
     mesh = jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
     rng = np.random.default_rng(0)
@@ -628,7 +628,7 @@ def test_a_value_orbax_cannot_write_is_refused_before_the_save_naming_it(tmp_pat
 def test_only_a_storage_fault_gets_storage_advice():
     import errno
 
-    from mirrorax.checkpoint import _storage_fault
+    from mirrorax.checkpoint.checkpointer import _storage_fault
 
     assert _storage_fault(OSError(errno.ENOSPC, "No space left on device")) == "ENOSPC: No space left on device"
     tensorstore = ValueError('RESOURCE_EXHAUSTED: Failed to write 409429 bytes: No space left on device '

@@ -15,7 +15,8 @@ import textwrap
 import pytest
 from jobs.procs import clean_env, free_port, launcher, python, run_all
 
-from mirrorax import _discovery, cluster
+from mirrorax.cluster import discovery as _discovery
+from mirrorax.cluster import join as cluster
 
 JOB_PREFIXES = ("MIRRORAX_", "TF_CONFIG", "SLURM_", "OMPI_", "JAX_COORDINATOR", "JAX_LOCAL_DEVICE_IDS",
                 "KUBERNETES_SERVICE_HOST")
@@ -284,7 +285,7 @@ def test_without_the_distributed_client_a_job_still_joins_with_a_warning():
     port = free_port()
     codes, outs, _ = run_all([_snippet(f"""
         import sys, warnings
-        import mirrorax.cluster as c
+        import mirrorax.cluster.join as c
         sys.modules["jax._src.distributed"] = None  # a JAX that moved its client
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -358,8 +359,8 @@ def _ours(port: int, n: int, i: int, **extra: str) -> dict[str, str]:
 @pytest.mark.timeout(60)
 def test_no_job_does_not_start_the_backend():
     code, out, _ = run_all([_snippet("""
-        from mirrorax import cluster
-        import mirrorax.keras.adapter, mirrorax.step, mirrorax.trainer  # importing starts no backend either
+        from mirrorax.cluster import join as cluster
+        import mirrorax.keras.adapter, mirrorax.steps.functions, mirrorax.trainer  # importing starts no backend either
         assert not cluster.backend_started()
         assert cluster.maybe_initialize_from_env() is False
         assert not cluster.backend_started()
@@ -373,7 +374,7 @@ def test_no_job_does_not_start_the_backend():
 def test_initialize_after_backend_started_is_a_clear_error():
     codes, outs, _ = run_all([_snippet("""
         import jax; jax.devices()
-        import mirrorax.cluster as c
+        import mirrorax.cluster.join as c
         try:
             c.initialize("127.0.0.1:1", 2, 0)
         except c.ClusterError as e:
@@ -386,7 +387,7 @@ def test_initialize_after_backend_started_is_a_clear_error():
 def test_env_job_after_backend_started_is_a_clear_error():
     codes, outs, _ = run_all([_snippet("""
         import jax; jax.devices()
-        import mirrorax.cluster as c
+        import mirrorax.cluster.join as c
         c.maybe_initialize_from_env()""")], [_ours(free_port(), 2, 1)], timeout=50)
     assert codes[0] != 0 and "describes a job of 2 processes" in outs[0], outs[0]
 
@@ -396,7 +397,7 @@ def test_env_job_after_backend_started_is_a_clear_error():
 def test_initialize_twice_is_a_clear_error():
     port = free_port()
     codes, outs, _ = run_all([_snippet(f"""
-        import mirrorax.cluster as c
+        import mirrorax.cluster.join as c
         info = c.initialize("127.0.0.1:{port}", 1, 0)
         assert c.is_initialized() and c.process_count() == 1
         try:

@@ -15,7 +15,7 @@ def test_cluster_resolver_on_one_process_is_tfs_single_worker():
 
 
 def test_cluster_resolver_reads_tf_config(monkeypatch):
-    from mirrorax.cluster_resolver import ClusterResolver
+    from mirrorax.cluster.resolver import ClusterResolver
 
     config = '{"cluster": {"chief": ["h0:1"], "worker": ["h1:2", "h2:3"]}, "task": {"type": "worker", "index": 1}}'
     monkeypatch.setenv("TF_CONFIG", config)

@@ -297,7 +297,7 @@ def test_a_loop_of_one_signature_looks_its_arguments_up_once(monkeypatch):
     """Steps of one signature run the last call's program without a per-leaf look at the arguments (about a
     microsecond a leaf on the host, every step); a call of another signature (the short last batch, a new
     dtype) still finds its own program, and its padding is still left out."""
-    from mirrorax.dispatch import StrategyFunction
+    from mirrorax.steps.dispatch import StrategyFunction
 
     looked = []
     signature = StrategyFunction.signature

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mirrorax as mx
-from mirrorax.dispatch import InFlight
+from mirrorax.steps.dispatch import InFlight
 
 pytestmark = pytest.mark.multi_device
 
@@ -215,7 +215,7 @@ def test_jit_traces_a_step_once_per_signature(stateful):
 
 
 def _flat_step(s: mx.MirroredStrategy, **kwargs):
-    from mirrorax.dispatch import StrategyFunction
+    from mirrorax.steps.dispatch import StrategyFunction
 
     def step(state, x):
         new = {"b": state["b"] + x.sum(), "a": [w * 2 for w in state["a"]]}
@@ -250,7 +250,7 @@ def test_flat_state_program_takes_the_leaves_and_is_the_pytree_calls_program():
 
 def test_flat_state_refuses_a_state_of_another_structure_with_the_fix():
     s = mx.MirroredStrategy(devices=jax.devices()[:2])
-    from mirrorax.dispatch import StrategyFunction
+    from mirrorax.steps.dispatch import StrategyFunction
 
     bad = StrategyFunction(s.batch_mesh, s.in_flight, lambda state, x: ({"c": state["b"]}, x.sum()),
                            out_shardings=lambda state, x: (s.replicated, s.replicated), ready=lambda out: out[1],
@@ -272,7 +272,7 @@ def test_the_train_loop_keeps_the_state_as_its_leaves(monkeypatch):
     flattened per step); the trainer ends with the TrainState. (Its numbers: tests/test_equivalence.py.)"""
     from helpers import dense, flat_digits
 
-    from mirrorax.dispatch import StrategyFunction
+    from mirrorax.steps.dispatch import StrategyFunction
 
     x, y, _, _ = flat_digits(56)
     firsts = []

@@ -1,4 +1,4 @@
-"""A distributed batch however the user holds it (``mirrorax.distributed_batch``): whole, unpacked in the loop
+"""A distributed batch however the user holds it (``mirrorax.steps.distributed_batch``): whole, unpacked in the loop
 (``for x, y in dist``), a dict's entries, a named tuple's fields, a dataset of one array; and what a step
 gets of each: the real rows, exactly as of the whole batch.
 
@@ -179,7 +179,7 @@ def test_program_refuses_pieces():
 def test_a_full_batch_s_pieces_cost_nothing_per_call():
     # A loop over full batches pays nothing per call for pieces: a call looks for them only while a piece of a
     # padded batch lives.
-    from mirrorax import distributed_batch
+    from mirrorax.steps import distributed_batch
 
     s = strategy(4)
     x, y = next(iter(s.experimental_distribute_dataset((X[:16], Y[:16]), batch_size=BATCH)))
@@ -193,7 +193,7 @@ def test_a_full_batch_s_pieces_cost_nothing_per_call():
 def test_a_full_batch_beside_the_next_padded_one_is_no_stray():
     # The next batch is placed while a step runs: a full batch's array (or one computed from it) beside a
     # living padded batch of the same rows is not taken for a stray piece of it.
-    from mirrorax import distributed_batch
+    from mirrorax.steps import distributed_batch
 
     s = strategy(1)
     step = s.jit(lambda x: jnp.mean(x))

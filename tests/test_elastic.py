@@ -1,7 +1,7 @@
 """Elastic jobs (issue 48): snapshots, a fit restarted on another process count, ``mirrorax launch
 --min-nprocs`` and Ray Train.
 
-In this process: snapshots (:mod:`mirrorax.snapshot`) on any layout, what a node keeps, damage, the schedule,
+In this process: snapshots (:mod:`mirrorax.checkpoint.snapshot`) on any layout, what a node keeps, damage, the schedule,
 flat memory and threads over a long run; a fit stopped mid-epoch and resumed from its snapshot on another
 device count; the restart's line; the launcher's restart policy. In processes (slow): ``tests/jobs/
 elastic_job.py``'s three trainings (``model.fit``, ``mx.Trainer(shard="all")``, a custom loop), under
@@ -30,7 +30,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jobs.procs import ROOT, SCRIPTS, clean_env, launcher, python
 
 import mirrorax as mx
-from mirrorax import _restarts, _snapshot_io, elastic, snapshot
+from mirrorax.checkpoint import snapshot
+from mirrorax.checkpoint import snapshot_io as _snapshot_io
+from mirrorax.cluster import elastic
+from mirrorax.cluster import restarts as _restarts
 
 pytestmark = pytest.mark.multi_device
 
@@ -304,12 +307,12 @@ def test_the_launcher_leaves_out_a_slot_that_keeps_failing(tmp_path):
 
 
 def test_a_ray_train_worker_reads_its_job_from_rays_context(monkeypatch, tmp_path):
-    """mirrorax.ray_train with Ray's train context and collective stubbed: the rank and size are Ray's, the
+    """mirrorax.cluster.ray_train with Ray's train context and collective stubbed: the rank and size are Ray's, the
     coordinator rank 0's (broadcast once), the job kept in MIRRORAX_* for the calls after, and the run's
     snapshot directory set."""
     import types
 
-    from mirrorax import ray_train
+    from mirrorax.cluster import ray_train
 
     sent = []
     context = types.SimpleNamespace(get_world_size=lambda: 4, get_world_rank=lambda: 0,
@@ -342,7 +345,7 @@ def test_a_ray_train_worker_reads_its_job_from_rays_context(monkeypatch, tmp_pat
 
 
 def test_launch_refuses_a_minimum_above_the_processes():
-    from mirrorax import launch
+    from mirrorax.cluster import launch
 
     with pytest.raises(ValueError, match="min_nprocs must be at most nprocs \\(2\\); received min_nprocs=3"):
         launch.launch(["true"], 2, min_nprocs=3)

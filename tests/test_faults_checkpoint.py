@@ -33,8 +33,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mirrorax as mx
-from mirrorax import resume as resume_lib
-from mirrorax.checkpoint import Checkpointer, CheckpointError, CheckpointWarning
+from mirrorax.checkpoint import resume as resume_lib
+from mirrorax.checkpoint.checkpointer import Checkpointer, CheckpointError, CheckpointWarning
 from mirrorax.inputs import position
 from mirrorax.results import History
 from mirrorax.train_state import TrainState

@@ -1,4 +1,5 @@
-"""A program's first call runs with the collector paused and the frame stack's room reserved (``mirrorax._first_call``).
+"""A program's first call runs with the collector paused and the frame stack's room reserved
+(``mirrorax.steps.first_call``).
 
 CPython maps its frames' stack in 16 KiB chunks and unmaps a chunk as soon as the call that needed it
 returns: a trace going up and down across a chunk's end maps, faults in and unmaps a chunk at every
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 import mirrorax as mx
-from mirrorax import _first_call
+from mirrorax.steps import first_call as _first_call
 
 resource = pytest.importorskip("resource")
 pytestmark = [

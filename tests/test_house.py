@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -18,26 +19,27 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "src" / "mirrorax"
 
 #: Bottom floor first. A module may import modules of its own floor (no circle) or of a floor below.
 FLOORS: list[tuple[str, ...]] = [
-    ("_checks", "_first_call", "_host", "_output", "_discovery", "_failure", "_integrity", "keras", "keras._internals",
-     "keras.callbacks", "keras.env", "preemption", "distributed_batch",
-     "replica", "batch_sums", "input_checks", "results", "train_state", "_version", "as_made", "hooks",
-     "progress", "_integrity_item", "_orbax_quirks", "cache", "_dir_lock", "_watchdog", "traffic", "_snapshot_io",
-     "_restarts"),
-    ("ray_train", "cluster", "launch", "cluster_resolver", "_checkpoint_job"),
-    ("consistency", "snapshot"),
+    ("_checks", "_host", "_version", "steps", "steps.first_call", "steps.distributed_batch", "cluster.output",
+     "cluster.discovery", "cluster.watchdog", "cluster.failure", "cluster.preemption", "checkpoint.integrity",
+     "checkpoint.integrity_item", "checkpoint.orbax_quirks", "checkpoint.dir_lock", "checkpoint.snapshot_io",
+     "cluster.restarts", "keras", "keras._internals", "keras.callbacks", "keras.env", "replica", "batch_sums",
+     "results", "train_state", "as_made", "hooks", "progress", "cache", "traffic"),
+    ("cluster.ray_train", "cluster.join", "cluster", "cluster.launch", "cluster.resolver", "checkpoint.job"),
+    ("consistency", "checkpoint.snapshot"),
     ("mesh",),
-    ("dispatch", "padding", "split_merge", "held", "stateful", "keras.stateful", "nnx.split_merge"),
-    ("inputs", "inputs.source", "inputs.batch", "inputs.position", "keras.order", "keras.data",
+    ("steps.dispatch", "padding", "steps.split_merge", "steps.held", "steps.stateful", "keras.stateful",
+     "nnx.split_merge"),
+    ("inputs.checks", "inputs", "inputs.source", "inputs.batch", "inputs.position", "keras.order", "keras.data",
      "inputs.streams", "inputs.placement", "inputs.prefetch", "inputs.arrays", "inputs.iterables", "inputs.make",
      "inputs.distributed"),
     ("models", "models.base", "models.loss_scale", "keras.targets", "keras.metrics", "keras.custom",
      "models.functional", "keras.adapter", "nnx.model", "models.adapters"),
     ("strategy",),
-    ("step",),
+    ("steps.functions",),
     ("device_state",),
-    ("checkpoint", "keras.checkpoint"),
-    ("resume",),
-    ("epoch", "elastic"),
+    ("checkpoint.checkpointer", "checkpoint", "keras.checkpoint"),
+    ("checkpoint.resume",),
+    ("epoch", "cluster.elastic"),
     ("planner", "fit_plan", "loop"),
     ("trainer",),
     ("keras.fit",),
@@ -71,7 +73,7 @@ def scan(name: str, text: str, modules: set[str]) -> tuple[set[str], list[str]]:
 
     imports: set[str] = set()
     reaches: list[str] = []
-    aliases: set[str] = set()  # names bound to a package module here (``import mirrorax.cluster as cluster``)
+    aliases: set[str] = set()  # names bound to a package module here (``import mirrorax.cluster.join as cluster``)
     tree = ast.parse(text)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "mirrorax":
@@ -137,6 +139,19 @@ def test_no_private_reach_in(house):
     assert not reaches, "\n".join(reaches)
 
 
+def test_every_module_is_in_the_test_index(house):
+    # tests/README.md's "Which file tests what": a reader finds a module's tests from its name.
+    readme = (ROOT.parent.parent / "tests" / "README.md").read_text()
+    table = readme.split("## Which file tests what", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ", 1) for line in table.splitlines() if line.startswith("| ") and " | " in line]
+    named = {m for first, _ in rows for m in re.findall(r"`([\w.]+)`", first)}
+    missing = sorted(m for m in house if (m if m == "mirrorax" else m.removeprefix("mirrorax.")) not in named)
+    assert not missing, f"name these modules in tests/README.md's index: {missing}"
+    files = {f for _, rest in rows for f in re.findall(r"`(test_\w+\.py)`", rest)}
+    absent = sorted(f for f in files if not (ROOT.parent.parent / "tests" / f).exists())
+    assert not absent, f"tests/README.md's index names files that do not exist: {absent}"
+
+
 #: The front-ends' wings: each stands on the engine's floors, and no engine module stands on them.
 WINGS = ("mirrorax.keras", "mirrorax.nnx")
 
@@ -148,7 +163,7 @@ def _in_wing(module: str) -> bool:
 def test_the_engine_stands_on_no_front_ends_protocol(house):
     # strategy.jit has one road: the engine reaches Keras's variables and Flax NNX's objects only through the
     # protocols the package registers (split_merge.register_front_end), never by importing them.
-    protocols = {m for m in FLOOR if _in_wing(m) and FLOOR[m] == FLOOR["mirrorax.split_merge"]}
+    protocols = {m for m in FLOOR if _in_wing(m) and FLOOR[m] == FLOOR["mirrorax.steps.split_merge"]}
     assert protocols == {"mirrorax.keras.stateful", "mirrorax.nnx.split_merge"}
     wrong = [f"{m} imports {t}" for m in FLOOR if not _in_wing(m) and m != "mirrorax"
              for t in sorted(house[m][0]) if t in protocols or t == "mirrorax.nnx"]
@@ -159,15 +174,16 @@ def test_the_engine_stands_on_no_front_ends_protocol(house):
 DOOR = "mirrorax.keras._internals"
 #: Private members read outside the door that are not Keras's (module, what is read): the standard library's
 #: (``threading._register_atexit``: the one hook that runs before Python stops its executors, which Orbax's
-#: last save of a program needs), and JAX's cluster registry behind ``_discovery``'s own accessor.
-NOT_KERAS = {("mirrorax._failure", "os._exit"), ("mirrorax._discovery", "os._Environ"),
+#: last save of a program needs), and JAX's cluster registry behind ``cluster.discovery``'s own accessor.
+NOT_KERAS = {("mirrorax.cluster.failure", "os._exit"), ("mirrorax.cluster.discovery", "os._Environ"),
              # A Flax Variable's value slot, written past Flax's per-write trace check after a held call (the
              # check costs more than the step on small models; mirrorax.nnx.split_merge.NnxHeld.write)
              ("mirrorax.nnx.split_merge", "object.__setattr__(variable, '_raw_value')"),
              # mirrorax's own cache on a Keras model (its trainer), set past Keras's attribute tracking
              ("mirrorax.keras.fit", "object.__setattr__(model, '_mirrorax_trainer')"),
-             ("mirrorax._orbax_quirks", "getattr(threading, '_register_atexit')"),
-             ("mirrorax._discovery", "getattr(getattr(private_jax('clusters'), 'ClusterEnv', None), '_cluster_types')")}
+             ("mirrorax.checkpoint.orbax_quirks", "getattr(threading, '_register_atexit')"),
+             ("mirrorax.cluster.discovery",
+              "getattr(getattr(private_jax('clusters'), 'ClusterEnv', None), '_cluster_types')")}
 
 
 def private_reaches(name: str, text: str) -> list[str]:
@@ -258,13 +274,13 @@ def test_the_scan_sees_what_it_checks():
     # The checks above can fail: a circle, a private import, a reach through a module alias or an owner.
     assert find_circle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
     assert find_circle({"a": ["b"], "b": []}) is None
-    modules = {"mirrorax", "mirrorax.cluster", "mirrorax.mesh"}
+    modules = {"mirrorax", "mirrorax.cluster.join", "mirrorax.mesh"}
     imports, reaches = scan("mirrorax.mesh", (
-        "import mirrorax.cluster as cluster\n"
-        "from mirrorax.cluster import _client\n"
+        "import mirrorax.cluster.join as cluster\n"
+        "from mirrorax.cluster.join import _client\n"
         "def f(strategy):\n"
         "    if TYPE_CHECKING: from mirrorax import mesh\n"
         "    return cluster._state, strategy._window, self._own\n"), modules)
-    assert imports == {"mirrorax.cluster"}
+    assert imports == {"mirrorax.cluster.join"}
     assert [r.split(" ", 1)[1] for r in reaches] == [
-        "imports mirrorax.cluster._client", "reaches cluster._state", "reaches strategy._window"]
+        "imports mirrorax.cluster.join._client", "reaches cluster._state", "reaches strategy._window"]

@@ -138,7 +138,7 @@ def test_framework_tensors_in_batches_convert_through_numpy():
 # -- the NaN/inf scan: on a thread for large arrays, once for arrays nothing can write -----------------------
 def _large(nan_at=None):
     """4.4 MB of float32 (over BACKGROUND_MIN_BYTES): scanned on a thread when asked."""
-    from mirrorax.input_checks import BACKGROUND_MIN_BYTES
+    from mirrorax.inputs.checks import BACKGROUND_MIN_BYTES
 
     x = np.random.default_rng(0).normal(size=(1100, 1000)).astype(np.float32)
     assert x.nbytes >= BACKGROUND_MIN_BYTES
@@ -169,7 +169,7 @@ def test_background_scans_share_threads_started_once():
     import os
     import threading
 
-    from mirrorax.input_checks import FiniteScan
+    from mirrorax.inputs.checks import FiniteScan
 
     def scanners():
         return {t for t in threading.enumerate() if t.name == "mirrorax-finite-scan"}
@@ -195,7 +195,7 @@ def test_background_scans_share_threads_started_once():
 
 def _counting_scan(monkeypatch):
     """The values scanned for NaN/inf, counted (in one piece or in chunks on threads)."""
-    from mirrorax import input_checks
+    from mirrorax.inputs import checks as input_checks
 
     scanned = []
     real = input_checks.all_finite
@@ -206,7 +206,7 @@ def _counting_scan(monkeypatch):
 def test_arrays_nothing_can_write_are_scanned_once(monkeypatch):
     import jax
 
-    from mirrorax.input_checks import immutable_place
+    from mirrorax.inputs.checks import immutable_place
 
     scanned = _counting_scan(monkeypatch)
     xh, y = _large()

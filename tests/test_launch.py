@@ -14,8 +14,8 @@ import time
 import pytest
 from jobs.procs import ROOT, clean_env, launcher, python, run_all
 
-from mirrorax import _discovery
-from mirrorax import launch as launch_lib
+from mirrorax.cluster import discovery as _discovery
+from mirrorax.cluster import launch as launch_lib
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]
 
@@ -73,7 +73,7 @@ def test_a_rank_killed_by_a_signal():
 
 
 def test_the_rank_that_failed_first_is_named_not_the_first_to_exit():
-    # Rank 1 follows the failure of rank 0 and exits first, as mirrorax._failure makes it do.
+    # Rank 1 follows the failure of rank 0 and exits first, as mirrorax.cluster.failure makes it do.
     code, out, _ = _launch(_child("""
         import os, sys, time
         if os.environ["MIRRORAX_PROCESS_ID"] == "1":

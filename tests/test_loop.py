@@ -11,7 +11,7 @@ import pytest
 from helpers import assert_weights_close, cnn, dense, digits, flat_digits, strategy
 
 import mirrorax as mx
-from mirrorax.dispatch import InFlight
+from mirrorax.steps.dispatch import InFlight
 
 pytestmark = pytest.mark.multi_device
 

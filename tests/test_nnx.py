@@ -1,4 +1,4 @@
-"""Flax NNX programs on the strategy (``mirrorax.nnx``, ``mirrorax.split_merge``): ``@strategy.jit`` in place of
+"""Flax NNX programs on the strategy (``mirrorax.nnx``, ``mirrorax.steps.split_merge``): ``@strategy.jit`` in place of
 ``@nnx.jit``.
 
 N devices == 1 device: an NNX CNN with BatchNorm and Dropout (its own ``nnx.Rngs`` stream), GELU, Adam, on
@@ -279,7 +279,7 @@ def test_errors_name_the_fix():
         s.jit(train_step).program(model, optimizer, metrics, batch)
 
 
-# -- objects held between calls (mirrorax.held): walked once, every change between calls seen -------------------
+# -- objects held between calls (mirrorax.steps.held): walked once, every change between calls seen -------------------
 class Loss(nnx.Variable):
     pass
 

@@ -11,7 +11,7 @@ import time
 import pytest
 from jobs.procs import ROOT, clean_env, free_port, python, run_all
 
-from mirrorax._output import ChatterFilter
+from mirrorax.cluster.output import ChatterFilter
 
 GLOO = "[Gloo] Rank {} is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
 # Two devices' threads printing at once (seen under mirrorax launch): one line holds both messages,

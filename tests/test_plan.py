@@ -105,7 +105,7 @@ def test_fit_prints_the_plans_line_with_verbose_and_compiles_the_step_once(shard
 def test_a_plan_after_a_fit_of_the_same_shapes_compiles_nothing(entry, monkeypatch):
     """mx.plan after a fit compiled the whole step again (35 s for a 219M-parameter LM on a TPU): its batch
     lacked the real-row count fit's batches carry, and a model under a scope was planned on fresh steps."""
-    from mirrorax.dispatch import StrategyFunction
+    from mirrorax.steps.dispatch import StrategyFunction
 
     x, y = _data(64)
     s = mx.MirroredStrategy(devices=jax.devices()[:2])
@@ -134,7 +134,7 @@ def test_a_plan_after_a_fit_of_the_same_shapes_compiles_nothing(entry, monkeypat
 def test_fit_reads_its_plan_once_per_program(monkeypatch):
     """Where a device's memory is known (accelerators; here MIRRORAX_DEVICE_MEMORY), fit plans its step at
     every start: the plan of a program already read is not read again (it cost ~0.5 s a fit on a TPU)."""
-    from mirrorax.dispatch import StrategyFunction
+    from mirrorax.steps.dispatch import StrategyFunction
 
     monkeypatch.setenv("MIRRORAX_DEVICE_MEMORY", "16GB")
     x, y = _data(64)

@@ -33,7 +33,7 @@ import pytest
 from jobs.procs import clean_env, free_port, python, run_all
 
 import mirrorax as mx
-from mirrorax import preemption
+from mirrorax.cluster import preemption
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "jobs", "train_ckpt.py")
 MP_SCRIPT = "tests/jobs/train_preempt.py"

@@ -1,4 +1,4 @@
-"""The split/merge protocol (``mirrorax.split_merge``) as a third party implements it, through ``strategy.jit``.
+"""The split/merge protocol (``mirrorax.steps.split_merge``) as a third party implements it, through ``strategy.jit``.
 
 Keras's variables and Flax NNX's objects are the protocol's two front-ends; here a toy third one, ``Cells``,
 whose objects a step reaches by itself (a global, as TF-style Keras steps reach a model): found by the
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from helpers import strategy
 
-from mirrorax import split_merge
+from mirrorax.steps import split_merge
 
 pytestmark = pytest.mark.multi_device
 

@@ -11,7 +11,7 @@ import pytest
 from helpers import dense, flat_digits
 
 import mirrorax as mx
-from mirrorax.dispatch import InFlight
+from mirrorax.steps.dispatch import InFlight
 
 pytestmark = pytest.mark.multi_device
 

@@ -17,11 +17,15 @@ from typing import TYPE_CHECKING
 
 from mirrorax._version import __version__ as __version__
 from mirrorax.cache import enable_compilation_cache as enable_compilation_cache
-from mirrorax.cluster import ClusterError as ClusterError
-from mirrorax.cluster import ClusterInfo as ClusterInfo
-from mirrorax.cluster import initialize as initialize
+from mirrorax.checkpoint.snapshot import SnapshotError as SnapshotError
+from mirrorax.checkpoint.snapshot import Snapshots as Snapshots
+from mirrorax.checkpoint.snapshot import SnapshotWarning as SnapshotWarning
+from mirrorax.cluster.join import ClusterError as ClusterError
+from mirrorax.cluster.join import ClusterInfo as ClusterInfo
+from mirrorax.cluster.join import initialize as initialize
+from mirrorax.cluster.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
+from mirrorax.cluster.preemption import Preempted as Preempted
 from mirrorax.consistency import ReplicaMismatchError as ReplicaMismatchError
-from mirrorax.distributed_batch import DistributedBatch as DistributedBatch
 from mirrorax.inputs.distributed import DistributedDataset as DistributedDataset
 
 # mirrorax.keras.fit is imported for what importing it does: strategy.scope() then routes the Keras models made in it.
@@ -35,8 +39,6 @@ from mirrorax.padding import PaddingIgnoredWarning as PaddingIgnoredWarning
 from mirrorax.padding import ReplicatedBatchWarning as ReplicatedBatchWarning
 from mirrorax.planner import Plan as Plan
 from mirrorax.planner import plan as plan
-from mirrorax.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
-from mirrorax.preemption import Preempted as Preempted
 from mirrorax.replica import ReduceOp as ReduceOp
 from mirrorax.replica import ReplicaContext as ReplicaContext
 from mirrorax.replica import compute_average_loss as compute_average_loss
@@ -45,11 +47,9 @@ from mirrorax.replica import masked_mean as masked_mean
 from mirrorax.replica import scale_regularization_loss as scale_regularization_loss
 from mirrorax.results import History as History
 from mirrorax.results import NonFiniteLossError as NonFiniteLossError
-from mirrorax.snapshot import SnapshotError as SnapshotError
-from mirrorax.snapshot import Snapshots as Snapshots
-from mirrorax.snapshot import SnapshotWarning as SnapshotWarning
-from mirrorax.split_merge import register as _register
-from mirrorax.split_merge import register_front_end as _register_front_end
+from mirrorax.steps.distributed_batch import DistributedBatch as DistributedBatch
+from mirrorax.steps.split_merge import register as _register
+from mirrorax.steps.split_merge import register_front_end as _register_front_end
 from mirrorax.strategy import InputContext as InputContext
 from mirrorax.strategy import MirroredStrategy as MirroredStrategy
 from mirrorax.strategy import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
@@ -75,10 +75,10 @@ _register_front_end("keras", _load_keras)
 _register_front_end("flax.nnx", _load_nnx)
 
 if TYPE_CHECKING:  # loaded on first use (below); imported here for type checkers and the API reference
-    from mirrorax.checkpoint import Checkpointer as Checkpointer
-    from mirrorax.checkpoint import CheckpointError as CheckpointError
-    from mirrorax.checkpoint import CheckpointMismatchError as CheckpointMismatchError
-    from mirrorax.checkpoint import CheckpointWarning as CheckpointWarning
+    from mirrorax.checkpoint.checkpointer import Checkpointer as Checkpointer
+    from mirrorax.checkpoint.checkpointer import CheckpointError as CheckpointError
+    from mirrorax.checkpoint.checkpointer import CheckpointMismatchError as CheckpointMismatchError
+    from mirrorax.checkpoint.checkpointer import CheckpointWarning as CheckpointWarning
     from mirrorax.keras.checkpoint import Checkpoint as Checkpoint
     from mirrorax.keras.checkpoint import CheckpointManager as CheckpointManager
 
@@ -93,7 +93,7 @@ def __getattr__(name: str):  # PEP 562
 
         return getattr(object_checkpoint, name)
     if name in _LAZY:
-        from mirrorax import checkpoint
+        from mirrorax.checkpoint import checkpointer as checkpoint
 
         return getattr(checkpoint, name)
     raise AttributeError(f"module 'mirrorax' has no attribute {name!r}")

@@ -77,7 +77,7 @@ def _build_parser() -> argparse.ArgumentParser:
     devices.set_defaults(func=_devices)
 
     try:
-        from mirrorax import launch as _launch
+        from mirrorax.cluster import launch as _launch
     except ImportError:  # pragma: no cover - the launcher ships with the package
         pass
     else:
@@ -111,7 +111,7 @@ def _devices(args: argparse.Namespace) -> int:
     _configure_devices(args.cpu_devices)
     import jax
 
-    from mirrorax import cluster
+    from mirrorax.cluster import join as cluster
 
     cluster.maybe_initialize_from_env()
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, process {jax.process_index()} of "

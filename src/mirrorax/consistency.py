@@ -24,8 +24,8 @@ import jax
 import numpy as np
 
 from mirrorax._host import host_value
-from mirrorax._watchdog import waiting_for_peers
-from mirrorax.cluster import coordination_client
+from mirrorax.cluster.join import coordination_client
+from mirrorax.cluster.watchdog import waiting_for_peers
 
 __all__ = ["broadcast_from_primary", "broadcast_from", "any_process", "check_replicas", "ReplicaMismatchError",
            "debug_checks"]
@@ -132,7 +132,7 @@ def check_replicas(state: PyTree, what: str = "training state") -> None:
         return
     from jax.experimental import multihost_utils
 
-    from mirrorax._integrity import digest
+    from mirrorax.checkpoint.integrity import digest
 
     checksums, _ = digest(state)
     names = list(checksums)

@@ -24,14 +24,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from mirrorax.dispatch import InFlight
+from mirrorax.steps.dispatch import InFlight
 
 if TYPE_CHECKING:
-    from mirrorax import preemption
-    from mirrorax import resume as resume_lib
+    from mirrorax.checkpoint import resume as resume_lib
+    from mirrorax.cluster import preemption
     from mirrorax.hooks import Callbacks
     from mirrorax.progress import Progress
-    from mirrorax.step import StepFunctions
+    from mirrorax.steps.functions import StepFunctions
 
 __all__ = ["Outcome", "EpochRun", "EpochHook", "BatchCallbacks", "EvalBatchCallbacks", "PredictBatchCallbacks",
            "HaltWatch", "PreemptionStop", "PeriodicSave", "ProgressHook"]
@@ -136,7 +136,7 @@ class BatchCallbacks(EpochHook):
       end_hook: ``(index, logs, state) -> state``: runs ``on_train_batch_end`` with the state exposed to the
         model, and returns the state to go on from (a callback may have changed the model).
       model: the Keras model (its ``stop_training`` flag) or any object.
-      logs: a step's ``aux`` -> its batch logs (:meth:`mirrorax.step.StepFunctions.batch_logs`).
+      logs: a step's ``aux`` -> its batch logs (:meth:`mirrorax.steps.functions.StepFunctions.batch_logs`).
     """
 
     def __init__(self, hooks: Callbacks, steps_per_execution: int, end_hook: Any, model: Any,

@@ -14,14 +14,16 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any, Literal
 
-from mirrorax import consistency, planner, preemption, snapshot
-from mirrorax import resume as resume_lib
+from mirrorax import consistency, planner
 from mirrorax._checks import check_int
+from mirrorax.checkpoint import resume as resume_lib
+from mirrorax.checkpoint import snapshot
+from mirrorax.cluster import preemption
+from mirrorax.cluster.elastic import FitSnapshots
 from mirrorax.device_state import DeviceState
-from mirrorax.elastic import FitSnapshots
 from mirrorax.hooks import Callbacks
-from mirrorax.input_checks import check_batch_size
 from mirrorax.inputs.arrays import ArraySource
+from mirrorax.inputs.checks import check_batch_size
 from mirrorax.inputs.make import make_source, validation_source
 from mirrorax.inputs.position import InputState
 from mirrorax.inputs.source import Source
@@ -29,10 +31,10 @@ from mirrorax.inputs.streams import Stream
 from mirrorax.keras import order as order_lib
 from mirrorax.progress import resolve_verbose
 from mirrorax.results import History
-from mirrorax.step import StepFunctions
+from mirrorax.steps.functions import StepFunctions
 
 if TYPE_CHECKING:
-    from mirrorax.checkpoint import Checkpointer
+    from mirrorax.checkpoint.checkpointer import Checkpointer
 
 __all__ = ["FitPlan", "Start", "prepare", "resume"]
 
@@ -159,7 +161,7 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, x: Any, y: An
                                 targets=adapter.needs_targets("evaluate"), scan_in_background=True)
         ckpt = None
         if checkpoint_dir is not None:
-            from mirrorax.checkpoint import Checkpointer
+            from mirrorax.checkpoint.checkpointer import Checkpointer
 
             ckpt = Checkpointer(checkpoint_dir, keep=keep_checkpoints)
         if callbacks is not None and not isinstance(callbacks, (list, tuple)) and \

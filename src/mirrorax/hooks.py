@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mirrorax._host import host_value
-from mirrorax._watchdog import leaving
+from mirrorax.cluster.watchdog import leaving
 from mirrorax.keras import _internals as internals
 from mirrorax.keras import callbacks as keras_callbacks
 
@@ -93,7 +93,7 @@ class Callbacks:
         floats first whenever a callback is not ``async_safe``, which waits for every step.)
 
         A callback's ``sys.exit(N)`` (N not 0) is recorded before it propagates: a process of a job that
-        leaves so while the others train then leaves at once with status N (``mirrorax._failure``), not
+        leaves so while the others train then leaves at once with status N (``mirrorax.cluster.failure``), not
         after waiting at JAX's exit barrier until ``mirrorax launch`` ends it without its status.
         """
         try:

@@ -1,6 +1,6 @@
 """One dispatched loop, shared by ``fit``'s epochs, ``evaluate`` and ``predict``.
 
-Each step is a program of :class:`~mirrorax.step.StepFunctions` (public ``strategy.jit`` functions),
+Each step is a program of :class:`~mirrorax.steps.functions.StepFunctions` (public ``strategy.jit`` functions),
 looked up once per kind of batch (its placed shape and real rows) and called directly; each call is
 pushed into the strategy's one dispatch window (``strategy.in_flight``), so ``MirroredStrategy(
 max_in_flight=k)`` bounds the Trainer's steps as it bounds a custom loop's. Per step the loop:
@@ -19,10 +19,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from mirrorax import _first_call, consistency, preemption
+from mirrorax import consistency
 from mirrorax import epoch as epoch_lib
 from mirrorax._host import host_tree, host_value
-from mirrorax._watchdog import COMPILING, HOOKS, IDLE, INPUT, STEP, beat, leaving
+from mirrorax.cluster import preemption
+from mirrorax.cluster.watchdog import COMPILING, HOOKS, IDLE, INPUT, STEP, beat, leaving
 from mirrorax.device_state import DeviceState
 from mirrorax.fit_plan import FitPlan
 from mirrorax.hooks import Callbacks
@@ -33,7 +34,8 @@ from mirrorax.inputs.streams import ran_out_of_data, within_pass
 from mirrorax.keras import _internals as keras_internals
 from mirrorax.progress import Progress
 from mirrorax.results import NonFiniteLossError
-from mirrorax.step import StepFunctions
+from mirrorax.steps import first_call as _first_call
+from mirrorax.steps.functions import StepFunctions
 from mirrorax.train_state import TrainState
 
 __all__ = ["Loop", "preempted"]
@@ -245,7 +247,7 @@ class Loop:
                 beat(COMPILING)  # until the first call returns; not watched: large models compile for minutes
                 found = programs[kind] = (steps.train_many if k else steps.train).flat_program(run.state, tree)
                 program, treedef = found
-                # the first call traces and compiles (unless planned): see mirrorax._first_call
+                # the first call traces and compiles (unless planned): see mirrorax.steps.first_call
                 (leaves, run.aux), done = _first_call.run(program, run.leaves(treedef), tree)
             else:
                 program, treedef = found

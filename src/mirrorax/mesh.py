@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import mirrorax.cluster as cluster
+import mirrorax.cluster.join as cluster
 from mirrorax._host import host_value
 from mirrorax.consistency import broadcast_from_primary
 

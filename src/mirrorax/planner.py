@@ -22,13 +22,13 @@ from typing import IO, Any
 import jax
 import numpy as np
 
-from mirrorax import _first_call
 from mirrorax.device_state import DeviceState
 from mirrorax.inputs.batch import Batch, RealRows, padded_batch_size
 from mirrorax.inputs.make import make_source
 from mirrorax.models.adapters import adapt
 from mirrorax.models.base import strategy_of
-from mirrorax.step import StepFunctions
+from mirrorax.steps import first_call as _first_call
+from mirrorax.steps.functions import StepFunctions
 from mirrorax.strategy import MirroredStrategy, get_strategy
 from mirrorax.traffic import Traffic, collective_bytes, traffic_of
 
@@ -341,7 +341,7 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
     if abstract is None:
         abstract = device.abstract()
     layouts = jax.tree.map(lambda a: a.sharding, abstract)
-    # the trace and compile of the step fit's first call then runs (see mirrorax._first_call)
+    # the trace and compile of the step fit's first call then runs (see mirrorax.steps.first_call)
     compiled = _first_call.run(lambda: steps.train.lower(abstract, batch).compile())
     mem = compiled.memory_analysis()
     param_bytes = _per_device_bytes(abstract.params, layouts.params)

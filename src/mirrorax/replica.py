@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mirrorax.distributed_batch import is_batch
+from mirrorax.steps.distributed_batch import is_batch
 
 __all__ = ["ReduceOp", "ReplicaContext", "get_replica_context", "compute_average_loss", "masked_mean",
            "scale_regularization_loss", "batch_scope", "find_batch", "real_rows_view", "keep_padding_view",

@@ -6,7 +6,7 @@ default, or the named axes of a mesh given (``mesh=``, ``layout_map=``). Variabl
 over the batch axes (``NamedSharding(mesh, P("batch"))``). The train step is written once for the global
 batch and jitted with these shardings, so XLA inserts the cross-device reduction of gradients and metrics itself.
 
-This module stands on the mesh (:mod:`mirrorax.mesh`), the dispatch window (:mod:`mirrorax.dispatch`) and
+This module stands on the mesh (:mod:`mirrorax.mesh`), the dispatch window (:mod:`mirrorax.steps.dispatch`) and
 the inputs (:mod:`mirrorax.inputs`); nothing below imports it back. What happens when a scope opens
 beyond making the strategy current (e.g. ``mirrorax.keras.fit`` routing Keras models) is registered from above
 with :func:`on_scope`.
@@ -24,16 +24,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-import mirrorax.cluster as cluster
+import mirrorax.cluster.join as cluster
 from mirrorax._host import host_value
-from mirrorax.cluster_resolver import ClusterResolver
-from mirrorax.dispatch import InFlight, OutShardings, check_out_shardings
+from mirrorax.cluster.resolver import ClusterResolver
 from mirrorax.inputs.distributed import DistributedDataset
 from mirrorax.inputs.iterables import PerProcessDataset
 from mirrorax.inputs.source import InputContext
 from mirrorax.mesh import AxisName, BatchMesh, ShardMode, check_shard
 from mirrorax.replica import ReduceOp, resolve_op, rows_of
-from mirrorax.stateful import StatefulFunction, check_not_tf_function
+from mirrorax.steps.dispatch import InFlight, OutShardings, check_out_shardings
+from mirrorax.steps.stateful import StatefulFunction, check_not_tf_function
 
 __all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "InputContext", "get_strategy", "current_scope",
            "on_scope"]
@@ -164,7 +164,7 @@ class MirroredStrategy:
 
     @property
     def in_flight(self) -> InFlight:
-        """The strategy's one dispatch window (:class:`mirrorax.dispatch.InFlight`).
+        """The strategy's one dispatch window (:class:`mirrorax.steps.dispatch.InFlight`).
 
         Every call of a :meth:`jit` or :meth:`run` function is pushed into it: after dispatching call
         ``i`` the host waits for call ``i - max_in_flight + 1``. A loop that calls a compiled
@@ -315,7 +315,7 @@ class MirroredStrategy:
             arguments and returns one, called once per signature (the arguments may be
             ``jax.ShapeDtypeStruct`` s there). A callable may return ``None`` for the default rules.
           stateful: let ``fn`` change objects in place, their state threaded through the program by the
-            split/merge protocol (:mod:`mirrorax.split_merge`, :mod:`mirrorax.stateful`): Keras variables it
+            split/merge protocol (:mod:`mirrorax.steps.split_merge`, :mod:`mirrorax.steps.stateful`): Keras variables it
             reads and assigns (``model(x)``, ``optimizer.apply_gradients``, ``metric.update_state``), found by
             tracing ``fn`` once per signature (:mod:`mirrorax.keras.stateful`), and objects among its
             arguments, as ``@nnx.jit`` steps take Flax NNX modules, ``nnx.Optimizer``, metrics and
@@ -324,7 +324,7 @@ class MirroredStrategy:
             explicit.
 
         Returns:
-          A :class:`mirrorax.stateful.StatefulFunction`: call it like ``fn``; ``.program(*args)`` gives the
+          A :class:`mirrorax.steps.stateful.StatefulFunction`: call it like ``fn``; ``.program(*args)`` gives the
           compiled program of one signature (of a step that changes no object in place) for a loop that
           pushes into :attr:`in_flight` itself; ``.lower(*args)`` gives ``jax.jit``'s lowering.
 
@@ -527,7 +527,7 @@ class MirroredStrategy:
         """This process's task in the job, as TF's strategy reports it: ``task_type`` (``"chief"``,
         ``"worker"``; ``None`` on one process without ``TF_CONFIG``), ``task_id`` and ``cluster_spec()``
         (``.as_dict()``), from ``TF_CONFIG`` or, in a job started any other way (``mirrorax launch``,
-        SLURM), one ``worker`` per process. See :mod:`mirrorax.cluster_resolver`.
+        SLURM), one ``worker`` per process. See :mod:`mirrorax.cluster.resolver`.
 
         Example:
           >>> r = strategy.cluster_resolver

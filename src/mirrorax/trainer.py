@@ -1,7 +1,7 @@
 """``Trainer``: fit / evaluate / predict a model on every device of a :class:`MirroredStrategy`.
 
 The Trainer is orchestration on parts below it: the state on the devices (:mod:`mirrorax.device_state`),
-the compiled steps (:mod:`mirrorax.step`, public ``strategy.jit`` functions), fit's preparation
+the compiled steps (:mod:`mirrorax.steps.functions`, public ``strategy.jit`` functions), fit's preparation
 (:mod:`mirrorax.fit_plan`: its arguments read once into one record) and the loop that runs fit's epochs,
 evaluate and predict on them (:mod:`mirrorax.loop`), with at most the strategy's ``max_in_flight`` steps
 outstanding; metric values come to the host only when shown. ``fit`` is: prepare, resume, run the epochs,
@@ -15,14 +15,15 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Any, Literal, NoReturn
 
-from mirrorax import _first_call, fit_plan, planner, preemption
-from mirrorax import resume as resume_lib
+from mirrorax import fit_plan, planner
 from mirrorax._checks import check_int
 from mirrorax._host import host_tree
+from mirrorax.checkpoint import resume as resume_lib
+from mirrorax.cluster import preemption
 from mirrorax.device_state import DeviceState
 from mirrorax.hooks import Callbacks
-from mirrorax.input_checks import check_batch_size
 from mirrorax.inputs.arrays import ArraySource
+from mirrorax.inputs.checks import check_batch_size
 from mirrorax.inputs.make import class_weights, is_array_tree, make_source
 from mirrorax.inputs.placement import to_global
 from mirrorax.inputs.source import Source
@@ -31,7 +32,8 @@ from mirrorax.models.adapters import adapt
 from mirrorax.models.base import ModelAdapter
 from mirrorax.progress import format_logs, resolve_verbose
 from mirrorax.results import History, NonFiniteLossError
-from mirrorax.step import NonFiniteMode, StepFunctions
+from mirrorax.steps import first_call as _first_call
+from mirrorax.steps.functions import NonFiniteMode, StepFunctions
 from mirrorax.strategy import MirroredStrategy, get_strategy
 from mirrorax.train_state import TrainState
 
@@ -170,7 +172,7 @@ class Trainer:
           >>> trainer = mx.Trainer.load("runs/mnist", model)
           >>> trainer.evaluate(x_test, y_test)
         """
-        from mirrorax.checkpoint import Checkpointer, CheckpointError
+        from mirrorax.checkpoint.checkpointer import Checkpointer, CheckpointError
 
         if "://" not in os.fspath(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
             raise CheckpointError(f"No checkpoint directory {os.fspath(checkpoint_dir)!r}. Pass the checkpoint_dir "
@@ -202,7 +204,7 @@ class Trainer:
         return check_batch_size(batch_size)
 
     # -- fit ---------------------------------------------------------------------------------------
-    @_first_call.with_room  # the frame stack's room for the whole call: mirrorax._first_call
+    @_first_call.with_room  # the frame stack's room for the whole call: mirrorax.steps.first_call
     def fit(self, x: Any, y: Any = None, *, batch_size: int | None = None, epochs: int = 1,
             validation_data: Any = None, validation_batch_size: int | None = None,
             validation_steps: int | None = None, validation_freq: int | Sequence[int] = 1,
@@ -302,7 +304,7 @@ class Trainer:
         optimizer.finalize_variable_values(self.model.trainable_weights)
 
     # -- evaluate / predict ------------------------------------------------------------------------
-    @_first_call.with_room  # the frame stack's room for the whole call: mirrorax._first_call
+    @_first_call.with_room  # the frame stack's room for the whole call: mirrorax.steps.first_call
     def evaluate(self, x: Any, y: Any = None, *, batch_size: int | None = None, sample_weight: Any = None,
                  verbose: int | str = 0, steps: int | None = None, callbacks: Any = None) -> dict[str, float]:
         """Loss and metrics over every example of ``(x, y)``, in inference mode.
@@ -330,7 +332,7 @@ class Trainer:
             self.stream.write(f"evaluate - {format_logs(logs)}\n")
         return logs
 
-    @_first_call.with_room  # the frame stack's room for the whole call: mirrorax._first_call
+    @_first_call.with_room  # the frame stack's room for the whole call: mirrorax.steps.first_call
     def predict(self, x: Any, *, batch_size: int | None = None, verbose: int | str = 0, steps: int | None = None,
                 callbacks: Any = None) -> Any:
         """The model's outputs for every row of ``x``, in input order.

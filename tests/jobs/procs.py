@@ -101,8 +101,8 @@ def run_all(commands: list[list[str]], envs: list[dict[str, str]], timeout: floa
 
 
 def launcher(*args: str) -> list[str]:
-    """``python -m mirrorax.launch ARGS``."""
-    return python("-m", "mirrorax.launch", *args)
+    """``python -m mirrorax.cluster.launch ARGS``."""
+    return python("-m", "mirrorax.cluster.launch", *args)
 
 
 def listeners(port: int) -> list[str]:

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from mirrorax import cluster
+from mirrorax.cluster import join as cluster
 
 joined = cluster.maybe_initialize_from_env()
 

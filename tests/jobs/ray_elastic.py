@@ -4,7 +4,7 @@ Usage: python ray_elastic.py OUT  (environment: ``EJ_EVENTS``, ``EJ_PHASES``, ``
 
 The cluster: a head node (no CPU: the driver and Ray Train's controller live there) and 4 worker nodes of one
 ``mx_worker`` slot each, every Ray process on 127.0.0.1 with Ray's token authentication on. The training:
-``mirrorax.ray_train.JaxTrainer`` with ``ScalingConfig(num_workers=(2, 4))`` (elastic), 2 CPU devices per
+``mirrorax.cluster.ray_train.JaxTrainer`` with ``ScalingConfig(num_workers=(2, 4))`` (elastic), 2 CPU devices per
 worker, ``FailureConfig(max_failures=...)``. This driver acts on the job's markers (``elastic_job.py``):
 ``held-<phase>-<step>`` (a worker waits): SIGKILL that worker and remove its node, a lost host;
 ``done-*-wait-*`` (a smaller group waits): add a node, so that Ray's next resize grows the group back.
@@ -40,7 +40,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(HERE))
-import mirrorax.ray_train as mx_ray  # noqa: E402
+import mirrorax.cluster.ray_train as mx_ray  # noqa: E402
 from jobs import elastic_job  # noqa: E402
 
 # Ray's sessions (logs, sockets) in a directory of this run, removed at its end: short, for Unix socket paths.

@@ -36,7 +36,7 @@ def _sample() -> dict:
 
 
 def main(directory: str, out: str, saves: int, warmup: int) -> None:
-    from mirrorax.checkpoint import Checkpointer
+    from mirrorax.checkpoint.checkpointer import Checkpointer
 
     state = {"params": {"w": jnp.ones((256, 64)), "b": jnp.zeros(64)}, "step": jnp.int32(0)}
     step = jax.jit(lambda s: {"params": jax.tree.map(lambda a: a * 0.999 + 0.001, s["params"]), "step": s["step"] + 1})

@@ -35,11 +35,15 @@ def entries(ckpt: str) -> None:
 
 if __name__ == "__main__":
     import mirrorax as mx
-    import mirrorax.checkpoint as checkpoint
+    import mirrorax.checkpoint.checkpointer as checkpoint
     import mirrorax.planner as planner
 
     mode, ckpt = sys.argv[1], sys.argv[2]
     print(f"SIGINT at start: {signal.getsignal(signal.SIGINT)}", flush=True)  # Python's own handler, or inherited
+    # A terminal's Ctrl-C meets Python's own handler; a SIGINT ignored by the process that runs the tests is
+    # inherited ignored (exec keeps SIG_IGN), so the job installs Python's handler itself (not the test, with
+    # a preexec_fn: that forks the test's process, and JAX warns, an error there, once its backend is up).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     callbacks = []
     if mode == "build":
         compile_step = planner.at_fit_start

@@ -57,7 +57,7 @@ if __name__ == "__main__":
     np.savez(os.path.join(os.environ["MP_OUT"], f"rank{strategy.process_index}.npz"), **out)
     if os.environ.get("MP_MEASURE"):
         # The per-step cost of the preemption check (JAX's sync point), as fit calls it.
-        from mirrorax import preemption
+        from mirrorax.cluster import preemption
 
         with preemption.Watch(strategy.process_count) as watch:
             assert watch.mode == "jax", watch.mode

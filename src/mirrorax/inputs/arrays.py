@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from mirrorax.input_checks import FiniteScan, check_labels, check_weights, leaves, tree_numeric
 from mirrorax.inputs.batch import Batch, padded_batch_size, row_counts
+from mirrorax.inputs.checks import FiniteScan, check_labels, check_weights, leaves, tree_numeric
 from mirrorax.inputs.placement import shared_constant
 from mirrorax.inputs.source import no_targets
 from mirrorax.inputs.streams import Stream
@@ -39,7 +39,7 @@ class ArraySource:
       check_finite: refuse NaN/inf in ``x``, ``y`` and ``sample_weight`` (fit and evaluate with
         ``on_nonfinite="raise"``; not predict). Negative and misshapen weights are refused regardless.
       scan_in_background: scan large ``x`` and ``y`` for NaN/inf on a thread
-        (:class:`~mirrorax.input_checks.FiniteScan`): the caller joins it with :meth:`wait_checked`
+        (:class:`~mirrorax.inputs.checks.FiniteScan`): the caller joins it with :meth:`wait_checked`
         before anything changes (``fit`` does, before its callbacks start); :meth:`batches` joins it
         too, so no batch of unchecked data is ever read. :meth:`sample` does not wait (the first rows,
         for shapes: the state is built and the step compiled while the scan runs).

@@ -1,10 +1,10 @@
 """``strategy.experimental_distribute_dataset``: global batches as arrays split over the devices.
 
-Iterating a :class:`DistributedDataset` yields :class:`~mirrorax.distributed_batch.DistributedBatch` es: the
+Iterating a :class:`DistributedDataset` yields :class:`~mirrorax.steps.distributed_batch.DistributedBatch` es: the
 item's own structure (``(x, y)``, a dict, ...) as global ``jax.Array`` s split over the batch axis, padded to
 one fixed shape, with a ``mask`` (1.0 for real rows, 0.0 for padding) and ``num_real`` (real rows of the
 global batch); a dataset of one array yields that array. Padding rows are copies of a real row, so they are
-harmless inputs. Each array is a piece of its batch (:func:`~mirrorax.distributed_batch.remember_pieces`):
+harmless inputs. Each array is a piece of its batch (:func:`~mirrorax.steps.distributed_batch.remember_pieces`):
 unpacked in the loop, it still reaches a step on its batch's real rows.
 
 Where the host knows the global batch's real rows (arrays, iterables of global batches) the padding sits at
@@ -35,15 +35,15 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from mirrorax.distributed_batch import DistributedBatch, remember_pieces
 from mirrorax.inputs.arrays import ArraySource
 from mirrorax.inputs.batch import Batch, padded_batch_size, take_rows
 from mirrorax.inputs.iterables import PerProcessDataset, agreed_items, empty_like, padding_index, per_process_pipeline
 from mirrorax.inputs.placement import cached_put, is_shared, put_rows, shared_constant
+from mirrorax.steps.distributed_batch import DistributedBatch, remember_pieces
 
 if TYPE_CHECKING:
-    from mirrorax.dispatch import InFlight
     from mirrorax.mesh import BatchMesh
+    from mirrorax.steps.dispatch import InFlight
 
 __all__ = ["DistributedBatch", "DistributedDataset"]
 

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from mirrorax.input_checks import batch_weights, leaves, rows_shape, tree_numeric
 from mirrorax.inputs.batch import Batch, padded_batch_size, row_counts, take_rows
+from mirrorax.inputs.checks import batch_weights, leaves, rows_shape, tree_numeric
 from mirrorax.inputs.position import InputState
 from mirrorax.inputs.source import no_targets
 from mirrorax.inputs.streams import Stream, len_or_none

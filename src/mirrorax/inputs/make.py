@@ -10,8 +10,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from mirrorax.input_checks import is_nested_numbers
 from mirrorax.inputs.arrays import ArraySource
+from mirrorax.inputs.checks import is_nested_numbers
 from mirrorax.inputs.iterables import IterableSource
 from mirrorax.inputs.source import Source
 

@@ -28,12 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from mirrorax._host import host_value
-from mirrorax.dispatch import ARRAY_TYPE
 from mirrorax.keras import _internals as internals
 from mirrorax.keras import custom as keras_custom
 from mirrorax.keras import metrics as keras_metrics
 from mirrorax.keras.targets import check_target_shape, fits, loss_entries, output_spec, resolve, shape_text
 from mirrorax.models.base import ModelAdapter, SparseTarget, real_count
+from mirrorax.steps.dispatch import ARRAY_TYPE
 
 __all__ = ["KerasAdapter", "check_keras_backend", "keep_layout"]
 

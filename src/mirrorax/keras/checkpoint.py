@@ -15,7 +15,7 @@ deferred restore would fill them in on first use.
 On several processes every process calls ``save`` and ``restore``, as TF's workers do, and they write
 one checkpoint together: at process 0's path. TF's ``write_filepath`` pattern (the chief saves to
 ``ckpt/``, each worker to a throwaway ``workertemp_<i>/``) thus writes the chief's checkpoint, once; a
-worker's own directory is made and left empty (:mod:`mirrorax._checkpoint_job`).
+worker's own directory is made and left empty (:mod:`mirrorax.checkpoint.job`).
 
 TF's ``checkpoint`` state file is written beside the checkpoints once the first of them is complete (a
 directory's first save returns when it is on disk; later ones write in the background). It names their
@@ -33,9 +33,9 @@ from typing import Any
 
 import jax
 
-from mirrorax._checkpoint_job import process_0_directory
 from mirrorax._checks import check_int
-from mirrorax.checkpoint import Checkpointer, CheckpointError
+from mirrorax.checkpoint.checkpointer import Checkpointer, CheckpointError
+from mirrorax.checkpoint.job import process_0_directory
 
 __all__ = ["Checkpoint", "CheckpointManager"]
 

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import mirrorax.batch_sums as batch_sums
-from mirrorax.dispatch import Traced
 from mirrorax.keras import _internals as internals
 from mirrorax.models.base import real_count
+from mirrorax.steps.dispatch import Traced
 
 __all__ = ["update", "update_compile_metrics", "all_metrics", "resets_itself", "compiled_metric_args",
            "ResultsProgram", "unmasked", "against_mask"]

@@ -4,8 +4,8 @@ A step given to ``strategy.jit`` or ``strategy.run`` may use Keras objects as TF
 (``model(x)``, ``optimizer.apply_gradients``, ``metric.update_state``): it reads and assigns Keras variables
 (a model's weights, an optimizer's slots, a metric's totals, a seed generator's state) instead of taking and
 returning them. Keras 3's JAX trainer threads such state the same way. :data:`KERAS` (a
-:class:`KerasVariables`) is the engine's protocol for them (:mod:`mirrorax.split_merge`; the engine,
-:mod:`mirrorax.stateful`, does the rest), each move a method:
+:class:`KerasVariables`) is the engine's protocol for them (:mod:`mirrorax.steps.split_merge`; the engine,
+:mod:`mirrorax.steps.stateful`, does the rest), each move a method:
 
 1. **Which variables** (:meth:`~KerasVariables.discover`). The step is traced once per input signature
    inside a recording ``keras.StatelessScope``: every variable it reads or assigns is the step's state.
@@ -229,7 +229,7 @@ def _held(variable: Any, direct: bool) -> Any:
 
 
 class KerasVariables:
-    """The split/merge protocol (:class:`mirrorax.split_merge.SplitMerge`) of Keras variables: found by a
+    """The split/merge protocol (:class:`mirrorax.steps.split_merge.SplitMerge`) of Keras variables: found by a
     discovery trace (see the module's docstring), never among the arguments."""
 
     def owns(self, x: Any) -> bool:

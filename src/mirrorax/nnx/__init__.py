@@ -21,7 +21,7 @@ except ImportError as error:  # pragma: no cover - exercised with flax hidden (t
 from mirrorax.nnx.model import NnxModel as NnxModel
 from mirrorax.nnx.split_merge import NNX as NNX
 from mirrorax.nnx.split_merge import NnxSplitMerge as NnxSplitMerge
-from mirrorax.split_merge import register
+from mirrorax.steps.split_merge import register
 
 register(NNX)
 

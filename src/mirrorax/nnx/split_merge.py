@@ -2,7 +2,7 @@
 
 ``strategy.jit`` hands the objects among a step's arguments (modules, ``nnx.Optimizer``, metrics,
 ``nnx.Rngs``, variables; views made by ``nnx.view`` too) to :data:`NNX`, a
-:class:`mirrorax.split_merge.SplitMerge`: ``nnx.split`` of them all together (objects they share, such as
+:class:`mirrorax.steps.split_merge.SplitMerge`: ``nnx.split`` of them all together (objects they share, such as
 a view's variables, split once) gives the ``GraphDef`` (the structure, static) and the ``State``;
 ``nnx.merge`` rebuilds them inside the trace (:meth:`NnxSplitMerge.bind`); ``nnx.split`` after the step
 reads the new state (the ``GraphDef`` must be unchanged); ``nnx.update`` writes it into the caller's
@@ -47,7 +47,7 @@ def _path(path: tuple[Any, ...]) -> str:
 
 
 class NnxSplitMerge:
-    """The split/merge protocol (:class:`mirrorax.split_merge.SplitMerge`) of Flax NNX objects."""
+    """The split/merge protocol (:class:`mirrorax.steps.split_merge.SplitMerge`) of Flax NNX objects."""
 
     def owns(self, x: Any) -> bool:
         """Modules, optimizers, metrics, ``Rngs`` (``nnx.Pytree``) and variables (``nnx.Variable``)."""
@@ -160,8 +160,8 @@ _put = _slot_writer()
 
 
 class NnxHeld:
-    """Flax NNX objects held between calls (:class:`mirrorax.split_merge.Held`): the ``Variable`` s of their state,
-    in its leaves' order, read and written in place; and what makes their structure, each ``nnx.Pytree`` 's
+    """Flax NNX objects held between calls (:class:`mirrorax.steps.split_merge.Held`): the ``Variable`` s of their
+    state, in its leaves' order, read and written in place; and what makes their structure, each ``nnx.Pytree`` 's
     attributes and each list's and dict's items among them, as they were (by identity), to tell that they are
     unchanged without walking the graph.
 

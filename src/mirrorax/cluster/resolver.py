@@ -5,7 +5,7 @@ TF's multi-worker tutorials decide with them which worker is the chief and where
 answers here are TF's for the same job:
 
 * under ``TF_CONFIG``: its ``task`` and ``cluster`` as written (a ``chief`` task is process 0, the workers
-  follow, as :mod:`mirrorax.cluster` joins them);
+  follow, as :mod:`mirrorax.cluster.join` joins them);
 * in a job started any other way (``mirrorax launch``, SLURM, Open MPI, ``MIRRORAX_*``): one ``worker``
   task per process, ``task_id`` the process index, so worker 0 is the chief as under a ``TF_CONFIG`` of
   workers only. Such a job names no address per process: the spec lists the coordinator's address for
@@ -20,7 +20,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 
-from mirrorax import cluster
+from mirrorax.cluster import join as cluster
 
 __all__ = ["ClusterResolver", "ClusterSpec"]
 

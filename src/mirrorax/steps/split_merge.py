@@ -3,7 +3,7 @@
 A step given to ``strategy.jit`` may change objects in place instead of returning their state: Flax NNX
 programs take a model, an ``nnx.Optimizer``, metrics and ``nnx.Rngs`` as arguments; TF-style Keras steps
 call ``model(x)``, ``optimizer.apply_gradients`` and ``metric.update_state`` on objects they reach by
-themselves. JAX compiles functions of arrays, so the engine (:mod:`mirrorax.stateful`) threads such state
+themselves. JAX compiles functions of arrays, so the engine (:mod:`mirrorax.steps.stateful`) threads such state
 through the program in the same moves for every front-end, each one method of the front-end's
 :class:`SplitMerge`:
 

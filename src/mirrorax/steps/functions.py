@@ -42,10 +42,10 @@ import numpy as np
 from mirrorax import batch_sums
 from mirrorax._host import host_tree, host_value
 from mirrorax.as_made import split_transposes
-from mirrorax.dispatch import StrategyFunction, layout
 from mirrorax.hooks import PackedLogs
 from mirrorax.inputs.batch import RealRows
 from mirrorax.models.base import ModelAdapter, real_count
+from mirrorax.steps.dispatch import StrategyFunction, layout
 from mirrorax.strategy import MirroredStrategy
 from mirrorax.train_state import TrainState, pack_counters
 
@@ -481,7 +481,7 @@ class StepFunctions:
         return watch
 
     def _label_message(self, record: np.ndarray, where: str) -> str:
-        from mirrorax.input_checks import label_message
+        from mirrorax.inputs.checks import label_message
 
         targets = getattr(self, "_label_targets", None) or [("y", "?", "sparse_categorical_crossentropy")]
         name, classes, loss = targets[min(int(record[1]), len(targets) - 1)]

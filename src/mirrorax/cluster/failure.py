@@ -21,8 +21,8 @@ import threading
 import types
 from typing import Any
 
-import mirrorax._output as _output
-import mirrorax._watchdog as _watchdog
+import mirrorax.cluster.output as _output
+import mirrorax.cluster.watchdog as _watchdog
 
 __all__ = ["install", "uninstall", "die", "FAILURE_KEY", "POLL_SECONDS"]
 

@@ -7,7 +7,7 @@ moves training data: this module only finds out which job we are in and joins it
 
 Where the job description comes from, first match wins (:func:`job_from_env`):
 
-0. Inside a Ray Train worker: Ray's worker group (:func:`mirrorax.ray_train.job_from_ray`, which writes
+0. Inside a Ray Train worker: Ray's worker group (:func:`mirrorax.cluster.ray_train.job_from_ray`, which writes
    the three variables below for the calls after it).
 1. ``MIRRORAX_COORDINATOR`` (``host:port``), ``MIRRORAX_NUM_PROCESSES``, ``MIRRORAX_PROCESS_ID``
    (``mirrorax launch`` sets these), optionally ``MIRRORAX_LOCAL_DEVICE_IDS`` (``"0,1"``).
@@ -20,7 +20,7 @@ Timeouts (seconds; environment variables override the defaults of :func:`maybe_i
 ``MIRRORAX_INIT_TIMEOUT`` (60) bounds the wait for every process to join; ``MIRRORAX_HEARTBEAT_TIMEOUT``
 (30) is how long a silent process may go before the others abort, which bounds how long they outlive a
 dead peer; ``MIRRORAX_SHUTDOWN_TIMEOUT`` (300) is how long a finished process waits for the others.
-A process that dies of an uncaught exception tells the others at once (:mod:`mirrorax._failure`).
+A process that dies of an uncaught exception tells the others at once (:mod:`mirrorax.cluster.failure`).
 
 Process 0's coordination service listens on the loopback address when the coordinator's host is one
 (every process is then on this host: ``mirrorax launch``), else on every interface, as JAX does;
@@ -43,14 +43,14 @@ from typing import Any
 
 import jax
 
-import mirrorax._discovery as _discovery
-import mirrorax._failure as _failure
-import mirrorax._output as _output
-import mirrorax._watchdog as _watchdog
-from mirrorax import ray_train
+import mirrorax.cluster.discovery as _discovery
+import mirrorax.cluster.failure as _failure
+import mirrorax.cluster.output as _output
+import mirrorax.cluster.watchdog as _watchdog
 from mirrorax._checks import check_int
-from mirrorax._discovery import ClusterError, ClusterInfo, accelerators_present, job_from_env, private_jax
-from mirrorax.preemption import PREEMPTED_EXIT_CODE  # (kept here too: mx.cluster.PREEMPTED_EXIT_CODE)
+from mirrorax.cluster import ray_train
+from mirrorax.cluster.discovery import ClusterError, ClusterInfo, accelerators_present, job_from_env, private_jax
+from mirrorax.cluster.preemption import PREEMPTED_EXIT_CODE  # (kept here too: mx.cluster.PREEMPTED_EXIT_CODE)
 
 __all__ = ["ClusterInfo", "ClusterError", "initialize", "maybe_initialize_from_env", "is_initialized",
            "job_from_env", "process_index", "process_count", "cluster_info", "resolve_bind_address",
@@ -442,7 +442,7 @@ def _check_process_counts(info: ClusterInfo, timeout: int, client: Any) -> None:
 
 
 def _quiet_collectives(info: ClusterInfo) -> None:
-    """Drops gloo's connection lines from this process's stdout (:mod:`mirrorax._output`), unless the
+    """Drops gloo's connection lines from this process's stdout (:mod:`mirrorax.cluster.output`), unless the
     launcher does it (``MIRRORAX_LAUNCHED``), the user wants them, or this is not a CPU job (only the
     CPU collectives are gloo's, and accelerator jobs should keep a plain stdout)."""
     if (info.num_processes > 1 and not os.environ.get("MIRRORAX_LAUNCHED") and not _output.verbose()
@@ -493,5 +493,5 @@ def _reset_for_tests() -> None:
     _failure.uninstall()
 
 
-if __name__ == "__main__":  # pragma: no cover - `python -m mirrorax.cluster`: what would be joined
+if __name__ == "__main__":  # pragma: no cover - `python -m mirrorax.cluster.join`: what would be joined
     print(job_from_env(), file=sys.stdout)

@@ -9,7 +9,7 @@ variable is set by hand, and it works with Ray's own ``ray.train.v2.jax.JaxTrain
 With ``ScalingConfig(num_workers=(min, max))`` and ``FailureConfig(max_failures=N)``, Ray restarts the
 group on the workers left when one is lost, and grows it back at its next resize when capacity returns;
 each worker group is a new JAX job. Every fit resumes from the newest snapshot any node holds
-(:mod:`mirrorax.snapshot`; in a Ray worker ``MIRRORAX_SNAPSHOT_DIR`` defaults to
+(:mod:`mirrorax.checkpoint.snapshot`; in a Ray worker ``MIRRORAX_SNAPSHOT_DIR`` defaults to
 ``<tmp>/mirrorax-snapshots/<run name>`` on each node) or checkpoint, with the same global batch and example
 order, so the run ends with the numbers of an uninterrupted one.
 
@@ -29,8 +29,8 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from mirrorax._discovery import ClusterInfo, make_info
-from mirrorax._snapshot_io import DIR_ENV, SECONDS_ENV, STEPS_ENV, node_name
+from mirrorax.checkpoint.snapshot_io import DIR_ENV, SECONDS_ENV, STEPS_ENV, node_name
+from mirrorax.cluster.discovery import ClusterInfo, make_info
 
 # JaxTrainer is made on first use (module __getattr__): defining it imports Ray.
 __all__ = ["job_from_ray", "checkpoint_dir", "in_ray_worker", "JaxTrainer", "SNAPSHOT_ROOT"]  # noqa: F822
@@ -103,7 +103,8 @@ def checkpoint_dir(name: str = "mirrorax-checkpoints") -> str:
     """
     ctx = _context()
     if ctx is None:
-        raise RuntimeError("mirrorax.ray_train.checkpoint_dir() names a directory in a Ray Train run's storage; "
+        raise RuntimeError("mirrorax.cluster.ray_train.checkpoint_dir() names a directory in a Ray Train run's "
+                           "storage; "
                            f"call it inside the training function. Received: no Ray Train context (in_ray_worker() is "
                            f"{in_ray_worker()}).")
     storage = ctx.get_storage()

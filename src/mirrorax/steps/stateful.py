@@ -1,21 +1,21 @@
 """What ``strategy.jit`` and ``strategy.run`` return: a step compiled per signature that also threads the
-state of the objects it changes in place, through the split/merge protocol (:mod:`mirrorax.split_merge`).
+state of the objects it changes in place, through the split/merge protocol (:mod:`mirrorax.steps.split_merge`).
 
 One road for every front-end. A call:
 
-1. **Objects among the arguments** (Flax NNX): split out per call (:func:`mirrorax.split_merge.split_args`);
+1. **Objects among the arguments** (Flax NNX): split out per call (:func:`mirrorax.steps.split_merge.split_args`);
    the call is then one of a function of ``(structure, states, *args)`` that binds them in their places
-   (:func:`mirrorax.split_merge.threaded`), itself a call of step 2. Their state is placed where the
+   (:func:`mirrorax.steps.split_merge.threaded`), itself a call of step 2. Their state is placed where the
    protocol's layouts say the first time (a leaf already on the strategy's mesh keeps its layout), donated
    when every argument holding objects is in ``donate_argnums``, and written back after the call.
 2. **Objects the step reaches by itself** (Keras variables): per input signature the step is traced once
-   inside every registered protocol's recorder (:meth:`~mirrorax.split_merge.SplitMerge.discover`); a step
+   inside every registered protocol's recorder (:meth:`~mirrorax.steps.split_merge.SplitMerge.discover`); a step
    that touches none compiles exactly as a plain function (the trace is the plain program's, no extra
    input or output). Otherwise its program takes the found objects' state as explicit inputs (``changed``:
    donated, ``read``: passed), binds it for the step and returns the new ``changed`` state, in the
    protocol's layouts. Each call hands it the current state (placed as the layouts say once, and written
    back), donates what the engine wrote last and nobody took since (the protocol's
-   :meth:`~mirrorax.split_merge.SplitMerge.owned`; anything else is copied first) and writes the new state
+   :meth:`~mirrorax.steps.split_merge.SplitMerge.owned`; anything else is copied first) and writes the new state
    back after the call (device arrays, never copied to the host).
 
 Around every step, whatever its objects: a batch that knows its real rows reaches it cut to them in the
@@ -24,7 +24,7 @@ global view (:func:`mirrorax.replica.real_rows_view`); the step's batch is known
 masked per replica (:mod:`mirrorax.padding`), a result that lets the padding in is warned once, and outputs
 with one row per example are recorded for ``strategy.gather`` & co. (:func:`mirrorax.replica.mark_rows`).
 Every call pushes into the strategy's window; a loop of one signature whose step needs none of this takes a
-fast path (:meth:`mirrorax.dispatch.StrategyFunction.call_fast`).
+fast path (:meth:`mirrorax.steps.dispatch.StrategyFunction.call_fast`).
 """
 
 from __future__ import annotations
@@ -41,17 +41,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from mirrorax import _first_call
-from mirrorax.dispatch import MISSED, InFlight, OutShardings, StrategyFunction
-from mirrorax.distributed_batch import (
-    Pieces,
-    gather_pieces,
-    host_batches,
-    padded_pieces_alive,
-    restore_pieces,
-    unpieced,
-)
-from mirrorax.held import HeldCall
 from mirrorax.padding import (
     even_out_shardings,
     masked_metric_updates,
@@ -63,7 +52,18 @@ from mirrorax.padding import (
     warn_stray_rows,
 )
 from mirrorax.replica import RowValues, batch_scope, find_batch, keep_padding_view, mark_rows, real_rows_view
-from mirrorax.split_merge import Split, SplitMerge, objects_back, place, protocols, split_args, threaded
+from mirrorax.steps import first_call as _first_call
+from mirrorax.steps.dispatch import MISSED, InFlight, OutShardings, StrategyFunction
+from mirrorax.steps.distributed_batch import (
+    Pieces,
+    gather_pieces,
+    host_batches,
+    padded_pieces_alive,
+    restore_pieces,
+    unpieced,
+)
+from mirrorax.steps.held import HeldCall
+from mirrorax.steps.split_merge import Split, SplitMerge, objects_back, place, protocols, split_args, threaded
 
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh
@@ -187,12 +187,12 @@ def _pieces_first(run: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class StatefulFunction:
-    """``strategy.jit(fn)`` / ``strategy.run``'s function: a :class:`~mirrorax.dispatch.StrategyFunction` that
+    """``strategy.jit(fn)`` / ``strategy.run``'s function: a :class:`~mirrorax.steps.dispatch.StrategyFunction` that
     also threads the state of the objects ``fn`` changes in place (see the module's docstring).
 
     Called like ``fn``. Per input signature ``fn`` is traced once to find the objects it reaches by itself;
     a step that touches none and takes none among its arguments runs as the plain
-    :class:`~mirrorax.dispatch.StrategyFunction` (no extra input or output). Every call pushes into the
+    :class:`~mirrorax.steps.dispatch.StrategyFunction` (no extra input or output). Every call pushes into the
     strategy's window, as a plain one does.
     """
 
@@ -316,7 +316,8 @@ class StatefulFunction:
 
     def program(self, *args: Any) -> Any:
         """The compiled program of a step whose state is explicit (see
-        :meth:`mirrorax.dispatch.StrategyFunction.program`); a step that changes objects is called as a function."""
+        :meth:`mirrorax.steps.dispatch.StrategyFunction.program`); a step that changes objects is called as a
+        function."""
         name = getattr(self._user_fn, "__name__", "fn")
         split, _ = self._split(args)
         if self._pieces(args if split is None else split.args) is not None:
@@ -347,7 +348,7 @@ class StatefulFunction:
 
     def _call_fast(self, args: tuple[Any, ...]) -> Any:
         """The call through the last call's program when that call needed nothing of this class (no object,
-        no padding to mark, the global view), else :data:`~mirrorax.dispatch.MISSED`: a loop of one signature
+        no padding to mark, the global view), else :data:`~mirrorax.steps.dispatch.MISSED`: a loop of one signature
         then pays no per-leaf look at its arguments (:meth:`StrategyFunction.call_fast`). Whether a call needs
         more follows from its signature, which JAX's dispatch checks (another one misses), and from its
         arguments holding no object, which the signature says too (an object is no array)."""
@@ -469,7 +470,7 @@ class StatefulFunction:
 
     # -- pieces of padded batches among the arguments ---------------------------------------------------
     def _pieces(self, args: tuple[Any, ...]) -> Pieces | None:
-        """The pieces of padded batches among ``args`` (:func:`mirrorax.distributed_batch.gather_pieces`), or
+        """The pieces of padded batches among ``args`` (:func:`mirrorax.steps.distributed_batch.gather_pieces`), or
         ``None``; an array with a padded batch's rows that joins none is warned of once."""
         if not (self._gathers and padded_pieces_alive()):
             return None
@@ -486,7 +487,7 @@ class StatefulFunction:
         return args if pieces is None else (pieces.stubs, *pieces.args)
 
     def _pieced(self) -> StatefulFunction:
-        """The function of ``(stubs, *args)`` (:class:`~mirrorax.distributed_batch.Pieces`): the step given each
+        """The function of ``(stubs, *args)`` (:class:`~mirrorax.steps.distributed_batch.Pieces`): the step given each
         piece from its stub, which the step sees as its batch (cut to its real rows in the global view)."""
         function = self._with_pieces
         if function is None:
@@ -591,7 +592,7 @@ class StatefulFunction:
     # -- objects among the arguments ------------------------------------------------------------------
     def _call_split(self, args: tuple[Any, ...], split: Split, kinds: Sequence[SplitMerge]) -> Any:
         """A call whose objects were split out: their state placed, the threaded program called, the new state
-        written back; the objects are then held for the calls that follow (:mod:`mirrorax.held`)."""
+        written back; the objects are then held for the calls that follow (:mod:`mirrorax.steps.held`)."""
         self._plain_last = False  # (the next call with objects looks for them again)
         self._check_global_view(split, kinds)
         if any(isinstance(a, jax.core.Tracer) for part in split.leaves for a in part):
@@ -613,9 +614,9 @@ class StatefulFunction:
         return objects_back(out, split)
 
     def _call_held(self, args: tuple[Any, ...]) -> Any:
-        """The call with the objects of an earlier call held (:class:`~mirrorax.held.HeldCall`): their leaves
+        """The call with the objects of an earlier call held (:class:`~mirrorax.steps.held.HeldCall`): their leaves
         read, the same program called, the new leaves written back, nothing walked; else
-        :data:`~mirrorax.dispatch.MISSED` (other objects, a changed structure: the call splits them)."""
+        :data:`~mirrorax.steps.dispatch.MISSED` (other objects, a changed structure: the call splits them)."""
         held = next((h for h in self._holds if h.alive and h.matches(args)), None)
         if held is None:
             return MISSED

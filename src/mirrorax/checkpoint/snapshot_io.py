@@ -3,7 +3,7 @@
 On disk, ``<directory>/<step>/`` holds ``state.bin`` (every leaf's raw bytes, each at a 64-byte boundary),
 ``index.json`` (each leaf's path, dtype, shape, offset and CRC-32) and ``meta.json``; it is written as
 ``<step>.tmp-<pid>`` and renamed when complete, so a killed writer leaves the previous snapshot whole.
-Nothing in a snapshot is executable: bytes and JSON. See :mod:`mirrorax.snapshot` for the schedule and the
+Nothing in a snapshot is executable: bytes and JSON. See :mod:`mirrorax.checkpoint.snapshot` for the schedule and the
 agreement between processes.
 """
 
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mirrorax._integrity import path_str
+from mirrorax.checkpoint.integrity import path_str
 
 __all__ = ["DIR_ENV", "SECONDS_ENV", "STEPS_ENV", "LOST_ENV", "node_name", "SnapshotError", "Writer", "writer",
            "on_one_device", "named_leaves", "write", "read", "complete_steps", "place", "stored_like", "key_impl",

@@ -23,8 +23,8 @@ import jax
 import numpy as np
 
 from mirrorax._host import host_value
-from mirrorax._integrity import path_str
 from mirrorax._version import __version__
+from mirrorax.checkpoint.integrity import path_str
 from mirrorax.inputs.batch import Batch
 from mirrorax.inputs.position import InputState, UnsafeInputState, check_loadable
 from mirrorax.train_state import TrainState
@@ -52,7 +52,7 @@ def resume(ckpt: Any, abstract_state: Any, run: dict[str, Any], history: Any) ->
     Refuses (``CheckpointError``) a checkpoint of a run whose global batch, shuffle, seed or
     steps_per_epoch differ: those decide which examples each step sees.
     """
-    from mirrorax.checkpoint import CheckpointError
+    from mirrorax.checkpoint.checkpointer import CheckpointError
 
     restored = ckpt.restore_latest(abstract_state)
     if restored is None:
@@ -139,7 +139,7 @@ def _reconcile_hyperparameters(state: TrainState, configured: dict[str, float], 
 
 
 def _say(message: str) -> None:
-    from mirrorax.checkpoint import CheckpointWarning
+    from mirrorax.checkpoint.checkpointer import CheckpointWarning
 
     if jax.process_index() == 0:
         warnings.warn(message, CheckpointWarning, stacklevel=4)

@@ -32,9 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from mirrorax import _first_call
 from mirrorax._checks import check_int
 from mirrorax.replica import ReplicaContext, replica_scope, varies_over
+from mirrorax.steps import first_call as _first_call
 
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh
@@ -327,7 +327,7 @@ class StrategyFunction:
                             "constants first: strategy.jit(functools.partial(fn, scale=2.0)).")
         self._fresh = False
         self._last = caller = self._caller(self._for(args, called=True))
-        if self._fresh:  # this call traces and compiles the program (see mirrorax._first_call)
+        if self._fresh:  # this call traces and compiles the program (see mirrorax.steps.first_call)
             out, token = _first_call.run(caller, *args)
         else:
             out, token = caller(*args)
@@ -434,7 +434,7 @@ class StrategyFunction:
         entry = self._compiled.get(key)
         if entry is None or (called and not entry[1]):
             if entry is None:
-                # tracing fn here (when the outputs' layouts need its shapes): mirrorax._first_call
+                # tracing fn here (when the outputs' layouts need its shapes): mirrorax.steps.first_call
                 fn = _first_call.run(self._compile, args)
             else:
                 fn = entry[0]

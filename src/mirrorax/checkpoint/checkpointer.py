@@ -29,7 +29,7 @@ Every process of a multi-process job must call :meth:`Checkpointer.save`,
 :meth:`Checkpointer.restore_latest`, :meth:`Checkpointer.wait` and :meth:`Checkpointer.close` in the
 same order; Orbax coordinates the writes and the primary process writes the shared metadata. The
 processes write one directory, process 0's, whatever directory each named (TF's workers name paths of
-their own: :mod:`mirrorax._checkpoint_job`), and values that live on one process's devices (a Keras
+their own: :mod:`mirrorax.checkpoint.job`), and values that live on one process's devices (a Keras
 variable made outside the strategy's scope) are written from process 0.
 
 A save still being written when the program ends is finished before Python stops the executors Orbax
@@ -55,12 +55,11 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from mirrorax._checkpoint_job import placed_like, process_0_directory, restorable, savable, use_distributed_barriers
 from mirrorax._checks import check_int
-from mirrorax._dir_lock import DirectoryLocked, acquire, release
-from mirrorax._failure import die
-from mirrorax._integrity import HostDigest, all_finite, digest, path_str
-from mirrorax._integrity_item import (
+from mirrorax._version import __version__
+from mirrorax.checkpoint.dir_lock import DirectoryLocked, acquire, release
+from mirrorax.checkpoint.integrity import HostDigest, all_finite, digest, path_str
+from mirrorax.checkpoint.integrity_item import (
     FORMAT_VERSION,
     IntegrityHandler,
     IntegrityRestore,
@@ -68,7 +67,8 @@ from mirrorax._integrity_item import (
     NonFiniteState,
     meta_digest,
 )
-from mirrorax._orbax_quirks import (
+from mirrorax.checkpoint.job import placed_like, process_0_directory, restorable, savable, use_distributed_barriers
+from mirrorax.checkpoint.orbax_quirks import (
     QuietSaveErrors,
     before_executors_shut_down,
     close_abandoned_writes,
@@ -77,8 +77,8 @@ from mirrorax._orbax_quirks import (
     stop_tensorstore_metric_leak,
     stop_tensorstore_spec_leak,
 )
-from mirrorax._version import __version__
-from mirrorax._watchdog import in_checkpoint
+from mirrorax.cluster.failure import die
+from mirrorax.cluster.watchdog import in_checkpoint
 from mirrorax.consistency import debug_checks
 from mirrorax.train_state import COUNTERS, TrainState, pack_counters
 

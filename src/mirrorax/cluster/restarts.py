@@ -14,7 +14,7 @@ import collections
 import shutil
 import tempfile
 
-from mirrorax._snapshot_io import DIR_ENV, LOST_ENV
+from mirrorax.checkpoint.snapshot_io import DIR_ENV, LOST_ENV
 
 __all__ = ["Restarts", "SLOT_FAILURES", "SLOT_ENV", "default_max_restarts"]
 

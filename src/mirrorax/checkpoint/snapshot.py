@@ -10,7 +10,7 @@ persistent ones, held by every node.
 What a snapshot costs the step: a copy of the state on the first local device, dispatched without waiting
 for the step, and for a state split over the devices (``shard=``) one all-gather, so that every node holds
 every shard and any set of survivors holds the whole state. The copy to the host and the write run on one
-writer thread per process, off the step's path (:mod:`mirrorax._snapshot_io`). The node's lowest process
+writer thread per process, off the step's path (:mod:`mirrorax.checkpoint.snapshot_io`). The node's lowest process
 writes; a node keeps its newest complete snapshot per name, so memory and disk stay flat however long the
 run.
 
@@ -39,10 +39,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from mirrorax import _snapshot_io as io
-from mirrorax._snapshot_io import DIR_ENV, LOST_ENV, SECONDS_ENV, STEPS_ENV, SnapshotError, node_name
-from mirrorax._watchdog import in_checkpoint, waiting_for_peers
-from mirrorax.cluster import coordination_client
+from mirrorax.checkpoint import snapshot_io as io
+from mirrorax.checkpoint.snapshot_io import DIR_ENV, LOST_ENV, SECONDS_ENV, STEPS_ENV, SnapshotError, node_name
+from mirrorax.cluster.join import coordination_client
+from mirrorax.cluster.watchdog import in_checkpoint, waiting_for_peers
 from mirrorax.consistency import broadcast_from
 
 __all__ = ["Snapshots", "SnapshotError", "SnapshotWarning", "DIR_ENV", "SECONDS_ENV", "STEPS_ENV", "LOST_ENV",
@@ -62,7 +62,7 @@ class SnapshotWarning(UserWarning):
 
 
 def configured() -> bool:
-    """Whether ``MIRRORAX_SNAPSHOT_DIR`` asks for snapshots (``mirrorax launch`` and ``mirrorax.ray_train``
+    """Whether ``MIRRORAX_SNAPSHOT_DIR`` asks for snapshots (``mirrorax launch`` and ``mirrorax.cluster.ray_train``
     set it)."""
     return bool(os.environ.get(DIR_ENV))
 
@@ -133,7 +133,7 @@ class Snapshots:
     process and device count: what a job restarted on its survivors resumes from.
 
     ``fit`` takes them itself where ``MIRRORAX_SNAPSHOT_DIR`` is set (``mirrorax launch --min-nprocs`` and
-    ``mirrorax.ray_train`` set it); a custom loop makes one and calls :meth:`maybe_save` after each step.
+    ``mirrorax.cluster.ray_train`` set it); a custom loop makes one and calls :meth:`maybe_save` after each step.
     Every process of a job calls :meth:`restore_latest`, :meth:`latest_step`, :meth:`maybe_save` and
     :meth:`save` at the same steps, as for :class:`mirrorax.Checkpointer`.
 

@@ -5,11 +5,11 @@ the same way step after step: the same objects in the same argument places, new 
 the objects at every call (walking their graph, then walking it again to write the new state back) costs more
 than a small model's step on an accelerator; Flax's performance guide pays it once, with ``nnx.split`` before
 the loop and ``nnx.update`` after it. A :class:`HeldCall` does that for the user: after a call that split the
-objects, each front-end holds them (:meth:`mirrorax.split_merge.SplitMerge.hold`), and a later call with the same
+objects, each front-end holds them (:meth:`mirrorax.steps.split_merge.SplitMerge.hold`), and a later call with the same
 objects in the same places reads their state's leaves, calls the same program and writes the new leaves back,
 without walking them. What the user does between calls is still seen: a value assigned to a variable is read
 (and placed on the devices if it is not there), and a change of structure (``model.eval()``, an attribute added
-or replaced) makes the front-end's :meth:`~mirrorax.split_merge.Held.unchanged` false, so the call splits the
+or replaced) makes the front-end's :meth:`~mirrorax.steps.split_merge.Held.unchanged` false, so the call splits the
 objects again.
 
 Only objects given as arguments themselves are held (``step(model, optimizer, x, y)``); objects inside a
@@ -26,8 +26,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from mirrorax.distributed_batch import DistributedBatch
-from mirrorax.split_merge import Held, Split, SplitMerge, is_slot
+from mirrorax.steps.distributed_batch import DistributedBatch
+from mirrorax.steps.split_merge import Held, Split, SplitMerge, is_slot
 
 __all__ = ["HeldCall"]
 

@@ -6,7 +6,7 @@ the hooks and callbacks); a thread of this process writes ``"<count> <phase>"`` 
 ``<dir>/rank<R>`` when that changed (at most every :data:`WRITE_SECONDS`), so a rank blocked anywhere
 in Python still reports where it last got to. The launcher reads the files: a group in which no rank
 moved for ``--watchdog`` seconds while one waits in a watched phase is stuck, and the rank furthest
-behind is named (see ``mirrorax.launch``). Nothing is written without the variable, and :func:`beat`
+behind is named (see ``mirrorax.cluster.launch``). Nothing is written without the variable, and :func:`beat`
 is two assignments: no I/O, no lock, no device sync on the step's path.
 
 The same thread also ends this process's group when the launcher is gone (``MIRRORAX_LAUNCHER_PID``):

@@ -1,7 +1,7 @@
 """Elastic ``fit``: its snapshots, where a restarted fit resumes, and the line that says what happened.
 
-Under ``mirrorax launch --min-nprocs`` or ``mirrorax.ray_train`` (``MIRRORAX_SNAPSHOT_DIR`` set), each
-``fit`` of a script takes snapshots (:mod:`mirrorax.snapshot`) of its state and its position in the data
+Under ``mirrorax launch --min-nprocs`` or ``mirrorax.cluster.ray_train`` (``MIRRORAX_SNAPSHOT_DIR`` set), each
+``fit`` of a script takes snapshots (:mod:`mirrorax.checkpoint.snapshot`) of its state and its position in the data
 (the epoch, the batch, the history so far: a checkpoint's record), named by the fit's place among the
 script's fits (``fit1``, ``fit2``, ...: the same in a restarted script). A fit that ends takes one last
 snapshot: a restarted script passes through its earlier fits at once, each with its final state and
@@ -25,10 +25,10 @@ from typing import Any
 
 import jax
 
-from mirrorax import preemption
+from mirrorax.checkpoint.resume import Saver
+from mirrorax.checkpoint.snapshot import Snapshots, configured, restart_line
+from mirrorax.cluster import preemption
 from mirrorax.epoch import EpochHook, EpochRun, Outcome
-from mirrorax.resume import Saver
-from mirrorax.snapshot import Snapshots, configured, restart_line
 
 __all__ = ["FitSnapshots", "SnapshotHook", "ReachedHook"]
 

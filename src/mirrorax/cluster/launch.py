@@ -7,11 +7,11 @@ Each child gets ``MIRRORAX_COORDINATOR=127.0.0.1:<free port>``, ``MIRRORAX_NUM_P
 ``MIRRORAX_VERBOSE_COLLECTIVES=1``). When a child fails (non-zero exit or a signal) the launcher stops
 the others (SIGTERM to each child's process group, SIGKILL after a grace period), prints which rank
 failed and the last lines it wrote, and returns non-zero; ``--max-restarts`` restarts the whole group
-instead, and ``--min-nprocs`` leaves out a process that keeps failing (:mod:`mirrorax._restarts`): the
-restarted group resumes from the newest snapshot (:mod:`mirrorax.snapshot`) on the processes left.
+instead, and ``--min-nprocs`` leaves out a process that keeps failing (:mod:`mirrorax.cluster.restarts`): the
+restarted group resumes from the newest snapshot (:mod:`mirrorax.checkpoint.snapshot`) on the processes left.
 SIGTERM to the launcher (preemption) is forwarded to every child, which then has ``--grace`` seconds to
 save and exit (a second SIGTERM changes nothing); Ctrl-C sends SIGINT. A watchdog reads each
-child's progress (:mod:`mirrorax._watchdog`): no progress for ``--watchdog`` seconds ends the group,
+child's progress (:mod:`mirrorax.cluster.watchdog`): no progress for ``--watchdog`` seconds ends the group,
 naming the rank furthest behind with its Python stack; a rank that exits while the others wait for it
 ends the group within seconds. Children die with the launcher (``PR_SET_PDEATHSIG``). See
 :func:`launch` for the exit status.
@@ -38,12 +38,12 @@ import time
 from collections.abc import Mapping, Sequence, Set
 from typing import IO, Any
 
-import mirrorax._watchdog as _watchdog
+import mirrorax.cluster.watchdog as _watchdog
 from mirrorax._checks import check_int
-from mirrorax._discovery import accelerators_present
-from mirrorax._output import ChatterFilter, verbose
-from mirrorax._restarts import Restarts, default_max_restarts
-from mirrorax.preemption import PREEMPTED_EXIT_CODE
+from mirrorax.cluster.discovery import accelerators_present
+from mirrorax.cluster.output import ChatterFilter, verbose
+from mirrorax.cluster.preemption import PREEMPTED_EXIT_CODE
+from mirrorax.cluster.restarts import Restarts, default_max_restarts
 
 __all__ = ["add_parser", "run", "launch", "main"]
 
@@ -136,7 +136,7 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
       max_restarts: how many times to restart the whole group after a failure; children that exit
         with ``PREEMPTED_EXIT_CODE`` count as one. Never after the launcher itself got SIGINT/SIGTERM.
         ``None``: 0, or with ``min_nprocs`` enough to leave out each process it may drop
-        (:func:`mirrorax._restarts.default_max_restarts`). With restarts, the children get a snapshot
+        (:func:`mirrorax.cluster.restarts.default_max_restarts`). With restarts, the children get a snapshot
         directory (``MIRRORAX_SNAPSHOT_DIR``, removed when the launch ends) and resume from it.
       min_nprocs: elastic: a process (a slot) that failed twice is left out and the group restarts on the
         processes left, as long as ``min_nprocs`` are (``None``: ``nprocs``, none left out). The global
@@ -148,7 +148,7 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
         SIGKILL. A second SIGTERM changes nothing (a save in progress finishes); SIGINT ends the wait.
       watchdog: seconds the group may go without progress before the launcher ends it, naming the rank
         furthest behind and printing its Python stack; ``0`` turns the watchdog off. Each process reports
-        its progress (:mod:`mirrorax._watchdog`); a rank that exits, or starts exiting, while the others
+        its progress (:mod:`mirrorax.cluster.watchdog`); a rank that exits, or starts exiting, while the others
         wait for it in a step ends the group after ``EXIT_SETTLE_SECONDS``. Children also get
         ``MIRRORAX_INIT_TIMEOUT`` = ``watchdog`` + 30 (unless ``env`` sets it), so that a rank that never
         joins is named by the watchdog.
@@ -327,7 +327,8 @@ class _Group:
         frozen = {r for r, c in enumerate(self.children) if c.poll() is None and _state(c.pid) in ("T", "t")}
         if failed is not None and (failed[1] > 0 or failed[1] == -signal.SIGABRT):
             # A process that raised exits 1; the others usually leave by themselves within a second, naming the
-            # process that failed first (mirrorax._failure); let them, so that the report can name the right rank.
+            # process that failed first (mirrorax.cluster.failure); let them, so that the report can name the right
+            # rank.
             # An abort is how gloo and XLA end a survivor whose peer died: the peer's death may reach us a
             # moment after it (through a wrapper process, a later reap), and it is the one to name.
             self.wait_for(self.children, SETTLE_SECONDS)
@@ -474,7 +475,7 @@ class _Group:
 
 
 class _Progress:
-    """The watchdog: reads each rank's progress file (:mod:`mirrorax._watchdog`) and says which rank holds
+    """The watchdog: reads each rank's progress file (:mod:`mirrorax.cluster.watchdog`) and says which rank holds
     the group up, if one does.
 
     Two verdicts. *Left*: a rank exited (status 0: a non-zero one is a failure the launcher sees at once)
@@ -679,7 +680,7 @@ class _forward_signals:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m mirrorax.launch --nprocs N -- COMMAND``: the launcher without the rest of the CLI."""
+    """``python -m mirrorax.cluster.launch --nprocs N -- COMMAND``: the launcher without the rest of the CLI."""
     parser = argparse.ArgumentParser(prog="mirrorax")
     sub = parser.add_subparsers(dest="subcommand", required=True)
     add_parser(sub)

@@ -155,7 +155,7 @@ def stop_tensorstore_metric_leak() -> None:
     and a ``jax.monitoring`` scalar). That is most of the creep seen over long runs (about 0.13 MB per
     save). With the poll answering 0, Orbax skips that telemetry (its code returns early when no raw
     bytes were counted); nothing it writes or reads changes. Done once, process-wide, by the first
-    :class:`~mirrorax.checkpoint.Checkpointer`.
+    :class:`~mirrorax.checkpoint.checkpointer.Checkpointer`.
     """
     from orbax.checkpoint._src.serialization import tensorstore_utils
 
@@ -179,7 +179,7 @@ def stop_tensorstore_spec_leak() -> None:
     C++ as a Python literal, without that conversion; read back with :func:`ast.literal_eval` it gives
     the very value ``to_json()`` returns (a repr that does not read back, and any call with arguments,
     goes to TensorStore's own method). Done once, process-wide, by the first
-    :class:`~mirrorax.checkpoint.Checkpointer`.
+    :class:`~mirrorax.checkpoint.checkpointer.Checkpointer`.
     """
     import tensorstore
 

@@ -25,8 +25,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from mirrorax._watchdog import waiting_for_peers
-from mirrorax.cluster import coordination_client
+from mirrorax.cluster.join import coordination_client
+from mirrorax.cluster.watchdog import waiting_for_peers
 
 __all__ = ["AGREE_SECONDS", "from_process_0", "process_0_directory", "savable", "restorable", "placed_like",
            "use_distributed_barriers"]

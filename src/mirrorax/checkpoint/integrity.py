@@ -219,7 +219,7 @@ def all_finite(tree: PyTree) -> bool:
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from mirrorax.checkpoint import all_finite
+        >>> from mirrorax.checkpoint.checkpointer import all_finite
         >>> all_finite({"w": jnp.ones(3), "b": jnp.array([0.0, jnp.nan])})
         False
     """
