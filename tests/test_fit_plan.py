@@ -14,6 +14,7 @@ from helpers import strategy
 
 import mirrorax as mx
 from mirrorax import fit_plan
+from mirrorax.keras import order as keras_order
 
 ROWS, FEATURES, CLASSES = 40, 4, 3
 
@@ -41,7 +42,7 @@ def _prepare(trainer: mx.Trainer, x, y, **given) -> fit_plan.FitPlan:
                 validation_freq=1, shuffle=False, seed=0, sample_weight=None, steps_per_epoch=None,
                 initial_epoch=0, callbacks=None, verbose=0, checkpoint_dir=None, checkpoint_every="epoch",
                 keep_checkpoints=3, out=trainer.stream, steps_per_execution=1, refuse_nonfinite=True,
-                ends_with_data=False, keras_order=False)
+                reading=mx.FitReading())
     return fit_plan.prepare(trainer.device_state, trainer.steps, trainer.model, x, y, **{**args, **given})
 
 
@@ -59,8 +60,10 @@ def test_prepare_reads_fit_once_into_a_frozen_record():
             plan.epochs = 5  # type: ignore[misc]
         moved = plan.starting_at(2)
         assert moved.start == fit_plan.Start(2) and plan.start == fit_plan.Start(1) and moved.hooks is plan.hooks
-        # Keras's order counts a fit's passes from its first epoch: the stream's epoch 0 is the start's.
-        assert dataclasses.replace(moved, keras_order=True).first_epoch == 2
+        # An order drawn per pass (Keras's) counts a fit's passes from its first epoch: the stream's epoch 0 is
+        # the start's.
+        drawn = mx.FitReading(order=keras_order.KERAS_ORDER)
+        assert dataclasses.replace(moved, reading=drawn).first_epoch == 2
     finally:
         plan.watch.close()
 

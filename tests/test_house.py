@@ -18,7 +18,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "src" / "mirrorax"
 
 #: Bottom floor first. A module may import modules of its own floor (no circle) or of a floor below.
 FLOORS: list[tuple[str, ...]] = [
-    ("_checks", "_first_call", "_host", "_output", "_discovery", "_failure", "_integrity", "keras", "keras._internals",
+    ("_checks", "_first_call", "_host", "_output", "_discovery", "_failure", "_integrity", "front_end", "keras",
+     "keras._internals",
      "keras.callbacks", "keras.env", "preemption", "distributed_batch",
      "replica", "batch_sums", "input_checks", "results", "train_state", "_version", "as_made", "hooks",
      "progress", "_integrity_item", "_orbax_quirks", "cache", "_dir_lock", "_watchdog", "traffic", "_snapshot_io",
@@ -26,12 +27,12 @@ FLOORS: list[tuple[str, ...]] = [
     ("ray_train", "cluster", "launch", "cluster_resolver", "_checkpoint_job"),
     ("consistency", "snapshot"),
     ("mesh",),
-    ("dispatch", "padding", "split_merge", "held", "stateful", "keras.stateful", "nnx.split_merge"),
-    ("inputs", "inputs.source", "inputs.batch", "inputs.position", "keras.order", "keras.data",
+    ("dispatch", "padding", "keras.masking", "split_merge", "held", "stateful", "keras.stateful", "nnx.split_merge"),
+    ("inputs", "inputs.source", "inputs.batch", "inputs.position", "inputs.reading", "keras.order", "keras.data",
      "inputs.streams", "inputs.placement", "inputs.prefetch", "inputs.arrays", "inputs.iterables", "inputs.make",
      "inputs.distributed"),
     ("models", "models.base", "models.loss_scale", "keras.targets", "keras.metrics", "keras.custom",
-     "models.functional", "keras.adapter", "nnx.model", "models.adapters"),
+     "models.functional", "keras.adapter", "keras.front_end", "nnx.model", "models.adapters"),
     ("strategy",),
     ("step",),
     ("device_state",),
@@ -145,14 +146,41 @@ def _in_wing(module: str) -> bool:
     return any(module == w or module.startswith(f"{w}.") for w in WINGS)
 
 
-def test_the_engine_stands_on_no_front_ends_protocol(house):
-    # strategy.jit has one road: the engine reaches Keras's variables and Flax NNX's objects only through the
-    # protocols the package registers (split_merge.register_front_end), never by importing them.
-    protocols = {m for m in FLOOR if _in_wing(m) and FLOOR[m] == FLOOR["mirrorax.split_merge"]}
-    assert protocols == {"mirrorax.keras.stateful", "mirrorax.nnx.split_merge"}
-    wrong = [f"{m} imports {t}" for m in FLOOR if not _in_wing(m) and m != "mirrorax"
-             for t in sorted(house[m][0]) if t in protocols or t == "mirrorax.nnx"]
+#: The engine's modules that may import a wing: the package's ``__init__``, which re-exports the public API and
+#: registers each wing's records lazily (``split_merge.register_front_end``, ``front_end.register_lazy``).
+REGISTRATION_POINTS = {"mirrorax"}
+
+
+def wing_imports(house: dict[str, tuple[set[str], list[str]]]) -> list[str]:
+    """Every import of a wing's module by an engine module (any module outside the wings but the
+    registration points), as ``"module imports wing.module"``."""
+    return [f"{m} imports {t}" for m, (imports, _) in sorted(house.items())
+            if not _in_wing(m) and m not in REGISTRATION_POINTS for t in sorted(imports) if _in_wing(t)]
+
+
+def test_the_engine_imports_no_wing(house):
+    # The engine reaches a front-end only through what the package registers: its split/merge protocol
+    # (split_merge.register_front_end) and its record (front_end.register_lazy: adapter, callbacks, metric
+    # masking, BackupAndRestore's epoch), and through the objects handed to it (mx.Trainer(reading=...)).
+    wrong = wing_imports(house)
     assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("added", [
+    "from mirrorax.keras import _internals as keras_internals\n",
+    "def f():\n    from mirrorax.keras.order import pass_order\n",
+    "if TYPE_CHECKING:\n    import mirrorax.nnx.model\n",
+    "from mirrorax.nnx import NnxModel\n",
+])
+def test_the_wing_check_sees_an_engine_module_import_a_wing(added):
+    # The check above can fail: the loop's own source with one import of a wing added is reported.
+    modules = set(_modules())
+    text = (ROOT / "loop.py").read_text() + "\n" + added
+    house = {"mirrorax.loop": scan("mirrorax.loop", text, modules), "mirrorax": scan("mirrorax", added, modules)}
+    wrong = wing_imports(house)
+    assert len(wrong) == 1 and wrong[0].startswith("mirrorax.loop imports mirrorax.") and \
+        _in_wing(wrong[0].split()[-1]), wrong
+    assert not wing_imports({"mirrorax.loop": scan("mirrorax.loop", (ROOT / "loop.py").read_text(), modules)})
 
 
 #: The one module that may import ``keras.src`` and read private members of Keras objects.

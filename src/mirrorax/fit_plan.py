@@ -24,9 +24,9 @@ from mirrorax.input_checks import check_batch_size
 from mirrorax.inputs.arrays import ArraySource
 from mirrorax.inputs.make import make_source, validation_source
 from mirrorax.inputs.position import InputState
+from mirrorax.inputs.reading import FitReading
 from mirrorax.inputs.source import Source
 from mirrorax.inputs.streams import Stream
-from mirrorax.keras import order as order_lib
 from mirrorax.progress import resolve_verbose
 from mirrorax.results import History
 from mirrorax.step import StepFunctions
@@ -68,8 +68,8 @@ class FitPlan:
       validation_batch_size, validation_steps: the validation's batch and batches; ``validate(epoch)``:
         whether epoch ``epoch`` (0-based) ends with a validation.
       mode: the progress output's verbosity (0 off this process's primary); ``out``: where it goes.
-      ends_with_data: an epoch ends where the data does (Keras's fit reading of ``steps_per_epoch``).
-      keras_order: Keras's own data order, its passes counted from the fit's first epoch.
+      reading: how the data is read (:class:`mirrorax.FitReading`: where an epoch ends; an order drawn per
+        pass, its passes counted from the fit's first epoch).
     """
 
     source: Source
@@ -91,16 +91,16 @@ class FitPlan:
     validate: Callable[[int], bool]
     mode: int
     out: IO[str]
-    ends_with_data: bool
-    keras_order: bool
+    reading: FitReading
     resumed: bool = False
     snapshots: FitSnapshots | None = None
 
     @property
     def first_epoch(self) -> int:
-        """The epoch the stream's epochs are counted from: Keras's order counts each fit's passes from
-        its first epoch, as Keras's iterator does; mirrorax's from epoch 0 (a resumed run replays it)."""
-        if not self.keras_order:
+        """The epoch the stream's epochs are counted from: an order drawn per pass (Keras's) counts each fit's
+        passes from its first epoch, as Keras's iterator does; mirrorax's from epoch 0 (a resumed run replays
+        it)."""
+        if self.reading.order is None:
             return 0
         return self.start.epoch if self.start.first_epoch is None else self.start.first_epoch
 
@@ -114,7 +114,7 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, x: Any, y: An
             validation_freq: int | Sequence[int], shuffle: bool | Literal["batch"], seed: int, sample_weight: Any,
             steps_per_epoch: int | None, initial_epoch: int, callbacks: Any, verbose: int | str,
             checkpoint_dir: Any, checkpoint_every: int | str, keep_checkpoints: int | None, out: IO[str],
-            steps_per_execution: int, refuse_nonfinite: bool, ends_with_data: bool, keras_order: bool) -> FitPlan:
+            steps_per_execution: int, refuse_nonfinite: bool, reading: FitReading) -> FitPlan:
     """Reads ``fit``'s arguments (as ``Trainer.fit`` documents them) into a :class:`FitPlan`.
 
     Checks every argument, makes the sources (large arrays scanned for NaN/inf on a thread, joined last),
@@ -126,7 +126,7 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, x: Any, y: An
       device, steps, model: the trainer's state on the devices, its step functions and its model.
       out: where progress goes; ``steps_per_execution``: the trainer's.
       refuse_nonfinite: refuse NaN/inf in array inputs (``on_nonfinite="raise"``).
-      ends_with_data, keras_order: Keras's fit's readings (see :class:`FitPlan`).
+      reading: how the data is read (see :class:`FitPlan`).
 
     Raises:
       ValueError / TypeError: bad inputs, raised before any compilation.
@@ -181,7 +181,7 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, x: Any, y: An
                              announce=bool(mode) and steps_per_execution == 1)
         history = History()
         stream = source.stream(batch_size, strategy.batch_mesh, shuffle=shuffle, seed=seed,
-                               ends_with_data=ends_with_data, keras_order=keras_order)
+                               reading=reading)
         per_epoch = steps_per_epoch or stream.batches_per_pass
         hooks = Callbacks(callbacks, model, epochs=epochs, steps=per_epoch, verbose=0 if not mode else mode)
         validate = _validation_schedule(validation_freq)
@@ -209,7 +209,7 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, x: Any, y: An
                    ckpt=ckpt, saver=saver, run=run, inputs=inputs, start=Start(initial_epoch), epochs=epochs,
                    steps_per_epoch=steps_per_epoch, batch_size=batch_size,
                    validation_batch_size=validation_batch_size or batch_size, validation_steps=validation_steps,
-                   validate=validate, mode=mode, out=out, ends_with_data=ends_with_data, keras_order=keras_order,
+                   validate=validate, mode=mode, out=out, reading=reading,
                    snapshots=snapshots)
 
 
@@ -238,8 +238,8 @@ def resume(plan: FitPlan, device: DeviceState) -> FitPlan:
         plan.snapshots.said(resumed.step, resumed.epoch, resumed.batch_in_epoch, kind, resumed.epoch >= plan.epochs,
                             devices)
         order = plan.snapshots.snapshots.last_held.get("meta", {}).get("order_state") if kind == "snapshot" else None
-        if order is not None and plan.keras_order:  # Keras's order of the pass resumed in, drawn again
-            order_lib.set_random_state(order)
+        if order is not None and plan.reading.order is not None:  # the order of the pass resumed in, drawn again
+            plan.reading.order.restore(order)
     # A resumed fit's data order counts its passes from where the interrupted fit counted them.
     start = Start(resumed.epoch, resumed.batch_in_epoch, resumed.input_state, first_epoch=plan.start.epoch)
     return dataclasses.replace(plan, start=start, resumed=True)

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Any, Literal, NoReturn
 
-from mirrorax import _first_call, fit_plan, planner, preemption
+from mirrorax import _first_call, fit_plan, front_end, planner, preemption
 from mirrorax import resume as resume_lib
 from mirrorax._checks import check_int
 from mirrorax._host import host_tree
@@ -25,6 +25,7 @@ from mirrorax.input_checks import check_batch_size
 from mirrorax.inputs.arrays import ArraySource
 from mirrorax.inputs.make import class_weights, is_array_tree, make_source
 from mirrorax.inputs.placement import to_global
+from mirrorax.inputs.reading import FitReading
 from mirrorax.inputs.source import Source
 from mirrorax.loop import Loop
 from mirrorax.models.adapters import adapt
@@ -71,6 +72,10 @@ class Trainer:
         loss scaling), for Keras models and Flax NNX modules (an NNX module's layers' ``dtype``; its loss
         scaled by :func:`mirrorax.models.loss_scale.dynamic_loss_scale`); ``None`` keeps the model's own
         dtype policy.
+      reading: how ``fit`` reads the data (a :class:`mirrorax.FitReading`: where an epoch of
+        ``steps_per_epoch`` ends, the order of each pass over arrays); default: the model's front-end's, else
+        mirrorax's (exactly ``steps_per_epoch`` batches, passes shuffled by ``(seed, pass)``). A Keras model's
+        own ``fit`` under a scope reads as Keras's ``fit`` does (``mirrorax.keras.order.KERAS_FIT``).
       max_in_flight: not the Trainer's: a value raises ``TypeError`` naming the strategy's
         ``MirroredStrategy(max_in_flight=k)``, which bounds the trainer's steps.
 
@@ -83,20 +88,12 @@ class Trainer:
       >>> history = trainer.fit(x, y, batch_size=64, epochs=2, verbose=0)
     """
 
-    # fit's steps_per_epoch: exactly that many batches, array inputs continuing into a new pass (False),
-    # or at most that many, an epoch ending where the data does (True: Keras's fit, see inputs/streams.py).
-    _epochs_end_with_data = False
-    # The data order: (seed, pass) for arrays, the same on any device count and replayed on resume
-    # (False); or Keras's fit's own, drawn from numpy's global state when a pass starts, each fit's
-    # passes counted from its first epoch as Keras's iterator counts them (True: keras/order.py).
-    _keras_order = False
-
     def __init__(self, model: Any, strategy: MirroredStrategy | None = None, *, loss: Any = None,
                  optimizer: Any = None, metrics: Any = None, steps_per_execution: int = 1,
                  accumulation_steps: int = 1, prefetch: int | Literal["auto"] = "auto",
                  on_nonfinite: NonFiniteMode = "raise", donate: bool = True,
                  mixed_precision: Literal["bfloat16", "float16"] | None = None,
-                 max_in_flight: None = None) -> None:
+                 reading: FitReading | None = None, max_in_flight: None = None) -> None:
         if max_in_flight is not None:
             raise TypeError(f"Trainer takes no max_in_flight; received max_in_flight={max_in_flight!r}. The dispatch "
                             "bound is the strategy's, shared by fit, evaluate, predict, strategy.jit and "
@@ -106,6 +103,10 @@ class Trainer:
             raise TypeError(f"strategy must be a mirrorax.MirroredStrategy; received {strategy!r} (of type "
                             f"{type(strategy).__name__}). Pass e.g. mx.MirroredStrategy() (every device) or "
                             "mx.MirroredStrategy(devices=jax.devices('gpu')[:2]).")
+        if reading is not None and not isinstance(reading, FitReading):
+            raise TypeError(f"reading must be a mirrorax.FitReading; received {reading!r} (of type "
+                            f"{type(reading).__name__}). Pass e.g. mx.FitReading(ends_with_data=True), or leave it "
+                            "out for the model's own reading.")
         if prefetch == "auto":
             prefetch = 0
         for name, value, low in (("steps_per_execution", steps_per_execution, 1),
@@ -116,6 +117,8 @@ class Trainer:
         self._model = model
         self.adapter: ModelAdapter = adapt(model, loss=loss, optimizer=optimizer, metrics=metrics,
                                            mixed_precision=mixed_precision)
+        kind = front_end.of(model)
+        self.reading: FitReading = reading or (kind.reading if kind is not None else None) or FitReading()
         self.steps_per_execution = steps_per_execution
         self.accumulation_steps = accumulation_steps
         self.prefetch = int(prefetch)  # "auto" is resolved above
@@ -262,8 +265,7 @@ class Trainer:
             sample_weight=sample_weight, steps_per_epoch=steps_per_epoch, initial_epoch=initial_epoch,
             callbacks=callbacks, verbose=verbose, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             keep_checkpoints=keep_checkpoints, out=self.stream, steps_per_execution=self.steps_per_execution,
-            refuse_nonfinite=self._refuse_nonfinite, ends_with_data=self._epochs_end_with_data,
-            keras_order=self._keras_order)
+            refuse_nonfinite=self._refuse_nonfinite, reading=self.reading)
         stopped: preemption.Preempted | None = None
         training_logs: dict[str, float] = {}
         try:
@@ -325,7 +327,7 @@ class Trainer:
         if steps is not None:
             check_int("steps", steps)
         hooks = Callbacks(callbacks, self.model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
-        logs = self.loop.evaluate(source, batch_size, steps=steps, hooks=hooks, warn_short=self._epochs_end_with_data)
+        logs = self.loop.evaluate(source, batch_size, steps=steps, hooks=hooks, warn_short=self.reading.ends_with_data)
         if self.strategy.is_primary and resolve_verbose(verbose, self.stream):
             self.stream.write(f"evaluate - {format_logs(logs)}\n")
         return logs
@@ -354,7 +356,7 @@ class Trainer:
         if steps is not None:
             check_int("steps", steps)
         hooks = Callbacks(callbacks, self.model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
-        return self.loop.predict(source, batch_size, steps=steps, hooks=hooks, warn_short=self._epochs_end_with_data)
+        return self.loop.predict(source, batch_size, steps=steps, hooks=hooks, warn_short=self.reading.ends_with_data)
 
     # -- one batch (Keras's *_on_batch) ------------------------------------------------------------
     def train_on_batch(self, x: Any, y: Any = None, *, sample_weight: Any = None, class_weight: Any = None

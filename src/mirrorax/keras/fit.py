@@ -210,28 +210,16 @@ def trainer_of(model: Any) -> Trainer:
     if cached is not None and cached[0] == key:
         return cached[1]
     from mirrorax.keras.adapter import KerasAdapter
+    from mirrorax.trainer import Trainer
 
     # Keras's predict needs no compile: an uncompiled model gets an adapter for predict alone.
     adapter = KerasAdapter(model, predict_only=True)
-    trainer = _keras_fit_trainer()(adapter, strategy, steps_per_execution=int(model.steps_per_execution or 1),
-                                   on_nonfinite="ignore")
+    # Keras's reading of the data: steps_per_epoch an upper bound, Keras's own shuffle order.
+    trainer = Trainer(adapter, strategy, steps_per_execution=int(model.steps_per_execution or 1),
+                      on_nonfinite="ignore", reading=keras_order.KERAS_FIT)
     trainer.model = model  # callbacks, stop_training and the progress bar act on the Keras model
     object.__setattr__(model, "_mirrorax_trainer", (key, trainer))
     return trainer
-
-
-@functools.cache
-def _keras_fit_trainer() -> type[Trainer]:
-    """The Trainer behind ``model.fit``, with Keras's reading of ``steps_per_epoch`` (at most that many
-    batches, an epoch ending where the data does, with Keras's "ran out of data" warning) and Keras's
-    own shuffle order (:mod:`mirrorax.keras.order`)."""
-    from mirrorax.trainer import Trainer
-
-    class KerasFitTrainer(Trainer):
-        _epochs_end_with_data = True
-        _keras_order = True
-
-    return KerasFitTrainer
 
 
 def _eager_fallback(model: Any, name: str) -> Callable[..., Any] | None:
