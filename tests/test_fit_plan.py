@@ -38,12 +38,9 @@ def _data():
 
 
 def _prepare(trainer: mx.Trainer, x, y, **given) -> fit_plan.FitPlan:
-    args = dict(batch_size=None, epochs=1, validation_data=None, validation_batch_size=None, validation_steps=None,
-                validation_freq=1, shuffle=False, seed=0, sample_weight=None, steps_per_epoch=None,
-                initial_epoch=0, callbacks=None, verbose=0, checkpoint_dir=None, checkpoint_every="epoch",
-                keep_checkpoints=3, out=trainer.stream, steps_per_execution=1, refuse_nonfinite=True,
-                reading=mx.FitReading())
-    return fit_plan.prepare(trainer.device_state, trainer.steps, trainer.model, x, y, **{**args, **given})
+    args = fit_plan.FitArgs(x, y, **{"shuffle": False, "verbose": 0, **given})
+    return fit_plan.prepare(trainer.device_state, trainer.steps, trainer.model, args, out=trainer.stream,
+                            steps_per_execution=1, refuse_nonfinite=True, reading=mx.FitReading())
 
 
 def test_prepare_reads_fit_once_into_a_frozen_record():

@@ -22,7 +22,7 @@ from mirrorax.elastic import FitSnapshots
 from mirrorax.hooks import Callbacks
 from mirrorax.input_checks import check_batch_size
 from mirrorax.inputs.arrays import ArraySource
-from mirrorax.inputs.make import make_source, validation_source
+from mirrorax.inputs.make import is_source, make_source, validation_source
 from mirrorax.inputs.position import InputState
 from mirrorax.inputs.reading import FitReading
 from mirrorax.inputs.source import Source
@@ -34,7 +34,36 @@ from mirrorax.step import StepFunctions
 if TYPE_CHECKING:
     from mirrorax.checkpoint import Checkpointer
 
-__all__ = ["FitPlan", "Start", "prepare", "resume"]
+__all__ = ["FitArgs", "FitPlan", "Start", "prepare", "resume", "training_source"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FitArgs:
+    """``fit``'s arguments, as ``Trainer.fit`` documents them: built once where the call comes in
+    (``Trainer.fit``, a Keras model's ``fit`` under a scope) and read by everything below.
+
+    ``x`` may also be the training input made a source already (:func:`training_source`, by a caller that
+    read ``x`` itself: a Keras model's ``fit``), ``y`` and ``sample_weight`` then in it.
+    """
+
+    x: Any
+    y: Any = None
+    batch_size: int | None = None
+    epochs: int = 1
+    validation_data: Any = None
+    validation_batch_size: int | None = None
+    validation_steps: int | None = None
+    validation_freq: int | Sequence[int] = 1
+    shuffle: bool | Literal["batch"] = True
+    seed: int = 0
+    sample_weight: Any = None
+    steps_per_epoch: int | None = None
+    initial_epoch: int = 0
+    callbacks: Any = None
+    verbose: int | str = "auto"
+    checkpoint_dir: Any = None
+    checkpoint_every: int | str = "epoch"
+    keep_checkpoints: int | None = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,13 +138,9 @@ class FitPlan:
         return dataclasses.replace(self, start=Start(epoch))
 
 
-def prepare(device: DeviceState, steps: StepFunctions, model: Any, x: Any, y: Any, *, batch_size: int | None,
-            epochs: int, validation_data: Any, validation_batch_size: int | None, validation_steps: int | None,
-            validation_freq: int | Sequence[int], shuffle: bool | Literal["batch"], seed: int, sample_weight: Any,
-            steps_per_epoch: int | None, initial_epoch: int, callbacks: Any, verbose: int | str,
-            checkpoint_dir: Any, checkpoint_every: int | str, keep_checkpoints: int | None, out: IO[str],
+def prepare(device: DeviceState, steps: StepFunctions, model: Any, args: FitArgs, *, out: IO[str],
             steps_per_execution: int, refuse_nonfinite: bool, reading: FitReading) -> FitPlan:
-    """Reads ``fit``'s arguments (as ``Trainer.fit`` documents them) into a :class:`FitPlan`.
+    """Reads ``fit``'s arguments (``args``) into a :class:`FitPlan`.
 
     Checks every argument, makes the sources (large arrays scanned for NaN/inf on a thread, joined last),
     places the state, checks the targets, compiles and plans the first step, opens the checkpoint
@@ -133,35 +158,37 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, x: Any, y: An
       CheckpointError: ``checkpoint_dir`` is not writable.
     """
     strategy, adapter = steps.strategy, steps.adapter
-    mode = resolve_verbose(verbose, out) if strategy.is_primary else 0
+    mode = resolve_verbose(args.verbose, out) if strategy.is_primary else 0
     watch = preemption.Watch(strategy.process_count)
     watch.start()
     ready = False
     source: Source | None = None
     val: Source | None = None
     try:
-        check_int("epochs", epochs, low=0)
-        check_int("initial_epoch", initial_epoch, low=0)
-        check_int("seed", seed, low=0)
-        if steps_per_epoch is not None:
-            check_int("steps_per_epoch", steps_per_epoch)
-        if validation_batch_size is not None:
-            check_batch_size(validation_batch_size)
-        every = resume_lib.check_every(checkpoint_every)
+        check_int("epochs", args.epochs, low=0)
+        check_int("initial_epoch", args.initial_epoch, low=0)
+        check_int("seed", args.seed, low=0)
+        if args.steps_per_epoch is not None:
+            check_int("steps_per_epoch", args.steps_per_epoch)
+        if args.validation_batch_size is not None:
+            check_batch_size(args.validation_batch_size)
+        every = resume_lib.check_every(args.checkpoint_every)
         # Large arrays are scanned for NaN/inf on a thread, joined below before anything changes.
-        source = make_source(x, y, sample_weight, float_dtype=adapter.float_dtype,
-                             check_finite=refuse_nonfinite, scan_in_background=True)
+        source = args.x if is_source(args.x) else training_source(
+            adapter, args.x, args.y, args.sample_weight, refuse_nonfinite=refuse_nonfinite)
         if adapter.needs_targets("fit"):
             source.require_targets("fit")
-        batch_size = (source.default_batch_size(strategy.process_count) if batch_size is None
-                      else check_batch_size(batch_size))
-        val = validation_source(validation_data, float_dtype=adapter.float_dtype, check_finite=refuse_nonfinite,
-                                targets=adapter.needs_targets("evaluate"), scan_in_background=True)
+        batch_size = (source.default_batch_size(strategy.process_count) if args.batch_size is None
+                      else check_batch_size(args.batch_size))
+        val = validation_source(args.validation_data, float_dtype=adapter.float_dtype,
+                                check_finite=refuse_nonfinite, targets=adapter.needs_targets("evaluate"),
+                                scan_in_background=True)
         ckpt = None
-        if checkpoint_dir is not None:
+        if args.checkpoint_dir is not None:
             from mirrorax.checkpoint import Checkpointer
 
-            ckpt = Checkpointer(checkpoint_dir, keep=keep_checkpoints)
+            ckpt = Checkpointer(args.checkpoint_dir, keep=args.keep_checkpoints)
+        callbacks = args.callbacks
         if callbacks is not None and not isinstance(callbacks, (list, tuple)) and \
                 type(callbacks).__name__ != "CallbackList":  # (Keras's fit under a scope passes its own list)
             callbacks = [callbacks]  # one callback, not in a list: as Keras's own fit takes it
@@ -180,15 +207,16 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, x: Any, y: An
         planner.at_fit_start(model, steps, device, sample, batch_size, stream=out,
                              announce=bool(mode) and steps_per_execution == 1)
         history = History()
-        stream = source.stream(batch_size, strategy.batch_mesh, shuffle=shuffle, seed=seed,
+        stream = source.stream(batch_size, strategy.batch_mesh, shuffle=args.shuffle, seed=args.seed,
                                reading=reading)
-        per_epoch = steps_per_epoch or stream.batches_per_pass
-        hooks = Callbacks(callbacks, model, epochs=epochs, steps=per_epoch, verbose=0 if not mode else mode)
-        validate = _validation_schedule(validation_freq)
+        per_epoch = args.steps_per_epoch or stream.batches_per_pass
+        hooks = Callbacks(callbacks, model, epochs=args.epochs, steps=per_epoch, verbose=0 if not mode else mode)
+        validate = _validation_schedule(args.validation_freq)
         if strategy.process_count > 1:  # every process must take the same path through each step
             hooks.listens = {kind: consistency.any_process(v) for kind, v in hooks.listens.items()}
-        run: dict[str, Any] = {"batch_size": batch_size, "shuffle": "batch" if shuffle == "batch" else bool(shuffle),
-                               "seed": int(seed), "steps_per_epoch": steps_per_epoch}
+        shuffle = "batch" if args.shuffle == "batch" else bool(args.shuffle)
+        run: dict[str, Any] = {"batch_size": batch_size, "shuffle": shuffle, "seed": int(args.seed),
+                               "steps_per_epoch": args.steps_per_epoch}
         if ckpt is not None:  # as configured now, before a resume or a callback changes them
             run["hyperparameters"] = resume_lib.hyperparameters(device.value)
         elastic = snapshot.configured()  # an elastic job: a restart resumes from a snapshot, as from a checkpoint
@@ -206,11 +234,20 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, x: Any, y: An
         if not ready:
             watch.close()
     return FitPlan(source=source, validation=val, stream=stream, hooks=hooks, watch=watch, history=history,
-                   ckpt=ckpt, saver=saver, run=run, inputs=inputs, start=Start(initial_epoch), epochs=epochs,
-                   steps_per_epoch=steps_per_epoch, batch_size=batch_size,
-                   validation_batch_size=validation_batch_size or batch_size, validation_steps=validation_steps,
-                   validate=validate, mode=mode, out=out, reading=reading,
+                   ckpt=ckpt, saver=saver, run=run, inputs=inputs, start=Start(args.initial_epoch),
+                   epochs=args.epochs, steps_per_epoch=args.steps_per_epoch, batch_size=batch_size,
+                   validation_batch_size=args.validation_batch_size or batch_size,
+                   validation_steps=args.validation_steps, validate=validate, mode=mode, out=out, reading=reading,
                    snapshots=snapshots)
+
+
+def training_source(adapter: Any, x: Any, y: Any = None, sample_weight: Any = None, *, refuse_nonfinite: bool,
+                    arrays: bool | None = None) -> Source:
+    """``fit``'s training input as a :class:`~mirrorax.inputs.source.Source`, in the model's float type: large
+    arrays scanned for NaN/inf on a thread when ``refuse_nonfinite`` (joined by :func:`prepare`); ``arrays``:
+    whether ``x`` holds arrays, when the caller has looked already."""
+    return make_source(x, y, sample_weight, float_dtype=adapter.float_dtype, check_finite=refuse_nonfinite,
+                       scan_in_background=True, arrays=arrays)
 
 
 def resume(plan: FitPlan, device: DeviceState) -> FitPlan:

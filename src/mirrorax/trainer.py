@@ -131,7 +131,7 @@ class Trainer:
         planner.remember_trainer(model, self)  # mx.plan(model) plans this trainer's own step
         # NaN/inf in array inputs are refused up front unless non-finite steps are to be skipped or
         # ignored: then the user has chosen to train on past them.
-        self._refuse_nonfinite = on_nonfinite == "raise"
+        self.refuses_nonfinite = on_nonfinite == "raise"
 
     # -- state -------------------------------------------------------------------------------------
     @property
@@ -258,14 +258,20 @@ class Trainer:
           CheckpointError: ``checkpoint_dir`` is not writable (raised at once), or holds a checkpoint
             of a different model or of a run with another global batch.
         """
-        plan = fit_plan.prepare(
-            self.device_state, self.steps, self.model, x, y, batch_size=batch_size, epochs=epochs,
-            validation_data=validation_data, validation_batch_size=validation_batch_size,
-            validation_steps=validation_steps, validation_freq=validation_freq, shuffle=shuffle, seed=seed,
-            sample_weight=sample_weight, steps_per_epoch=steps_per_epoch, initial_epoch=initial_epoch,
-            callbacks=callbacks, verbose=verbose, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-            keep_checkpoints=keep_checkpoints, out=self.stream, steps_per_execution=self.steps_per_execution,
-            refuse_nonfinite=self._refuse_nonfinite, reading=self.reading)
+        return self.fit_with(fit_plan.FitArgs(
+            x, y, batch_size=batch_size, epochs=epochs, validation_data=validation_data,
+            validation_batch_size=validation_batch_size, validation_steps=validation_steps,
+            validation_freq=validation_freq, shuffle=shuffle, seed=seed, sample_weight=sample_weight,
+            steps_per_epoch=steps_per_epoch, initial_epoch=initial_epoch, callbacks=callbacks, verbose=verbose,
+            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints))
+
+    @_first_call.with_room  # the frame stack's room for the whole call: mirrorax._first_call
+    def fit_with(self, args: fit_plan.FitArgs) -> History:
+        """:meth:`fit` on its arguments read into one record (a :class:`mirrorax.fit_plan.FitArgs`, what a
+        Keras model's own ``fit`` under a scope builds): prepare, resume, run the epochs, finish."""
+        plan = fit_plan.prepare(self.device_state, self.steps, self.model, args, out=self.stream,
+                                steps_per_execution=self.steps_per_execution,
+                                refuse_nonfinite=self.refuses_nonfinite, reading=self.reading)
         stopped: preemption.Preempted | None = None
         training_logs: dict[str, float] = {}
         try:
@@ -280,7 +286,7 @@ class Trainer:
                 if plan.snapshots is not None:
                     plan.snapshots.snapshots.wait()
                 self.device_state.write_back()
-                self._finalize_optimizer(epochs)
+                self._finalize_optimizer(args.epochs)
                 if plan.ckpt is not None:
                     plan.ckpt.close()
             finally:
@@ -320,7 +326,7 @@ class Trainer:
           {'accuracy': 0.97, 'loss': 0.09}
         """
         source = make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
-                             check_finite=self._refuse_nonfinite)
+                             check_finite=self.refuses_nonfinite)
         if self.adapter.needs_targets("evaluate"):
             source.require_targets("evaluate")
         batch_size = self._batch_size(source, batch_size)
