@@ -93,3 +93,26 @@ def test_the_epoch_runner_starts_where_the_plan_says():
     assert history.history["loss"] == plan.history.history["loss"]
     for a, b in zip(jax.tree.leaves(trainer.host_state().params), jax.tree.leaves(other.host_state().params)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_evaluate_and_predict_read_their_arguments_into_one_pass():
+    trainer, (x, y) = _trainer(), _data()
+    adapter, model = trainer.adapter, trainer.model
+    one = fit_plan.prepare_pass(adapter, model, 1, "evaluate", x, y, batch_size=None, steps=None, callbacks=None,
+                                refuse_nonfinite=True)
+    assert one.batch_size == 32 and one.steps is None and one.hooks is None  # arrays' default batch
+    assert one.source.sample(8, trainer.strategy.batch_mesh).y is not None
+    # predict takes the inputs of an (x, y) tuple, and NaN inputs (they spoil only their own rows).
+    bad = x.copy()
+    bad[0, 0] = np.nan
+    one = fit_plan.prepare_pass(adapter, model, 1, "predict", (bad, y), batch_size=16, steps=2, callbacks=[],
+                                refuse_nonfinite=True)
+    assert one.batch_size == 16 and one.steps == 2 and one.hooks is not None
+    first = jax.tree.leaves(one.source.sample(8, trainer.strategy.batch_mesh, with_targets=False).x)[0]
+    assert np.isnan(np.asarray(first)[0, 0])
+    with pytest.raises(ValueError, match="NaN"):  # evaluate refuses them (on_nonfinite="raise")
+        fit_plan.prepare_pass(adapter, model, 1, "evaluate", bad, y, batch_size=None, steps=None, callbacks=None,
+                              refuse_nonfinite=True)
+    with pytest.raises(ValueError, match=r"steps must be an integer >= 1; received 0"):
+        fit_plan.prepare_pass(adapter, model, 1, "predict", x, batch_size=None, steps=0, callbacks=None,
+                              refuse_nonfinite=True)

@@ -22,7 +22,7 @@ from mirrorax.elastic import FitSnapshots
 from mirrorax.hooks import Callbacks
 from mirrorax.input_checks import check_batch_size
 from mirrorax.inputs.arrays import ArraySource
-from mirrorax.inputs.make import is_source, make_source, validation_source
+from mirrorax.inputs.make import is_array_tree, is_source, make_source, validation_source
 from mirrorax.inputs.position import InputState
 from mirrorax.inputs.reading import FitReading
 from mirrorax.inputs.source import Source
@@ -34,7 +34,7 @@ from mirrorax.step import StepFunctions
 if TYPE_CHECKING:
     from mirrorax.checkpoint import Checkpointer
 
-__all__ = ["FitArgs", "FitPlan", "Start", "prepare", "resume", "training_source"]
+__all__ = ["FitArgs", "FitPlan", "PassPlan", "Start", "prepare", "prepare_pass", "resume", "training_source"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,6 +248,43 @@ def training_source(adapter: Any, x: Any, y: Any = None, sample_weight: Any = No
     whether ``x`` holds arrays, when the caller has looked already."""
     return make_source(x, y, sample_weight, float_dtype=adapter.float_dtype, check_finite=refuse_nonfinite,
                        scan_in_background=True, arrays=arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class PassPlan:
+    """One ``evaluate`` or ``predict`` pass, read once from its arguments by :func:`prepare_pass`: its input,
+    its global batch, its batches (``None``: all) and its callbacks (``None``: none)."""
+
+    source: Source
+    batch_size: int
+    steps: int | None
+    hooks: Callbacks | None
+
+
+def prepare_pass(adapter: Any, model: Any, process_count: int, kind: Literal["evaluate", "predict"], x: Any,
+                 y: Any = None, sample_weight: Any = None, *, batch_size: int | None, steps: int | None,
+                 callbacks: Any, refuse_nonfinite: bool) -> PassPlan:
+    """Reads ``evaluate``'s or ``predict``'s arguments (as ``Trainer.evaluate`` / ``predict`` document them)
+    into a :class:`PassPlan`: the source (``predict`` takes the inputs of ``(x, y)`` / ``(x, y, w)``, and NaN
+    inputs, which spoil only their own rows' outputs), targets required where the model needs them, the batch
+    (the source's default, else checked), the steps checked, the callbacks (``on_test_*`` / ``on_predict_*``).
+
+    Raises:
+      ValueError / TypeError: bad inputs, raised before any compilation.
+    """
+    if kind == "predict":
+        if isinstance(x, tuple) and len(x) in (2, 3) and not is_array_tree(x):
+            x = x[0]
+        source = make_source(x, float_dtype=adapter.float_dtype, check_finite=False)
+    else:
+        source = make_source(x, y, sample_weight, float_dtype=adapter.float_dtype, check_finite=refuse_nonfinite)
+        if adapter.needs_targets("evaluate"):
+            source.require_targets("evaluate")
+    batch_size = source.default_batch_size(process_count) if batch_size is None else check_batch_size(batch_size)
+    if steps is not None:
+        check_int("steps", steps)
+    hooks = Callbacks(callbacks, model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
+    return PassPlan(source, batch_size, steps, hooks)
 
 
 def resume(plan: FitPlan, device: DeviceState) -> FitPlan:

@@ -20,13 +20,10 @@ from mirrorax import resume as resume_lib
 from mirrorax._checks import check_int
 from mirrorax._host import host_tree
 from mirrorax.device_state import DeviceState
-from mirrorax.hooks import Callbacks
-from mirrorax.input_checks import check_batch_size
 from mirrorax.inputs.arrays import ArraySource
-from mirrorax.inputs.make import class_weights, is_array_tree, make_source
+from mirrorax.inputs.make import class_weights
 from mirrorax.inputs.placement import to_global
 from mirrorax.inputs.reading import FitReading
-from mirrorax.inputs.source import Source
 from mirrorax.loop import Loop
 from mirrorax.models.adapters import adapt
 from mirrorax.models.base import ModelAdapter
@@ -198,12 +195,6 @@ class Trainer:
             raise RuntimeError("The trainer has no state yet; call fit, evaluate or predict first.")
         return host_tree(self.device_state.value)
 
-    # -- data helpers ------------------------------------------------------------------------------
-    def _batch_size(self, source: Source, batch_size: int | None) -> int:
-        if batch_size is None:
-            return source.default_batch_size(self.strategy.process_count)
-        return check_batch_size(batch_size)
-
     # -- fit ---------------------------------------------------------------------------------------
     @_first_call.with_room  # the frame stack's room for the whole call: mirrorax._first_call
     def fit(self, x: Any, y: Any = None, *, batch_size: int | None = None, epochs: int = 1,
@@ -325,15 +316,11 @@ class Trainer:
           >>> trainer.evaluate(x_test, y_test, batch_size=256)
           {'accuracy': 0.97, 'loss': 0.09}
         """
-        source = make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
-                             check_finite=self.refuses_nonfinite)
-        if self.adapter.needs_targets("evaluate"):
-            source.require_targets("evaluate")
-        batch_size = self._batch_size(source, batch_size)
-        if steps is not None:
-            check_int("steps", steps)
-        hooks = Callbacks(callbacks, self.model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
-        logs = self.loop.evaluate(source, batch_size, steps=steps, hooks=hooks, warn_short=self.reading.ends_with_data)
+        one = fit_plan.prepare_pass(self.adapter, self.model, self.strategy.process_count, "evaluate", x, y,
+                                    sample_weight, batch_size=batch_size, steps=steps, callbacks=callbacks,
+                                    refuse_nonfinite=self.refuses_nonfinite)
+        logs = self.loop.evaluate(one.source, one.batch_size, steps=one.steps, hooks=one.hooks,
+                                  warn_short=self.reading.ends_with_data)
         if self.strategy.is_primary and resolve_verbose(verbose, self.stream):
             self.stream.write(f"evaluate - {format_logs(logs)}\n")
         return logs
@@ -354,15 +341,11 @@ class Trainer:
           >>> probs.shape[0] == len(x_test)
           True
         """
-        if isinstance(x, tuple) and len(x) in (2, 3) and not is_array_tree(x):
-            x = x[0]
-        # NaN inputs are allowed here: they spoil only their own rows' outputs.
-        source = make_source(x, float_dtype=self.adapter.float_dtype, check_finite=False)
-        batch_size = self._batch_size(source, batch_size)
-        if steps is not None:
-            check_int("steps", steps)
-        hooks = Callbacks(callbacks, self.model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
-        return self.loop.predict(source, batch_size, steps=steps, hooks=hooks, warn_short=self.reading.ends_with_data)
+        one = fit_plan.prepare_pass(self.adapter, self.model, self.strategy.process_count, "predict", x,
+                                    batch_size=batch_size, steps=steps, callbacks=callbacks,
+                                    refuse_nonfinite=self.refuses_nonfinite)
+        return self.loop.predict(one.source, one.batch_size, steps=one.steps, hooks=one.hooks,
+                                 warn_short=self.reading.ends_with_data)
 
     # -- one batch (Keras's *_on_batch) ------------------------------------------------------------
     def train_on_batch(self, x: Any, y: Any = None, *, sample_weight: Any = None, class_weight: Any = None
