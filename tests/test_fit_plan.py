@@ -14,6 +14,7 @@ from helpers import strategy
 
 import mirrorax as mx
 from mirrorax import fit_plan
+from mirrorax.keras import order as keras_order
 
 ROWS, FEATURES, CLASSES = 40, 4, 3
 
@@ -37,12 +38,9 @@ def _data():
 
 
 def _prepare(trainer: mx.Trainer, x, y, **given) -> fit_plan.FitPlan:
-    args = dict(batch_size=None, epochs=1, validation_data=None, validation_batch_size=None, validation_steps=None,
-                validation_freq=1, shuffle=False, seed=0, sample_weight=None, steps_per_epoch=None,
-                initial_epoch=0, callbacks=None, verbose=0, checkpoint_dir=None, checkpoint_every="epoch",
-                keep_checkpoints=3, out=trainer.stream, steps_per_execution=1, refuse_nonfinite=True,
-                ends_with_data=False, keras_order=False)
-    return fit_plan.prepare(trainer.device_state, trainer.steps, trainer.model, x, y, **{**args, **given})
+    args = fit_plan.FitArgs(x, y, **{"shuffle": False, "verbose": 0, **given})
+    return fit_plan.prepare(trainer.device_state, trainer.steps, trainer.model, args, out=trainer.stream,
+                            steps_per_execution=1, refuse_nonfinite=True, reading=mx.FitReading())
 
 
 def test_prepare_reads_fit_once_into_a_frozen_record():
@@ -59,8 +57,10 @@ def test_prepare_reads_fit_once_into_a_frozen_record():
             plan.epochs = 5  # type: ignore[misc]
         moved = plan.starting_at(2)
         assert moved.start == fit_plan.Start(2) and plan.start == fit_plan.Start(1) and moved.hooks is plan.hooks
-        # Keras's order counts a fit's passes from its first epoch: the stream's epoch 0 is the start's.
-        assert dataclasses.replace(moved, keras_order=True).first_epoch == 2
+        # An order drawn per pass (Keras's) counts a fit's passes from its first epoch: the stream's epoch 0 is
+        # the start's.
+        drawn = mx.FitReading(order=keras_order.KERAS_ORDER)
+        assert dataclasses.replace(moved, reading=drawn).first_epoch == 2
     finally:
         plan.watch.close()
 
@@ -93,3 +93,26 @@ def test_the_epoch_runner_starts_where_the_plan_says():
     assert history.history["loss"] == plan.history.history["loss"]
     for a, b in zip(jax.tree.leaves(trainer.host_state().params), jax.tree.leaves(other.host_state().params)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_evaluate_and_predict_read_their_arguments_into_one_pass():
+    trainer, (x, y) = _trainer(), _data()
+    adapter, model = trainer.adapter, trainer.model
+    one = fit_plan.prepare_pass(adapter, model, 1, "evaluate", x, y, batch_size=None, steps=None, callbacks=None,
+                                refuse_nonfinite=True)
+    assert one.batch_size == 32 and one.steps is None and one.hooks is None  # arrays' default batch
+    assert one.source.sample(8, trainer.strategy.batch_mesh).y is not None
+    # predict takes the inputs of an (x, y) tuple, and NaN inputs (they spoil only their own rows).
+    bad = x.copy()
+    bad[0, 0] = np.nan
+    one = fit_plan.prepare_pass(adapter, model, 1, "predict", (bad, y), batch_size=16, steps=2, callbacks=[],
+                                refuse_nonfinite=True)
+    assert one.batch_size == 16 and one.steps == 2 and one.hooks is not None
+    first = jax.tree.leaves(one.source.sample(8, trainer.strategy.batch_mesh, with_targets=False).x)[0]
+    assert np.isnan(np.asarray(first)[0, 0])
+    with pytest.raises(ValueError, match="NaN"):  # evaluate refuses them (on_nonfinite="raise")
+        fit_plan.prepare_pass(adapter, model, 1, "evaluate", bad, y, batch_size=None, steps=None, callbacks=None,
+                              refuse_nonfinite=True)
+    with pytest.raises(ValueError, match=r"steps must be an integer >= 1; received 0"):
+        fit_plan.prepare_pass(adapter, model, 1, "predict", x, batch_size=None, steps=0, callbacks=None,
+                              refuse_nonfinite=True)

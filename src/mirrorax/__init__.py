@@ -26,7 +26,10 @@ from mirrorax.cluster.join import initialize as initialize
 from mirrorax.cluster.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
 from mirrorax.cluster.preemption import Preempted as Preempted
 from mirrorax.consistency import ReplicaMismatchError as ReplicaMismatchError
+from mirrorax.front_end import register_lazy as _register_lazy_front_end
 from mirrorax.inputs.distributed import DistributedDataset as DistributedDataset
+from mirrorax.inputs.reading import FitReading as FitReading
+from mirrorax.inputs.reading import PassOrder as PassOrder
 
 # mirrorax.keras.fit is imported for what importing it does: strategy.scope() then routes the Keras models made in it.
 from mirrorax.keras import fit as _keras_fit  # noqa: F401
@@ -67,12 +70,21 @@ def _load_keras() -> None:  # Keras's split/merge protocol, loaded by the first 
     _register(KERAS)
 
 
-def _load_nnx() -> None:  # the Flax NNX wing, loaded by the first step called while flax.nnx is imported
-    import mirrorax.nnx  # noqa: F401  (registers its split/merge protocol)
+def _load_keras_front_end() -> None:  # Keras's record, loaded by the engine's first look while keras is imported
+    from mirrorax.front_end import register
+    from mirrorax.keras.front_end import KERAS_FRONT_END
+
+    register(KERAS_FRONT_END)
+
+
+def _load_nnx() -> None:  # the Flax NNX wing, loaded by the first step (or look) while flax.nnx is imported
+    import mirrorax.nnx  # noqa: F401  (registers its split/merge protocol and its front-end's record)
 
 
 _register_front_end("keras", _load_keras)
 _register_front_end("flax.nnx", _load_nnx)
+_register_lazy_front_end("keras", _load_keras_front_end)
+_register_lazy_front_end("flax.nnx", _load_nnx)
 
 if TYPE_CHECKING:  # loaded on first use (below); imported here for type checkers and the API reference
     from mirrorax.checkpoint.checkpointer import Checkpointer as Checkpointer
@@ -110,6 +122,7 @@ __all__ = [
     "Collective",
     "DistributedBatch",
     "DistributedDataset",
+    "FitReading",
     "FunctionalModel",
     "History",
     "InputContext",
@@ -118,6 +131,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "NonFiniteLossError",
     "PaddingIgnoredWarning",
+    "PassOrder",
     "ReplicatedBatchWarning",
     "Plan",
     "PREEMPTED_EXIT_CODE",

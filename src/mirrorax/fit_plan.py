@@ -24,11 +24,11 @@ from mirrorax.device_state import DeviceState
 from mirrorax.hooks import Callbacks
 from mirrorax.inputs.arrays import ArraySource
 from mirrorax.inputs.checks import check_batch_size
-from mirrorax.inputs.make import make_source, validation_source
+from mirrorax.inputs.make import is_array_tree, is_source, make_source, validation_source
 from mirrorax.inputs.position import InputState
+from mirrorax.inputs.reading import FitReading
 from mirrorax.inputs.source import Source
 from mirrorax.inputs.streams import Stream
-from mirrorax.keras import order as order_lib
 from mirrorax.progress import resolve_verbose
 from mirrorax.results import History
 from mirrorax.steps.functions import StepFunctions
@@ -36,7 +36,36 @@ from mirrorax.steps.functions import StepFunctions
 if TYPE_CHECKING:
     from mirrorax.checkpoint.checkpointer import Checkpointer
 
-__all__ = ["FitPlan", "Start", "prepare", "resume"]
+__all__ = ["FitArgs", "FitPlan", "PassPlan", "Start", "prepare", "prepare_pass", "resume", "training_source"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FitArgs:
+    """``fit``'s arguments, as ``Trainer.fit`` documents them: built once where the call comes in
+    (``Trainer.fit``, a Keras model's ``fit`` under a scope) and read by everything below.
+
+    ``x`` may also be the training input made a source already (:func:`training_source`, by a caller that
+    read ``x`` itself: a Keras model's ``fit``), ``y`` and ``sample_weight`` then in it.
+    """
+
+    x: Any
+    y: Any = None
+    batch_size: int | None = None
+    epochs: int = 1
+    validation_data: Any = None
+    validation_batch_size: int | None = None
+    validation_steps: int | None = None
+    validation_freq: int | Sequence[int] = 1
+    shuffle: bool | Literal["batch"] = True
+    seed: int = 0
+    sample_weight: Any = None
+    steps_per_epoch: int | None = None
+    initial_epoch: int = 0
+    callbacks: Any = None
+    verbose: int | str = "auto"
+    checkpoint_dir: Any = None
+    checkpoint_every: int | str = "epoch"
+    keep_checkpoints: int | None = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +99,8 @@ class FitPlan:
       validation_batch_size, validation_steps: the validation's batch and batches; ``validate(epoch)``:
         whether epoch ``epoch`` (0-based) ends with a validation.
       mode: the progress output's verbosity (0 off this process's primary); ``out``: where it goes.
-      ends_with_data: an epoch ends where the data does (Keras's fit reading of ``steps_per_epoch``).
-      keras_order: Keras's own data order, its passes counted from the fit's first epoch.
+      reading: how the data is read (:class:`mirrorax.FitReading`: where an epoch ends; an order drawn per
+        pass, its passes counted from the fit's first epoch).
     """
 
     source: Source
@@ -93,16 +122,16 @@ class FitPlan:
     validate: Callable[[int], bool]
     mode: int
     out: IO[str]
-    ends_with_data: bool
-    keras_order: bool
+    reading: FitReading
     resumed: bool = False
     snapshots: FitSnapshots | None = None
 
     @property
     def first_epoch(self) -> int:
-        """The epoch the stream's epochs are counted from: Keras's order counts each fit's passes from
-        its first epoch, as Keras's iterator does; mirrorax's from epoch 0 (a resumed run replays it)."""
-        if not self.keras_order:
+        """The epoch the stream's epochs are counted from: an order drawn per pass (Keras's) counts each fit's
+        passes from its first epoch, as Keras's iterator does; mirrorax's from epoch 0 (a resumed run replays
+        it)."""
+        if self.reading.order is None:
             return 0
         return self.start.epoch if self.start.first_epoch is None else self.start.first_epoch
 
@@ -111,13 +140,9 @@ class FitPlan:
         return dataclasses.replace(self, start=Start(epoch))
 
 
-def prepare(device: DeviceState, steps: StepFunctions, model: Any, x: Any, y: Any, *, batch_size: int | None,
-            epochs: int, validation_data: Any, validation_batch_size: int | None, validation_steps: int | None,
-            validation_freq: int | Sequence[int], shuffle: bool | Literal["batch"], seed: int, sample_weight: Any,
-            steps_per_epoch: int | None, initial_epoch: int, callbacks: Any, verbose: int | str,
-            checkpoint_dir: Any, checkpoint_every: int | str, keep_checkpoints: int | None, out: IO[str],
-            steps_per_execution: int, refuse_nonfinite: bool, ends_with_data: bool, keras_order: bool) -> FitPlan:
-    """Reads ``fit``'s arguments (as ``Trainer.fit`` documents them) into a :class:`FitPlan`.
+def prepare(device: DeviceState, steps: StepFunctions, model: Any, args: FitArgs, *, out: IO[str],
+            steps_per_execution: int, refuse_nonfinite: bool, reading: FitReading) -> FitPlan:
+    """Reads ``fit``'s arguments (``args``) into a :class:`FitPlan`.
 
     Checks every argument, makes the sources (large arrays scanned for NaN/inf on a thread, joined last),
     places the state, checks the targets, compiles and plans the first step, opens the checkpoint
@@ -128,42 +153,44 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, x: Any, y: An
       device, steps, model: the trainer's state on the devices, its step functions and its model.
       out: where progress goes; ``steps_per_execution``: the trainer's.
       refuse_nonfinite: refuse NaN/inf in array inputs (``on_nonfinite="raise"``).
-      ends_with_data, keras_order: Keras's fit's readings (see :class:`FitPlan`).
+      reading: how the data is read (see :class:`FitPlan`).
 
     Raises:
       ValueError / TypeError: bad inputs, raised before any compilation.
       CheckpointError: ``checkpoint_dir`` is not writable.
     """
     strategy, adapter = steps.strategy, steps.adapter
-    mode = resolve_verbose(verbose, out) if strategy.is_primary else 0
+    mode = resolve_verbose(args.verbose, out) if strategy.is_primary else 0
     watch = preemption.Watch(strategy.process_count)
     watch.start()
     ready = False
     source: Source | None = None
     val: Source | None = None
     try:
-        check_int("epochs", epochs, low=0)
-        check_int("initial_epoch", initial_epoch, low=0)
-        check_int("seed", seed, low=0)
-        if steps_per_epoch is not None:
-            check_int("steps_per_epoch", steps_per_epoch)
-        if validation_batch_size is not None:
-            check_batch_size(validation_batch_size)
-        every = resume_lib.check_every(checkpoint_every)
+        check_int("epochs", args.epochs, low=0)
+        check_int("initial_epoch", args.initial_epoch, low=0)
+        check_int("seed", args.seed, low=0)
+        if args.steps_per_epoch is not None:
+            check_int("steps_per_epoch", args.steps_per_epoch)
+        if args.validation_batch_size is not None:
+            check_batch_size(args.validation_batch_size)
+        every = resume_lib.check_every(args.checkpoint_every)
         # Large arrays are scanned for NaN/inf on a thread, joined below before anything changes.
-        source = make_source(x, y, sample_weight, float_dtype=adapter.float_dtype,
-                             check_finite=refuse_nonfinite, scan_in_background=True)
+        source = args.x if is_source(args.x) else training_source(
+            adapter, args.x, args.y, args.sample_weight, refuse_nonfinite=refuse_nonfinite)
         if adapter.needs_targets("fit"):
             source.require_targets("fit")
-        batch_size = (source.default_batch_size(strategy.process_count) if batch_size is None
-                      else check_batch_size(batch_size))
-        val = validation_source(validation_data, float_dtype=adapter.float_dtype, check_finite=refuse_nonfinite,
-                                targets=adapter.needs_targets("evaluate"), scan_in_background=True)
+        batch_size = (source.default_batch_size(strategy.process_count) if args.batch_size is None
+                      else check_batch_size(args.batch_size))
+        val = validation_source(args.validation_data, float_dtype=adapter.float_dtype,
+                                check_finite=refuse_nonfinite, targets=adapter.needs_targets("evaluate"),
+                                scan_in_background=True)
         ckpt = None
-        if checkpoint_dir is not None:
+        if args.checkpoint_dir is not None:
             from mirrorax.checkpoint.checkpointer import Checkpointer
 
-            ckpt = Checkpointer(checkpoint_dir, keep=keep_checkpoints)
+            ckpt = Checkpointer(args.checkpoint_dir, keep=args.keep_checkpoints)
+        callbacks = args.callbacks
         if callbacks is not None and not isinstance(callbacks, (list, tuple)) and \
                 type(callbacks).__name__ != "CallbackList":  # (Keras's fit under a scope passes its own list)
             callbacks = [callbacks]  # one callback, not in a list: as Keras's own fit takes it
@@ -182,15 +209,16 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, x: Any, y: An
         planner.at_fit_start(model, steps, device, sample, batch_size, stream=out,
                              announce=bool(mode) and steps_per_execution == 1)
         history = History()
-        stream = source.stream(batch_size, strategy.batch_mesh, shuffle=shuffle, seed=seed,
-                               ends_with_data=ends_with_data, keras_order=keras_order)
-        per_epoch = steps_per_epoch or stream.batches_per_pass
-        hooks = Callbacks(callbacks, model, epochs=epochs, steps=per_epoch, verbose=0 if not mode else mode)
-        validate = _validation_schedule(validation_freq)
+        stream = source.stream(batch_size, strategy.batch_mesh, shuffle=args.shuffle, seed=args.seed,
+                               reading=reading)
+        per_epoch = args.steps_per_epoch or stream.batches_per_pass
+        hooks = Callbacks(callbacks, model, epochs=args.epochs, steps=per_epoch, verbose=0 if not mode else mode)
+        validate = _validation_schedule(args.validation_freq)
         if strategy.process_count > 1:  # every process must take the same path through each step
             hooks.listens = {kind: consistency.any_process(v) for kind, v in hooks.listens.items()}
-        run: dict[str, Any] = {"batch_size": batch_size, "shuffle": "batch" if shuffle == "batch" else bool(shuffle),
-                               "seed": int(seed), "steps_per_epoch": steps_per_epoch}
+        shuffle = "batch" if args.shuffle == "batch" else bool(args.shuffle)
+        run: dict[str, Any] = {"batch_size": batch_size, "shuffle": shuffle, "seed": int(args.seed),
+                               "steps_per_epoch": args.steps_per_epoch}
         if ckpt is not None:  # as configured now, before a resume or a callback changes them
             run["hyperparameters"] = resume_lib.hyperparameters(device.value)
         elastic = snapshot.configured()  # an elastic job: a restart resumes from a snapshot, as from a checkpoint
@@ -208,11 +236,57 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, x: Any, y: An
         if not ready:
             watch.close()
     return FitPlan(source=source, validation=val, stream=stream, hooks=hooks, watch=watch, history=history,
-                   ckpt=ckpt, saver=saver, run=run, inputs=inputs, start=Start(initial_epoch), epochs=epochs,
-                   steps_per_epoch=steps_per_epoch, batch_size=batch_size,
-                   validation_batch_size=validation_batch_size or batch_size, validation_steps=validation_steps,
-                   validate=validate, mode=mode, out=out, ends_with_data=ends_with_data, keras_order=keras_order,
+                   ckpt=ckpt, saver=saver, run=run, inputs=inputs, start=Start(args.initial_epoch),
+                   epochs=args.epochs, steps_per_epoch=args.steps_per_epoch, batch_size=batch_size,
+                   validation_batch_size=args.validation_batch_size or batch_size,
+                   validation_steps=args.validation_steps, validate=validate, mode=mode, out=out, reading=reading,
                    snapshots=snapshots)
+
+
+def training_source(adapter: Any, x: Any, y: Any = None, sample_weight: Any = None, *, refuse_nonfinite: bool,
+                    arrays: bool | None = None) -> Source:
+    """``fit``'s training input as a :class:`~mirrorax.inputs.source.Source`, in the model's float type: large
+    arrays scanned for NaN/inf on a thread when ``refuse_nonfinite`` (joined by :func:`prepare`); ``arrays``:
+    whether ``x`` holds arrays, when the caller has looked already."""
+    return make_source(x, y, sample_weight, float_dtype=adapter.float_dtype, check_finite=refuse_nonfinite,
+                       scan_in_background=True, arrays=arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class PassPlan:
+    """One ``evaluate`` or ``predict`` pass, read once from its arguments by :func:`prepare_pass`: its input,
+    its global batch, its batches (``None``: all) and its callbacks (``None``: none)."""
+
+    source: Source
+    batch_size: int
+    steps: int | None
+    hooks: Callbacks | None
+
+
+def prepare_pass(adapter: Any, model: Any, process_count: int, kind: Literal["evaluate", "predict"], x: Any,
+                 y: Any = None, sample_weight: Any = None, *, batch_size: int | None, steps: int | None,
+                 callbacks: Any, refuse_nonfinite: bool) -> PassPlan:
+    """Reads ``evaluate``'s or ``predict``'s arguments (as ``Trainer.evaluate`` / ``predict`` document them)
+    into a :class:`PassPlan`: the source (``predict`` takes the inputs of ``(x, y)`` / ``(x, y, w)``, and NaN
+    inputs, which spoil only their own rows' outputs), targets required where the model needs them, the batch
+    (the source's default, else checked), the steps checked, the callbacks (``on_test_*`` / ``on_predict_*``).
+
+    Raises:
+      ValueError / TypeError: bad inputs, raised before any compilation.
+    """
+    if kind == "predict":
+        if isinstance(x, tuple) and len(x) in (2, 3) and not is_array_tree(x):
+            x = x[0]
+        source = make_source(x, float_dtype=adapter.float_dtype, check_finite=False)
+    else:
+        source = make_source(x, y, sample_weight, float_dtype=adapter.float_dtype, check_finite=refuse_nonfinite)
+        if adapter.needs_targets("evaluate"):
+            source.require_targets("evaluate")
+    batch_size = source.default_batch_size(process_count) if batch_size is None else check_batch_size(batch_size)
+    if steps is not None:
+        check_int("steps", steps)
+    hooks = Callbacks(callbacks, model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
+    return PassPlan(source, batch_size, steps, hooks)
 
 
 def resume(plan: FitPlan, device: DeviceState) -> FitPlan:
@@ -240,8 +314,8 @@ def resume(plan: FitPlan, device: DeviceState) -> FitPlan:
         plan.snapshots.said(resumed.step, resumed.epoch, resumed.batch_in_epoch, kind, resumed.epoch >= plan.epochs,
                             devices)
         order = plan.snapshots.snapshots.last_held.get("meta", {}).get("order_state") if kind == "snapshot" else None
-        if order is not None and plan.keras_order:  # Keras's order of the pass resumed in, drawn again
-            order_lib.set_random_state(order)
+        if order is not None and plan.reading.order is not None:  # the order of the pass resumed in, drawn again
+            plan.reading.order.restore(order)
     # A resumed fit's data order counts its passes from where the interrupted fit counted them.
     start = Start(resumed.epoch, resumed.batch_in_epoch, resumed.input_state, first_epoch=plan.start.epoch)
     return dataclasses.replace(plan, start=start, resumed=True)

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mirrorax import consistency
+from mirrorax import consistency, front_end
 from mirrorax import epoch as epoch_lib
 from mirrorax._host import host_tree, host_value
 from mirrorax.cluster import preemption
@@ -31,7 +31,6 @@ from mirrorax.inputs.batch import Batch
 from mirrorax.inputs.prefetch import Prefetcher, device_batches
 from mirrorax.inputs.source import Source
 from mirrorax.inputs.streams import ran_out_of_data, within_pass
-from mirrorax.keras import _internals as keras_internals
 from mirrorax.progress import Progress
 from mirrorax.results import NonFiniteLossError
 from mirrorax.steps import first_call as _first_call
@@ -145,9 +144,12 @@ class Loop:
         hooks.call("on_train_begin")
         if plan.resumed:  # Keras's History (emptied by on_train_begin) holds the epochs run before the restart
             hooks.restore_history(plan.history)
-        # keras.callbacks.BackupAndRestore says where to resume in on_train_begin (Keras's fit reads
-        # model._initial_epoch only then); its restored weights are adopted at on_epoch_begin.
-        restored = None if plan.resumed else keras_internals.initial_epoch(self.model)
+        # A callback may say where to resume in on_train_begin (Keras's BackupAndRestore: Keras's fit reads
+        # the epoch only then); its restored weights are adopted at on_epoch_begin.
+        kind = front_end.of(self.model)
+        restored = None
+        if not plan.resumed and kind is not None and kind.initial_epoch is not None:
+            restored = kind.initial_epoch(self.model)
         if restored:
             plan = plan.starting_at(restored)
         training_logs: dict[str, float] = {}
@@ -156,13 +158,13 @@ class Loop:
             device.adopt_callback_changes()  # e.g. a learning rate a callback set
             start_batch = plan.start.batch if epoch == plan.start.epoch else 0
             logs, progress, steps, samples = self.epoch(plan, epoch, start_batch)
-            if plan.ends_with_data and plan.steps_per_epoch and start_batch + steps < plan.steps_per_epoch \
+            if plan.reading.ends_with_data and plan.steps_per_epoch and start_batch + steps < plan.steps_per_epoch \
                     and not getattr(self.model, "stop_training", False):
                 ran_out_of_data()
             device.write_back()  # Keras syncs the model before validation: on_test_begin may read it
             if plan.validation is not None and plan.validate(epoch):
                 vlogs = self.evaluate(plan.validation, plan.validation_batch_size, steps=plan.validation_steps,
-                                      hooks=hooks, warn_short=plan.ends_with_data)
+                                      hooks=hooks, warn_short=plan.reading.ends_with_data)
                 logs.update({f"val_{k}": v for k, v in vlogs.items()})
             sps = progress.finish(steps, samples, logs)
             plan.history.append(epoch, logs, sps)

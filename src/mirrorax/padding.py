@@ -10,7 +10,8 @@ TF's last batch is simply shorter. So that a step gives TF's numbers:
 * **Per replica** (``strategy.run``, and the global view of a batch whose count only the devices know):
   each replica has as many rows, so the padding stays. Every Keras metric's ``update_state`` called in the
   step with one value per row is given the mask as its ``sample_weight`` (times the user's own), so its
-  state counts the real rows only (:func:`masked_metric_updates`); :func:`mirrorax.compute_average_loss`
+  state counts the real rows only (:func:`masked_metric_updates`, through each front-end's
+  ``metric_masking``: Keras's is :mod:`mirrorax.keras.masking`); :func:`mirrorax.compute_average_loss`
   and :func:`mirrorax.masked_mean` leave the padding out of losses.
 * **Outputs.** An output with one row per example of a batch with padding is recorded
   (:func:`mirrorax.replica.mark_rows`), so that ``strategy.gather``, ``experimental_local_results`` and
@@ -24,9 +25,7 @@ TF's last batch is simply shorter. So that a step gives TF's numbers:
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
-import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -37,11 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
 
+from mirrorax import front_end
 from mirrorax.replica import find_batch
 
 __all__ = ["PaddingIgnoredWarning", "ReplicatedBatchWarning", "padding_outputs", "warn_padding", "warn_stray_rows",
-           "warn_replicated_batch", "masked_metric_updates", "unmasked_metrics", "per_row_leaves",
-           "even_out_shardings", "even_layouts"]
+           "warn_replicated_batch", "masked_metric_updates", "unmasked_metrics", "current_mask", "masked_update",
+           "per_row_leaves", "even_out_shardings", "even_layouts"]
 
 
 class PaddingIgnoredWarning(UserWarning):
@@ -213,11 +213,8 @@ def even_layouts(shardings: Any, shapes: Any, fallback: Any) -> Any:
     return jax.tree.map(one, full, shapes)
 
 
-# -- Keras metrics given the mask ------------------------------------------------------------------------
-_state = threading.local()  # .masks: a stack (None: no masking); .inside: depth of patched calls
-_lock = threading.Lock()
-_installed: dict[Any, Callable[..., Any]] = {}  # class -> its own update_state, while patched
-_users = 0
+# -- metrics given the mask ------------------------------------------------------------------------------
+_state = threading.local()  # .masks: a stack (None: no masking); .unmasked: the names collected
 
 
 def _masks() -> list[Any]:
@@ -227,10 +224,20 @@ def _masks() -> list[Any]:
     return stack
 
 
-def _with_mask(original: Callable[..., Any], metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-               mask: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The arguments of ``metric.update_state`` with ``mask`` in the sample weight, when its first argument
-    holds one value per row of the step's batch; unchanged otherwise."""
+def current_mask() -> Any:
+    """The mask of the step tracing on this thread (:func:`masked_metric_updates`), or ``None``: no masking
+    (not in a step, or a step that sees no padding)."""
+    stack = _masks()
+    return stack[-1] if stack else None
+
+
+def masked_update(original: Callable[..., Any], metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  mask: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of ``metric.update_state`` (``original``: its own method, unbound) with ``mask`` in the
+    sample weight (times the one passed), when its first argument holds one value per row of the step's
+    batch; unchanged otherwise. A metric whose ``update_state`` takes no ``sample_weight`` is left as given
+    and named to :func:`unmasked_metrics`. A front-end's metrics call this while its ``metric_masking``
+    context is open (:class:`mirrorax.front_end.FrontEnd`)."""
     try:
         signature = inspect.signature(original)
         bound = signature.bind(metric, *args, **kwargs)
@@ -257,79 +264,26 @@ def _with_mask(original: Callable[..., Any], metric: Any, args: tuple[Any, ...],
     return bound.args[1:], bound.kwargs
 
 
-def _patched(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def update_state(self: Any, *args: Any, **kwargs: Any) -> Any:
-        masks = _masks()
-        inside = getattr(_state, "inside", 0)
-        if not masks or masks[-1] is None or inside:  # not in a step, or a metric called by a metric
-            return original(self, *args, **kwargs)
-        args, kwargs = _with_mask(original, self, args, kwargs, masks[-1])
-        _state.inside = inside + 1
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _state.inside = inside
-
-    update_state.__mirrorax_original__ = original  # type: ignore[attr-defined]
-    return update_state
-
-
-def _metric_classes(base: Any) -> Iterator[Any]:
-    seen: set[Any] = set()
-    todo = [base]
-    while todo:
-        cls = todo.pop()
-        if cls in seen:
-            continue
-        seen.add(cls)
-        yield cls
-        todo.extend(cls.__subclasses__())
-
-
-def _install() -> None:
-    global _users
-    keras = sys.modules.get("keras")
-    with _lock:
-        _users += 1
-        if keras is None:
-            return
-        # Every class that defines update_state itself (Keras's and the user's metrics), walked on each
-        # install: a metric class defined since the last one is included.
-        for cls in _metric_classes(keras.metrics.Metric):
-            own = cls.__dict__.get("update_state")
-            if callable(own) and cls not in _installed and not hasattr(own, "__mirrorax_original__"):
-                _installed[cls] = own
-                cls.update_state = _patched(own)
-
-
-def _uninstall() -> None:
-    global _users
-    with _lock:
-        _users -= 1
-        if _users == 0:
-            for cls, own in _installed.items():
-                cls.update_state = own
-            _installed.clear()
-
-
 @contextlib.contextmanager
 def masked_metric_updates(mask: Any) -> Iterator[None]:
-    """While a step traces: each Keras metric's ``update_state`` whose first argument has one value per
-    row of ``mask`` is given ``mask`` as its sample weight (times the one passed), so its state counts
-    the real rows only. ``mask=None``: no masking (a step that sees no padding, inside one that does).
+    """While a step traces: each front-end's metric (Keras's) whose ``update_state``'s first argument has one
+    value per row of ``mask`` is given ``mask`` as its sample weight (times the one passed), so its state
+    counts the real rows only. ``mask=None``: no masking (a step that sees no padding, inside one that does).
 
-    Keras metrics' ``update_state`` methods are wrapped while any step traces under this (on any thread;
-    the wrappers act only on the thread whose step set a mask) and restored after.
+    Each registered front-end's ``metric_masking`` context is open meanwhile (Keras's wraps its metrics'
+    ``update_state`` methods while any step traces under this, on any thread; the wrappers act only on the
+    thread whose step set a mask, through :func:`current_mask` and :func:`masked_update`).
     """
-    _install()
-    stack = _masks()
-    stack.append(mask)
-    try:
-        yield
-    finally:
-        stack.pop()
-        _uninstall()
+    with contextlib.ExitStack() as contexts:
+        for kind in front_end.front_ends():
+            if kind.metric_masking is not None:
+                contexts.enter_context(kind.metric_masking())
+        stack = _masks()
+        stack.append(mask)
+        try:
+            yield
+        finally:
+            stack.pop()
 
 
 @contextlib.contextmanager

@@ -15,18 +15,16 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Any, Literal, NoReturn
 
-from mirrorax import fit_plan, planner
+from mirrorax import fit_plan, front_end, planner
 from mirrorax._checks import check_int
 from mirrorax._host import host_tree
 from mirrorax.checkpoint import resume as resume_lib
 from mirrorax.cluster import preemption
 from mirrorax.device_state import DeviceState
-from mirrorax.hooks import Callbacks
 from mirrorax.inputs.arrays import ArraySource
-from mirrorax.inputs.checks import check_batch_size
-from mirrorax.inputs.make import class_weights, is_array_tree, make_source
+from mirrorax.inputs.make import class_weights
 from mirrorax.inputs.placement import to_global
-from mirrorax.inputs.source import Source
+from mirrorax.inputs.reading import FitReading
 from mirrorax.loop import Loop
 from mirrorax.models.adapters import adapt
 from mirrorax.models.base import ModelAdapter
@@ -73,6 +71,10 @@ class Trainer:
         loss scaling), for Keras models and Flax NNX modules (an NNX module's layers' ``dtype``; its loss
         scaled by :func:`mirrorax.models.loss_scale.dynamic_loss_scale`); ``None`` keeps the model's own
         dtype policy.
+      reading: how ``fit`` reads the data (a :class:`mirrorax.FitReading`: where an epoch of
+        ``steps_per_epoch`` ends, the order of each pass over arrays); default: the model's front-end's, else
+        mirrorax's (exactly ``steps_per_epoch`` batches, passes shuffled by ``(seed, pass)``). A Keras model's
+        own ``fit`` under a scope reads as Keras's ``fit`` does (``mirrorax.keras.order.KERAS_FIT``).
       max_in_flight: not the Trainer's: a value raises ``TypeError`` naming the strategy's
         ``MirroredStrategy(max_in_flight=k)``, which bounds the trainer's steps.
 
@@ -85,20 +87,12 @@ class Trainer:
       >>> history = trainer.fit(x, y, batch_size=64, epochs=2, verbose=0)
     """
 
-    # fit's steps_per_epoch: exactly that many batches, array inputs continuing into a new pass (False),
-    # or at most that many, an epoch ending where the data does (True: Keras's fit, see inputs/streams.py).
-    _epochs_end_with_data = False
-    # The data order: (seed, pass) for arrays, the same on any device count and replayed on resume
-    # (False); or Keras's fit's own, drawn from numpy's global state when a pass starts, each fit's
-    # passes counted from its first epoch as Keras's iterator counts them (True: keras/order.py).
-    _keras_order = False
-
     def __init__(self, model: Any, strategy: MirroredStrategy | None = None, *, loss: Any = None,
                  optimizer: Any = None, metrics: Any = None, steps_per_execution: int = 1,
                  accumulation_steps: int = 1, prefetch: int | Literal["auto"] = "auto",
                  on_nonfinite: NonFiniteMode = "raise", donate: bool = True,
                  mixed_precision: Literal["bfloat16", "float16"] | None = None,
-                 max_in_flight: None = None) -> None:
+                 reading: FitReading | None = None, max_in_flight: None = None) -> None:
         if max_in_flight is not None:
             raise TypeError(f"Trainer takes no max_in_flight; received max_in_flight={max_in_flight!r}. The dispatch "
                             "bound is the strategy's, shared by fit, evaluate, predict, strategy.jit and "
@@ -108,6 +102,10 @@ class Trainer:
             raise TypeError(f"strategy must be a mirrorax.MirroredStrategy; received {strategy!r} (of type "
                             f"{type(strategy).__name__}). Pass e.g. mx.MirroredStrategy() (every device) or "
                             "mx.MirroredStrategy(devices=jax.devices('gpu')[:2]).")
+        if reading is not None and not isinstance(reading, FitReading):
+            raise TypeError(f"reading must be a mirrorax.FitReading; received {reading!r} (of type "
+                            f"{type(reading).__name__}). Pass e.g. mx.FitReading(ends_with_data=True), or leave it "
+                            "out for the model's own reading.")
         if prefetch == "auto":
             prefetch = 0
         for name, value, low in (("steps_per_execution", steps_per_execution, 1),
@@ -118,6 +116,8 @@ class Trainer:
         self._model = model
         self.adapter: ModelAdapter = adapt(model, loss=loss, optimizer=optimizer, metrics=metrics,
                                            mixed_precision=mixed_precision)
+        kind = front_end.of(model)
+        self.reading: FitReading = reading or (kind.reading if kind is not None else None) or FitReading()
         self.steps_per_execution = steps_per_execution
         self.accumulation_steps = accumulation_steps
         self.prefetch = int(prefetch)  # "auto" is resolved above
@@ -130,7 +130,7 @@ class Trainer:
         planner.remember_trainer(model, self)  # mx.plan(model) plans this trainer's own step
         # NaN/inf in array inputs are refused up front unless non-finite steps are to be skipped or
         # ignored: then the user has chosen to train on past them.
-        self._refuse_nonfinite = on_nonfinite == "raise"
+        self.refuses_nonfinite = on_nonfinite == "raise"
 
     # -- state -------------------------------------------------------------------------------------
     @property
@@ -197,12 +197,6 @@ class Trainer:
             raise RuntimeError("The trainer has no state yet; call fit, evaluate or predict first.")
         return host_tree(self.device_state.value)
 
-    # -- data helpers ------------------------------------------------------------------------------
-    def _batch_size(self, source: Source, batch_size: int | None) -> int:
-        if batch_size is None:
-            return source.default_batch_size(self.strategy.process_count)
-        return check_batch_size(batch_size)
-
     # -- fit ---------------------------------------------------------------------------------------
     @_first_call.with_room  # the frame stack's room for the whole call: mirrorax.steps.first_call
     def fit(self, x: Any, y: Any = None, *, batch_size: int | None = None, epochs: int = 1,
@@ -257,15 +251,20 @@ class Trainer:
           CheckpointError: ``checkpoint_dir`` is not writable (raised at once), or holds a checkpoint
             of a different model or of a run with another global batch.
         """
-        plan = fit_plan.prepare(
-            self.device_state, self.steps, self.model, x, y, batch_size=batch_size, epochs=epochs,
-            validation_data=validation_data, validation_batch_size=validation_batch_size,
-            validation_steps=validation_steps, validation_freq=validation_freq, shuffle=shuffle, seed=seed,
-            sample_weight=sample_weight, steps_per_epoch=steps_per_epoch, initial_epoch=initial_epoch,
-            callbacks=callbacks, verbose=verbose, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-            keep_checkpoints=keep_checkpoints, out=self.stream, steps_per_execution=self.steps_per_execution,
-            refuse_nonfinite=self._refuse_nonfinite, ends_with_data=self._epochs_end_with_data,
-            keras_order=self._keras_order)
+        return self.fit_with(fit_plan.FitArgs(
+            x, y, batch_size=batch_size, epochs=epochs, validation_data=validation_data,
+            validation_batch_size=validation_batch_size, validation_steps=validation_steps,
+            validation_freq=validation_freq, shuffle=shuffle, seed=seed, sample_weight=sample_weight,
+            steps_per_epoch=steps_per_epoch, initial_epoch=initial_epoch, callbacks=callbacks, verbose=verbose,
+            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints))
+
+    @_first_call.with_room  # the frame stack's room for the whole call: mirrorax.steps.first_call
+    def fit_with(self, args: fit_plan.FitArgs) -> History:
+        """:meth:`fit` on its arguments read into one record (a :class:`mirrorax.fit_plan.FitArgs`, what a
+        Keras model's own ``fit`` under a scope builds): prepare, resume, run the epochs, finish."""
+        plan = fit_plan.prepare(self.device_state, self.steps, self.model, args, out=self.stream,
+                                steps_per_execution=self.steps_per_execution,
+                                refuse_nonfinite=self.refuses_nonfinite, reading=self.reading)
         stopped: preemption.Preempted | None = None
         training_logs: dict[str, float] = {}
         try:
@@ -280,7 +279,7 @@ class Trainer:
                 if plan.snapshots is not None:
                     plan.snapshots.snapshots.wait()
                 self.device_state.write_back()
-                self._finalize_optimizer(epochs)
+                self._finalize_optimizer(args.epochs)
                 if plan.ckpt is not None:
                     plan.ckpt.close()
             finally:
@@ -319,15 +318,11 @@ class Trainer:
           >>> trainer.evaluate(x_test, y_test, batch_size=256)
           {'accuracy': 0.97, 'loss': 0.09}
         """
-        source = make_source(x, y, sample_weight, float_dtype=self.adapter.float_dtype,
-                             check_finite=self._refuse_nonfinite)
-        if self.adapter.needs_targets("evaluate"):
-            source.require_targets("evaluate")
-        batch_size = self._batch_size(source, batch_size)
-        if steps is not None:
-            check_int("steps", steps)
-        hooks = Callbacks(callbacks, self.model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
-        logs = self.loop.evaluate(source, batch_size, steps=steps, hooks=hooks, warn_short=self._epochs_end_with_data)
+        one = fit_plan.prepare_pass(self.adapter, self.model, self.strategy.process_count, "evaluate", x, y,
+                                    sample_weight, batch_size=batch_size, steps=steps, callbacks=callbacks,
+                                    refuse_nonfinite=self.refuses_nonfinite)
+        logs = self.loop.evaluate(one.source, one.batch_size, steps=one.steps, hooks=one.hooks,
+                                  warn_short=self.reading.ends_with_data)
         if self.strategy.is_primary and resolve_verbose(verbose, self.stream):
             self.stream.write(f"evaluate - {format_logs(logs)}\n")
         return logs
@@ -348,15 +343,11 @@ class Trainer:
           >>> probs.shape[0] == len(x_test)
           True
         """
-        if isinstance(x, tuple) and len(x) in (2, 3) and not is_array_tree(x):
-            x = x[0]
-        # NaN inputs are allowed here: they spoil only their own rows' outputs.
-        source = make_source(x, float_dtype=self.adapter.float_dtype, check_finite=False)
-        batch_size = self._batch_size(source, batch_size)
-        if steps is not None:
-            check_int("steps", steps)
-        hooks = Callbacks(callbacks, self.model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
-        return self.loop.predict(source, batch_size, steps=steps, hooks=hooks, warn_short=self._epochs_end_with_data)
+        one = fit_plan.prepare_pass(self.adapter, self.model, self.strategy.process_count, "predict", x,
+                                    batch_size=batch_size, steps=steps, callbacks=callbacks,
+                                    refuse_nonfinite=self.refuses_nonfinite)
+        return self.loop.predict(one.source, one.batch_size, steps=one.steps, hooks=one.hooks,
+                                 warn_short=self.reading.ends_with_data)
 
     # -- one batch (Keras's *_on_batch) ------------------------------------------------------------
     def train_on_batch(self, x: Any, y: Any = None, *, sample_weight: Any = None, class_weight: Any = None

@@ -17,9 +17,9 @@ import numpy as np
 from mirrorax.inputs.batch import Batch, padded_batch_size, row_counts
 from mirrorax.inputs.checks import FiniteScan, check_labels, check_weights, leaves, tree_numeric
 from mirrorax.inputs.placement import shared_constant
+from mirrorax.inputs.reading import FitReading
 from mirrorax.inputs.source import no_targets
 from mirrorax.inputs.streams import Stream
-from mirrorax.keras.order import pass_order, random_state
 
 if TYPE_CHECKING:
     from mirrorax.inputs.position import InputState
@@ -135,12 +135,11 @@ class ArraySource:
                                   with_targets=with_targets))
 
     def stream(self, batch_size: int, mesh: BatchMesh, *, shuffle: Any = False, seed: int = 0,
-               with_targets: bool = True, ends_with_data: bool = False, keras_order: bool = False) -> ArrayStream:
+               with_targets: bool = True, reading: FitReading | None = None) -> ArrayStream:
         """One endless stream of passes, pass ``k`` in the order of ``(seed, k)`` when ``shuffle``; with
-        ``keras_order``, in the order Keras's ``fit`` draws when the pass starts (``shuffle`` as Keras's:
-        also ``"batch"``)."""
-        return ArrayStream(self, batch_size, mesh, shuffle, seed, with_targets=with_targets,
-                           ends_with_data=ends_with_data, keras_order=keras_order)
+        ``reading.order``, in the order it draws when the pass starts (Keras's ``fit``'s: ``shuffle`` as
+        Keras's, also ``"batch"``)."""
+        return ArrayStream(self, batch_size, mesh, shuffle, seed, with_targets=with_targets, reading=reading)
 
     def track_position(self, process_count: int) -> InputState | None:
         """``None``: a batch of arrays is found by its index (the pass's order is a function of the seed)."""
@@ -215,33 +214,33 @@ class ArrayStream(Stream):
     batches_per_pass: int
 
     def __init__(self, source: ArraySource, batch_size: int, mesh: BatchMesh,
-                 shuffle: Any, seed: int, with_targets: bool = True, ends_with_data: bool = False,
-                 keras_order: bool = False) -> None:
+                 shuffle: Any, seed: int, with_targets: bool = True, reading: FitReading | None = None) -> None:
         self.source, self.batch_size, self.mesh = source, batch_size, mesh
         self.shuffle, self.seed, self.with_targets = shuffle, seed, with_targets
-        super().__init__(ends_with_data)
+        reading = reading or FitReading()
+        super().__init__(reading.ends_with_data)
         self.batches_per_pass = source.batches_per_pass(batch_size)
-        self.keras_order = keras_order
-        self._drawn: dict[int, np.ndarray | None] = {}  # Keras's order of the pass being read
-        self._drawn_from: dict[int, dict[str, Any]] = {}  # the global generators' state before that draw
+        self.order = reading.order  # None: (seed, pass)'s order
+        self._drawn: dict[int, np.ndarray | None] = {}  # the drawn order of the pass being read
+        self._drawn_from: dict[int, dict[str, Any]] = {}  # the order's state before that draw
 
     def _order(self, pass_index: int) -> np.ndarray | None:
-        """The order of pass ``pass_index``: ``None`` for ``(seed, pass)``'s; Keras's, drawn the first time
-        the pass is read (when Keras draws it) and kept while it is read."""
-        if not self.keras_order:
+        """The order of pass ``pass_index``: ``None`` for ``(seed, pass)``'s; the reading's own (Keras's), drawn
+        the first time the pass is read (when Keras draws it) and kept while it is read."""
+        if self.order is None:
             return None
         if pass_index not in self._drawn:
-            self._drawn_from = {pass_index: random_state()} if self.shuffle else {}
-            self._drawn = {pass_index: pass_order(self.shuffle, self.source.num_examples, self.batch_size)}
+            self._drawn_from = {pass_index: self.order.state()} if self.shuffle else {}
+            self._drawn = {pass_index: self.order.draw(self.shuffle, self.source.num_examples, self.batch_size)}
         return self._drawn[pass_index]
 
     def order_state(self, position: int) -> dict[str, Any] | None:
-        """With Keras's order, the global generators' state from which the pass holding stream ``position``
+        """With a reading's own order (Keras's), the state from which the pass holding stream ``position``
         is drawn (before its draw if it was drawn, else now): set back, a restarted fit draws that pass's order
         as the interrupted one did. ``None`` for mirrorax's order, a function of ``(seed, pass)``."""
-        if not (self.keras_order and self.shuffle):
+        if self.order is None or not self.shuffle:
             return None
-        return self._drawn_from.get(position // self.batches_per_pass) or random_state()
+        return self._drawn_from.get(position // self.batches_per_pass) or self.order.state()
 
     def batches(self, position: int, count: int | None, start: int = 0) -> Iterator[Batch]:
         """Batches ``start..count`` (default: to the end of the pass) of the epoch at stream ``position``."""

@@ -23,6 +23,7 @@ from mirrorax.inputs.source import no_targets
 from mirrorax.inputs.streams import Stream, len_or_none
 
 if TYPE_CHECKING:
+    from mirrorax.inputs.reading import FitReading
     from mirrorax.inputs.source import InputContext
     from mirrorax.mesh import BatchMesh
 
@@ -234,10 +235,11 @@ class IterableSource:
                                  f"(e.g. .astype('{dtype_w}')).")
 
     def stream(self, batch_size: int, mesh: BatchMesh, *, shuffle: Any = False, seed: int = 0,
-               with_targets: bool = True, ends_with_data: bool = False, keras_order: bool = False) -> IterStream:
+               with_targets: bool = True, reading: FitReading | None = None) -> IterStream:
         """One iteration per epoch (a one-shot iterator continues across epochs). ``shuffle``, ``seed`` and
-        ``keras_order`` do not apply: an iterable yields batches in its own order."""
-        return IterStream(self, batch_size, mesh, with_targets=with_targets, ends_with_data=ends_with_data)
+        ``reading.order`` do not apply: an iterable yields batches in its own order."""
+        return IterStream(self, batch_size, mesh, with_targets=with_targets,
+                          ends_with_data=reading is not None and reading.ends_with_data)
 
     def track_position(self, process_count: int) -> InputState | None:
         """Wraps the iterable in place in an :class:`InputState`; ``None`` where positions are left to

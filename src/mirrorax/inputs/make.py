@@ -15,19 +15,21 @@ from mirrorax.inputs.checks import is_nested_numbers
 from mirrorax.inputs.iterables import IterableSource
 from mirrorax.inputs.source import Source
 
-__all__ = ["make_source", "validation_source", "is_array_tree", "class_weights"]
+__all__ = ["make_source", "validation_source", "is_array_tree", "is_source", "class_weights"]
 
 
 def make_source(x: Any, y: Any = None, sample_weight: Any = None, *, float_dtype: Any = np.float32,
-                check_finite: bool = True, scan_in_background: bool = False) -> Source:
+                check_finite: bool = True, scan_in_background: bool = False, arrays: bool | None = None) -> Source:
     """An :class:`ArraySource` for arrays, an :class:`IterableSource` for any other iterable.
 
     Args:
       float_dtype: the model's float type (float32/float64 inputs become it).
       check_finite: refuse NaN/inf in arrays (fit and evaluate; predict passes False).
       scan_in_background: scan large arrays on a thread; the caller joins it (``ArraySource.wait_checked``).
+      arrays: whether ``x`` holds arrays (:func:`is_array_tree`), when the caller has looked already;
+        ``None``: looked at here.
     """
-    if is_array_tree(x):
+    if is_array_tree(x) if arrays is None else arrays:
         return ArraySource(x, y, sample_weight, float_dtype=float_dtype, check_finite=check_finite,
                            scan_in_background=scan_in_background)
     if y is not None or sample_weight is not None:
@@ -38,6 +40,11 @@ def make_source(x: Any, y: Any = None, sample_weight: Any = None, *, float_dtype
         raise TypeError(f"x must be an array, a tuple/list/dict of arrays, or an iterable of batches; "
                         f"received {x!r:.80} (of type {type(x).__name__}). Pass e.g. np.asarray(x).")
     return IterableSource(x, float_dtype=float_dtype)
+
+
+def is_source(x: Any) -> bool:
+    """Whether ``x`` is a source already (:func:`make_source`'s), not data."""
+    return isinstance(x, (ArraySource, IterableSource))
 
 
 def validation_source(validation_data: Any, *, float_dtype: Any = np.float32, check_finite: bool = True,

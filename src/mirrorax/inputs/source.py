@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from mirrorax.inputs.batch import Batch
     from mirrorax.inputs.position import InputState
+    from mirrorax.inputs.reading import FitReading
     from mirrorax.inputs.streams import Stream
     from mirrorax.mesh import BatchMesh
 
@@ -110,15 +111,12 @@ class Source(Protocol):
         ...
 
     def stream(self, batch_size: int, mesh: BatchMesh, *, shuffle: Any = False, seed: int = 0,
-               with_targets: bool = True, ends_with_data: bool = False, keras_order: bool = False) -> Stream:
+               with_targets: bool = True, reading: FitReading | None = None) -> Stream:
         """The stream of this source's global batches of ``batch_size``: which batches each epoch takes.
 
         ``shuffle`` / ``seed``: the order of each pass over arrays (an iterable keeps its own order).
-        ``keras_order``: arrays in the order Keras's ``fit`` draws from numpy's global state instead
-        (``shuffle`` read as Keras reads it: ``True``, ``False`` or ``"batch"``).
-        ``ends_with_data``: ``steps_per_epoch`` bounds an epoch, which also ends where the data does
-        (Keras's ``fit``); otherwise an epoch of array inputs takes exactly ``steps_per_epoch`` batches,
-        continuing into a new pass."""
+        ``reading``: how ``fit`` reads the data (:class:`mirrorax.FitReading`: where an epoch ends, and an
+        order of the passes over arrays drawn when each starts, such as Keras's ``fit``'s); default mirrorax's."""
         ...
 
     def track_position(self, process_count: int) -> InputState | None:

@@ -178,10 +178,12 @@ class _Batches:
         return len(self.data)
 
 
-def num_batches(x: Any, batch_size: int | None) -> int | None:
+def num_batches(x: Any, batch_size: int | None, arrays: bool | None = None) -> int | None:
+    """The batches of a pass over ``x`` (``None``: unknown); ``arrays``: whether ``x`` holds arrays, when the
+    caller has looked already."""
     from mirrorax.inputs.make import is_array_tree
 
-    if is_array_tree(x):
+    if is_array_tree(x) if arrays is None else arrays:
         import jax
 
         rows = int(np.shape(jax.tree.leaves(x)[0])[0])

@@ -210,28 +210,16 @@ def trainer_of(model: Any) -> Trainer:
     if cached is not None and cached[0] == key:
         return cached[1]
     from mirrorax.keras.adapter import KerasAdapter
+    from mirrorax.trainer import Trainer
 
     # Keras's predict needs no compile: an uncompiled model gets an adapter for predict alone.
     adapter = KerasAdapter(model, predict_only=True)
-    trainer = _keras_fit_trainer()(adapter, strategy, steps_per_execution=int(model.steps_per_execution or 1),
-                                   on_nonfinite="ignore")
+    # Keras's reading of the data: steps_per_epoch an upper bound, Keras's own shuffle order.
+    trainer = Trainer(adapter, strategy, steps_per_execution=int(model.steps_per_execution or 1),
+                      on_nonfinite="ignore", reading=keras_order.KERAS_FIT)
     trainer.model = model  # callbacks, stop_training and the progress bar act on the Keras model
     object.__setattr__(model, "_mirrorax_trainer", (key, trainer))
     return trainer
-
-
-@functools.cache
-def _keras_fit_trainer() -> type[Trainer]:
-    """The Trainer behind ``model.fit``, with Keras's reading of ``steps_per_epoch`` (at most that many
-    batches, an epoch ending where the data does, with Keras's "ran out of data" warning) and Keras's
-    own shuffle order (:mod:`mirrorax.keras.order`)."""
-    from mirrorax.trainer import Trainer
-
-    class KerasFitTrainer(Trainer):
-        _epochs_end_with_data = True
-        _keras_order = True
-
-    return KerasFitTrainer
 
 
 def _eager_fallback(model: Any, name: str) -> Callable[..., Any] | None:
@@ -263,6 +251,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
                         validation_batch_size=validation_batch_size, validation_freq=validation_freq)
     import keras
 
+    from mirrorax.fit_plan import FitArgs, training_source
     from mirrorax.inputs.make import is_array_tree
     from mirrorax.keras import callbacks as keras_callbacks
 
@@ -297,13 +286,16 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
 
             weighted = keras_data.ClassWeighted(x, class_weight)
             x = iter(weighted) if isinstance(x, Iterator) else weighted  # a generator stays one-shot
+    # x, read as Keras reads it, made the fit's source here, once: the trainer's preparation takes it as it is.
+    source = training_source(trainer.adapter, x, y, sample_weight, refuse_nonfinite=trainer.refuses_nonfinite,
+                             arrays=arrays)
     if (validation_data is not None and not isinstance(validation_data, tuple)
             and is_array_tree(validation_data)):
         raise ValueError("validation_data must be a tuple (x_val, y_val) or (x_val, y_val, sample_weight), or an "
                          f"iterable of such batches; received {type(validation_data).__name__}.")
     keras_callbacks.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
-        steps = steps_per_epoch or keras_data.num_batches(x, batch_size or (None if not arrays else 32))
+        steps = steps_per_epoch or keras_data.num_batches(x, batch_size or (None if not arrays else 32), arrays)
         callbacks = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                                  verbose=verbose, epochs=epochs, steps=steps, model=self)
     if steps_per_epoch:
@@ -313,10 +305,10 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
     # verbose=0: Keras's own progress bar (a callback) speaks, and fit prints no plan line, as Keras's fit
     # prints none. What a user must know (the step will not fit a device's memory) still raises;
     # mx.plan(model, x, y) prints the plan on request.
-    trainer.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=callbacks,
-                validation_data=validation_data, shuffle=shuffle, sample_weight=sample_weight,
-                initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-                validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+    trainer.fit_with(FitArgs(source, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=callbacks,
+                             validation_data=validation_data, shuffle=shuffle, initial_epoch=initial_epoch,
+                             steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+                             validation_batch_size=validation_batch_size, validation_freq=validation_freq))
     return self.history
 
 

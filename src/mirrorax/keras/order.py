@@ -21,9 +21,11 @@ from typing import Any
 import numpy as np
 
 from mirrorax.consistency import broadcast_from_primary
+from mirrorax.inputs.reading import FitReading
 from mirrorax.keras import _internals as internals
 
-__all__ = ["pass_order", "build_read", "batch_indices", "keras_builds", "random_state", "set_random_state"]
+__all__ = ["KERAS_ORDER", "KERAS_FIT", "KerasOrder", "pass_order", "build_read", "batch_indices", "keras_builds",
+           "random_state", "set_random_state"]
 
 
 def pass_order(shuffle: Any, num_examples: int, batch_size: int) -> np.ndarray | None:
@@ -97,3 +99,23 @@ def set_random_state(saved: dict[str, Any]) -> None:
     np.random.set_state((kind, np.asarray(keys, np.uint32), pos, has_gauss, gauss))
     version, internal, gauss_next = saved["python"]
     random.setstate((version, tuple(internal), gauss_next))
+
+
+class KerasOrder:
+    """Keras's ``fit``'s order of a pass over arrays (a :class:`mirrorax.inputs.reading.PassOrder`): drawn from
+    numpy's global state when the pass starts (:func:`pass_order`), its state the global generators'."""
+
+    def draw(self, shuffle: Any, num_examples: int, batch_size: int) -> np.ndarray | None:
+        return pass_order(shuffle, num_examples, batch_size)
+
+    def state(self) -> dict[str, Any]:
+        return random_state()
+
+    def restore(self, state: dict[str, Any]) -> None:
+        set_random_state(state)
+
+
+KERAS_ORDER = KerasOrder()
+#: How a Keras model's own ``fit`` under a scope reads its data: ``steps_per_epoch`` an upper bound (an epoch
+#: ends where the data does, with Keras's warning), each pass in Keras's order.
+KERAS_FIT = FitReading(ends_with_data=True, order=KERAS_ORDER)

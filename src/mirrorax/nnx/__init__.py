@@ -9,7 +9,8 @@
   ``mixed_precision="bfloat16"`` as Flax's layer ``dtype``), written back into it (:class:`NnxModel`).
 
 ``import mirrorax`` never imports Flax: the package loads this wing the first time a step is called while
-``flax.nnx`` is imported. Importing it registers :data:`NNX` with the engine.
+``flax.nnx`` is imported (or looks a model's front-end up). Importing it registers :data:`NNX` (its split/merge
+protocol) and ``NNX_FRONT_END`` (an ``nnx.Module`` for ``mx.Trainer``) with the engine.
 """
 
 try:
@@ -18,11 +19,14 @@ except ImportError as error:  # pragma: no cover - exercised with flax hidden (t
     raise ImportError("mirrorax.nnx needs Flax NNX (flax>=0.12), which could not be imported: install it with "
                       'pip install "mirrorax[flax]" (or pip install "flax>=0.12").') from error
 
+from mirrorax import front_end
+from mirrorax.nnx.model import NNX_FRONT_END
 from mirrorax.nnx.model import NnxModel as NnxModel
 from mirrorax.nnx.split_merge import NNX as NNX
 from mirrorax.nnx.split_merge import NnxSplitMerge as NnxSplitMerge
 from mirrorax.steps.split_merge import register
 
 register(NNX)
+front_end.register(NNX_FRONT_END)
 
 __all__ = ["NNX", "NnxModel", "NnxSplitMerge"]

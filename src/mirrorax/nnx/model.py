@@ -34,10 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mirrorax.front_end import FrontEnd
 from mirrorax.models.functional import FunctionalModel
 from mirrorax.models.loss_scale import dynamic_loss_scale, is_loss_scaled
 
-__all__ = ["MIXED_PRECISION", "NnxModel", "set_compute_dtype"]
+__all__ = ["MIXED_PRECISION", "NNX_FRONT_END", "NnxModel", "set_compute_dtype"]
 
 PyTree = Any
 
@@ -189,3 +190,18 @@ class NnxModel(FunctionalModel):
     def model_state(self, values: dict[str, Any] | None) -> None:
         if values is not None:
             nnx.update(self.module, self._rest.to_state(dict(values)))
+
+
+def _claims(model: Any) -> bool:
+    return isinstance(model, nnx.Module)
+
+
+def _adapter(model: Any, *, loss: Any = None, optimizer: Any = None, metrics: Any = None,
+             mixed_precision: str | None = None) -> Any:
+    # the NnxModel's own settings (an nnx.Optimizer read as its transform; the layers' dtype set)
+    return NnxModel(model, loss=loss, optimizer=optimizer, metrics=metrics or (),
+                    mixed_precision=mixed_precision).adapter()
+
+
+#: A Flax NNX module, as the engine trains it (``mx.Trainer(module, ...)``); its callbacks are plain objects.
+NNX_FRONT_END = FrontEnd(name="flax.nnx", claims=_claims, adapter=_adapter)
