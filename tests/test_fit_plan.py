@@ -1,4 +1,4 @@
-"""``fit``'s preparation and its epoch runner (``mirrorax.fit_plan``, ``Loop.fit`` / ``Loop.epoch``): fit's
+"""``fit``'s preparation and its epoch runner (``mirrorax.fit.fit_plan``, ``Loop.fit`` / ``Loop.epoch``): fit's
 arguments read once into one frozen record, a refused argument leaving no SIGTERM handler behind, and the
 runner starting where the record says. A linear ``FunctionalModel`` on 2 devices: cheap to compile."""
 
@@ -13,7 +13,7 @@ import pytest
 from helpers import strategy
 
 import mirrorax as mx
-from mirrorax import fit_plan
+from mirrorax.fit import fit_plan
 from mirrorax.keras import order as keras_order
 
 ROWS, FEATURES, CLASSES = 40, 4, 3

@@ -21,7 +21,7 @@ from helpers import strategy
 
 import mirrorax as mx
 from mirrorax import front_end, padding
-from mirrorax.hooks import BATCH_HOOKS
+from mirrorax.fit.hooks import BATCH_HOOKS
 
 pytestmark = pytest.mark.multi_device
 

@@ -118,7 +118,7 @@ def test_auto_progress_is_a_bar_in_jupyter_and_a_line_per_epoch_elsewhere(monkey
     import sys
     import types
 
-    from mirrorax.progress import resolve_verbose
+    from mirrorax.fit.progress import resolve_verbose
 
     x, y, _, _ = flat_digits(64)
     t = mx.Trainer(dense(), strategy(2))

@@ -40,7 +40,7 @@ def test_the_state_takes_over_the_model_buffers_at_fit_start(n, monkeypatch):
     """Placing the state copied every variable while the model still held its own buffers: the peak of a
     fit was the state twice (5,024 MiB against the hand loop's 2,708 on a 219M-parameter LM on a TPU).
     The state now takes the variables' buffers over, as Keras's own fit donates them."""
-    from mirrorax.device_state import DeviceState
+    from mirrorax.fit.device_state import DeviceState
 
     s = strategy(n)
     with s.scope():

@@ -13,7 +13,7 @@ from helpers import Compiles, held_bytes
 from jobs.procs import clean_env, python
 
 import mirrorax as mx
-from mirrorax import planner
+from mirrorax.fit import planner
 
 pytestmark = pytest.mark.multi_device
 

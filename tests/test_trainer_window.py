@@ -1,6 +1,6 @@
 """The Trainer stands on the strategy's public API: ``MirroredStrategy(max_in_flight=k)`` bounds the steps of
 ``Trainer.fit`` / ``evaluate`` / ``predict`` and of a Keras model's own ``fit`` under the scope, and the
-results do not depend on ``k``. Also: ``mirrorax.planner`` is the planning module, ``mx.plan`` its function."""
+results do not depend on ``k``. Also: ``mirrorax.fit.planner`` is the planning module, ``mx.plan`` its function."""
 
 import importlib
 import types
@@ -91,7 +91,7 @@ def test_the_trainer_has_no_window_of_its_own():
 
 
 def test_planner_is_the_module_and_plan_the_function():
-    planner = importlib.import_module("mirrorax.planner")
+    planner = importlib.import_module("mirrorax.fit.planner")
     assert isinstance(planner, types.ModuleType)
     assert mx.plan is planner.plan and mx.Plan is planner.Plan
     assert isinstance(mx.plan, types.FunctionType)  # the package attribute is the function, not a module

@@ -16,7 +16,6 @@ Example:
 from typing import TYPE_CHECKING
 
 from mirrorax._version import __version__ as __version__
-from mirrorax.cache import enable_compilation_cache as enable_compilation_cache
 from mirrorax.checkpoint.snapshot import SnapshotError as SnapshotError
 from mirrorax.checkpoint.snapshot import Snapshots as Snapshots
 from mirrorax.checkpoint.snapshot import SnapshotWarning as SnapshotWarning
@@ -26,6 +25,9 @@ from mirrorax.cluster.join import initialize as initialize
 from mirrorax.cluster.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
 from mirrorax.cluster.preemption import Preempted as Preempted
 from mirrorax.consistency import ReplicaMismatchError as ReplicaMismatchError
+from mirrorax.fit.cache import enable_compilation_cache as enable_compilation_cache
+from mirrorax.fit.planner import Plan as Plan
+from mirrorax.fit.planner import plan as plan
 from mirrorax.front_end import register_lazy as _register_lazy_front_end
 from mirrorax.inputs.distributed import DistributedDataset as DistributedDataset
 from mirrorax.inputs.reading import FitReading as FitReading
@@ -40,8 +42,6 @@ from mirrorax.models.base import ModelAdapter as ModelAdapter
 from mirrorax.models.functional import FunctionalModel as FunctionalModel
 from mirrorax.padding import PaddingIgnoredWarning as PaddingIgnoredWarning
 from mirrorax.padding import ReplicatedBatchWarning as ReplicatedBatchWarning
-from mirrorax.planner import Plan as Plan
-from mirrorax.planner import plan as plan
 from mirrorax.replica import ReduceOp as ReduceOp
 from mirrorax.replica import ReplicaContext as ReplicaContext
 from mirrorax.replica import compute_average_loss as compute_average_loss

@@ -34,7 +34,7 @@ class FrontEnd:
         :class:`mirrorax.models.base.ModelAdapter` (the ``Trainer``'s overrides of the compile settings).
       callbacks: ``callbacks(callbacks, model, *, add_history, add_progbar, **params)``: the driver of a call's
         callbacks (an object with ``listens``, ``callback_list``, ``call(method, *args)`` and
-        ``restore_history(history)``, as :class:`mirrorax.hooks.PlainCallbacks`); ``None``: plain objects whose
+        ``restore_history(history)``, as :class:`mirrorax.fit.hooks.PlainCallbacks`); ``None``: plain objects whose
         ``on_*`` methods are called.
       metric_masking: ``metric_masking()``: a context open while a step that sees padding rows traces, in which
         this kind's metrics hand their ``update_state`` arguments to :func:`mirrorax.padding.masked_update`;

@@ -1,9 +1,9 @@
 """``Trainer``: fit / evaluate / predict a model on every device of a :class:`MirroredStrategy`.
 
-The Trainer is orchestration on parts below it: the state on the devices (:mod:`mirrorax.device_state`),
+The Trainer is orchestration on parts below it: the state on the devices (:mod:`mirrorax.fit.device_state`),
 the compiled steps (:mod:`mirrorax.steps.functions`, public ``strategy.jit`` functions), fit's preparation
-(:mod:`mirrorax.fit_plan`: its arguments read once into one record) and the loop that runs fit's epochs,
-evaluate and predict on them (:mod:`mirrorax.loop`), with at most the strategy's ``max_in_flight`` steps
+(:mod:`mirrorax.fit.fit_plan`: its arguments read once into one record) and the loop that runs fit's epochs,
+evaluate and predict on them (:mod:`mirrorax.fit.loop`), with at most the strategy's ``max_in_flight`` steps
 outstanding; metric values come to the host only when shown. ``fit`` is: prepare, resume, run the epochs,
 finish.
 """
@@ -15,20 +15,21 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Any, Literal, NoReturn
 
-from mirrorax import fit_plan, front_end, planner
+from mirrorax import front_end
 from mirrorax._checks import check_int
 from mirrorax._host import host_tree
 from mirrorax.checkpoint import resume as resume_lib
 from mirrorax.cluster import preemption
-from mirrorax.device_state import DeviceState
+from mirrorax.fit import fit_plan, planner
+from mirrorax.fit.device_state import DeviceState
+from mirrorax.fit.loop import Loop
+from mirrorax.fit.progress import format_logs, resolve_verbose
 from mirrorax.inputs.arrays import ArraySource
 from mirrorax.inputs.make import class_weights
 from mirrorax.inputs.placement import to_global
 from mirrorax.inputs.reading import FitReading
-from mirrorax.loop import Loop
 from mirrorax.models.adapters import adapt
 from mirrorax.models.base import ModelAdapter
-from mirrorax.progress import format_logs, resolve_verbose
 from mirrorax.results import History, NonFiniteLossError
 from mirrorax.steps import first_call as _first_call
 from mirrorax.steps.functions import NonFiniteMode, StepFunctions
@@ -260,7 +261,7 @@ class Trainer:
 
     @_first_call.with_room  # the frame stack's room for the whole call: mirrorax.steps.first_call
     def fit_with(self, args: fit_plan.FitArgs) -> History:
-        """:meth:`fit` on its arguments read into one record (a :class:`mirrorax.fit_plan.FitArgs`, what a
+        """:meth:`fit` on its arguments read into one record (a :class:`mirrorax.fit.fit_plan.FitArgs`, what a
         Keras model's own ``fit`` under a scope builds): prepare, resume, run the epochs, finish."""
         plan = fit_plan.prepare(self.device_state, self.steps, self.model, args, out=self.stream,
                                 steps_per_execution=self.steps_per_execution,

@@ -36,7 +36,7 @@ def entries(ckpt: str) -> None:
 if __name__ == "__main__":
     import mirrorax as mx
     import mirrorax.checkpoint.checkpointer as checkpoint
-    import mirrorax.planner as planner
+    import mirrorax.fit.planner as planner
 
     mode, ckpt = sys.argv[1], sys.argv[2]
     print(f"SIGINT at start: {signal.getsignal(signal.SIGINT)}", flush=True)  # Python's own handler, or inherited

@@ -28,7 +28,7 @@ import jax
 from mirrorax.checkpoint.resume import Saver
 from mirrorax.checkpoint.snapshot import Snapshots, configured, restart_line
 from mirrorax.cluster import preemption
-from mirrorax.epoch import EpochHook, EpochRun, Outcome
+from mirrorax.fit.epoch import EpochHook, EpochRun, Outcome
 
 __all__ = ["FitSnapshots", "SnapshotHook", "ReachedHook"]
 

@@ -1,6 +1,6 @@
 """Keras's driver of a ``fit``'s callbacks (:class:`KerasCallbacks`, the Keras front-end's ``callbacks``).
 
-:mod:`mirrorax.hooks` drives the callbacks of any model through its front-end's driver; a Keras model's go
+:mod:`mirrorax.fit.hooks` drives the callbacks of any model through its front-end's driver; a Keras model's go
 through a ``keras.callbacks.CallbackList`` as Keras's own ``fit`` drives them (``set_params``,
 ``set_model``, every ``on_*`` hook, Keras's asynchronous dispatch of batch hooks). Batch logs are the
 step's metric results as device scalars: Keras's ``CallbackList`` turns them into floats on a worker thread
@@ -18,7 +18,7 @@ import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from mirrorax.hooks import BATCH_HOOKS, PackedLogs
+from mirrorax.fit.hooks import BATCH_HOOKS, PackedLogs
 from mirrorax.keras import _internals as internals
 
 __all__ = ["KerasCallbacks", "LazyLogs", "as_keras_callback", "check_available", "implements", "is_keras_model",
@@ -27,7 +27,7 @@ __all__ = ["KerasCallbacks", "LazyLogs", "as_keras_callback", "check_available",
 
 class KerasCallbacks:
     """A Keras model's callbacks of one call, in a ``keras.callbacks.CallbackList`` (the driver
-    :class:`mirrorax.hooks.Callbacks` calls).
+    :class:`mirrorax.fit.hooks.Callbacks` calls).
 
     Args:
       callbacks: a list of callbacks (Keras's, or plain objects with ``on_*`` methods, wrapped), a

@@ -251,7 +251,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
                         validation_batch_size=validation_batch_size, validation_freq=validation_freq)
     import keras
 
-    from mirrorax.fit_plan import FitArgs, training_source
+    from mirrorax.fit.fit_plan import FitArgs, training_source
     from mirrorax.inputs.make import is_array_tree
     from mirrorax.keras import callbacks as keras_callbacks
 

@@ -4,7 +4,7 @@ A train step is a pure function ``(state, batch) -> (state, aux)`` compiled once
 by :meth:`MirroredStrategy.jit` with known output layouts (``out_shardings=``): the state comes back in
 the layout it went in with (replicated, or split in the sharded modes) and is donated, the batch is
 split over the batch axis. XLA's partitioner inserts the all-reduce of gradients and metric sums, so the
-numbers are the single-device numbers whatever the device count. The loop (:mod:`mirrorax.loop`) calls
+numbers are the single-device numbers whatever the device count. The loop (:mod:`mirrorax.fit.loop`) calls
 each step's compiled ``program`` and pushes it into the strategy's dispatch window, as a custom loop can.
 
 A batch whose padding sits at its end carries its real row count statically (``batch["rows"]``, a
@@ -42,7 +42,7 @@ import numpy as np
 from mirrorax import batch_sums
 from mirrorax._host import host_tree, host_value
 from mirrorax.as_made import split_transposes
-from mirrorax.hooks import PackedLogs
+from mirrorax.fit.hooks import PackedLogs
 from mirrorax.inputs.batch import RealRows
 from mirrorax.models.base import ModelAdapter, real_count
 from mirrorax.steps.dispatch import StrategyFunction, layout

@@ -8,7 +8,7 @@ meanwhile (``set_weights`` between fits, a callback that changes the learning ra
 weights): the model is the truth whenever it was changed.
 
 While a train step runs, the state is donated to it: :attr:`DeviceState.value` is then ``None`` and the
-loop that dispatched the step holds the state (see :mod:`mirrorax.loop`).
+loop that dispatched the step holds the state (see :mod:`mirrorax.fit.loop`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from mirrorax import consistency
-from mirrorax.hooks import Callbacks
+from mirrorax.fit.hooks import Callbacks
 from mirrorax.inputs.batch import Batch
 from mirrorax.models.base import ModelAdapter
 from mirrorax.strategy import MirroredStrategy

@@ -5,7 +5,7 @@ looked up once per kind of batch (its placed shape and real rows) and called dir
 pushed into the strategy's one dispatch window (``strategy.in_flight``), so ``MirroredStrategy(
 max_in_flight=k)`` bounds the Trainer's steps as it bounds a custom loop's. Per step the loop:
 dispatches, places the next batch while the devices work, pushes (waiting for the step ``k - 1``
-before), then asks its hooks (:mod:`mirrorax.epoch`) what the step means for them. Values come to the
+before), then asks its hooks (:mod:`mirrorax.fit.epoch`) what the step means for them. Values come to the
 host only where a hook or the end of the loop needs them.
 """
 
@@ -20,18 +20,18 @@ import jax
 import numpy as np
 
 from mirrorax import consistency, front_end
-from mirrorax import epoch as epoch_lib
 from mirrorax._host import host_tree, host_value
 from mirrorax.cluster import preemption
 from mirrorax.cluster.watchdog import COMPILING, HOOKS, IDLE, INPUT, STEP, beat, leaving
-from mirrorax.device_state import DeviceState
-from mirrorax.fit_plan import FitPlan
-from mirrorax.hooks import Callbacks
+from mirrorax.fit import epoch as epoch_lib
+from mirrorax.fit.device_state import DeviceState
+from mirrorax.fit.fit_plan import FitPlan
+from mirrorax.fit.hooks import Callbacks
+from mirrorax.fit.progress import Progress
 from mirrorax.inputs.batch import Batch
 from mirrorax.inputs.prefetch import Prefetcher, device_batches
 from mirrorax.inputs.source import Source
 from mirrorax.inputs.streams import ran_out_of_data, within_pass
-from mirrorax.progress import Progress
 from mirrorax.results import NonFiniteLossError
 from mirrorax.steps import first_call as _first_call
 from mirrorax.steps.functions import StepFunctions
@@ -131,7 +131,7 @@ class Loop:
 
     # -- fit ---------------------------------------------------------------------------------------
     def fit(self, plan: FitPlan) -> dict[str, float]:
-        """The epochs of a prepared fit (:mod:`mirrorax.fit_plan`), in Keras's order: ``on_train_begin``, then
+        """The epochs of a prepared fit (:mod:`mirrorax.fit.fit_plan`), in Keras's order: ``on_train_begin``, then
         per epoch its callbacks, its steps, its validation, its checkpoint; returns the last finished epoch's
         logs (``{}``: none).
 
@@ -192,7 +192,7 @@ class Loop:
         its progress line, the steps and the examples it trained on.
 
         The loop's hooks: batch callbacks, the halt watch, preemption, periodic saves, progress
-        (:mod:`mirrorax.epoch`)."""
+        (:mod:`mirrorax.fit.epoch`)."""
         stream, saver, hooks = plan.stream, plan.saver, plan.hooks
         position, steps_per_epoch = stream.epoch_span(epoch - plan.first_epoch, plan.steps_per_epoch)
         positioned = plan.inputs is not None

@@ -14,14 +14,16 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any, Literal
 
-from mirrorax import consistency, planner
+from mirrorax import consistency
 from mirrorax._checks import check_int
 from mirrorax.checkpoint import resume as resume_lib
 from mirrorax.checkpoint import snapshot
 from mirrorax.cluster import preemption
 from mirrorax.cluster.elastic import FitSnapshots
-from mirrorax.device_state import DeviceState
-from mirrorax.hooks import Callbacks
+from mirrorax.fit import planner
+from mirrorax.fit.device_state import DeviceState
+from mirrorax.fit.hooks import Callbacks
+from mirrorax.fit.progress import resolve_verbose
 from mirrorax.inputs.arrays import ArraySource
 from mirrorax.inputs.checks import check_batch_size
 from mirrorax.inputs.make import is_array_tree, is_source, make_source, validation_source
@@ -29,7 +31,6 @@ from mirrorax.inputs.position import InputState
 from mirrorax.inputs.reading import FitReading
 from mirrorax.inputs.source import Source
 from mirrorax.inputs.streams import Stream
-from mirrorax.progress import resolve_verbose
 from mirrorax.results import History
 from mirrorax.steps.functions import StepFunctions
 

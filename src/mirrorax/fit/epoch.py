@@ -1,6 +1,6 @@
 """The loop's hooks: each per-step concern of ``fit``, ``evaluate`` and ``predict`` its own small unit.
 
-The loop (:mod:`mirrorax.loop`) is plain: dispatch a step, place the next batch, push the step into the
+The loop (:mod:`mirrorax.fit.loop`) is plain: dispatch a step, place the next batch, push the step into the
 strategy's window, then ask each hook in turn what the step means for it, in the way levanter's
 ``Trainer`` runs its hooks. The hooks:
 
@@ -29,8 +29,8 @@ from mirrorax.steps.dispatch import InFlight
 if TYPE_CHECKING:
     from mirrorax.checkpoint import resume as resume_lib
     from mirrorax.cluster import preemption
-    from mirrorax.hooks import Callbacks
-    from mirrorax.progress import Progress
+    from mirrorax.fit.hooks import Callbacks
+    from mirrorax.fit.progress import Progress
     from mirrorax.steps.functions import StepFunctions
 
 __all__ = ["Outcome", "EpochRun", "EpochHook", "BatchCallbacks", "EvalBatchCallbacks", "PredictBatchCallbacks",
@@ -194,7 +194,7 @@ class EvalBatchCallbacks(EpochHook):
 class PredictBatchCallbacks(EpochHook):
     """Keras's ``on_predict_batch_begin`` in ``predict``, once per execution, and its ``model.stop_predicting``
     (the outputs, and ``on_predict_batch_end`` with them, come as each step leaves the window: see
-    :mod:`mirrorax.loop`).
+    :mod:`mirrorax.fit.loop`).
 
     Keras calls ``on_predict_batch_end(k)`` before ``on_predict_batch_begin(k + 1)``: when both hooks
     listen, the window is drained before each execution's begin hook, so that the order shows as Keras's.

@@ -1,4 +1,4 @@
-"""``mx.plan`` (this module: ``mirrorax.planner``): what a training step will cost on each device, known before step 1.
+"""``mx.plan`` (``mirrorax.fit.planner``): what a training step will cost on each device, known before step 1.
 
 The train step is compiled without running (``jit(...).lower(abstract args).compile()``, abstract arrays
 carry the strategy's layouts), and read: XLA's ``memory_analysis()`` (arguments, outputs, temporaries,
@@ -22,7 +22,7 @@ from typing import IO, Any
 import jax
 import numpy as np
 
-from mirrorax.device_state import DeviceState
+from mirrorax.fit.device_state import DeviceState
 from mirrorax.inputs.batch import Batch, RealRows, padded_batch_size
 from mirrorax.inputs.make import make_source
 from mirrorax.models.adapters import adapt
