@@ -252,7 +252,7 @@ class Trainer:
           CheckpointError: ``checkpoint_dir`` is not writable (raised at once), or holds a checkpoint
             of a different model or of a run with another global batch.
         """
-        return self.fit_with(fit_plan.FitArgs(
+        return self._fit(fit_plan.FitArgs(
             x, y, batch_size=batch_size, epochs=epochs, validation_data=validation_data,
             validation_batch_size=validation_batch_size, validation_steps=validation_steps,
             validation_freq=validation_freq, shuffle=shuffle, seed=seed, sample_weight=sample_weight,
@@ -263,6 +263,9 @@ class Trainer:
     def fit_with(self, args: fit_plan.FitArgs) -> History:
         """:meth:`fit` on its arguments read into one record (a :class:`mirrorax.fit.fit_plan.FitArgs`, what a
         Keras model's own ``fit`` under a scope builds): prepare, resume, run the epochs, finish."""
+        return self._fit(args)
+
+    def _fit(self, args: fit_plan.FitArgs) -> History:  # (fit's body: the callers give it the room)
         plan = fit_plan.prepare(self.device_state, self.steps, self.model, args, out=self.stream,
                                 steps_per_execution=self.steps_per_execution,
                                 refuse_nonfinite=self.refuses_nonfinite, reading=self.reading)
