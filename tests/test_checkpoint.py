@@ -581,7 +581,7 @@ def test_host_digest_of_shards_equals_the_device_digest():
     """A save sums this process's shards on the host; restore verifies with the devices' sums."""
     import ml_dtypes
 
-    from mirrorax.checkpoint.integrity import HostDigest, digest
+    from mirrorax.integrity import HostDigest, digest
 
     mesh = jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
     rng = np.random.default_rng(0)

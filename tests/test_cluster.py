@@ -360,7 +360,7 @@ def _ours(port: int, n: int, i: int, **extra: str) -> dict[str, str]:
 def test_no_job_does_not_start_the_backend():
     code, out, _ = run_all([_snippet("""
         from mirrorax.cluster import join as cluster
-        import mirrorax.keras.adapter, mirrorax.steps.functions, mirrorax.trainer  # importing starts no backend either
+        import mirrorax.keras.adapter, mirrorax.fit.functions, mirrorax.trainer  # importing starts no backend either
         assert not cluster.backend_started()
         assert cluster.maybe_initialize_from_env() is False
         assert not cluster.backend_started()

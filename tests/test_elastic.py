@@ -32,8 +32,8 @@ from jobs.procs import ROOT, SCRIPTS, clean_env, launcher, python
 import mirrorax as mx
 from mirrorax.checkpoint import snapshot
 from mirrorax.checkpoint import snapshot_io as _snapshot_io
-from mirrorax.cluster import elastic
 from mirrorax.cluster import restarts as _restarts
+from mirrorax.fit import elastic
 
 pytestmark = pytest.mark.multi_device
 

@@ -20,8 +20,9 @@ import pytest
 from helpers import strategy
 
 import mirrorax as mx
-from mirrorax import front_end, padding
+from mirrorax import front_end
 from mirrorax.fit.hooks import BATCH_HOOKS
+from mirrorax.steps import padding
 
 pytestmark = pytest.mark.multi_device
 

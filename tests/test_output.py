@@ -30,8 +30,8 @@ def test_the_filter_drops_gloo_lines_whole_or_mangled_and_keeps_the_rest():
 
 
 def _relay(code: str, **popen) -> subprocess.Popen:
-    snippet = "import os, sys, time\nfrom mirrorax import _output, _failure\nassert _output.install()\n" + \
-        textwrap.dedent(code)
+    snippet = ("import os, sys, time\nfrom mirrorax.cluster import failure as _failure, output as _output\n"
+               "assert _output.install()\n" + textwrap.dedent(code))
     return subprocess.Popen(python("-c", snippet), env=clean_env(), cwd=ROOT, **popen)
 
 

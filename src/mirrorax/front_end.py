@@ -37,7 +37,7 @@ class FrontEnd:
         ``restore_history(history)``, as :class:`mirrorax.fit.hooks.PlainCallbacks`); ``None``: plain objects whose
         ``on_*`` methods are called.
       metric_masking: ``metric_masking()``: a context open while a step that sees padding rows traces, in which
-        this kind's metrics hand their ``update_state`` arguments to :func:`mirrorax.padding.masked_update`;
+        this kind's metrics hand their ``update_state`` arguments to :func:`mirrorax.steps.padding.masked_update`;
         ``None``: its metrics are not masked.
       initial_epoch: ``initial_epoch(model)``: the epoch a callback restored ``model`` to during
         ``on_train_begin`` (Keras's ``BackupAndRestore``), or ``None``; ``None``: never.

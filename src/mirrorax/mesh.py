@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import mirrorax.cluster.join as cluster
 from mirrorax._host import host_value
-from mirrorax.consistency import broadcast_from_primary
+from mirrorax.cluster.consistency import broadcast_from_primary
 
 __all__ = ["BATCH_AXIS", "SHARD_MIN_SIZE", "SHARD_MODES", "AxisName", "BatchMesh", "ShardMode", "check_shard",
            "hybrid_mesh", "validate_devices"]

@@ -31,8 +31,8 @@ from mirrorax.inputs.distributed import DistributedDataset
 from mirrorax.inputs.iterables import PerProcessDataset
 from mirrorax.inputs.source import InputContext
 from mirrorax.mesh import AxisName, BatchMesh, ShardMode, check_shard
-from mirrorax.replica import ReduceOp, resolve_op, rows_of
 from mirrorax.steps.dispatch import InFlight, OutShardings, check_out_shardings
+from mirrorax.steps.replica import ReduceOp, resolve_op, rows_of
 from mirrorax.steps.stateful import StatefulFunction, check_not_tf_function
 
 __all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "InputContext", "get_strategy", "current_scope",

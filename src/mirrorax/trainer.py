@@ -1,7 +1,7 @@
 """``Trainer``: fit / evaluate / predict a model on every device of a :class:`MirroredStrategy`.
 
 The Trainer is orchestration on parts below it: the state on the devices (:mod:`mirrorax.fit.device_state`),
-the compiled steps (:mod:`mirrorax.steps.functions`, public ``strategy.jit`` functions), fit's preparation
+the compiled steps (:mod:`mirrorax.fit.functions`, public ``strategy.jit`` functions), fit's preparation
 (:mod:`mirrorax.fit.fit_plan`: its arguments read once into one record) and the loop that runs fit's epochs,
 evaluate and predict on them (:mod:`mirrorax.fit.loop`), with at most the strategy's ``max_in_flight`` steps
 outstanding; metric values come to the host only when shown. ``fit`` is: prepare, resume, run the epochs,
@@ -22,6 +22,7 @@ from mirrorax.checkpoint import resume as resume_lib
 from mirrorax.cluster import preemption
 from mirrorax.fit import fit_plan, planner
 from mirrorax.fit.device_state import DeviceState
+from mirrorax.fit.functions import NonFiniteMode, StepFunctions
 from mirrorax.fit.loop import Loop
 from mirrorax.fit.progress import format_logs, resolve_verbose
 from mirrorax.inputs.arrays import ArraySource
@@ -32,7 +33,6 @@ from mirrorax.models.adapters import adapt
 from mirrorax.models.base import ModelAdapter
 from mirrorax.results import History, NonFiniteLossError
 from mirrorax.steps import first_call as _first_call
-from mirrorax.steps.functions import NonFiniteMode, StepFunctions
 from mirrorax.strategy import MirroredStrategy, get_strategy
 from mirrorax.train_state import TrainState
 

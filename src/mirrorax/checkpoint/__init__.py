@@ -2,7 +2,7 @@
 
 * :mod:`~mirrorax.checkpoint.checkpointer`: :class:`Checkpointer`, Orbax save/restore of the state, elastic
   restore, damaged steps set aside (its public names are this package's too: ``mirrorax.checkpoint.Checkpointer``);
-* :mod:`~mirrorax.checkpoint.integrity` / :mod:`~mirrorax.checkpoint.integrity_item`: the checksums a step
+* :mod:`~mirrorax.integrity` / :mod:`~mirrorax.checkpoint.integrity_item`: the checksums a step
   is verified by, and the Orbax item that writes them;
 * :mod:`~mirrorax.checkpoint.orbax_quirks`: work-arounds for Orbax's behaviours (its threads, its atexit save);
 * :mod:`~mirrorax.checkpoint.dir_lock`: one writer per checkpoint directory;

@@ -58,7 +58,6 @@ import orbax.checkpoint as ocp
 from mirrorax._checks import check_int
 from mirrorax._version import __version__
 from mirrorax.checkpoint.dir_lock import DirectoryLocked, acquire, release
-from mirrorax.checkpoint.integrity import HostDigest, all_finite, digest, path_str
 from mirrorax.checkpoint.integrity_item import (
     FORMAT_VERSION,
     IntegrityHandler,
@@ -77,9 +76,10 @@ from mirrorax.checkpoint.orbax_quirks import (
     stop_tensorstore_metric_leak,
     stop_tensorstore_spec_leak,
 )
+from mirrorax.cluster.consistency import debug_checks
 from mirrorax.cluster.failure import die
 from mirrorax.cluster.watchdog import in_checkpoint
-from mirrorax.consistency import debug_checks
+from mirrorax.integrity import HostDigest, all_finite, digest, path_str
 from mirrorax.train_state import COUNTERS, TrainState, pack_counters
 
 __all__ = [

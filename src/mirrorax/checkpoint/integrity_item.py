@@ -1,9 +1,9 @@
 """The ``integrity`` item of a checkpoint: its checksum record, summed while the state is written.
 
 The record is ``{"format": 2, "step": s, "checksums": {path: [sum, weighted_sum]}, "meta_sha256": h}``:
-the checksums are what :func:`mirrorax.checkpoint.integrity.digest` gives, ``h`` is :func:`meta_digest` of the
+the checksums are what :func:`mirrorax.integrity.digest` gives, ``h`` is :func:`meta_digest` of the
 checkpoint's ``meta`` record (format 1, written before, has no ``meta_sha256``). A save hands this
-item a :class:`~mirrorax.checkpoint.integrity.HostDigest` (host arrays of the state, taken when the save
+item a :class:`~mirrorax.integrity.HostDigest` (host arrays of the state, taken when the save
 started) and the sums are done in Orbax's background commit, beside the array writes: the loop never
 waits for a reduction over the whole state. A state
 holding NaN or Inf fails its commit with :class:`NonFiniteState`, so Orbax never finalises that step
@@ -21,7 +21,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from mirrorax.checkpoint.integrity import HostDigest
+from mirrorax.integrity import HostDigest
 
 __all__ = ["FORMAT_VERSION", "IntegrityHandler", "IntegrityRestore", "IntegritySave", "NonFiniteState",
            "meta_digest"]

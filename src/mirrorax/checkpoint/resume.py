@@ -24,9 +24,9 @@ import numpy as np
 
 from mirrorax._host import host_value
 from mirrorax._version import __version__
-from mirrorax.checkpoint.integrity import path_str
 from mirrorax.inputs.batch import Batch
 from mirrorax.inputs.position import InputState, UnsafeInputState, check_loadable
+from mirrorax.integrity import path_str
 from mirrorax.train_state import TrainState
 
 __all__ = ["Saver", "Resumed", "resume", "sample_spec", "sample_from_spec", "check_every", "hyperparameters"]

@@ -41,9 +41,9 @@ import numpy as np
 
 from mirrorax.checkpoint import snapshot_io as io
 from mirrorax.checkpoint.snapshot_io import DIR_ENV, LOST_ENV, SECONDS_ENV, STEPS_ENV, SnapshotError, node_name
+from mirrorax.cluster.consistency import broadcast_from
 from mirrorax.cluster.join import coordination_client
 from mirrorax.cluster.watchdog import in_checkpoint, waiting_for_peers
-from mirrorax.consistency import broadcast_from
 
 __all__ = ["Snapshots", "SnapshotError", "SnapshotWarning", "DIR_ENV", "SECONDS_ENV", "STEPS_ENV", "LOST_ENV",
            "DEFAULT_SECONDS", "node_name", "configured", "nodes", "group", "restart_line"]

@@ -15,8 +15,6 @@ import json
 import os
 import queue
 import shutil
-import socket
-import sys
 import threading
 import time
 import zlib
@@ -28,34 +26,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mirrorax.checkpoint.integrity import path_str
+from mirrorax.cluster.restarts import DIR_ENV, LOST_ENV, SECONDS_ENV, STEPS_ENV, node_name
+from mirrorax.integrity import path_str
 
 __all__ = ["DIR_ENV", "SECONDS_ENV", "STEPS_ENV", "LOST_ENV", "node_name", "SnapshotError", "Writer", "writer",
            "on_one_device", "named_leaves", "write", "read", "complete_steps", "place", "stored_like", "key_impl",
            "REACHED_SECONDS"]
 
-DIR_ENV = "MIRRORAX_SNAPSHOT_DIR"  # each node's snapshots go under it (mirrorax launch and Ray set it)
-SECONDS_ENV = "MIRRORAX_SNAPSHOT_SECONDS"
-STEPS_ENV = "MIRRORAX_SNAPSHOT_STEPS"
-LOST_ENV = "MIRRORAX_ELASTIC_LOST"  # set by mirrorax launch for a restarted group: what the last one lost
 FORMAT = 1
 STATE_FILE, INDEX_FILE, META_FILE = "state.bin", "index.json", "meta.json"
 ALIGN = 64
 REACHED_SECONDS = 0.2  # how often the writer records the newest step reached (for a restart's "steps lost")
 
 PyTree = Any
-
-
-def node_name() -> str:
-    """This node's name: the Ray node's id in a Ray worker (simulated nodes of one host differ), else the host
-    name. Each node keeps its own snapshots, so the survivors of a lost node hold theirs."""
-    ray = sys.modules.get("ray")
-    if ray is not None:
-        with contextlib.suppress(Exception):  # not in a Ray worker: the host
-            node = ray.get_runtime_context().get_node_id()
-            if node:
-                return f"ray-{node[:16]}"
-    return socket.gethostname() or "localhost"
 
 
 class SnapshotError(RuntimeError):

@@ -9,7 +9,7 @@
 * :mod:`~mirrorax.cluster.launch`: ``mirrorax launch`` (``python -m mirrorax.cluster.launch``), with
   :mod:`~mirrorax.cluster.watchdog` (each rank's progress) and :mod:`~mirrorax.cluster.restarts`;
 * :mod:`~mirrorax.cluster.preemption`: SIGTERM, the exit code, every process stopping at one step;
-* elastic jobs: :mod:`~mirrorax.cluster.elastic` (a fit's snapshots) and :mod:`~mirrorax.cluster.ray_train`
+* elastic jobs: :mod:`~mirrorax.fit.elastic` (a fit's snapshots) and :mod:`~mirrorax.cluster.ray_train`
   (a Ray Train worker's group).
 
 The launcher, the watchdog, the restarts and ``preemption`` import no JAX at import time, so this package

@@ -29,8 +29,8 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from mirrorax.checkpoint.snapshot_io import DIR_ENV, SECONDS_ENV, STEPS_ENV, node_name
 from mirrorax.cluster.discovery import ClusterInfo, make_info
+from mirrorax.cluster.restarts import DIR_ENV, SECONDS_ENV, STEPS_ENV, node_name
 
 # JaxTrainer is made on first use (module __getattr__): defining it imports Ray.
 __all__ = ["job_from_ray", "checkpoint_dir", "in_ray_worker", "JaxTrainer", "SNAPSHOT_ROOT"]  # noqa: F822

@@ -11,16 +11,35 @@ which process the last group lost (``MIRRORAX_ELASTIC_LOST``): ``fit`` says it i
 from __future__ import annotations
 
 import collections
+import contextlib
 import shutil
+import socket
+import sys
 import tempfile
 
-from mirrorax.checkpoint.snapshot_io import DIR_ENV, LOST_ENV
+__all__ = ["DIR_ENV", "LOST_ENV", "SECONDS_ENV", "STEPS_ENV", "node_name", "Restarts", "SLOT_FAILURES", "SLOT_ENV",
+           "default_max_restarts"]
 
-__all__ = ["Restarts", "SLOT_FAILURES", "SLOT_ENV", "default_max_restarts"]
+DIR_ENV = "MIRRORAX_SNAPSHOT_DIR"  # each node's snapshots go under it (mirrorax launch and Ray set it)
+LOST_ENV = "MIRRORAX_ELASTIC_LOST"  # set by mirrorax launch for a restarted group: what the last one lost
+SECONDS_ENV = "MIRRORAX_SNAPSHOT_SECONDS"  # a snapshot every so many seconds (mx.Snapshots)
+STEPS_ENV = "MIRRORAX_SNAPSHOT_STEPS"  # or every so many steps
 
 #: A slot that fails this many times keeps failing: with ``--min-nprocs``, the group restarts without it.
 SLOT_FAILURES = 2
 SLOT_ENV = "MIRRORAX_SLOT"
+
+
+def node_name() -> str:
+    """This node's name: the Ray node's id in a Ray worker (simulated nodes of one host differ), else the host
+    name. Each node keeps its own snapshots, so the survivors of a lost node hold theirs."""
+    ray = sys.modules.get("ray")
+    if ray is not None:
+        with contextlib.suppress(Exception):  # not in a Ray worker: the host
+            node = ray.get_runtime_context().get_node_id()
+            if node:
+                return f"ray-{node[:16]}"
+    return socket.gethostname() or "localhost"
 
 
 class Restarts:

@@ -38,7 +38,7 @@ COMPILING = "compiling"  # compiling a step: not watched (a large model compiles
 INPUT = "input"  # reading the next batch from the input (the user's generator or dataset)
 STEP = "step"  # waiting for a step on the devices, and so for its peers in the collectives
 HOOKS = "hooks"  # in a batch callback or hook (Keras callbacks, progress; a checkpoint save is CHECKPOINT)
-PEERS = "peers"  # waiting for its peers to agree (mirrorax.consistency, through the coordination service)
+PEERS = "peers"  # waiting for its peers to agree (mirrorax.cluster.consistency, through the coordination service)
 EXITING = "exiting"  # the script ended (or sys.exit): at the exit barrier, waiting for the others
 CHECKPOINT = "checkpoint"  # saving, waiting for or restoring a checkpoint: not watched (a large state takes minutes)
 #: Phases in which a process should move on within the watchdog's bound.

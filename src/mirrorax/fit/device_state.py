@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mirrorax import consistency
+from mirrorax.cluster import consistency
 from mirrorax.fit.hooks import Callbacks
 from mirrorax.inputs.batch import Batch
 from mirrorax.models.base import ModelAdapter

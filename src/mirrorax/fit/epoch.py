@@ -29,9 +29,9 @@ from mirrorax.steps.dispatch import InFlight
 if TYPE_CHECKING:
     from mirrorax.checkpoint import resume as resume_lib
     from mirrorax.cluster import preemption
+    from mirrorax.fit.functions import StepFunctions
     from mirrorax.fit.hooks import Callbacks
     from mirrorax.fit.progress import Progress
-    from mirrorax.steps.functions import StepFunctions
 
 __all__ = ["Outcome", "EpochRun", "EpochHook", "BatchCallbacks", "EvalBatchCallbacks", "PredictBatchCallbacks",
            "HaltWatch", "PreemptionStop", "PeriodicSave", "ProgressHook"]
@@ -136,7 +136,7 @@ class BatchCallbacks(EpochHook):
       end_hook: ``(index, logs, state) -> state``: runs ``on_train_batch_end`` with the state exposed to the
         model, and returns the state to go on from (a callback may have changed the model).
       model: the Keras model (its ``stop_training`` flag) or any object.
-      logs: a step's ``aux`` -> its batch logs (:meth:`mirrorax.steps.functions.StepFunctions.batch_logs`).
+      logs: a step's ``aux`` -> its batch logs (:meth:`mirrorax.fit.functions.StepFunctions.batch_logs`).
     """
 
     def __init__(self, hooks: Callbacks, steps_per_execution: int, end_hook: Any, model: Any,

@@ -14,14 +14,14 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any, Literal
 
-from mirrorax import consistency
 from mirrorax._checks import check_int
 from mirrorax.checkpoint import resume as resume_lib
 from mirrorax.checkpoint import snapshot
-from mirrorax.cluster import preemption
-from mirrorax.cluster.elastic import FitSnapshots
+from mirrorax.cluster import consistency, preemption
 from mirrorax.fit import planner
 from mirrorax.fit.device_state import DeviceState
+from mirrorax.fit.elastic import FitSnapshots
+from mirrorax.fit.functions import StepFunctions
 from mirrorax.fit.hooks import Callbacks
 from mirrorax.fit.progress import resolve_verbose
 from mirrorax.inputs.arrays import ArraySource
@@ -32,7 +32,6 @@ from mirrorax.inputs.reading import FitReading
 from mirrorax.inputs.source import Source
 from mirrorax.inputs.streams import Stream
 from mirrorax.results import History
-from mirrorax.steps.functions import StepFunctions
 
 if TYPE_CHECKING:
     from mirrorax.checkpoint.checkpointer import Checkpointer

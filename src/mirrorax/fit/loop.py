@@ -1,6 +1,6 @@
 """One dispatched loop, shared by ``fit``'s epochs, ``evaluate`` and ``predict``.
 
-Each step is a program of :class:`~mirrorax.steps.functions.StepFunctions` (public ``strategy.jit`` functions),
+Each step is a program of :class:`~mirrorax.fit.functions.StepFunctions` (public ``strategy.jit`` functions),
 looked up once per kind of batch (its placed shape and real rows) and called directly; each call is
 pushed into the strategy's one dispatch window (``strategy.in_flight``), so ``MirroredStrategy(
 max_in_flight=k)`` bounds the Trainer's steps as it bounds a custom loop's. Per step the loop:
@@ -19,13 +19,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from mirrorax import consistency, front_end
+from mirrorax import front_end
 from mirrorax._host import host_tree, host_value
-from mirrorax.cluster import preemption
+from mirrorax.cluster import consistency, preemption
 from mirrorax.cluster.watchdog import COMPILING, HOOKS, IDLE, INPUT, STEP, beat, leaving
 from mirrorax.fit import epoch as epoch_lib
 from mirrorax.fit.device_state import DeviceState
 from mirrorax.fit.fit_plan import FitPlan
+from mirrorax.fit.functions import StepFunctions
 from mirrorax.fit.hooks import Callbacks
 from mirrorax.fit.progress import Progress
 from mirrorax.inputs.batch import Batch
@@ -34,7 +35,6 @@ from mirrorax.inputs.source import Source
 from mirrorax.inputs.streams import ran_out_of_data, within_pass
 from mirrorax.results import NonFiniteLossError
 from mirrorax.steps import first_call as _first_call
-from mirrorax.steps.functions import StepFunctions
 from mirrorax.train_state import TrainState
 
 __all__ = ["Loop", "preempted"]

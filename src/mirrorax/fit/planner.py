@@ -23,12 +23,12 @@ import jax
 import numpy as np
 
 from mirrorax.fit.device_state import DeviceState
+from mirrorax.fit.functions import StepFunctions
 from mirrorax.inputs.batch import Batch, RealRows, padded_batch_size
 from mirrorax.inputs.make import make_source
 from mirrorax.models.adapters import adapt
 from mirrorax.models.base import strategy_of
 from mirrorax.steps import first_call as _first_call
-from mirrorax.steps.functions import StepFunctions
 from mirrorax.strategy import MirroredStrategy, get_strategy
 from mirrorax.traffic import Traffic, collective_bytes, traffic_of
 

@@ -7,7 +7,7 @@ that does not divide by the device count) are *padding*: copies of a real row wh
 Where the host knows the global batch's real row count (array inputs, iterables of global batches) the
 padding sits at the end of the global batch, and the count travels *statically* with the batch
 (:class:`RealRows`, part of the compiled signature): the step cuts the batch to its real rows before
-anything else (:func:`mirrorax.steps.functions.real_rows_only`), so the model sees exactly the rows Keras would show
+anything else (:func:`mirrorax.fit.functions.real_rows_only`), so the model sees exactly the rows Keras would show
 it, as Keras's own jit retraces for a short batch. Only per-process pipelines, whose padding sits inside
 each process's share and whose global count only the devices know, keep the padding in the step, masked
 out of the loss, the gradients, the BatchNorm statistics and the metrics.
@@ -102,7 +102,7 @@ class Batch:
     def step_tree(self) -> dict[str, PyTree]:
         """The batch as a compiled step takes it: :meth:`tree`, except that a batch that knows its real rows
         leaves out its mask and count, and its sample weights when the user gave none. The step makes them
-        as constants (:func:`mirrorax.steps.functions.real_rows_only`); each array a compiled step takes costs host
+        as constants (:func:`mirrorax.fit.functions.real_rows_only`); each array a compiled step takes costs host
         time at every call (~4 us an argument on this CPU host)."""
         rows = self.real_rows()
         if rows is None:

@@ -304,7 +304,7 @@ def agreed_items(it: Iterator[Any], mesh: BatchMesh, per_process: bool) -> Itera
         if multi_per_process:
             # Processes agree each step whether anyone still has data, so no process waits in a
             # collective for a batch that another never sends.
-            from mirrorax.consistency import any_process  # host-side: no wait on the steps
+            from mirrorax.cluster.consistency import any_process  # host-side: no wait on the steps
 
             if not any_process(item is not None):
                 return

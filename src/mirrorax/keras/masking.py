@@ -1,10 +1,10 @@
 """Keras metrics given a step's padding mask: the Keras front-end's ``metric_masking``.
 
 While a step that sees padding rows traces (``strategy.run``'s replicas:
-:func:`mirrorax.padding.masked_metric_updates`), every Keras metric class that defines ``update_state`` (Keras's
+:func:`mirrorax.steps.padding.masked_metric_updates`), every Keras metric class that defines ``update_state`` (Keras's
 and the user's) has it wrapped: a call with one value per row of the step's batch is given the mask as its
 ``sample_weight`` (times the user's own), so its state counts the real rows only
-(:func:`mirrorax.padding.masked_update`). The wrappers are installed while any step traces under the context, on
+(:func:`mirrorax.steps.padding.masked_update`). The wrappers are installed while any step traces under the context, on
 any thread, act only on the thread whose step set a mask, and leave a metric called by another metric as it is;
 the classes get their own methods back when the last such trace ends.
 """
@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from mirrorax.padding import current_mask, masked_update
+from mirrorax.steps.padding import current_mask, masked_update
 
 __all__ = ["metric_masking"]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mirrorax.consistency import broadcast_from_primary
+from mirrorax.cluster.consistency import broadcast_from_primary
 from mirrorax.inputs.reading import FitReading
 from mirrorax.keras import _internals as internals
 

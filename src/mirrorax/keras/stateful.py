@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 
 from mirrorax.keras import _internals as internals
-from mirrorax.replica import get_replica_context
+from mirrorax.steps.replica import get_replica_context
 
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh

@@ -9,7 +9,7 @@
   :mod:`~mirrorax.steps.held`: objects among the arguments held between calls;
 * :mod:`~mirrorax.steps.distributed_batch`: ``DistributedBatch``, one global batch as a custom loop holds it;
 * :mod:`~mirrorax.steps.first_call`: a program's first call (trace and compile) run as a trace wants the host;
-* :mod:`~mirrorax.steps.functions`: ``StepFunctions``, the Trainer's train / evaluate / predict steps, each a
+* :mod:`~mirrorax.fit.functions`: ``StepFunctions``, the Trainer's train / evaluate / predict steps, each a
   public ``strategy.jit`` function.
 
 This package imports nothing itself: each module stands on its own floor (``tests/test_house.py``).

@@ -33,8 +33,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from mirrorax._checks import check_int
-from mirrorax.replica import ReplicaContext, replica_scope, varies_over
 from mirrorax.steps import first_call as _first_call
+from mirrorax.steps.replica import ReplicaContext, replica_scope, varies_over
 
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh

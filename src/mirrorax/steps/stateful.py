@@ -19,10 +19,10 @@ One road for every front-end. A call:
    back after the call (device arrays, never copied to the host).
 
 Around every step, whatever its objects: a batch that knows its real rows reaches it cut to them in the
-global view (:func:`mirrorax.replica.real_rows_view`); the step's batch is known to
-``mx.compute_average_loss`` (:func:`mirrorax.replica.batch_scope`); Keras metrics see a short batch's padding
-masked per replica (:mod:`mirrorax.padding`), a result that lets the padding in is warned once, and outputs
-with one row per example are recorded for ``strategy.gather`` & co. (:func:`mirrorax.replica.mark_rows`).
+global view (:func:`mirrorax.steps.replica.real_rows_view`); the step's batch is known to
+``mx.compute_average_loss`` (:func:`mirrorax.steps.replica.batch_scope`); Keras metrics see a short batch's padding
+masked per replica (:mod:`mirrorax.steps.padding`), a result that lets the padding in is warned once, and outputs
+with one row per example are recorded for ``strategy.gather`` & co. (:func:`mirrorax.steps.replica.mark_rows`).
 Every call pushes into the strategy's window; a loop of one signature whose step needs none of this takes a
 fast path (:meth:`mirrorax.steps.dispatch.StrategyFunction.call_fast`).
 """
@@ -41,17 +41,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from mirrorax.padding import (
-    even_out_shardings,
-    masked_metric_updates,
-    padding_outputs,
-    per_row_leaves,
-    unmasked_metrics,
-    warn_padding,
-    warn_replicated_batch,
-    warn_stray_rows,
-)
-from mirrorax.replica import RowValues, batch_scope, find_batch, keep_padding_view, mark_rows, real_rows_view
 from mirrorax.steps import first_call as _first_call
 from mirrorax.steps.dispatch import MISSED, InFlight, OutShardings, StrategyFunction
 from mirrorax.steps.distributed_batch import (
@@ -63,6 +52,17 @@ from mirrorax.steps.distributed_batch import (
     unpieced,
 )
 from mirrorax.steps.held import HeldCall
+from mirrorax.steps.padding import (
+    even_out_shardings,
+    masked_metric_updates,
+    padding_outputs,
+    per_row_leaves,
+    unmasked_metrics,
+    warn_padding,
+    warn_replicated_batch,
+    warn_stray_rows,
+)
+from mirrorax.steps.replica import RowValues, batch_scope, find_batch, keep_padding_view, mark_rows, real_rows_view
 from mirrorax.steps.split_merge import Split, SplitMerge, objects_back, place, protocols, split_args, threaded
 
 if TYPE_CHECKING:
@@ -458,7 +458,8 @@ class StatefulFunction:
 
     def _check_host_batches(self, args: tuple[Any, ...]) -> None:
         """Warns (once per signature) when the user's arguments hold what is almost certainly a global batch
-        given whole from the host, which a step gets replicated, not split (:func:`mirrorax.padding.host_batches`)."""
+        given whole from the host, which a step gets replicated, not split
+        (:func:`mirrorax.steps.padding.host_batches`)."""
         if self._mesh.num_replicas_in_sync < 2:
             return
         if self._per_replica:  # strategy.run's function takes (args, kwargs)

@@ -5,7 +5,7 @@ one whose size the device count does not divide) is padded with copies of real r
 TF's last batch is simply shorter. So that a step gives TF's numbers:
 
 * **Global view** (``strategy.jit``): a batch whose real rows the host knows (arrays, iterables of global
-  batches) reaches the step cut to them (:func:`mirrorax.replica.real_rows_view`): the step is the
+  batches) reaches the step cut to them (:func:`mirrorax.steps.replica.real_rows_view`): the step is the
   single-device program on the real rows, whatever it does with them.
 * **Per replica** (``strategy.run``, and the global view of a batch whose count only the devices know):
   each replica has as many rows, so the padding stays. Every Keras metric's ``update_state`` called in the
@@ -14,7 +14,7 @@ TF's last batch is simply shorter. So that a step gives TF's numbers:
   ``metric_masking``: Keras's is :mod:`mirrorax.keras.masking`); :func:`mirrorax.compute_average_loss`
   and :func:`mirrorax.masked_mean` leave the padding out of losses.
 * **Outputs.** An output with one row per example of a batch with padding is recorded
-  (:func:`mirrorax.replica.mark_rows`), so that ``strategy.gather``, ``experimental_local_results`` and
+  (:func:`mirrorax.steps.replica.mark_rows`), so that ``strategy.gather``, ``experimental_local_results`` and
   ``reduce(..., axis=0)`` give its real rows only: in the global view the step's output holds those rows
   only; per replica it keeps the fixed shape and the record holds the mask.
 * What remains ambiguous is warned once per step function (:class:`PaddingIgnoredWarning`), naming what
@@ -37,7 +37,7 @@ import numpy as np
 from jax.extend import core as jax_core
 
 from mirrorax import front_end
-from mirrorax.replica import find_batch
+from mirrorax.steps.replica import find_batch
 
 __all__ = ["PaddingIgnoredWarning", "ReplicatedBatchWarning", "padding_outputs", "warn_padding", "warn_stray_rows",
            "warn_replicated_batch", "masked_metric_updates", "unmasked_metrics", "current_mask", "masked_update",

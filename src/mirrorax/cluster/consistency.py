@@ -132,7 +132,7 @@ def check_replicas(state: PyTree, what: str = "training state") -> None:
         return
     from jax.experimental import multihost_utils
 
-    from mirrorax.checkpoint.integrity import digest
+    from mirrorax.integrity import digest
 
     checksums, _ = digest(state)
     names = list(checksums)
