@@ -118,7 +118,7 @@ SHAPED = ("ValueError", "TypeError", "RuntimeError")
 # enclosing function (not line numbers, which move with every edit).
 NO_VALUE_TO_SHOW = {
     ("trainer.py", "Trainer.host_state", "RuntimeError"): "no state yet: the fault is a call order, not a value",
-    ("device_state.py", "DeviceState.live", "RuntimeError"): "no state yet: the fault is a call order, not a value",
+    ("fit/device_state.py", "DeviceState.live", "RuntimeError"): "no state yet: the fault is a call order, not a value",
 }
 # Functions that build a message for a raise; their returns are held to the same shape.
 MESSAGE_BUILDERS = {"label_message", "_label_message"}
