@@ -108,6 +108,30 @@ def test_functional_model_labels_checked():
     t.fit(x, y, batch_size=8, verbose=0)
 
 
+def test_train_on_batch_refuses_a_label_outside_the_classes_and_trains_on():
+    """train_on_batch is prepared as fit is: the batch's labels are checked on the host before its step. (Its own
+    path used to leave the step's record of the bad label unread: that step and every later one froze silently,
+    each returning a loss of 0.0 and changing nothing.)"""
+    x, y = data(8)
+    m = model()
+    t = mx.Trainer(m, strategy(2))
+    t.train_on_batch(x, y)
+    before, step = m.get_weights(), int(t.host_state().step)
+    y_bad = y.copy()
+    y_bad[3] = 7
+    with pytest.raises(ValueError, match=r"y holds the label 7 at y\[3\] \(example 3\).*output has 5 units"):
+        t.train_on_batch(x, y_bad)
+    assert int(t.host_state().step) == step
+    for a, b in zip(m.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
+    logs = t.train_on_batch(x, y)  # trains on: as a fresh trainer from the same weights does
+    ref = model()
+    ref.set_weights(before)
+    want = mx.Trainer(ref, strategy(2)).train_on_batch(x, y)
+    assert logs["loss"] == pytest.approx(want["loss"], rel=1e-6) and logs["loss"] > 0.1
+    assert_weights_close(m, ref, 1e-6, 1e-7)
+
+
 @pytest.mark.parametrize("on_nonfinite", ["raise", pytest.param("skip", marks=pytest.mark.slow),
                                           pytest.param("ignore", marks=pytest.mark.slow)])
 def test_iterable_label_outside_classes_stops_training_without_applying_that_step(on_nonfinite):

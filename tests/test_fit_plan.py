@@ -116,3 +116,43 @@ def test_evaluate_and_predict_read_their_arguments_into_one_pass():
     with pytest.raises(ValueError, match=r"steps must be an integer >= 1; received 0"):
         fit_plan.prepare_pass(adapter, model, 1, "predict", x, batch_size=None, steps=0, callbacks=None,
                               refuse_nonfinite=True)
+
+
+def test_one_batch_is_prepared_whole_and_a_source_is_taken_as_it_is():
+    trainer, (x, y) = _trainer(), _data()
+    adapter, model = trainer.adapter, trainer.model
+    one = fit_plan.prepare_pass(adapter, model, 1, "train", x[:13], y[:13], batch_size="all", refuse_nonfinite=True)
+    assert one.batch_size == 13 and one.steps is None and one.hooks is None  # the whole input, one batch
+    again = fit_plan.prepare_pass(adapter, model, 1, "train", one.source, batch_size="all", refuse_nonfinite=True)
+    assert again.source is one.source  # made by a caller that read x itself: not read again
+    with pytest.raises(ValueError, match=r"train_on_batch needs targets.*train_on_batch\(x, y\)"):
+        fit_plan.prepare_pass(adapter, model, 1, "train", x[:13], batch_size="all", refuse_nonfinite=True)
+    with pytest.raises(TypeError, match="One batch must be arrays.*received x of type list_iterator"):
+        fit_plan.prepare_pass(adapter, model, 1, "evaluate", iter([(x, y)]), batch_size="all", refuse_nonfinite=True)
+
+
+def test_train_on_batch_runs_on_fits_runner_and_raises_a_non_finite_loss_as_fit_does():
+    """train_on_batch's step is fit's, dispatched and finished as fit's: a label this loss cannot take (its
+    per-example loss is NaN) raises with the update not applied, the values stay as they were, and the same
+    trainer trains on; a good batch's update is one SGD step on its mean loss."""
+    trainer, (x, y) = _trainer(), _data()
+    trainer.train_on_batch(x[:13], y[:13])
+    before = trainer.host_state()
+    bad = y[:13].copy()
+    bad[5] = CLASSES + 4  # take_along_axis out of range: a NaN loss (this loss names no classes to check)
+    with pytest.raises(mx.NonFiniteLossError, match=r"step 2 \(the batch of this train_on_batch call\).*not applied"):
+        trainer.train_on_batch(x[:13], bad)
+    after = trainer.host_state()
+    assert int(after.step) == int(before.step)
+    jax.tree.map(np.testing.assert_array_equal, after.params, before.params)
+    logs = trainer.train_on_batch(x[13:26], y[13:26])  # trains on
+    assert int(trainer.host_state().step) == int(before.step) + 1
+    w, b = before.params["w"], before.params["b"]
+
+    def loss(p):
+        logits = x[13:26] @ p["w"] + p["b"]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[13:26, None], 1))
+
+    grads = jax.grad(loss)({"w": w, "b": b})
+    np.testing.assert_allclose(trainer.host_state().params["w"], w - 0.1 * grads["w"], rtol=1e-5, atol=1e-7)
+    assert logs["loss"] == pytest.approx(float(loss({"w": w, "b": b})), rel=1e-5)

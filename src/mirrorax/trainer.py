@@ -25,13 +25,11 @@ from mirrorax.fit.device_state import DeviceState
 from mirrorax.fit.functions import NonFiniteMode, StepFunctions
 from mirrorax.fit.loop import Loop
 from mirrorax.fit.progress import format_logs, resolve_verbose
-from mirrorax.inputs.arrays import ArraySource
 from mirrorax.inputs.make import class_weights
-from mirrorax.inputs.placement import to_global
 from mirrorax.inputs.reading import FitReading
 from mirrorax.models.adapters import adapt
 from mirrorax.models.base import ModelAdapter
-from mirrorax.results import History, NonFiniteLossError
+from mirrorax.results import History
 from mirrorax.steps import first_call as _first_call
 from mirrorax.strategy import MirroredStrategy, get_strategy
 from mirrorax.train_state import TrainState
@@ -358,41 +356,26 @@ class Trainer:
                        ) -> dict[str, float]:
         """One train step on one global batch (padded to the device count); its loss and metrics.
 
-        The metrics cover this batch only (as Keras's ``train_on_batch``). A non-finite loss raises
-        :class:`NonFiniteLossError` with the update not applied (unless ``on_nonfinite`` says otherwise).
+        The metrics cover this batch only (as Keras's ``train_on_batch``). The step is ``fit``'s, prepared and run
+        as ``fit`` runs it: a label outside the classes raises ``ValueError`` and a non-finite loss
+        :class:`NonFiniteLossError` (unless ``on_nonfinite`` says otherwise), the update not applied.
 
         Example:
           >>> logs = trainer.train_on_batch(x[:64], y[:64])
         """
         if class_weight is not None:
             sample_weight = class_weights(y, class_weight, sample_weight)
-        source = ArraySource(x, y, sample_weight)
-        host = source.sample(source.num_examples, self.strategy.batch_mesh)
-        held = self.device_state
-        held.ensure(host)
-        self.steps.check_labels_in_step(True)  # (the labels of a single batch are looked at in the step)
-        batch = to_global(host, self.strategy.batch_mesh)
-        state = held.live.replace(metrics=held.fresh_metrics())
-        self.adapter.release()
-        held.value = None  # donated to the step
-        try:
-            state, _ = self.steps.train(state, batch.step_tree())
-        finally:
-            held.value = state
-        held.write_back()
-        counters = state.host_counters()
-        if self.steps.on_nonfinite == "raise" and int(counters["skipped"]):
-            held.value = self.steps.clear_nonfinite(state, int(counters["nonfinite_step"]))
-            raise NonFiniteLossError("The loss of this batch is not finite; the update was not applied (the model "
-                                     "keeps its values). Check the batch for NaN/inf or lower the learning rate.")
-        totals = host_tree(state.metrics)
-        self.adapter.keep_metrics(totals)
-        return self.adapter.metric_results(totals)
+        one = fit_plan.prepare_pass(self.adapter, self.model, self.strategy.process_count, "train", x, y,
+                                    sample_weight, batch_size="all", refuse_nonfinite=self.refuses_nonfinite)
+        logs = self.loop.train_on_batch(one.source)
+        self.device_state.write_back()
+        return logs
 
     def test_on_batch(self, x: Any, y: Any = None, *, sample_weight: Any = None) -> dict[str, float]:
         """Loss and metrics of one batch in inference mode (Keras's ``test_on_batch``)."""
-        source = ArraySource(x, y, sample_weight)
-        return self.loop.evaluate(source, source.num_examples)
+        one = fit_plan.prepare_pass(self.adapter, self.model, self.strategy.process_count, "evaluate", x, y,
+                                    sample_weight, batch_size="all", refuse_nonfinite=self.refuses_nonfinite)
+        return self.loop.evaluate(one.source, one.batch_size)
 
     def compile_counts(self) -> dict[str, int]:
         """Programs compiled per step kind: one per placed shape and real row count (a full batch and a

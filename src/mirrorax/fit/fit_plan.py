@@ -36,7 +36,8 @@ from mirrorax.results import History
 if TYPE_CHECKING:
     from mirrorax.checkpoint.checkpointer import Checkpointer
 
-__all__ = ["FitArgs", "FitPlan", "PassPlan", "Start", "prepare", "prepare_pass", "resume", "training_source"]
+__all__ = ["FitArgs", "FitPlan", "PassPlan", "Start", "pass_source", "prepare", "prepare_pass", "resume",
+           "training_source"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,8 +255,9 @@ def training_source(adapter: Any, x: Any, y: Any = None, sample_weight: Any = No
 
 @dataclasses.dataclass(frozen=True)
 class PassPlan:
-    """One ``evaluate`` or ``predict`` pass, read once from its arguments by :func:`prepare_pass`: its input,
-    its global batch, its batches (``None``: all) and its callbacks (``None``: none)."""
+    """One pass of ``evaluate`` or ``predict``, or one batch of ``train_on_batch`` / ``test_on_batch``, read once
+    from its arguments by :func:`prepare_pass`: its input, its global batch, its batches (``None``: all) and its
+    callbacks (``None``: none)."""
 
     source: Source
     batch_size: int
@@ -263,30 +265,60 @@ class PassPlan:
     hooks: Callbacks | None
 
 
-def prepare_pass(adapter: Any, model: Any, process_count: int, kind: Literal["evaluate", "predict"], x: Any,
-                 y: Any = None, sample_weight: Any = None, *, batch_size: int | None, steps: int | None,
-                 callbacks: Any, refuse_nonfinite: bool) -> PassPlan:
-    """Reads ``evaluate``'s or ``predict``'s arguments (as ``Trainer.evaluate`` / ``predict`` document them)
-    into a :class:`PassPlan`: the source (``predict`` takes the inputs of ``(x, y)`` / ``(x, y, w)``, and NaN
-    inputs, which spoil only their own rows' outputs), targets required where the model needs them, the batch
-    (the source's default, else checked), the steps checked, the callbacks (``on_test_*`` / ``on_predict_*``).
+PassKind = Literal["train", "evaluate", "predict"]
+
+
+def pass_source(adapter: Any, kind: PassKind, x: Any, y: Any = None, sample_weight: Any = None, *,
+                refuse_nonfinite: bool, arrays: bool | None = None) -> Source:
+    """The input of one pass (``evaluate``, ``predict``) or one batch (``kind="train"``: ``train_on_batch``) as a
+    :class:`~mirrorax.inputs.source.Source`, in the model's float type: ``predict`` takes the inputs of
+    ``(x, y)`` / ``(x, y, w)`` batches, and NaN inputs (which spoil only their own rows' outputs); the others
+    refuse NaN/inf when ``refuse_nonfinite`` and require targets where the model needs them. ``arrays``: whether
+    ``x`` holds arrays, when the caller has looked already (a Keras model's ``evaluate`` under a scope)."""
+    if arrays is None:
+        arrays = is_array_tree(x)
+    if kind == "predict":
+        if not arrays and isinstance(x, tuple) and len(x) in (2, 3):
+            x = x[0]  # the inputs of an (x, y) / (x, y, w) tuple
+            arrays = is_array_tree(x)
+        return make_source(x, float_dtype=adapter.float_dtype, check_finite=False, arrays=arrays)
+    source = make_source(x, y, sample_weight, float_dtype=adapter.float_dtype, check_finite=refuse_nonfinite,
+                         arrays=arrays)
+    if adapter.needs_targets("fit" if kind == "train" else kind):
+        source.require_targets("train_on_batch" if kind == "train" else kind)
+    return source
+
+
+def prepare_pass(adapter: Any, model: Any, process_count: int, kind: PassKind, x: Any, y: Any = None,
+                 sample_weight: Any = None, *, batch_size: int | Literal["all"] | None, steps: int | None = None,
+                 callbacks: Any = None, refuse_nonfinite: bool) -> PassPlan:
+    """Reads the arguments of ``evaluate``, ``predict`` (as ``Trainer.evaluate`` / ``predict`` document them) or
+    of one batch (``train_on_batch``, ``test_on_batch``) into a :class:`PassPlan`: the source
+    (:func:`pass_source`; ``x`` may be one already, made by a caller that read ``x`` itself), the batch (the
+    source's default, ``"all"``: the whole input as one batch, else checked), the steps checked, the callbacks
+    (``on_test_*`` / ``on_predict_*``).
 
     Raises:
       ValueError / TypeError: bad inputs, raised before any compilation.
     """
-    if kind == "predict":
-        if isinstance(x, tuple) and len(x) in (2, 3) and not is_array_tree(x):
-            x = x[0]
-        source = make_source(x, float_dtype=adapter.float_dtype, check_finite=False)
+    one_batch = batch_size == "all"
+    if one_batch and not is_source(x) and not is_array_tree(x):
+        raise TypeError(f"One batch must be arrays (an array, or a tuple/list/dict of arrays); received x of type "
+                        f"{type(x).__name__}. Pass the batch itself, e.g. np.asarray(x).")
+    source = x if is_source(x) else pass_source(adapter, kind, x, y, sample_weight, refuse_nonfinite=refuse_nonfinite,
+                                                arrays=True if one_batch else None)
+    if one_batch:
+        if not isinstance(source, ArraySource):
+            raise TypeError(f"One batch must be arrays; received a source of batches ({type(source).__name__}).")
+        batch = source.num_examples
+    elif batch_size is None:
+        batch = source.default_batch_size(process_count)
     else:
-        source = make_source(x, y, sample_weight, float_dtype=adapter.float_dtype, check_finite=refuse_nonfinite)
-        if adapter.needs_targets("evaluate"):
-            source.require_targets("evaluate")
-    batch_size = source.default_batch_size(process_count) if batch_size is None else check_batch_size(batch_size)
+        batch = check_batch_size(batch_size)
     if steps is not None:
         check_int("steps", steps)
     hooks = Callbacks(callbacks, model, epochs=1, steps=steps, verbose=0) if callbacks is not None else None
-    return PassPlan(source, batch_size, steps, hooks)
+    return PassPlan(source, batch, steps, hooks)
 
 
 def resume(plan: FitPlan, device: DeviceState) -> FitPlan:

@@ -440,24 +440,22 @@ class StepFunctions:
         """Whether a bad label froze ``state`` (reads one small replicated array)."""
         return bool(state.host_counters()["bad_label"][0])
 
-    def take_bad_labels(self, state: TrainState, epoch: int, batch_offset: int
+    def take_bad_labels(self, state: TrainState, where: Callable[[int], str]
                         ) -> tuple[TrainState, ValueError | None]:
         """The error a bad label froze ``state`` with (``None`` if none), and the state to continue from:
         the record cleared and the step counter back at the last applied step, so the same trainer
         trains on once the labels are fixed.
 
         Args:
-          epoch: the epoch (0-based) ``state`` trained in; batch_offset: added to a step to give its
-            1-based batch of the epoch.
+          where: the words for the step (its counter) the label froze, e.g. ``"epoch 2, batch 5 of the epoch"``.
         """
         record = state.host_counters()["bad_label"]
         if not record[0]:
             return state, None
         step = int(record[0])
         state = _counters_set(state, bad_label=np.zeros(4, np.int32), step=step - 1)
-        where = (f"in row {int(record[2])} of the global batch of step {step} (epoch {epoch + 1}, batch "
-                 f"{step + batch_offset} of the epoch)")
-        return state, ValueError(self._label_message(record, where) + " The update of that step was not "
+        place = f"in row {int(record[2])} of the global batch of step {step} ({where(step)})"
+        return state, ValueError(self._label_message(record, place) + " The update of that step was not "
                                  "applied: the trainer and the model hold the values from before it.")
 
     @staticmethod

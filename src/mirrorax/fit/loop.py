@@ -233,9 +233,29 @@ class Loop:
             rest = itertools.chain([first], host) if first is not None else iter(())
             return iter(self.device_batches(rest, self.steps_per_execution, stream.per_process))
 
-        # (steps per call (0: one), real rows) -> the compiled step for this epoch's batches, and the
-        # state's structure: the loop keeps the state as its leaves from step to step (EpochRun.leaves),
-        # which the program takes and gives so (dispatch.FlatProgram: no TrainState built per step).
+        dispatch = self._train_dispatch()
+
+        try:
+            outcome = self.run(run, placed, dispatch, loop_hooks, on_done=run.retire, count=stream.last_real)
+            progress.stop()
+            if outcome is epoch_lib.Outcome.PREEMPT:
+                device.value = run.state
+                raise preempted(run.state, None if saver is None else saver.ckpt, epoch, run.in_epoch)
+        finally:
+            self.adapter.conceal()
+            device.value = run.state
+        halted = outcome is epoch_lib.Outcome.HALT
+        offset = run.start_batch - run.first_step  # a step's counter + offset: its 1-based batch of the epoch
+        logs = self._finish_training(run, halted, lambda step: f"epoch {epoch + 1}, batch {step + offset} of the epoch")
+        return logs, progress, run.steps, run.samples
+
+    def _train_dispatch(self) -> Dispatch:
+        """The dispatch of train steps (an epoch's, a ``train_on_batch``'s): one program looked up per kind of batch.
+
+        (steps per call (0: one), real rows) -> the compiled step for the loop's batches, and the state's
+        structure: the loop keeps the state as its leaves from step to step (``EpochRun.leaves``), which the
+        program takes and gives so (``dispatch.FlatProgram``: no TrainState built per step)."""
+        steps = self.steps
         programs: dict[tuple[int, Any], tuple[Any, Any]] = {}
 
         def dispatch(run: epoch_lib.EpochRun, k: int, batch: Batch) -> tuple[Any, Any]:
@@ -257,17 +277,31 @@ class Loop:
             run.set_leaves(leaves, treedef)
             return run.aux, done
 
+        return dispatch
+
+    # -- one batch ---------------------------------------------------------------------------------
+    def train_on_batch(self, source: Source) -> dict[str, float]:
+        """One train step on ``source``'s rows as one global batch (``train_on_batch``): fit's dispatch and
+        finish (a bad label or, with ``on_nonfinite="raise"``, a non-finite loss raises with the update not
+        applied); the logs cover this batch alone."""
+        device, mesh = self.device, self.strategy.batch_mesh
+        rows = source.num_examples  # type: ignore[attr-defined]  # (prepare_pass: one batch is arrays)
+        device.ensure(source.sample(rows, mesh))
+        source.check_targets(self.adapter)
+        self.steps.check_labels_in_step(not source.labels_checked)
+        state = device.live
+        state = state.replace(metrics=device.fresh_metrics(state.metrics))
+        stream = source.stream(rows, mesh)
+        self.adapter.release()
+        device.value = None  # donated to the step; restored below
+        run = epoch_lib.EpochRun(state, self.strategy.in_flight, 0, int(state.host_counters()["step"]), 1)
         try:
-            outcome = self.run(run, placed, dispatch, loop_hooks, on_done=run.retire, count=stream.last_real)
-            progress.stop()
-            if outcome is epoch_lib.Outcome.PREEMPT:
-                device.value = run.state
-                raise preempted(run.state, None if saver is None else saver.ckpt, epoch, run.in_epoch)
+            self.run(run, lambda: iter(self.device_batches(stream.batches(0, 1), 1, stream.per_process)),
+                     self._train_dispatch(), [])
         finally:
             self.adapter.conceal()
             device.value = run.state
-        halted = outcome is epoch_lib.Outcome.HALT
-        return self._finish_epoch(run, halted, epoch), progress, run.steps, run.samples
+        return self._finish_training(run, False, lambda step: "the batch of this train_on_batch call")
 
     def _train_batch_end(self, hooks: Callbacks) -> Callable[[int, Any, TrainState], TrainState]:
         """``on_train_batch_end`` with the state exposed to the model's callbacks; returns the state to go
@@ -281,11 +315,12 @@ class Loop:
 
         return end
 
-    def _finish_epoch(self, run: epoch_lib.EpochRun, halted: bool, epoch: int) -> dict[str, float]:
-        """The epoch's logs, or the error a frozen epoch ends with (a bad label; a non-finite step under
-        ``on_nonfinite="raise"``), the state then set to train on from the last applied step."""
+    def _finish_training(self, run: epoch_lib.EpochRun, halted: bool, where: Callable[[int], str]) -> dict[str, float]:
+        """The logs of ``run``'s train steps (an epoch's), or the error a frozen run ends with (a bad label; a
+        non-finite step under ``on_nonfinite="raise"``), the state then set to train on from the last applied
+        step; ``where(step)``: the words for a step's place in the error."""
         device, steps, state = self.device, self.steps, run.state
-        device.value, label_error = steps.take_bad_labels(state, epoch, run.start_batch - run.first_step)
+        device.value, label_error = steps.take_bad_labels(state, where)
         if label_error is not None:
             device.write_back()
             raise label_error
@@ -295,8 +330,7 @@ class Loop:
             device.value = steps.clear_nonfinite(state, bad)
             device.write_back()
             raise NonFiniteLossError(
-                f"The loss became non-finite at step {bad} (epoch {epoch + 1}, batch "
-                f"{run.start_batch + bad - run.first_step} of the epoch). The update of that step was not applied: "
+                f"The loss became non-finite at step {bad} ({where(bad)}). The update of that step was not applied: "
                 "the trainer, the model and any checkpoint hold the values from before it. Lower the learning rate, "
                 "check the inputs for NaN/inf, or pass Trainer(..., on_nonfinite='skip') to drop such steps.")
         totals = host_tree(state.metrics)

@@ -128,7 +128,9 @@ class Source(Protocol):
 
 
 def no_targets(what: str, given: str) -> ValueError:
-    """The error for ``what`` (``"fit"``, ``"evaluate"``, ``"validation_data"``) given inputs alone."""
-    form = {"fit": "fit(x, y)", "evaluate": "evaluate(x, y)"}.get(what, "(x_val, y_val)")
+    """The error for ``what`` (``"fit"``, ``"evaluate"``, ``"train_on_batch"``, ``"validation_data"``) given inputs
+    alone."""
+    form = {"fit": "fit(x, y)", "evaluate": "evaluate(x, y)", "train_on_batch": "train_on_batch(x, y)"
+            }.get(what, "(x_val, y_val)")
     return ValueError(f"{what} needs targets to compute the loss; received {given} (y is None). Pass {form}, "
                       "or an iterable that yields (x, y) or (x, y, sample_weight) batches.")
