@@ -606,3 +606,38 @@ def test_cached_pipeline_evaluate_and_predict_read_every_row_as_keras_pinned_to_
         assert (plain["generator_runs"], plain["rows_after"]) == (1, 400)
         np.testing.assert_allclose(scoped["evaluate"], plain["evaluate"], rtol=1e-5)
         np.testing.assert_allclose(scoped["predict"], plain["predict"], rtol=1e-5, atol=1e-6)
+
+
+class _Counted:
+    """An array-like that counts its conversions: what a lazily loaded or memory-mapped array pays for each."""
+
+    def __init__(self, a):
+        self.a, self.reads = a, 0
+
+    def __array__(self, dtype=None, copy=None):
+        self.reads += 1
+        return self.a if dtype is None else self.a.astype(dtype)
+
+
+def test_x_is_read_once_by_fit_evaluate_and_predict_under_a_scope():
+    """Keras's fit, evaluate and predict under a scope classify x once and make it a source once; the row count
+    and the batches Keras's callbacks are told come from that source, not from another look at x."""
+    x, y, _, _ = flat_digits(90)
+    with strategy(2).scope():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="tanh"),
+                                  keras.layers.Dense(10, activation="softmax")])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    for given in ({}, {"steps_per_epoch": 2}):
+        counted = _Counted(x)
+        history = model.fit(counted, y, batch_size=None, epochs=2, verbose=0, **given)
+        assert counted.reads == 1, given
+        assert len(history.history["loss"]) == 2
+    counted = _Counted(x)
+    logs = model.evaluate(counted, y, batch_size=32, verbose=0, return_dict=True)
+    assert counted.reads == 1
+    assert logs == pytest.approx(model.evaluate(x, y, batch_size=32, verbose=0, return_dict=True), rel=1e-6)
+    counted = _Counted(x)
+    out = model.predict(counted, verbose=0)
+    assert counted.reads == 1 and out.shape == (90, 10)
+    np.testing.assert_allclose(out, model.predict(x, verbose=0), rtol=1e-6)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ClassWeighted", "BuildRead", "keras_build_read", "build_read", "as_batches", "num_batches", "row_count"]
+__all__ = ["ClassWeighted", "BuildRead", "keras_build_read", "build_read", "as_batches", "num_batches"]
 
 
 class ClassWeighted:
@@ -61,10 +61,11 @@ class BuildRead:
         self.batch, self.iterator = batch, iterator
 
 
-def keras_build_read(model: Any, x: Any, arrays: bool, shuffle: Any, batch_size: int) -> BuildRead | None:
+def keras_build_read(model: Any, x: Any, shuffle: Any, batch_size: int, rows: int | None) -> BuildRead | None:
     """What Keras's ``fit`` reads before training, for the random state and the dataset's hooks and
     iterators to be where Keras leaves them: the first batch, to build a model not built yet (its order
-    drawn and dropped), then the reset of its iterator (a ``PyDataset``'s ``on_epoch_end``).
+    drawn and dropped), then the reset of its iterator (a ``PyDataset``'s ``on_epoch_end``). ``rows``: the
+    examples of ``x`` when it holds arrays (its source's count: ``x`` itself is not looked at then), else ``None``.
 
     Returns:
       The batch read (the trainer's look at the first batch then reads nothing more), or ``None``: none
@@ -73,9 +74,9 @@ def keras_build_read(model: Any, x: Any, arrays: bool, shuffle: Any, batch_size:
     from mirrorax.keras import order as keras_order
 
     builds = keras_order.keras_builds(model)
-    if arrays:
+    if rows is not None:
         if builds:
-            keras_order.build_read(shuffle, row_count(x), batch_size)
+            keras_order.build_read(shuffle, rows, batch_size)
         return None
     if not _is_py_dataset(x):
         return build_read(x) if builds else None
@@ -178,27 +179,12 @@ class _Batches:
         return len(self.data)
 
 
-def num_batches(x: Any, batch_size: int | None, arrays: bool | None = None) -> int | None:
-    """The batches of a pass over ``x`` (``None``: unknown); ``arrays``: whether ``x`` holds arrays, when the
-    caller has looked already."""
-    from mirrorax.inputs.make import is_array_tree
-
-    if is_array_tree(x) if arrays is None else arrays:
-        import jax
-
-        rows = int(np.shape(jax.tree.leaves(x)[0])[0])
-        return -(-rows // (batch_size or 32))
+def num_batches(x: Any, batch_size: int, rows: int | None) -> int | None:
+    """The batches of a pass over ``x`` (``None``: unknown); ``rows``: the examples of ``x`` when it holds arrays
+    (its source's count), else ``None`` (then ``x``'s length, if it has one)."""
+    if rows is not None:
+        return -(-rows // batch_size)
     try:
         return len(x)
     except TypeError:
         return None
-
-
-def row_count(x: Any) -> int:
-    """The rows of a batch ``x`` (its first leaf's leading dimension, at least 1)."""
-    import jax
-
-    leaves = jax.tree.leaves(x)
-    if not leaves:
-        raise ValueError(f"predict_on_batch needs an array (or a structure of arrays); received {type(x).__name__}.")
-    return max(1, int(np.shape(leaves[0])[0]))

@@ -252,6 +252,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
     import keras
 
     from mirrorax.fit.fit_plan import FitArgs, training_source
+    from mirrorax.inputs.arrays import ArraySource
     from mirrorax.inputs.make import is_array_tree
     from mirrorax.keras import callbacks as keras_callbacks
 
@@ -270,32 +271,37 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
                              "validation_data=... instead.")
         (x, y, sample_weight), validation_data = internals.train_validation_split(
             (x, y, sample_weight), validation_split)
-    if arrays and batch_size is None and steps_per_epoch:
-        # Keras's ArrayDataAdapter: the steps cover the rows once
-        batch_size = -(-keras_data.row_count(x) // steps_per_epoch)
-    build = keras_data.keras_build_read(self, x, arrays, shuffle, batch_size or 32)
-    if not arrays:
-        x = keras_data.as_batches(x, shuffle, build)
-    if class_weight is not None:
-        if arrays:
+    # x classified once (arrays or batches) and made the fit's source here, once, as Keras reads it; what
+    # Keras's fit reads besides (the row count, the batches of a pass) is the source's, and the trainer's
+    # preparation takes the source as it is.
+    rows: int | None = None
+    if arrays:
+        if class_weight is not None:
             from mirrorax.inputs.make import class_weights
 
             sample_weight = class_weights(y, class_weight, sample_weight)
-        else:  # batches (a PyDataset, a generator): each one weighted as Keras's data adapters do
+        source = training_source(trainer.adapter, x, y, sample_weight, refuse_nonfinite=trainer.refuses_nonfinite,
+                                 arrays=True)
+        rows = source.num_examples if isinstance(source, ArraySource) else None
+        if batch_size is None and steps_per_epoch and rows is not None:
+            batch_size = -(-rows // steps_per_epoch)  # Keras's ArrayDataAdapter: the steps cover the rows once
+        keras_data.keras_build_read(self, x, shuffle, batch_size or 32, rows)
+    else:
+        x = keras_data.as_batches(x, shuffle, keras_data.keras_build_read(self, x, shuffle, batch_size or 32, None))
+        if class_weight is not None:  # batches (a PyDataset, a generator): each weighted as Keras's adapters do
             from collections.abc import Iterator
 
             weighted = keras_data.ClassWeighted(x, class_weight)
             x = iter(weighted) if isinstance(x, Iterator) else weighted  # a generator stays one-shot
-    # x, read as Keras reads it, made the fit's source here, once: the trainer's preparation takes it as it is.
-    source = training_source(trainer.adapter, x, y, sample_weight, refuse_nonfinite=trainer.refuses_nonfinite,
-                             arrays=arrays)
+        source = training_source(trainer.adapter, x, y, sample_weight, refuse_nonfinite=trainer.refuses_nonfinite,
+                                 arrays=False)
     if (validation_data is not None and not isinstance(validation_data, tuple)
             and is_array_tree(validation_data)):
         raise ValueError("validation_data must be a tuple (x_val, y_val) or (x_val, y_val, sample_weight), or an "
                          f"iterable of such batches; received {type(validation_data).__name__}.")
     keras_callbacks.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
-        steps = steps_per_epoch or keras_data.num_batches(x, batch_size or (None if not arrays else 32), arrays)
+        steps = steps_per_epoch or keras_data.num_batches(x, batch_size or 32, rows)
         callbacks = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                                  verbose=verbose, epochs=epochs, steps=steps, model=self)
     if steps_per_epoch:
@@ -325,9 +331,10 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: int | None = 
     if kwargs:
         raise ValueError(f"Arguments not recognized: {kwargs}. evaluate takes x, y, batch_size, verbose, "
                          "sample_weight, steps, callbacks and return_dict (as Keras's Model.evaluate).")
-    x, batch_size, steps, callbacks = _one_pass(self, x, batch_size, verbose, steps, callbacks, predict=False)
-    logs = trainer_of(self).evaluate(x, y, batch_size=batch_size, sample_weight=sample_weight, steps=steps,
-                                     callbacks=callbacks)
+    trainer = trainer_of(self)
+    source, batch_size, steps, callbacks = _one_pass(self, trainer, x, y, sample_weight, batch_size, verbose, steps,
+                                                     callbacks, predict=False)
+    logs = trainer.evaluate(source, batch_size=batch_size, steps=steps, callbacks=callbacks)
     return logs if return_dict else self._flatten_metrics_in_order(logs)
 
 
@@ -337,30 +344,40 @@ def _predict(self: Any, x: Any, batch_size: int | None = None, verbose: Any = "a
     fallback = _eager_fallback(self, "predict")
     if fallback is not None:
         return fallback(x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
-    x, batch_size, steps, callbacks = _one_pass(self, x, batch_size, verbose, steps, callbacks, predict=True)
-    return trainer_of(self).predict(x, batch_size=batch_size, steps=steps, callbacks=callbacks)
+    trainer = trainer_of(self)
+    source, batch_size, steps, callbacks = _one_pass(self, trainer, x, None, None, batch_size, verbose, steps,
+                                                     callbacks, predict=True)
+    return trainer.predict(source, batch_size=batch_size, steps=steps, callbacks=callbacks)
 
 
-def _one_pass(model: Any, x: Any, batch_size: int | None, verbose: Any, steps: int | None, callbacks: Any,
-              predict: bool) -> tuple[Any, int | None, int | None, Any]:
-    """``evaluate``'s and ``predict``'s arguments as Keras reads them for one pass: ``x`` as batches (a dataset
-    or generator read as Keras's adapters read it), the batch size (32 for arrays), the steps, and the
-    callbacks as Keras's ``CallbackList`` with its progress bar."""
+def _one_pass(model: Any, trainer: Trainer, x: Any, y: Any, sample_weight: Any, batch_size: int | None, verbose: Any,
+              steps: int | None, callbacks: Any, predict: bool) -> tuple[Any, int | None, int | None, Any]:
+    """``evaluate``'s and ``predict``'s arguments as Keras reads them for one pass: ``x`` classified once and made
+    the pass's source once (a dataset or generator read as Keras's adapters read it), the batch size (32 for
+    arrays), the steps, and the callbacks as Keras's ``CallbackList`` with its progress bar (its steps: the
+    source's batches)."""
     import keras
 
+    from mirrorax.fit.fit_plan import pass_source
+    from mirrorax.inputs.arrays import ArraySource
     from mirrorax.inputs.make import is_array_tree
     from mirrorax.keras import callbacks as keras_callbacks
 
-    if not is_array_tree(x):
+    arrays = is_array_tree(x)
+    if not arrays:
         build = keras_data.build_read(x) if keras_order.keras_builds(model, predict=predict) else None
         x = keras_data.as_batches(x, build=build)
+    source = pass_source(trainer.adapter, "predict" if predict else "evaluate", x, y, sample_weight,
+                         refuse_nonfinite=trainer.refuses_nonfinite, arrays=arrays)
+    batch_size = batch_size or (32 if arrays else None)
     steps = _capped_steps(steps)
     keras_callbacks.check_available(callbacks)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
+        rows = source.num_examples if isinstance(source, ArraySource) else None
         callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
-                                                 steps=steps or keras_data.num_batches(x, batch_size or 32),
+                                                 steps=steps or keras_data.num_batches(x, batch_size or 32, rows),
                                                  model=model)
-    return x, batch_size or (32 if is_array_tree(x) else None), steps, callbacks
+    return source, batch_size, steps, callbacks
 
 
 def _train_on_batch(self: Any, x: Any, y: Any = None, sample_weight: Any = None, class_weight: Any = None,
@@ -389,7 +406,12 @@ def _predict_on_batch(self: Any, x: Any) -> Any:
     fallback = _eager_fallback(self, "predict_on_batch")
     if fallback is not None:
         return fallback(x)
-    return trainer_of(self).predict(x, batch_size=keras_data.row_count(x))
+    from mirrorax.fit.fit_plan import prepare_pass
+
+    trainer = trainer_of(self)
+    one = prepare_pass(trainer.adapter, self, trainer.strategy.process_count, "predict", x, batch_size="all",
+                       refuse_nonfinite=False)
+    return trainer.predict(one.source, batch_size=one.batch_size)
 
 
 def _capped_steps(steps: int | None) -> int | None:
