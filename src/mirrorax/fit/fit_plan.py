@@ -36,8 +36,7 @@ from mirrorax.results import History
 if TYPE_CHECKING:
     from mirrorax.checkpoint.checkpointer import Checkpointer
 
-__all__ = ["FitArgs", "FitPlan", "PassPlan", "Start", "pass_source", "prepare", "prepare_pass", "resume",
-           "training_source"]
+__all__ = ["FitArgs", "FitPlan", "PassPlan", "Start", "pass_source", "prepare", "prepare_pass", "resume"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,13 +175,11 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, args: FitArgs
         if args.validation_batch_size is not None:
             check_batch_size(args.validation_batch_size)
         every = resume_lib.check_every(args.checkpoint_every)
-        # Large arrays are scanned for NaN/inf on a thread, joined below before anything changes.
-        source = args.x if is_source(args.x) else training_source(
-            adapter, args.x, args.y, args.sample_weight, refuse_nonfinite=refuse_nonfinite)
-        if adapter.needs_targets("fit"):
-            source.require_targets("fit")
-        batch_size = (source.default_batch_size(strategy.process_count) if args.batch_size is None
-                      else check_batch_size(args.batch_size))
+        # The input read as every call reads its input (large arrays scanned for NaN/inf on a thread, joined
+        # below before anything changes).
+        one = prepare_pass(adapter, model, strategy.process_count, "fit", args.x, args.y, args.sample_weight,
+                           batch_size=args.batch_size, refuse_nonfinite=refuse_nonfinite)
+        source, batch_size = one.source, one.batch_size
         val = validation_source(args.validation_data, float_dtype=adapter.float_dtype,
                                 check_finite=refuse_nonfinite, targets=adapter.needs_targets("evaluate"),
                                 scan_in_background=True)
@@ -244,15 +241,6 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, args: FitArgs
                    snapshots=snapshots)
 
 
-def training_source(adapter: Any, x: Any, y: Any = None, sample_weight: Any = None, *, refuse_nonfinite: bool,
-                    arrays: bool | None = None) -> Source:
-    """``fit``'s training input as a :class:`~mirrorax.inputs.source.Source`, in the model's float type: large
-    arrays scanned for NaN/inf on a thread when ``refuse_nonfinite`` (joined by :func:`prepare`); ``arrays``:
-    whether ``x`` holds arrays, when the caller has looked already."""
-    return make_source(x, y, sample_weight, float_dtype=adapter.float_dtype, check_finite=refuse_nonfinite,
-                       scan_in_background=True, arrays=arrays)
-
-
 @dataclasses.dataclass(frozen=True)
 class PassPlan:
     """One pass of ``evaluate`` or ``predict``, or one batch of ``train_on_batch`` / ``test_on_batch``, read once
@@ -265,16 +253,17 @@ class PassPlan:
     hooks: Callbacks | None
 
 
-PassKind = Literal["train", "evaluate", "predict"]
+PassKind = Literal["fit", "train", "evaluate", "predict"]
 
 
 def pass_source(adapter: Any, kind: PassKind, x: Any, y: Any = None, sample_weight: Any = None, *,
                 refuse_nonfinite: bool, arrays: bool | None = None) -> Source:
-    """The input of one pass (``evaluate``, ``predict``) or one batch (``kind="train"``: ``train_on_batch``) as a
-    :class:`~mirrorax.inputs.source.Source`, in the model's float type: ``predict`` takes the inputs of
-    ``(x, y)`` / ``(x, y, w)`` batches, and NaN inputs (which spoil only their own rows' outputs); the others
-    refuse NaN/inf when ``refuse_nonfinite`` and require targets where the model needs them. ``arrays``: whether
-    ``x`` holds arrays, when the caller has looked already (a Keras model's ``evaluate`` under a scope)."""
+    """The input of ``fit``, of one pass (``evaluate``, ``predict``) or of one batch (``kind="train"``:
+    ``train_on_batch``) as a :class:`~mirrorax.inputs.source.Source`, in the model's float type: ``predict``
+    takes the inputs of ``(x, y)`` / ``(x, y, w)`` batches, and NaN inputs (which spoil only their own rows'
+    outputs); the others refuse NaN/inf when ``refuse_nonfinite`` (``fit``: large arrays scanned on a thread,
+    joined by :func:`prepare`) and require targets where the model needs them. ``arrays``: whether ``x`` holds
+    arrays, when the caller has looked already (a Keras model's ``fit`` or ``evaluate`` under a scope)."""
     if arrays is None:
         arrays = is_array_tree(x)
     if kind == "predict":
@@ -283,7 +272,7 @@ def pass_source(adapter: Any, kind: PassKind, x: Any, y: Any = None, sample_weig
             arrays = is_array_tree(x)
         return make_source(x, float_dtype=adapter.float_dtype, check_finite=False, arrays=arrays)
     source = make_source(x, y, sample_weight, float_dtype=adapter.float_dtype, check_finite=refuse_nonfinite,
-                         arrays=arrays)
+                         scan_in_background=kind == "fit", arrays=arrays)
     if adapter.needs_targets("fit" if kind == "train" else kind):
         source.require_targets("train_on_batch" if kind == "train" else kind)
     return source
@@ -292,8 +281,9 @@ def pass_source(adapter: Any, kind: PassKind, x: Any, y: Any = None, sample_weig
 def prepare_pass(adapter: Any, model: Any, process_count: int, kind: PassKind, x: Any, y: Any = None,
                  sample_weight: Any = None, *, batch_size: int | Literal["all"] | None, steps: int | None = None,
                  callbacks: Any = None, refuse_nonfinite: bool) -> PassPlan:
-    """Reads the arguments of ``evaluate``, ``predict`` (as ``Trainer.evaluate`` / ``predict`` document them) or
-    of one batch (``train_on_batch``, ``test_on_batch``) into a :class:`PassPlan`: the source
+    """Reads the input arguments of ``fit`` (the start of :func:`prepare`), of ``evaluate``, ``predict`` (as
+    ``Trainer.evaluate`` / ``predict`` document them) or of one batch (``train_on_batch``, ``test_on_batch``,
+    ``predict_on_batch``) into a :class:`PassPlan`: the source
     (:func:`pass_source`; ``x`` may be one already, made by a caller that read ``x`` itself), the batch (the
     source's default, ``"all"``: the whole input as one batch, else checked), the steps checked, the callbacks
     (``on_test_*`` / ``on_predict_*``).

@@ -251,7 +251,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
                         validation_batch_size=validation_batch_size, validation_freq=validation_freq)
     import keras
 
-    from mirrorax.fit.fit_plan import FitArgs, training_source
+    from mirrorax.fit.fit_plan import FitArgs, pass_source
     from mirrorax.inputs.arrays import ArraySource
     from mirrorax.inputs.make import is_array_tree
     from mirrorax.keras import callbacks as keras_callbacks
@@ -280,8 +280,8 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
             from mirrorax.inputs.make import class_weights
 
             sample_weight = class_weights(y, class_weight, sample_weight)
-        source = training_source(trainer.adapter, x, y, sample_weight, refuse_nonfinite=trainer.refuses_nonfinite,
-                                 arrays=True)
+        source = pass_source(trainer.adapter, "fit", x, y, sample_weight, refuse_nonfinite=trainer.refuses_nonfinite,
+                             arrays=True)
         rows = source.num_examples if isinstance(source, ArraySource) else None
         if batch_size is None and steps_per_epoch and rows is not None:
             batch_size = -(-rows // steps_per_epoch)  # Keras's ArrayDataAdapter: the steps cover the rows once
@@ -293,8 +293,8 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
 
             weighted = keras_data.ClassWeighted(x, class_weight)
             x = iter(weighted) if isinstance(x, Iterator) else weighted  # a generator stays one-shot
-        source = training_source(trainer.adapter, x, y, sample_weight, refuse_nonfinite=trainer.refuses_nonfinite,
-                                 arrays=False)
+        source = pass_source(trainer.adapter, "fit", x, y, sample_weight, refuse_nonfinite=trainer.refuses_nonfinite,
+                             arrays=False)
     if (validation_data is not None and not isinstance(validation_data, tuple)
             and is_array_tree(validation_data)):
         raise ValueError("validation_data must be a tuple (x_val, y_val) or (x_val, y_val, sample_weight), or an "
