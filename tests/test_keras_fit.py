@@ -641,3 +641,44 @@ def test_x_is_read_once_by_fit_evaluate_and_predict_under_a_scope():
     out = model.predict(counted, verbose=0)
     assert counted.reads == 1 and out.shape == (90, 10)
     np.testing.assert_allclose(out, model.predict(x, verbose=0), rtol=1e-6)
+
+
+def _gan():
+    keras.utils.set_random_seed(0)
+    disc = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                             keras.layers.Dense(1, activation="sigmoid")])
+    disc.compile(optimizer=keras.optimizers.Adam(1e-3), loss="binary_crossentropy", metrics=["accuracy"])
+    gen = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(8)])
+    disc.trainable = False
+    z = keras.Input((4,))
+    gan = keras.Model(z, disc(gen(z)))
+    gan.compile(optimizer=keras.optimizers.Adam(1e-3), loss="binary_crossentropy")
+    return disc, gen, gan
+
+
+def _train_gan(disc, gen, gan, steps=5, batch=10):
+    rng = np.random.default_rng(1)
+    losses = []
+    for _ in range(steps):
+        real = rng.normal(1.0, 0.5, (batch, 8)).astype(np.float32)
+        fake = gen.predict(rng.normal(size=(batch, 4)).astype(np.float32), verbose=0)
+        labels = np.concatenate([np.ones((batch, 1)), np.zeros((batch, 1))]).astype(np.float32)
+        d_loss, _ = disc.train_on_batch(np.concatenate([real, fake]), labels)
+        g_loss = gan.train_on_batch(rng.normal(size=(batch, 4)).astype(np.float32), np.ones((batch, 1), np.float32))
+        losses.append((d_loss, g_loss))
+    return np.array(losses)
+
+
+def test_a_gan_of_models_sharing_layers_trains_with_train_on_batch_as_keras():
+    """The classic Keras GAN: a discriminator, a generator, and a combined model holding both, trained in turns
+    with train_on_batch and the generator's predict. Each model has its own trainer over the same variables:
+    what one trainer donates, another held (the generator's predict state, taken from its variables, was run on
+    deleted buffers and the process crashed); each adopts the others' new values."""
+    ref_models = _gan()
+    want = _train_gan(*ref_models)
+    with strategy(3).scope():  # 20 and 10 rows over 3 devices: padded and masked
+        models = _gan()
+    got = _train_gan(*models)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for model, ref in zip(models, ref_models):
+        assert_weights_close(model, ref, 1e-5, 1e-6)

@@ -122,6 +122,11 @@ class DeviceState:
         # Process 0's values on every process, laid out as the strategy says; the train steps return the
         # state in the layout it went in with.
         self.value = self.place(self.initial_host())
+        # The state took the model's buffers over (place, take=True): the model's variables hold its arrays,
+        # lent as write_back lends them. Another trainer of a model sharing these variables (a GAN's generator
+        # inside the combined model) may take and donate them: the lent arrays then read as deleted, and this
+        # state adopts the model's new values at its next call instead of running on deleted buffers.
+        self.adapter.write_back(self.value)
 
     # -- lending to the model ------------------------------------------------------------------------
     def write_back(self) -> None:
