@@ -234,7 +234,8 @@ class DistributedDataset:
         if host.num_real is None:  # per-process pipelines: only the devices know the global count
             num_real = _sum_mask(mask)
         else:
-            num_real = cached_put(np.asarray(host.num_real, np.float32), s.replicated, s.replicate)
+            num_real = cached_put(np.asarray(host.num_real, np.float32), s.replicated,
+                                  lambda a: s.place(a, s.replicated))
         padded = not full and not bool(np.all(host.mask))
         rows = host.rows if isinstance(host.rows, int) else None
         batch = DistributedBatch(jax.tree.unflatten(treedef, placed), mask, num_real, padded, rows)
