@@ -88,7 +88,7 @@ class DistributedDataset:
     ``len()`` is the number of batches per pass when known.
 
     Args:
-      mesh: the devices and layouts (``strategy.batch_mesh``).
+      mesh: the devices and layouts (a strategy is one).
       data: arrays (a tuple/dict of them), an iterable of global batches, or a ``PerProcessDataset``.
       batch_size: the global batch, required for arrays.
       shuffle, seed: arrays only: pass ``k`` in the order drawn from ``(seed, k)``.
