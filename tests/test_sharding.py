@@ -65,6 +65,20 @@ def test_small_or_indivisible_variables_stay_replicated():
         mx.MirroredStrategy(shard="zero3")
 
 
+def test_place_takes_one_sharding_for_every_leaf_as_device_put_does():
+    s = _strategy(4, None)
+    tree = {"w": np.arange(8, dtype=np.float32).reshape(4, 2), "b": np.float32(3), "on_device": jax.numpy.ones(4)}
+    one = s.place(tree, s.replicated)
+    each = s.place(tree, jax.tree.map(lambda _: s.replicated, tree))
+    for k in tree:
+        assert one[k].sharding == each[k].sharding == s.replicated, k
+        np.testing.assert_array_equal(np.asarray(one[k]), np.asarray(tree[k]))
+    split = s.place({"x": np.arange(8.0)}, s.batch_sharding)["x"]
+    assert split.sharding == s.batch_sharding and len({sh.device for sh in split.addressable_shards}) == 4
+    replicated = s.replicate(tree)
+    assert all(a.sharding == s.replicated for a in jax.tree.leaves(replicated))
+
+
 def _state_bytes_on(device, tree) -> int:
     return sum(s.data.nbytes for a in jax.tree.leaves(tree) for s in a.addressable_shards if s.device == device)
 

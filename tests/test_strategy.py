@@ -7,6 +7,7 @@ backend, said at ``scope()``; no plan line in ``model.fit``'s output under the s
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -50,6 +51,19 @@ def test_a_mesh_with_several_long_axes_is_refused_with_the_reshape():
         mx.MirroredStrategy(devices=mesh)
     with pytest.raises(ValueError, match=r"devices is a mesh of shape \(4, 2\): several axes"):
         mx.MirroredStrategy(devices=np.array(jax.devices()).reshape(4, 2))
+
+
+def test_the_strategy_is_its_mesh_with_no_attribute_of_the_mesh_redefined():
+    from mirrorax.mesh import BatchMesh
+
+    s = strategy(4)
+    assert isinstance(s, BatchMesh) and s.batch_mesh is s
+    # The mesh's attributes are the strategy's own, not copies that forward to it (issue 49).
+    mesh_attributes = {n for n in vars(BatchMesh) if not n.startswith("_")}
+    assert mesh_attributes and not mesh_attributes & set(vars(mx.MirroredStrategy))
+    assert s.num_replicas_in_sync == 4 and s.batch_sharding.spec == jax.sharding.PartitionSpec("batch")
+    for name in ("mesh", "devices", "num_replicas_in_sync", "replicated", "state_sharding", "place"):
+        assert inspect.getdoc(getattr(mx.MirroredStrategy, name)), name
 
 
 def test_an_unknown_device_name_is_refused():

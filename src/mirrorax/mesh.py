@@ -9,8 +9,8 @@ unless a layout map lays them out (Keras's ``LayoutMap``: a regex on the variabl
 axes of each dimension) or the ``shard=`` policy splits them over the *shard axis* (the innermost axis:
 on a 2-D mesh that is hybrid sharding, HSDP: split within a row, replicated across rows)
 (:meth:`BatchMesh.state_sharding`). :meth:`BatchMesh.place` puts a tree on the devices with given
-layouts, process 0's values on every process. The strategy (:class:`mirrorax.MirroredStrategy`) stands
-on one of these.
+layouts, process 0's values on every process. The strategy (:class:`mirrorax.MirroredStrategy`) is one
+of these, with the dispatch window and the custom-loop API: these attributes are the strategy's own.
 """
 
 from __future__ import annotations
@@ -154,33 +154,35 @@ class BatchMesh:
     # -- devices and processes ---------------------------------------------------------------------
     @property
     def mesh(self) -> Mesh:
-        """The ``jax.sharding.Mesh``: one axis ``"batch"``, or the axes of the mesh given."""
+        """The ``jax.sharding.Mesh`` the job trains on: one axis ``"batch"``, or the axes of the mesh (or
+        layout map) it was given."""
         return self._mesh
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:
-        """Every device, in mesh order."""
+        """Every device of the mesh (of the strategy), in mesh order."""
         return self._devices
 
     @property
     def local_devices(self) -> tuple[jax.Device, ...]:
-        """This process's devices."""
+        """This process's devices of the mesh."""
         return self._local_devices
 
     @property
     def num_replicas_in_sync(self) -> int:
-        """How many slices each global batch is split into: the device count, or under a layout map
-        the size of the batch axis (the data-parallel replicas)."""
+        """How many slices each global batch is split into: the device count (under a layout map, the
+        size of its batch axis: the data-parallel replicas)."""
         return math.prod(self._mesh.shape[a] for a in self._batch_axes)
 
     @property
     def process_index(self) -> int:
-        """This process's position among the mesh's processes (0 speaks: progress, files)."""
+        """This process's position among the processes that hold the mesh's devices (0 speaks: progress,
+        files)."""
         return self._processes.index(jax.process_index())
 
     @property
     def process_count(self) -> int:
-        """How many processes hold devices of the mesh."""
+        """How many processes hold devices of the mesh (feed the strategy)."""
         return len(self._processes)
 
     @property
@@ -190,8 +192,8 @@ class BatchMesh:
 
     @property
     def process_axes(self) -> tuple[str, ...]:
-        """The mesh axes along which the process changes (what a collective over them sends between
-        processes, e.g. between hosts); ``()`` on one process. :func:`hybrid_mesh` gives the outer one."""
+        """The mesh axes along which the process changes: what a collective over them sends between
+        processes (hosts). ``()`` on one process; the outer axis of :func:`mirrorax.hybrid_mesh`."""
         procs = np.vectorize(lambda d: d.process_index, otypes=[int])(self._mesh.devices)
         return tuple(name for k, name in enumerate(self._mesh.axis_names)
                      if bool((procs != np.take(procs, [0], axis=k)).any()))
@@ -200,7 +202,7 @@ class BatchMesh:
     @property
     def batch_axis(self) -> AxisName:
         """The mesh axis every global batch is split over (``"batch"``), or the tuple of them when it is
-        split over several (``("replica", "shard")``): a ``PartitionSpec`` entry / ``psum`` axis name."""
+        split over several (``("replica", "shard")``), as ``PartitionSpec`` and ``jax.lax.psum`` take it."""
         return self._batch_axis
 
     @property
@@ -226,7 +228,8 @@ class BatchMesh:
 
     @property
     def batch_sharding(self) -> NamedSharding:
-        """``NamedSharding(mesh, P(batch_axis))``: the layout of every global batch (split on axis 0)."""
+        """``NamedSharding(mesh, P(batch_axis))`` (``P("batch")`` by default): the layout of every global
+        batch (split on axis 0)."""
         return self._batch_sharding
 
     @property
@@ -254,7 +257,7 @@ class BatchMesh:
           ValueError: the layout map's entry for ``path`` does not fit ``shape``.
 
         Example:
-          >>> BatchMesh(shard="all").state_sharding((1024, 512), "params").spec  # on 8 devices
+          >>> MirroredStrategy(shard="all").state_sharding((1024, 512), "params").spec  # on 8 devices
           PartitionSpec('batch', None)
         """
         spec: list[Any] = [None] * len(shape)
@@ -330,18 +333,27 @@ class BatchMesh:
 
     # -- placing values ------------------------------------------------------------------------------
     def place(self, tree: Any, shardings: Any, *, broadcast: bool = True, take: bool = False) -> Any:
-        """``tree`` placed with ``shardings`` (a matching tree of ``NamedSharding``), in buffers of its own.
+        """``tree`` placed with ``shardings`` (one ``NamedSharding`` for every leaf, e.g. :attr:`replicated`, or
+        a matching tree of them), in buffers of its own.
 
-        ``broadcast``: on several processes every process takes process 0's values (see :meth:`replicate`).
+        ``broadcast``: on several processes every process takes process 0's values (the replicas really are
+        one state, even where each process initialised its own differently); ``False`` for values that every
+        process already holds alike (e.g. read from one checkpoint).
+
         ``take``: the caller hands its device buffers over (a model whose variables let go of them, as
-        Keras's own ``fit`` donates its variables): a leaf already laid out as asked is used as it is, and
-        one laid out otherwise is moved with no copy on the devices it already holds, so that placing a
-        state never holds two copies of it (a buffer given twice is copied once, to be donated safely).
+        Keras's own ``fit`` donates its variables; a state that a step may donate later): a leaf already laid
+        out as asked is used as it is, and one laid out otherwise is moved with no copy on the devices it
+        already holds, so that placing a state never holds two copies of it (a buffer given twice is copied
+        once, to be donated safely).
         """
         if broadcast and self.process_count > 1:
             tree = broadcast_from_primary(tree)
         leaves, treedef = jax.tree.flatten(tree)
-        targets = treedef.flatten_up_to(shardings)  # type: ignore[attr-defined]  # jaxlib has no PyTreeDef stub
+        targets: list[NamedSharding]
+        if isinstance(shardings, NamedSharding):
+            targets = [shardings] * len(leaves)
+        else:
+            targets = treedef.flatten_up_to(shardings)  # type: ignore[attr-defined]  # jaxlib: no PyTreeDef stub
         on_device = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
         if take and self.process_count == 1 and on_device:
             seen: set[int] = set()
@@ -382,15 +394,6 @@ class BatchMesh:
             return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
 
         return jax.tree.unflatten(treedef, [put(a, t) for a, t in zip(leaves, targets)])
-
-    def replicate(self, tree: Any, *, broadcast: bool = True, take: bool = False) -> Any:
-        """A copy of ``tree`` on every device (:attr:`replicated`), never aliasing the caller's buffers
-        (``take``: reusing them where it can, as :meth:`place` says).
-
-        ``broadcast``: on several processes every replica holds process 0's values. ``False`` for values
-        that every process already holds alike (e.g. read from one checkpoint).
-        """
-        return self.place(tree, jax.tree.map(lambda _: self._replicated, tree), broadcast=broadcast, take=take)
 
     def __repr__(self) -> str:
         kinds = sorted({d.platform for d in self._devices})

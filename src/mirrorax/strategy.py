@@ -1,4 +1,5 @@
-"""``MirroredStrategy``: the devices a job trains on (a :class:`mirrorax.mesh.BatchMesh`) and the public API.
+"""``MirroredStrategy``: the devices a job trains on (a :class:`mirrorax.mesh.BatchMesh`), its dispatch window
+and the public API.
 
 A strategy is a :class:`jax.sharding.Mesh` over every device of the job: one axis (``"batch"``) by
 default, or the named axes of a mesh given (``mesh=``, ``layout_map=``). Variables are replicated
@@ -6,7 +7,9 @@ default, or the named axes of a mesh given (``mesh=``, ``layout_map=``). Variabl
 over the batch axes (``NamedSharding(mesh, P("batch"))``). The train step is written once for the global
 batch and jitted with these shardings, so XLA inserts the cross-device reduction of gradients and metrics itself.
 
-This module stands on the mesh (:mod:`mirrorax.mesh`), the dispatch window (:mod:`mirrorax.steps.dispatch`) and
+Its devices, mesh, layouts and placement are the attributes of :class:`mirrorax.mesh.BatchMesh`, which a
+strategy is (documented there once); this module adds the dispatch window and the custom-loop API. It
+stands on the mesh (:mod:`mirrorax.mesh`), the dispatch window (:mod:`mirrorax.steps.dispatch`) and
 the inputs (:mod:`mirrorax.inputs`); nothing below imports it back. What happens when a scope opens
 beyond making the strategy current (e.g. ``mirrorax.keras.fit`` routing Keras models) is registered from above
 with :func:`on_scope`.
@@ -22,7 +25,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 import mirrorax.cluster.join as cluster
 from mirrorax._host import host_value
@@ -30,7 +33,7 @@ from mirrorax.cluster.resolver import ClusterResolver
 from mirrorax.inputs.distributed import DistributedDataset
 from mirrorax.inputs.iterables import PerProcessDataset
 from mirrorax.inputs.source import InputContext
-from mirrorax.mesh import AxisName, BatchMesh, ShardMode, check_shard
+from mirrorax.mesh import BatchMesh, ShardMode, check_shard
 from mirrorax.steps.dispatch import InFlight, OutShardings, check_out_shardings
 from mirrorax.steps.replica import ReduceOp, resolve_op, rows_of
 from mirrorax.steps.stateful import StatefulFunction, check_not_tf_function
@@ -44,8 +47,14 @@ _scope = threading.local()
 _scope_hooks: list[tuple[ScopeHook, ScopeHook | None]] = []
 
 
-class MirroredStrategy:
+class MirroredStrategy(BatchMesh):
     """Synchronous data parallelism over every device of the job.
+
+    A strategy is a :class:`mirrorax.mesh.BatchMesh` (the devices and every layout on them: :attr:`mesh`,
+    :attr:`devices`, :attr:`num_replicas_in_sync`, :attr:`replicated`, :attr:`batch_sharding`,
+    :meth:`state_sharding`, :meth:`place`, ...) with one dispatch window (:attr:`in_flight`) and the
+    custom-loop API (:meth:`replicate`, :meth:`experimental_distribute_dataset`, :meth:`jit`, :meth:`run`,
+    :meth:`reduce`, :meth:`gather`, :meth:`scope`).
 
     Creating one joins a multi-process job first when the environment describes one
     (``MIRRORAX_COORDINATOR``/``MIRRORAX_NUM_PROCESSES``/``MIRRORAX_PROCESS_ID``, ``TF_CONFIG``, or what
@@ -101,61 +110,13 @@ class MirroredStrategy:
         self._window = InFlight(max_in_flight)  # validates max_in_flight before anything starts
         self._run_functions: dict[Any, StatefulFunction] = {}
         cluster.maybe_initialize_from_env()  # before JAX lists the devices: a job's devices span its processes
-        self._layout = BatchMesh(devices, shard=shard, mesh=mesh, batch_axes=batch_axes, layout_map=layout_map)
+        super().__init__(devices, shard=shard, mesh=mesh, batch_axes=batch_axes, layout_map=layout_map)
 
-    # -- what users read -------------------------------------------------------------------------
     @property
     def batch_mesh(self) -> BatchMesh:
-        """The :class:`mirrorax.mesh.BatchMesh` this strategy stands on: its devices and every layout
-        (what the inputs and the dispatch of steps are written against)."""
-        return self._layout
-
-    @property
-    def mesh(self) -> Mesh:
-        """The ``jax.sharding.Mesh`` this strategy trains on: one axis ``"batch"``, or the axes of the mesh
-        (or layout map) it was given."""
-        return self._layout.mesh
-
-    @property
-    def devices(self) -> tuple[jax.Device, ...]:
-        """Every device of the strategy, in mesh order."""
-        return self._layout.devices
-
-    @property
-    def local_devices(self) -> tuple[jax.Device, ...]:
-        """This process's devices of the strategy."""
-        return self._layout.local_devices
-
-    @property
-    def num_replicas_in_sync(self) -> int:
-        """How many slices each global batch is split into: the device count (under a layout map, the
-        size of its batch axis: the data-parallel replicas)."""
-        return self._layout.num_replicas_in_sync
-
-    @property
-    def process_index(self) -> int:
-        """This process's position among the strategy's processes (0 speaks: progress, files)."""
-        return self._layout.process_index
-
-    @property
-    def process_count(self) -> int:
-        """How many processes feed the strategy."""
-        return self._layout.process_count
-
-    @property
-    def is_primary(self) -> bool:
-        """True on the process that prints and writes files (process 0)."""
-        return self._layout.is_primary
-
-    @property
-    def replicated(self) -> NamedSharding:
-        """``NamedSharding(mesh, P())``: the layout of variables and optimizer state."""
-        return self._layout.replicated
-
-    @property
-    def batch_sharding(self) -> NamedSharding:
-        """``NamedSharding(mesh, P("batch"))``: the layout of every global batch (split on axis 0)."""
-        return self._layout.batch_sharding
+        """The :class:`mirrorax.mesh.BatchMesh` this strategy is (the strategy itself): its devices and every
+        layout, what the inputs and the dispatch of steps are written against."""
+        return self
 
     @property
     def max_in_flight(self) -> int:
@@ -172,61 +133,6 @@ class MirroredStrategy:
         ``push(aux, ready, on_done)``, and ``drain()`` s it where it needs every call done.
         """
         return self._window
-
-    @property
-    def shard(self) -> ShardMode:
-        """The state layout mode: ``None`` (replicated), ``"optimizer"`` or ``"all"``."""
-        return self._layout.shard
-
-    def state_sharding(self, shape: Sequence[int], role: str, path: str | None = None) -> NamedSharding:
-        """Where a state variable of ``shape`` lives: as the layout map says for its ``path`` (if any);
-        then split over :attr:`shard_axis` on its largest axis still whole that divides by that axis's
-        size, when the mode shards its ``role`` (``"params"`` or ``"optimizer"``) and it has at least
-        :data:`mirrorax.mesh.SHARD_MIN_SIZE` elements; replicated otherwise.
-
-        Example:
-          >>> MirroredStrategy(shard="all").state_sharding((1024, 512), "params").spec  # on 8 devices
-          PartitionSpec('batch', None)
-        """
-        return self._layout.state_sharding(shape, role, path)
-
-    def state_layout(self, tree: Any, role: str, paths: Any = None, axes: Any = None) -> Any:
-        """:meth:`state_sharding` for every leaf of ``tree`` (a tree of arrays or shapes); ``paths``: for a
-        dict ``tree``, each key's variable path (what a layout map matches); ``axes``: the variables' own
-        sharding annotations by key (Flax's), for the leaves held under those keys."""
-        return self._layout.state_layout(tree, role, paths, axes)
-
-    def place(self, tree: Any, shardings: Any, *, broadcast: bool = True, take: bool = False) -> Any:
-        """``tree`` placed with ``shardings`` (a matching tree of ``NamedSharding``), in buffers of its own.
-
-        ``broadcast``: on several processes every process takes process 0's values (see :meth:`replicate`).
-        ``take``: the caller hands its device buffers over instead (they are used where already laid out as
-        asked, and may be donated to a step later): placing then never holds a second copy.
-        """
-        return self._layout.place(tree, shardings, broadcast=broadcast, take=take)
-
-    @property
-    def batch_axis(self) -> AxisName:
-        """The mesh axis every global batch is split over (``"batch"``), or the tuple of them when it is
-        split over several (``("replica", "shard")``), as ``PartitionSpec`` and ``jax.lax.psum`` take it."""
-        return self._layout.batch_axis
-
-    @property
-    def batch_axes(self) -> tuple[str, ...]:
-        """The mesh axes every global batch is split over, as a tuple (``("batch",)`` by default)."""
-        return self._layout.batch_axes
-
-    @property
-    def shard_axis(self) -> str:
-        """The mesh axis ``shard=`` splits the state over: the last axis (on a 2-D mesh the inner one:
-        HSDP), the batch axis under a layout map."""
-        return self._layout.shard_axis
-
-    @property
-    def process_axes(self) -> tuple[str, ...]:
-        """The mesh axes along which the process changes: what a collective over them sends between
-        processes (hosts). ``()`` on one process; the outer axis of :func:`mirrorax.hybrid_mesh`."""
-        return self._layout.process_axes
 
     # -- the custom-loop API -----------------------------------------------------------------------
     def replicate(self, tree: Any, *, copy: bool = False) -> Any:
@@ -251,7 +157,7 @@ class MirroredStrategy:
         Example:
           >>> state = strategy.replicate({"params": params, "opt": optimizer.init(params)})
         """
-        return self._layout.replicate(tree, take=not copy)
+        return self.place(tree, self.replicated, take=not copy)
 
     def experimental_distribute_dataset(self, data: Any, *, batch_size: int | None = None, shuffle: bool = False,
                                         seed: int = 0, drop_remainder: bool = False) -> DistributedDataset:
@@ -285,7 +191,7 @@ class MirroredStrategy:
           >>> for batch in dist:
           ...     state, loss = step(state, batch)
         """
-        return DistributedDataset(self._layout, data, batch_size=batch_size, shuffle=shuffle, seed=seed,
+        return DistributedDataset(self, data, batch_size=batch_size, shuffle=shuffle, seed=seed,
                                   drop_remainder=drop_remainder, window=self._window)
 
     distribute_dataset = experimental_distribute_dataset
@@ -344,7 +250,7 @@ class MirroredStrategy:
         check_out_shardings(out_shardings)
 
         def make(f: Callable[..., Any]) -> StatefulFunction:
-            return StatefulFunction(self._layout, self._window, f, donate_argnums=donate_argnums,
+            return StatefulFunction(self, self._window, f, donate_argnums=donate_argnums,
                                     out_shardings=out_shardings, objects=stateful)
 
         return make if fn is None else make(fn)
@@ -386,7 +292,7 @@ class MirroredStrategy:
                 return fn(*a, **k)
 
             wrapped = self._run_functions[fn] = StatefulFunction(
-                self._layout, self._window, per_replica, per_replica=True, where="strategy.run")
+                self, self._window, per_replica, per_replica=True, where="strategy.run")
         return wrapped(tuple(args), dict(kwargs or {}))
 
     def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
@@ -569,7 +475,7 @@ class MirroredStrategy:
         """
         context = self.input_context()
         pipeline = PerProcessDataset(dataset_fn(context), context)
-        return DistributedDataset(self._layout, pipeline, window=self._window)
+        return DistributedDataset(self, pipeline, window=self._window)
 
     def __repr__(self) -> str:
         kinds = sorted({d.platform for d in self.devices})

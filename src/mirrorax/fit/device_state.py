@@ -67,7 +67,7 @@ class DeviceState:
         s = self.strategy
         groups = state.as_dict() if isinstance(state, TrainState) else state
         # A layout map lays out every variable by its path, BatchNorm's statistics too.
-        paths = self.adapter.state_paths() if s.batch_mesh.has_layout_map else {}
+        paths = self.adapter.state_paths() if s.has_layout_map else {}
         axes = self.adapter.state_axes()  # the parameters' own annotations (Flax's), for them and their slots
         roles = {**SHARDED_GROUPS, "model_state": "model_state"}
         layouts = {k: s.state_layout(v, roles[k], paths.get(k), axes if k in SHARDED_GROUPS else None)
@@ -92,7 +92,8 @@ class DeviceState:
         Not packed into one vector per dtype (3 leaves fewer for an MLP with one metric): packed, the MLP
         benchmark's ``Trainer.fit`` at one CPU device ran at 0.857 of the hand loop against 0.982 unpacked
         (``benchmarks.interleaved``, 2026-12-06; commit 842fcfc); the cause is not found."""
-        return self.strategy.batch_mesh.replicate(self.adapter.initial_metrics(previous), broadcast=False)
+        s = self.strategy
+        return s.place(self.adapter.initial_metrics(previous), s.replicated, broadcast=False)
 
     def initial_host(self) -> TrainState:
         """The model's values plus the engine's counters at zero, on the host (built model required)."""

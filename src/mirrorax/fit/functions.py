@@ -140,9 +140,9 @@ class StepFunctions:
         # Evaluation: the metrics donated and returned, all replicated; prediction: the outputs split as
         # the batch is, the model state replicated.
         # (the whole state is explicit: no trace to look for Keras variables, and the batch is the Trainer's)
-        self.evaluate = StrategyFunction(strategy.batch_mesh, strategy.in_flight, self._eval_with_logs,
+        self.evaluate = StrategyFunction(strategy, strategy.in_flight, self._eval_with_logs,
                                          donate_argnums=1, out_shardings=rep)
-        self.predict = StrategyFunction(strategy.batch_mesh, strategy.in_flight, self._predict_step,
+        self.predict = StrategyFunction(strategy, strategy.in_flight, self._predict_step,
                                         out_shardings=(strategy.batch_sharding, rep))
         self._donate_args = (0,) if donate else ()
         self._check_labels = True
@@ -175,7 +175,7 @@ class StepFunctions:
             s = self.strategy
 
             def jit(fn: Callable[..., Any]) -> StrategyFunction:
-                return StrategyFunction(s.batch_mesh, s.in_flight, fn, donate_argnums=self._donate_args,
+                return StrategyFunction(s, s.in_flight, fn, donate_argnums=self._donate_args,
                                         out_shardings=self._out, ready=_packed_of, flat_state=True)
 
             self._variants[flag] = (jit(functools.partial(self._train_with_logs, check_labels=flag)),

@@ -198,7 +198,7 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
     # One row stands for the shapes: the plan is of a full global batch, not of a batch cut to that row.
     # A full batch of arrays carries its real rows as fit's batches do (all of them), so the program planned
     # is the one fit compiles and runs: a plan after a fit of the same shapes compiles nothing.
-    one = source.sample(1, base.batch_mesh)
+    one = source.sample(1, base)
 
     def full(b: int) -> Batch:
         return dataclasses.replace(one, rows=b if isinstance(one.rows, int) else None)
@@ -311,7 +311,7 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
     # (then it is the key too, made once).
     held = device.value
     abstract = device.abstract() if held is None else None
-    padded = padded_batch_size(batch_size, s.batch_mesh)
+    padded = padded_batch_size(batch_size, s)
 
     def batch_spec(a: Any) -> Any:
         a = np.asarray(a)

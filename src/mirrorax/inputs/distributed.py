@@ -88,7 +88,7 @@ class DistributedDataset:
     ``len()`` is the number of batches per pass when known.
 
     Args:
-      mesh: the devices and layouts (``strategy.batch_mesh``).
+      mesh: the devices and layouts (a strategy is one).
       data: arrays (a tuple/dict of them), an iterable of global batches, or a ``PerProcessDataset``.
       batch_size: the global batch, required for arrays.
       shuffle, seed: arrays only: pass ``k`` in the order drawn from ``(seed, k)``.
@@ -234,7 +234,8 @@ class DistributedDataset:
         if host.num_real is None:  # per-process pipelines: only the devices know the global count
             num_real = _sum_mask(mask)
         else:
-            num_real = cached_put(np.asarray(host.num_real, np.float32), s.replicated, s.replicate)
+            num_real = cached_put(np.asarray(host.num_real, np.float32), s.replicated,
+                                  lambda a: s.place(a, s.replicated))
         padded = not full and not bool(np.all(host.mask))
         rows = host.rows if isinstance(host.rows, int) else None
         batch = DistributedBatch(jax.tree.unflatten(treedef, placed), mask, num_real, padded, rows)

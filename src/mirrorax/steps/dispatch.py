@@ -262,7 +262,7 @@ class StrategyFunction:
     compiled :meth:`program` instead and push into the window itself.
 
     Args:
-      mesh: the devices and layouts (``strategy.batch_mesh``).
+      mesh: the devices and layouts (a strategy is one).
       window: the dispatch window every call is pushed into (``strategy.in_flight``).
       fn: the function (global view), or the per-replica function with ``per_replica=True``.
       donate_argnums: positional arguments whose buffers the call may reuse (e.g. the state).
