@@ -192,7 +192,7 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, args: FitArgs
         if callbacks is not None and not isinstance(callbacks, (list, tuple)) and \
                 type(callbacks).__name__ != "CallbackList":  # (Keras's fit under a scope passes its own list)
             callbacks = [callbacks]  # one callback, not in a list: as Keras's own fit takes it
-        sample = source.sample(batch_size, strategy.batch_mesh)
+        sample = source.sample(batch_size, strategy)
         device.ensure(sample)
         for s in (source, val):  # shapes against the outputs, labels against the classes: before compiling
             if s is not None:
@@ -207,7 +207,7 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, args: FitArgs
         planner.at_fit_start(model, steps, device, sample, batch_size, stream=out,
                              announce=bool(mode) and steps_per_execution == 1)
         history = History()
-        stream = source.stream(batch_size, strategy.batch_mesh, shuffle=args.shuffle, seed=args.seed,
+        stream = source.stream(batch_size, strategy, shuffle=args.shuffle, seed=args.seed,
                                reading=reading)
         per_epoch = args.steps_per_epoch or stream.batches_per_pass
         hooks = Callbacks(callbacks, model, epochs=args.epochs, steps=per_epoch, verbose=0 if not mode else mode)

@@ -69,7 +69,7 @@ class Loop:
     def device_batches(self, host: Iterator[Batch], group: int, per_process: bool
                        ) -> Iterator[tuple[int, Batch]] | Prefetcher:
         """``host``'s batches placed on the devices (``group`` stacked per dispatch when > 1)."""
-        return device_batches(host, group, self.strategy.batch_mesh, prefetch=self.prefetch, per_process=per_process)
+        return device_batches(host, group, self.strategy, prefetch=self.prefetch, per_process=per_process)
 
     # -- the loop ------------------------------------------------------------------------------------
     def run(self, run: epoch_lib.EpochRun, batches: Callable[[], Iterator[tuple[int, Batch]]], dispatch: Dispatch,
@@ -284,7 +284,7 @@ class Loop:
         """One train step on ``source``'s rows as one global batch (``train_on_batch``): fit's dispatch and
         finish (a bad label or, with ``on_nonfinite="raise"``, a non-finite loss raises with the update not
         applied); the logs cover this batch alone."""
-        device, mesh = self.device, self.strategy.batch_mesh
+        device, mesh = self.device, self.strategy
         rows = source.num_examples  # type: ignore[attr-defined]  # (prepare_pass: one batch is arrays)
         device.ensure(source.sample(rows, mesh))
         source.check_targets(self.adapter)
@@ -347,10 +347,10 @@ class Loop:
         Keras's ``on_test_*`` calls (``fit`` passes its own for validation). ``warn_short``: Keras's
         warning when ``steps`` asks for more batches than a pass has."""
         device, fns = self.device, self.steps
-        device.ensure(source.sample(batch_size, self.strategy.batch_mesh))
+        device.ensure(source.sample(batch_size, self.strategy))
         source.check_targets(self.adapter)
         metrics = device.fresh_metrics()
-        stream = source.stream(batch_size, self.strategy.batch_mesh)
+        stream = source.stream(batch_size, self.strategy)
         within = within_pass(stream, steps, warn=warn_short)
         if hooks is not None:
             self.model.stop_evaluating = False  # as Keras: a test-batch callback may set it to stop early
@@ -406,9 +406,9 @@ class Loop:
         """The model's outputs for every row of ``source`` (at most ``steps`` batches, within one pass), as
         numpy; ``hooks`` get Keras's ``on_predict_*`` calls."""
         device, fns, model = self.device, self.steps, self.model
-        device.ensure(source.sample(batch_size, self.strategy.batch_mesh, with_targets=False))
+        device.ensure(source.sample(batch_size, self.strategy, with_targets=False))
         source.check_targets(self.adapter)  # the inputs' shapes (no targets here)
-        stream = source.stream(batch_size, self.strategy.batch_mesh, with_targets=False)
+        stream = source.stream(batch_size, self.strategy, with_targets=False)
         within = within_pass(stream, steps, warn=warn_short)
         outputs: list[Any] = []
         end = hooks is not None and hooks.listens["predict_end"]
