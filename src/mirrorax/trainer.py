@@ -59,11 +59,9 @@ class Trainer:
       prefetch: batches placed on the devices ahead of the running step, on a background thread (0: place
         synchronously, between the dispatch of a step and the wait for the one before, so the copy
         overlaps the devices' work anyway). ``"auto"`` is 0: placing holds Python's lock for most of its
-        time, so a second thread only takes turns with the dispatching one (measured on a TPU v5e, the MLP
-        benchmark: 0.89 ms a step with the thread, 0.65 ms for a strategy.jit loop placing its batches
-        synchronously; on a 2-core host with 2-8 simulated CPU devices synchronous placement is 5-8%
-        faster). A thread pays for inputs whose
-        batches are slow to make on the host and release the lock meanwhile.
+        time, so a second thread only takes turns with the dispatching one (the figures are in
+        ``benchmarks/README.md``, "Why the code is as it is"). A thread pays for inputs whose batches are slow
+        to make on the host and release the lock meanwhile.
       on_nonfinite: ``"raise"``, ``"skip"`` (drop the update, count it in the history) or ``"ignore"``.
       donate: donate the state buffers to each train step (no copy of the state per step).
       mixed_precision: ``"bfloat16"`` (bf16 compute, float32 variables) or ``"float16"`` (also dynamic

@@ -87,11 +87,9 @@ class DeviceState:
 
     def fresh_metrics(self, previous: PyTree | None = None) -> PyTree:
         """The metric accumulators at their reset values, replicated (equal on every process by
-        construction: no broadcast). ``previous``: the accumulators being reset.
-
-        Not packed into one vector per dtype (3 leaves fewer for an MLP with one metric): packed, the MLP
-        benchmark's ``Trainer.fit`` at one CPU device ran at 0.857 of the hand loop against 0.982 unpacked
-        (``benchmarks.interleaved``, 2026-12-06; commit 842fcfc); the cause is not found."""
+        construction: no broadcast). ``previous``: the accumulators being reset. (Kept one array per metric
+        variable, not packed into one vector per dtype: packed ran slower, see ``benchmarks/README.md``, "Why
+        the code is as it is".)"""
         s = self.strategy
         return s.place(self.adapter.initial_metrics(previous), s.replicated, broadcast=False)
 

@@ -338,8 +338,8 @@ class StrategyFunction:
         """``self(*args)`` through the last call's program without looking the signature up: JAX's own
         dispatch (C++) checks the arguments, and a signature the program was not compiled for makes it trace,
         which raises here instead (:data:`MISSED` is returned; nothing ran). A step of a large state pays
-        about a microsecond per leaf in :meth:`signature` every call (0.35 ms a step for the benchmark
-        transformer's 221 leaves on a TPU v5e): a loop that calls one signature pays it once."""
+        about a microsecond per leaf in :meth:`signature` every call: a loop that calls one signature pays it
+        once."""
         caller = self._last
         if caller is None:
             return MISSED
