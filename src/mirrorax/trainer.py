@@ -365,7 +365,7 @@ class Trainer:
             sample_weight = class_weights(y, class_weight, sample_weight)
         one = fit_plan.prepare_pass(self.adapter, self.model, self.strategy.process_count, "train", x, y,
                                     sample_weight, batch_size="all", refuse_nonfinite=self.refuses_nonfinite)
-        logs = self.loop.train_on_batch(one.source)
+        logs = self.loop.train_on_batch(one.source, one.batch_size)
         self.device_state.write_back()
         return logs
 

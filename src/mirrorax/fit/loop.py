@@ -280,12 +280,11 @@ class Loop:
         return dispatch
 
     # -- one batch ---------------------------------------------------------------------------------
-    def train_on_batch(self, source: Source) -> dict[str, float]:
-        """One train step on ``source``'s rows as one global batch (``train_on_batch``): fit's dispatch and
-        finish (a bad label or, with ``on_nonfinite="raise"``, a non-finite loss raises with the update not
+    def train_on_batch(self, source: Source, rows: int) -> dict[str, float]:
+        """One train step on ``source``'s ``rows`` rows as one global batch (``train_on_batch``): fit's dispatch
+        and finish (a bad label or, with ``on_nonfinite="raise"``, a non-finite loss raises with the update not
         applied); the logs cover this batch alone."""
         device, mesh = self.device, self.strategy
-        rows = source.num_examples  # type: ignore[attr-defined]  # (prepare_pass: one batch is arrays)
         device.ensure(source.sample(rows, mesh))
         source.check_targets(self.adapter)
         self.steps.check_labels_in_step(not source.labels_checked)
