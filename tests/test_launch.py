@@ -125,6 +125,20 @@ def test_a_kill_that_reaches_the_launcher_after_the_survivors_abort_is_still_nam
     code, out = _at_one_moment("time.sleep(0.3)\nos.kill(os.getpid(), signal.SIGKILL)\n", "os.abort()\n")
     assert code == 128 + signal.SIGKILL and "rank 1 failed (killed by signal SIGKILL)" in out, out
 
+@pytest.mark.parametrize("crash", ["SIGSEGV", "SIGBUS"])
+@pytest.mark.parametrize("order", ["kill-first", "kill-after"])
+def test_a_kill_is_named_over_a_survivor_that_crashed_in_the_collective(crash, order):
+    """A survivor whose peer was SIGKILLed mid-step may crash in the collective instead of aborting (seen in
+    tests/test_resume.py's launcher restart: rank 0 died of SIGSEGV beside rank 1's SIGKILL, and was named). The
+    killed rank is named whether the crash lands in the same poll (5 ms after the kill) or 0.3 s before it."""
+    kill, crash_line = "os.kill(os.getpid(), signal.SIGKILL)\n", f"os.kill(os.getpid(), signal.{crash})\n"
+    if order == "kill-first":
+        code, out = _at_one_moment(kill, "time.sleep(0.005)\n" + crash_line)
+    else:
+        code, out = _at_one_moment("time.sleep(0.3)\n" + kill, crash_line)
+    assert code == 128 + signal.SIGKILL and "rank 1 failed (killed by signal SIGKILL)" in out, out
+
+
 def test_a_survivor_that_exits_with_a_status_after_its_lost_peer_line_is_not_named():
     """No signal in sight: rank 1 exits with status 3, and rank 0, 5 ms later (the same poll of the
     launcher), prints gloo's lost-peer line, a stack longer than the report's tail, and exits with status

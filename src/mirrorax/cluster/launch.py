@@ -66,6 +66,9 @@ _NAMED = re.compile(r"mirrorax: process (\d+) of \d+ failed \(")
 # What a process prints when it dies only because a peer it was exchanging data with went away (gloo
 # aborts the survivor within milliseconds of a SIGKILLed peer, often inside the same poll interval).
 _PEER_LOST = re.compile(r"gloo::|[Cc]onnection (closed|reset) by peer|collective mismatch|Broken pipe")
+#: The signals a survivor dies by when a peer it exchanged data with went away: gloo and XLA abort it, or its
+#: collective crashes on the closed connection (a segfault, seen when a peer is SIGKILLed mid-step).
+_SURVIVOR_SIGNALS = frozenset({-signal.SIGABRT, -signal.SIGSEGV, -signal.SIGBUS})
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -325,12 +328,12 @@ class _Group:
             return self.end_stuck(*stuck, readers, tails)
         # A process stopped (SIGSTOP, Ctrl-Z, a debugger) answers nothing; seen now, before it is killed.
         frozen = {r for r, c in enumerate(self.children) if c.poll() is None and _state(c.pid) in ("T", "t")}
-        if failed is not None and (failed[1] > 0 or failed[1] == -signal.SIGABRT):
+        if failed is not None and (failed[1] > 0 or failed[1] in _SURVIVOR_SIGNALS):
             # A process that raised exits 1; the others usually leave by themselves within a second, naming the
             # process that failed first (mirrorax.cluster.failure); let them, so that the report can name the right
             # rank.
-            # An abort is how gloo and XLA end a survivor whose peer died: the peer's death may reach us a
-            # moment after it (through a wrapper process, a later reap), and it is the one to name.
+            # An abort (or a crash in the collective) is how a survivor whose peer died ends: the peer's death
+            # may reach us a moment after it (through a wrapper process, a later reap), and it is the one to name.
             self.wait_for(self.children, SETTLE_SECONDS)
         own = [c.poll() for c in self.children]
         self.stop_all()
@@ -622,17 +625,19 @@ def _state(pid: int) -> str:
 
 
 def _first_failed(codes: Sequence[int | None], first: int, lost: Set[int]) -> int:
-    """Among the ranks that exited non-zero by themselves: the first killed by a signal other than SIGABRT
-    (nothing kills itself that way because a peer died, while gloo and JAX abort a survivor, and the two
-    deaths can land in the same poll); else the first whose output never said that it lost a peer
-    (``lost``: every line is looked at, as a stack dump after the line can push it out of the tail);
-    ``first`` (the first failure seen) when every one of them said so."""
+    """Among the ranks that exited non-zero by themselves: the first killed by a signal a survivor does not die
+    by (SIGKILL, SIGTERM: nothing is killed so because a peer died, while gloo and XLA abort a survivor or crash
+    it in the collective, and the two deaths can land in the same poll); else the first whose output never said
+    that it lost a peer (``lost``: every line is looked at, as a stack dump after the line can push it out of the
+    tail), one that exited with an error before one that crashed; ``first`` (the first failure seen) when every
+    one of them said so."""
     for rank, code in enumerate(codes):
-        if code is not None and code < 0 and code != -signal.SIGABRT:
+        if code is not None and code < 0 and code not in _SURVIVOR_SIGNALS:
             return rank
-    for rank, code in enumerate(codes):
-        if code not in (None, 0) and rank not in lost:
-            return rank
+    for exited in (True, False):
+        for rank, code in enumerate(codes):
+            if code not in (None, 0) and rank not in lost and (code > 0) == exited:
+                return rank
     return first
 
 
