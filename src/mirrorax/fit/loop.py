@@ -284,18 +284,18 @@ class Loop:
         """One train step on ``source``'s ``rows`` rows as one global batch (``train_on_batch``): fit's dispatch
         and finish (a bad label or, with ``on_nonfinite="raise"``, a non-finite loss raises with the update not
         applied); the logs cover this batch alone."""
-        device, mesh = self.device, self.strategy
-        device.ensure(source.sample(rows, mesh))
+        device = self.device
+        batch = source.sample(rows, self.strategy)  # the whole input, one batch: the step's own
+        device.ensure(batch)
         source.check_targets(self.adapter)
         self.steps.check_labels_in_step(not source.labels_checked)
         state = device.live
         state = state.replace(metrics=device.fresh_metrics(state.metrics))
-        stream = source.stream(rows, mesh)
         self.adapter.release()
         device.value = None  # donated to the step; restored below
         run = epoch_lib.EpochRun(state, self.strategy.in_flight, 0, int(state.host_counters()["step"]), 1)
         try:
-            self.run(run, lambda: iter(self.device_batches(stream.batches(0, 1), 1, stream.per_process)),
+            self.run(run, lambda: iter(self.device_batches(iter([batch]), 1, source.per_process)),
                      self._train_dispatch(), [])
         finally:
             self.adapter.conceal()
