@@ -228,7 +228,7 @@ def _in_wing(module: str) -> bool:
 
 
 #: The engine's modules that may import a wing: the package's ``__init__``, which re-exports the public API and
-#: registers each wing's records lazily (``split_merge.register_front_end``, ``front_end.register_lazy``).
+#: registers each wing lazily (``front_end.register_lazy``: its record and its split/merge protocol).
 REGISTRATION_POINTS = {"mirrorax"}
 
 
@@ -240,9 +240,9 @@ def wing_imports(house: dict[str, tuple[set[str], list[str]]]) -> list[str]:
 
 
 def test_the_engine_imports_no_wing(house):
-    # The engine reaches a front-end only through what the package registers: its split/merge protocol
-    # (split_merge.register_front_end) and its record (front_end.register_lazy: adapter, callbacks, metric
-    # masking, BackupAndRestore's epoch), and through the objects handed to it (mx.Trainer(reading=...)).
+    # The engine reaches a front-end only through what the package registers (front_end.register_lazy: its
+    # record, with adapter, callbacks, metric masking, BackupAndRestore's epoch, and its split/merge protocol),
+    # and through the objects handed to it (mx.Trainer(reading=...)).
     wrong = wing_imports(house)
     assert not wrong, "\n".join(wrong)
 

@@ -52,7 +52,6 @@ from mirrorax.steps.replica import get_replica_context as get_replica_context
 from mirrorax.steps.replica import masked_mean as masked_mean
 from mirrorax.steps.replica import scale_regularization_loss as scale_regularization_loss
 from mirrorax.steps.split_merge import register as _register
-from mirrorax.steps.split_merge import register_front_end as _register_front_end
 from mirrorax.strategy import InputContext as InputContext
 from mirrorax.strategy import MirroredStrategy as MirroredStrategy
 from mirrorax.strategy import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
@@ -64,26 +63,21 @@ from mirrorax.train_state import TrainState as TrainState
 from mirrorax.trainer import Trainer as Trainer
 
 
-def _load_keras() -> None:  # Keras's split/merge protocol, loaded by the first step called while keras is imported
+def _load_keras() -> None:  # Keras's record and split/merge protocol, loaded by the engine's first look (a
+    # model's front-end, a step's protocols) while keras is imported
+    from mirrorax.front_end import register
+    from mirrorax.keras.front_end import KERAS_FRONT_END
     from mirrorax.keras.stateful import KERAS
 
+    register(KERAS_FRONT_END)
     _register(KERAS)
 
 
-def _load_keras_front_end() -> None:  # Keras's record, loaded by the engine's first look while keras is imported
-    from mirrorax.front_end import register
-    from mirrorax.keras.front_end import KERAS_FRONT_END
-
-    register(KERAS_FRONT_END)
-
-
-def _load_nnx() -> None:  # the Flax NNX wing, loaded by the first step (or look) while flax.nnx is imported
+def _load_nnx() -> None:  # the Flax NNX wing, loaded by the engine's first look while flax.nnx is imported
     import mirrorax.nnx  # noqa: F401  (registers its split/merge protocol and its front-end's record)
 
 
-_register_front_end("keras", _load_keras)
-_register_front_end("flax.nnx", _load_nnx)
-_register_lazy_front_end("keras", _load_keras_front_end)
+_register_lazy_front_end("keras", _load_keras)
 _register_lazy_front_end("flax.nnx", _load_nnx)
 
 if TYPE_CHECKING:  # loaded on first use (below); imported here for type checkers and the API reference

@@ -9,7 +9,9 @@ the record up (:func:`of`, :func:`front_ends`) and calls its fields.
 
 A wing registers its record with :func:`register` once it is imported, or with :func:`register_lazy` to be
 loaded the first time the engine looks while the wing's library is imported (the package registers Keras's
-for ``keras`` and Flax NNX's for ``flax.nnx``, so ``import mirrorax`` imports neither).
+for ``keras`` and Flax NNX's for ``flax.nnx``, so ``import mirrorax`` imports neither). The load registers
+everything the wing gives the engine: its record here and its split/merge protocol
+(:mod:`mirrorax.steps.split_merge`, whose lookup loads through :func:`load_imported` too).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-__all__ = ["FrontEnd", "register", "register_lazy", "front_ends", "of"]
+__all__ = ["FrontEnd", "register", "register_lazy", "load_imported", "front_ends", "of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,16 +75,22 @@ def register(front_end: FrontEnd) -> None:
 
 
 def register_lazy(module: str, load: Callable[[], None]) -> None:
-    """Calls ``load()`` (which :func:`register` s a record) the first time the engine looks up a front-end
-    while ``module`` is imported: a library's models can exist only once it is."""
+    """Calls ``load()`` (which :func:`register` s a record, and the wing's split/merge protocol) the first time
+    the engine looks up a front-end or a step's protocols while ``module`` is imported: a library's models and
+    objects can exist only once it is."""
     _LAZY.setdefault(module, load)
+
+
+def load_imported() -> None:
+    """Loads the wings registered with :func:`register_lazy` whose library is imported now (each once)."""
+    if _LAZY:
+        for module in [m for m in _LAZY if m in sys.modules]:
+            _LAZY.pop(module)()
 
 
 def front_ends() -> tuple[FrontEnd, ...]:
     """The registered records, after loading those whose library is imported now."""
-    if _LAZY:
-        for module in [m for m in _LAZY if m in sys.modules]:
-            _LAZY.pop(module)()
+    load_imported()
     return tuple(_FRONT_ENDS)
 
 

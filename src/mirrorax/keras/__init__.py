@@ -16,5 +16,5 @@ Its modules stand on the engine's floors (``tests/test_house.py``), each beside 
 * :mod:`~mirrorax.keras.fit`: ``model.fit`` & co. under ``strategy.scope()`` -> a ``Trainer``.
 
 This package imports nothing itself, and no engine module imports the wing: the package registers its
-records lazily (``front_end.register_lazy``, ``split_merge.register_front_end``).
+records lazily (``front_end.register_lazy``: its record and its split/merge protocol, in one load).
 """

@@ -41,27 +41,28 @@ it is, anything else is copied first, so that whatever the user holds stays vali
 each new value one again (Keras: by the variable's ``aggregation``, as TF's distributed variables);
 objects among the arguments are refused there (their one-device numbers need the global view).
 
-Front-ends register their protocol here: :func:`register` for one already imported, or
-:func:`register_front_end` for one loaded the first time a step is called while its library is imported
-(the package registers ``mirrorax.nnx`` for ``flax.nnx`` and ``mirrorax.keras.stateful`` for ``keras``, so
-that ``import mirrorax`` imports neither).
+Front-ends register their protocol here with :func:`register`, when their wing is loaded: the package
+registers each wing's load with :func:`mirrorax.front_end.register_lazy` (``mirrorax.nnx`` for ``flax.nnx``,
+Keras's for ``keras``), which :func:`protocols` runs the first time a step is called while that library is
+imported, so that ``import mirrorax`` imports neither.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 
+from mirrorax import front_end
+
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh
 
-__all__ = ["SplitMerge", "Held", "register", "register_front_end", "protocols", "split_args", "threaded",
+__all__ = ["SplitMerge", "Held", "register", "protocols", "split_args", "threaded",
            "objects_back", "place", "Split", "is_slot"]
 
 PyTree = Any
@@ -163,7 +164,6 @@ class Held(Protocol):
 
 
 _PROTOCOLS: list[SplitMerge] = []
-_FRONT_ENDS: dict[str, Callable[[], None]] = {}
 
 
 def register(protocol: SplitMerge) -> None:
@@ -173,17 +173,10 @@ def register(protocol: SplitMerge) -> None:
         _PROTOCOLS.append(protocol)
 
 
-def register_front_end(module: str, load: Callable[[], None]) -> None:
-    """Calls ``load()`` (which imports a front-end that :func:`register` s its protocol) the first time a
-    step is called while ``module`` is imported: a library's objects can exist only once it is."""
-    _FRONT_ENDS.setdefault(module, load)
-
-
 def protocols() -> tuple[SplitMerge, ...]:
-    """The registered protocols, after loading the front-ends whose library is imported now."""
-    if _FRONT_ENDS:
-        for module in [m for m in _FRONT_ENDS if m in sys.modules]:
-            _FRONT_ENDS.pop(module)()
+    """The registered protocols, after loading the wings whose library is imported now
+    (:func:`mirrorax.front_end.load_imported`)."""
+    front_end.load_imported()
     return tuple(_PROTOCOLS)
 
 
