@@ -44,8 +44,8 @@ class FitArgs:
     """``fit``'s arguments, as ``Trainer.fit`` documents them: built once where the call comes in
     (``Trainer.fit``, a Keras model's ``fit`` under a scope) and read by everything below.
 
-    ``x`` may also be the training input made a source already (:func:`training_source`, by a caller that
-    read ``x`` itself: a Keras model's ``fit``), ``y`` and ``sample_weight`` then in it.
+    ``x`` may also be the training input made a source already (:func:`pass_source`, by a caller that read
+    ``x`` itself: a Keras model's ``fit``), ``y`` and ``sample_weight`` then in it.
     """
 
     x: Any

@@ -293,7 +293,7 @@ class Loop:
         state = state.replace(metrics=device.fresh_metrics(state.metrics))
         self.adapter.release()
         device.value = None  # donated to the step; restored below
-        run = epoch_lib.EpochRun(state, self.strategy.in_flight, 0, int(state.host_counters()["step"]), 1)
+        run = epoch_lib.EpochRun(state, self.strategy.in_flight, total=1)  # (no hook reads its step counter)
         try:
             self.run(run, lambda: iter(self.device_batches(iter([batch]), 1, source.per_process)),
                      self._train_dispatch(), [])
