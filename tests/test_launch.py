@@ -159,11 +159,18 @@ GLOO = "[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected
 @pytest.mark.parametrize("verbose", ["", "1"])
 def test_gloo_chatter_is_dropped_unless_asked_for(verbose):
     out = io.StringIO()
-    code = launch_lib.launch(_child(f"print({GLOO!r}); print('[Gloo] something else'); print('work')"), 2,
-                             env=clean_env(MIRRORAX_VERBOSE_COLLECTIVES=verbose), out=out)
-    assert code == 0 and out.getvalue().count("] work") == 2, out.getvalue()
-    assert out.getvalue().count("] [Gloo] something else") == 2, out.getvalue()  # only the chatter goes
-    assert out.getvalue().count(GLOO) == (2 if verbose else 0), out.getvalue()
+    cut = GLOO.replace("peer ranks. ", "peer ranks. saved\n")  # a print landed inside gloo's message
+    code = launch_lib.launch(_child(
+        f"print({GLOO!r}); print('[Gloo] something else'); print('work'); print({cut!r});"
+        f"print('last ' + {GLOO!r}, end='\\n'); print('words', end='')"), 2,  # the end: a line gloo cut
+        env=clean_env(MIRRORAX_VERBOSE_COLLECTIVES=verbose), out=out)
+    lines = out.getvalue().splitlines()
+    assert code == 0 and lines.count("[rank 1] work") == 1, out.getvalue()
+    assert lines.count("[rank 0] [Gloo] something else") == 1, out.getvalue()  # only the chatter goes
+    assert out.getvalue().count(GLOO) == (4 if verbose else 0), out.getvalue()  # 2 a rank, kept when asked
+    if not verbose:
+        assert [x for x in lines if x.startswith("[rank 1]")] == [
+            "[rank 1] [Gloo] something else", "[rank 1] work", "[rank 1] saved", "[rank 1] last words"]
 
 
 def test_a_cpp_stack_trace_stays_out_of_the_report():

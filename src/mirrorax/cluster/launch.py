@@ -437,25 +437,29 @@ class _Group:
         return 0
 
     def _pump(self, rank: int, child: subprocess.Popen[bytes], tail: collections.deque[str]) -> None:
-        prefix = f"[rank {rank}] " if self.nprocs > 1 else ""
         assert child.stdout is not None
-        keep = ChatterFilter().keep
+        chatter = ChatterFilter()
         for raw in iter(child.stdout.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
             captured = self.capture[rank]
             if captured is not None:  # the stack the watchdog asked for: in its report, not twice
                 captured.append(line)
                 continue
-            if not self.verbose and not keep(line):
-                continue
-            if _PEER_LOST.search(line):  # before the tail: every line a tail shows is counted here
-                self.lost.add(rank)
-            if not _TRACE.match(line):
-                tail.append(line)
-            with self.lock:
-                self.out.write(f"{prefix}{line}\n")
-                self.out.flush()
+            self._show(rank, line if self.verbose else chatter.clean(line), tail)
+        self._show(rank, chatter.flush(), tail)  # what gloo's last message cut off, if anything
         child.stdout.close()
+
+    def _show(self, rank: int, line: str | None, tail: collections.deque[str]) -> None:
+        if line is None:
+            return
+        if _PEER_LOST.search(line):  # before the tail: every line a tail shows is counted here
+            self.lost.add(rank)
+        if not _TRACE.match(line):
+            tail.append(line)
+        prefix = f"[rank {rank}] " if self.nprocs > 1 else ""
+        with self.lock:
+            self.out.write(f"{prefix}{line}\n")
+            self.out.flush()
 
     @staticmethod
     def wait_for(children: Sequence[subprocess.Popen[bytes]], seconds: float) -> None:

@@ -2,8 +2,10 @@
 
 On every new communicator, gloo prints ``[Gloo] Rank R is connected to N peer ranks. Expected number of
 connected peer ranks is : N`` once per CPU device, from C++ (``std::cout``), with no setting to silence it
-(jaxlib 0.10); the devices' threads print at once, so the lines come mangled into each other. Under
-``mirrorax launch`` the launcher drops them as it streams the output (:class:`ChatterFilter`). A process
+(jaxlib 0.10). Each piece of the message is a write of its own and the devices' threads print at once, so
+the messages come mangled into each other and into what the process prints itself (a print can land
+inside one). Under ``mirrorax launch`` the launcher takes them out as it streams the output
+(:class:`ChatterFilter`: the process's own lines come out whole). A process
 of a CPU job started otherwise (``srun``, ``mpirun``, by hand) routes its file descriptor 1 through a
 pipe (a pseudo-terminal when it was a terminal, so that ``isatty()`` stays true) to a small relay
 process that copies everything but those lines to the real stdout (:func:`install`). ``MIRRORAX_VERBOSE_COLLECTIVES=1``
@@ -22,10 +24,14 @@ from typing import Any
 
 __all__ = ["ChatterFilter", "install", "restore", "verbose"]
 
-# Everything one of gloo's lines (or a mangle of several) is made of.
-_FRAGMENTS = re.compile(r"\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks "
-                        r"is :|\d+|\s+")
+# gloo writes each message in pieces (``std::cout << "[Gloo] Rank " << rank << " is connected to " ...``), each
+# piece a write(2) of its own, so another thread's write, a print of this process's Python included, can
+# land between any two. A piece and the number written after it:
+_PIECES = re.compile(r"\[Gloo\] Rank \d*| ?is connected to \d*| ?peer ranks\. ?"
+                     r"|Expected number of connected peer ranks is : \d*")
 _MARK = "[Gloo] Rank"
+_TAIL = "Expected number of connected peer ranks is :"
+_ENDS_MESSAGE = re.compile(r"peer ranks is : \d*$")  # a line whose newline is gloo's (``std::endl``)
 
 _state: dict[str, Any] = {}
 
@@ -37,31 +43,52 @@ def verbose(environ: Any = None) -> bool:
 
 
 class ChatterFilter:
-    """Says which lines of one process's output to keep (one filter per stream: it has state).
+    """Takes gloo's connection messages out of one process's output, line by line (one filter per stream:
+    it has state). What the process printed itself comes out whole, even when gloo's pieces landed in it.
 
     Example:
-      >>> keep = ChatterFilter().keep
-      >>> keep("[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3")
-      False
-      >>> keep("Epoch 1/3")
-      True
+      >>> clean = ChatterFilter().clean
+      >>> clean("[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3")
+      >>> clean("Epoch 1/3")
+      'Epoch 1/3'
+      >>> clean("[Gloo] Rank 2 is connected to 3 peer ranks. saved to /tmp/ckpt")  # a print landed inside
+      'saved to /tmp/ckpt'
+      >>> clean("Expected number of connected peer ranks is : 3")  # the rest of that message
+      >>> clean("loss [Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3")
+      >>> clean("0.5")  # the print that gloo's message cut in two, joined again
+      'loss 0.5'
     """
 
     def __init__(self) -> None:
-        # Newlines still to come from mangled messages: each message ends its own line, so a line that
-        # holds k of them leaves k - 1 newlines for later (an empty line, or the rest of a fragment).
+        # Newlines still to come from messages begun on earlier lines: each message ends its own line, so
+        # a line that starts k messages and ends none of them leaves k newlines for later (an empty line,
+        # or the rest of a message).
         self.owed = 0
+        self.pending = ""  # the start of a printed line that a message's newline cut off
 
-    def keep(self, line: str) -> bool:
-        """False for gloo's connection lines, their fragments and the empty lines they leave."""
-        if _MARK in line or (self.owed and "peer ranks" in line):
-            if not _FRAGMENTS.sub("", line):
-                self.owed = max(0, self.owed + line.count(_MARK) - 1)
-                return False
+    def clean(self, line: str) -> str | None:
+        """``line`` (without its newline) with gloo's pieces taken out; None when nothing of it is left
+        to show yet (it was all gloo's, or the start of a line that the next line completes)."""
+        if _MARK in line or _TAIL in line or (self.owed and "peer ranks" in line):
+            rest = _PIECES.sub("", line)
+            ends = 1 if _ENDS_MESSAGE.search(line) or not rest.strip(" 0123456789") else 0
+            self.owed = max(0, self.owed + line.count(_MARK) - ends)
+            if not rest.strip(" 0123456789"):
+                return None
+            if ends:  # the newline was gloo's: the printed line goes on in the next one
+                self.pending += rest
+                return None
+            line = rest
         elif self.owed and not line.strip():
             self.owed -= 1
-            return False
-        return True
+            return None
+        line, self.pending = self.pending + line, ""
+        return line
+
+    def flush(self) -> str | None:
+        """What is left of a printed line at the end of the stream (None when nothing)."""
+        line, self.pending = self.pending, ""
+        return line or None
 
 
 def install() -> bool:
@@ -135,7 +162,7 @@ def _as_terminal(terminal: int, pty: int) -> None:
 
 
 def _copy(read_fd: int, out_fd: int) -> None:
-    keep = ChatterFilter().keep
+    chatter = ChatterFilter()
     pending, broken = b"", False
     while True:
         try:
@@ -146,16 +173,25 @@ def _copy(read_fd: int, out_fd: int) -> None:
             break
         lines = (pending + chunk).split(b"\n")
         pending = lines.pop()
-        out = [line + b"\n" for line in lines if keep(line.decode("utf-8", "replace"))]
-        # A partial line (a progress bar's "\r" updates) goes out at once, unless it may be gloo's.
-        if pending and b"[Gloo]" not in pending and not _MARK.encode().startswith(pending[:len(_MARK)]):
+        out = [kept + b"\n" for kept in (_clean(chatter, line) for line in lines) if kept is not None]
+        # A partial line (a progress bar's "\r" updates) goes out at once, unless it may be gloo's (or
+        # goes on a line that gloo cut, which comes out when it ends).
+        if (pending and not chatter.pending and b"[Gloo]" not in pending
+                and not _MARK.encode().startswith(pending[:len(_MARK)])):
             out.append(pending)
             pending = b""
         # Once the real stdout is gone, keep reading (and dropping): a full pipe would block every print.
         broken = broken or not _write(out_fd, b"".join(out))
     if not broken:
-        _write(out_fd, pending)
+        _write(out_fd, (chatter.flush() or "").encode() + pending)
     os.close(read_fd)
+
+
+def _clean(chatter: ChatterFilter, line: bytes) -> bytes | None:
+    """:meth:`ChatterFilter.clean` on bytes: a line it leaves as it was comes out byte for byte."""
+    text = line.decode("utf-8", "replace")
+    kept = chatter.clean(text)
+    return None if kept is None else line if kept == text else kept.encode()
 
 
 def _write(fd: int, data: bytes) -> bool:
