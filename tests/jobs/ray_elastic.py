@@ -45,6 +45,11 @@ from jobs import elastic_job  # noqa: E402
 
 # Ray's sessions (logs, sockets) in a directory of this run, removed at its end: short, for Unix socket paths.
 TEMP = tempfile.mkdtemp(prefix="mxray-")
+# ray.cluster_utils.Cluster writes the head's address to <default temp dir>/ray/ray_current_cluster whatever its
+# temp_dir says, and fails where that directory does not exist (a fresh machine: nothing made /tmp/ray before).
+# The default temp dir is RAY_TMPDIR: this run's own, so that it writes nowhere outside it.
+os.environ["RAY_TMPDIR"] = TEMP
+os.makedirs(os.path.join(TEMP, "ray"), exist_ok=True)
 NODE = dict(node_ip_address="127.0.0.1", num_cpus=1, resources={"mx_worker": 1}, include_dashboard=False,
             temp_dir=TEMP)
 START = time.monotonic()
