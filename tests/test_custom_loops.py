@@ -135,6 +135,9 @@ def test_examples_on_two_processes_equal_one_device(tmp_path):
     assert ranks[0]["pieces['count']"] == custom_loops.ROWS
     assert ranks[0]["pieces['steps']"][:, 2].tolist() == [16, 16, 16, 2]
     assert ranks[0]["pieces['steps']"][:, 0].tolist() == [8.5, 24.5, 40.5, 49.5]
+    # and read on the host (gather, reduce over the examples): the real rows, not the short batch's padding
+    assert ranks[0]["pieces['gathered']"].tolist() == [i % 3 for i in range(custom_loops.ROWS)]
+    assert ranks[0]["pieces['sums']"].tolist() == [136, 392, 648, 99]
 
 
 # -- DistributedBatch ---------------------------------------------------------------------------------
@@ -482,6 +485,34 @@ def test_reduce_and_gather():
     np.testing.assert_allclose(tree["b"][0], per_replica.sum(axis=0))
     ids = s.run(lambda: mx.get_replica_context().replica_id_in_sync_group.astype(jnp.float32))
     assert float(s.reduce("sum", ids)) == 3 and isinstance(s.gather(ids), np.ndarray)
+
+
+def test_the_hosts_reads_of_a_batch_give_its_real_rows_only():
+    """A batch or its pieces read on the host, as TF's input guide does (``experimental_local_results(x)``) or to
+    count labels (``reduce("sum", y, axis=0)``): each replica's real rows, never the padding of a short batch.
+    Before, 10 rows in batches of 4 on 3 devices (padded to 6) summed their labels to 6, 30, 49 (22 and 17 are
+    right), the last batch gathering ``[8, 9, 8, 8, 8, 8]``."""
+    s = strategy(3)
+    x, y = np.arange(10, dtype=np.float32)[:, None], np.arange(10)
+    local, gathered, sums, means, whole = [], [], [], [], []
+    for batch in s.experimental_distribute_dataset((x, y), batch_size=4):
+        xb, yb = batch
+        local.append([r.tolist() for r in s.experimental_local_results(yb)])
+        gathered.append(s.gather(yb).tolist())
+        sums.append(int(s.reduce("sum", yb, axis=0)))
+        means.append(float(s.reduce("mean", xb, axis=0)[0]))
+        whole.append([[c.ravel().tolist() for c in r] for r in s.experimental_local_results(batch)])
+        with pytest.raises(ValueError, match=r"axis=0"):
+            s.reduce("sum", yb)  # element-wise over replicas holding different numbers of real rows: refused
+    assert local == [[[0, 1], [2, 3], []], [[4, 5], [6, 7], []], [[8, 9], [], []]]
+    assert gathered == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]] and sums == [6, 22, 17] and means == [1.5, 5.5, 8.5]
+    assert whole == [[[[float(v) for v in r], r] for r in batch] for batch in local]  # a batch is its data
+    # a dataset of one array: its batches are pieces too
+    assert [s.gather(b).tolist() for b in s.experimental_distribute_dataset(y, batch_size=4)] == gathered
+    # full batches (6 rows on 3 devices) hold no padding: every row is read, element-wise sums as before
+    full = list(s.experimental_distribute_dataset((x[:6], y[:6]), batch_size=6))[0]
+    assert [r.tolist() for r in s.experimental_local_results(full[1])] == [[0, 1], [2, 3], [4, 5]]
+    assert s.reduce("sum", full[1]).tolist() == [6, 9]
 
 
 def test_per_example_outputs_give_the_real_rows_only():

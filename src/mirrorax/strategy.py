@@ -35,7 +35,7 @@ from mirrorax.inputs.iterables import PerProcessDataset
 from mirrorax.inputs.source import InputContext
 from mirrorax.mesh import BatchMesh, ShardMode, check_shard
 from mirrorax.steps.dispatch import InFlight, OutShardings, check_out_shardings
-from mirrorax.steps.replica import ReduceOp, resolve_op, rows_of
+from mirrorax.steps.replica import ReduceOp, RowValues, leaves_with_rows, resolve_op
 from mirrorax.steps.stateful import StatefulFunction, check_not_tf_function
 
 __all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "InputContext", "get_strategy", "current_scope",
@@ -308,9 +308,10 @@ class MirroredStrategy(BatchMesh):
           op: ``"sum"``, ``"mean"`` or ``"max"`` (any case: TF's ``"SUM"``), :class:`mirrorax.ReduceOp`, or
             ``tf.distribute.ReduceOp.SUM`` / ``MEAN``.
           value: the pytree to reduce.
-          axis: an axis of each replica's value to reduce too, or ``None``. A value a step returned with one
-            row per example of a batch with padding takes ``axis=0`` only: the op over its real rows (TF's
-            reduction over the replicas and the examples; ``"mean"`` divides by the real rows).
+          axis: an axis of each replica's value to reduce too, or ``None``. A value with one row per example
+            of a batch with padding (a step's output, the batch, an array unpacked from it) takes ``axis=0``
+            only: the op over its real rows (TF's reduction over the replicas and the examples; ``"mean"``
+            divides by the real rows).
 
         Raises:
           ValueError: ``op`` is not a known reduction; a value with one row per example of a batch with padding
@@ -323,27 +324,29 @@ class MirroredStrategy(BatchMesh):
         ops: dict[str, Callable[..., Any]] = {"sum": np.sum, "mean": np.mean, "max": np.max}
         combine = ops[kind]
 
-        def one(v: Any) -> Any:
-            if rows_of(v) is not None:  # one row per example of a batch with padding: its real rows
+        def one(v: Any, rows: RowValues | None) -> Any:
+            if rows is not None:  # one row per example of a batch with padding: its real rows
                 if axis != 0:
                     raise ValueError(
                         f"reduce({kind!r}, value, axis={axis!r}) received a value with one row per example of a "
                         f"batch with padding (shape {tuple(np.shape(v))}): its replicas hold different numbers of "
                         "real rows, so they cannot be combined element-wise. Reduce over the examples too "
                         f"(strategy.reduce({kind!r}, value, axis=0)), or take the rows with strategy.gather(value).")
-                return combine(self._real_rows(v), axis=0)
+                return combine(self._real_rows(v, rows), axis=0)
             per = self._per_replica_values(v)
             out = combine(per, axis=0)
             return combine(out, axis=axis) if axis is not None else out
 
-        return jax.tree.map(one, value)
+        leaves, treedef = leaves_with_rows(value, self.num_replicas_in_sync)
+        return jax.tree.unflatten(treedef, [one(v, rows) for v, rows in leaves])
 
     def gather(self, value: Any, axis: int = 0) -> Any:
         """The replicas' values of ``value`` (a pytree) concatenated along ``axis``, as host numpy on every process.
 
         For a batch-split array and ``axis=0`` this is the global array itself. An output a :meth:`run` or
         :meth:`jit` step returned with one row per example of a batch with padding gives its real rows only,
-        in order (the padding rows are dropped). A replicated value is concatenated
+        in order (the padding rows are dropped); so does such a batch, or an array unpacked from it
+        (``x, y = batch``: ``strategy.gather(y)``). A replicated value is concatenated
         ``num_replicas_in_sync`` times, as TF does for mirrored values.
 
         Raises:
@@ -352,48 +355,48 @@ class MirroredStrategy(BatchMesh):
         Example:
           >>> predictions = strategy.gather(strategy.run(predict_fn, args=(params, batch)))
         """
-        def one(v: Any) -> Any:
-            if rows_of(v) is not None:
+        def one(v: Any, rows: RowValues | None) -> Any:
+            if rows is not None:
                 if axis != 0:
                     raise ValueError(
                         f"gather(value, axis={axis!r}) received a value with one row per example of a batch with "
                         f"padding (shape {tuple(np.shape(v))}): its replicas hold different numbers of real rows. "
                         "Gather it along its examples: strategy.gather(value, axis=0).")
-                return self._real_rows(v)
+                return self._real_rows(v, rows)
             per = self._per_replica_values(v)
             if per.ndim == 1:  # one scalar per replica
                 return per
             return np.concatenate(list(per), axis=axis)
 
-        return jax.tree.map(one, value)
+        leaves, treedef = leaves_with_rows(value, self.num_replicas_in_sync)
+        return jax.tree.unflatten(treedef, [one(v, rows) for v, rows in leaves])
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """This process's replicas' values of ``value`` (a pytree), one host-numpy tree per local replica,
         in mesh order (TF's ``strategy.experimental_local_results``).
 
         A per-replica value (from :meth:`run`) gives each replica's own scalar or rows (of a batch with
-        padding, its real rows only: possibly none); a replicated one gives the same value once per replica.
+        padding, its real rows only: possibly none), and so does a batch of :meth:`experimental_distribute_dataset`
+        or an array unpacked from it (TF's input guide prints its batches so); a replicated one gives the same
+        value once per replica.
 
         Example:
           >>> per_replica_loss = strategy.run(train_step, args=(batch,))
           >>> strategy.experimental_local_results(per_replica_loss)   # (loss of replica 0, of replica 1, ...)
         """
         mine = [i for i, d in enumerate(self.devices) if d in set(self.local_devices)]
-        leaves, treedef = jax.tree.flatten(value)
-        per = [self._replica_rows(v) if rows_of(v) is not None else self._per_replica_values(v) for v in leaves]
+        leaves, treedef = leaves_with_rows(value, self.num_replicas_in_sync)
+        per = [self._replica_rows(v, rows) if rows is not None else self._per_replica_values(v) for v, rows in leaves]
         return tuple(jax.tree.unflatten(treedef, [p[i] for p in per]) for i in mine)
 
-    def _real_rows(self, v: Any) -> np.ndarray:
-        """The real rows of ``v``, an output with one row per example of a batch with padding."""
-        rows = rows_of(v)
-        assert rows is not None
+    @staticmethod
+    def _real_rows(v: Any, rows: RowValues) -> np.ndarray:
+        """The real rows of ``v``, which holds one row per example of a batch with padding as ``rows`` says."""
         host = host_value(v)
         return host if rows.mask is None else host[host_value(rows.mask) > 0]
 
-    def _replica_rows(self, v: Any) -> list[np.ndarray]:
+    def _replica_rows(self, v: Any, rows: RowValues) -> list[np.ndarray]:
         """Each replica's real rows of ``v`` (see :meth:`_real_rows`), in mesh order."""
-        rows = rows_of(v)
-        assert rows is not None
         host, k = host_value(v), rows.per_replica
         real = np.ones(len(host), bool) if rows.mask is None else host_value(rows.mask) > 0
         return [host[r * k:(r + 1) * k][real[r * k:(r + 1) * k]] for r in range(self.num_replicas_in_sync)]

@@ -76,12 +76,15 @@ def pieces(num_devices: int | None) -> dict[str, np.ndarray]:
         mean.update_state(x)
 
     step = strategy.jit(lambda x, y: (jnp.mean(x), jnp.sum(x * y), jnp.asarray(x.shape[0])))
-    got = []
+    got, gathered, sums = [], [], []
     for xb, yb in strategy.experimental_distribute_dataset((x, y), batch_size=16):
         got.append(step(xb, yb))
         strategy.run(update, args=(xb,))
+        gathered.append(strategy.gather(yb))  # the host's reads of a piece: its real rows only
+        sums.append(strategy.reduce("sum", xb, axis=0))
     return {"steps": np.asarray([[float(v) for v in g] for g in got]), "mean": np.asarray(float(mean.result())),
-            "count": np.asarray(float(mean.count.value))}
+            "count": np.asarray(float(mean.count.value)), "gathered": np.concatenate(gathered),
+            "sums": np.asarray(sums)}
 
 
 def results(num_devices: int | None) -> dict[str, np.ndarray]:

@@ -24,12 +24,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from mirrorax.steps.distributed_batch import is_batch
+from mirrorax.steps.distributed_batch import is_batch, piece_of
 
 __all__ = ["ReduceOp", "ReplicaContext", "get_replica_context", "compute_average_loss", "masked_mean",
            "scale_regularization_loss", "batch_scope", "find_batch", "real_rows_view", "keep_padding_view",
-           "RowValues", "mark_rows", "rows_of"]
+           "RowValues", "mark_rows", "rows_of", "leaves_with_rows"]
 
 PyTree = Any
 
@@ -340,3 +341,36 @@ def mark_rows(value: Any, rows: RowValues) -> None:
 def rows_of(value: Any) -> RowValues | None:
     """What :func:`mark_rows` recorded for ``value``, or ``None``."""
     return _ROW_VALUES.get(id(value))
+
+
+def leaves_with_rows(value: Any, num_replicas: int) -> tuple[list[tuple[Any, RowValues | None]], Any]:
+    """The leaves of ``value`` (a pytree), each with how it holds one row per example of a batch with padding
+    (``None``: it does not), and the tree's structure: what the host-side readers (``reduce``, ``gather``,
+    ``experimental_local_results``) need to give real rows only.
+
+    A leaf holds rows so when it is an output a step returned so (:func:`mark_rows`), a piece of such a batch
+    (``x, y = batch`` outside a step), or in the data of such a batch given whole: a batch in ``value`` is
+    taken as its data (TF's distributed batch is its data), with its mask.
+    """
+    of_batches: dict[int, RowValues] = {}
+
+    def open_batch(x: Any) -> Any:
+        if not is_batch(x):
+            return x
+        if x.has_padding:
+            rows = RowValues(int(np.shape(x.mask)[0]) // num_replicas, x.mask)
+            for leaf in jax.tree.leaves(x.data):
+                of_batches[id(leaf)] = rows
+        return x.data
+
+    leaves, treedef = jax.tree.flatten(jax.tree.map(open_batch, value, is_leaf=is_batch))
+
+    def rows(v: Any) -> RowValues | None:
+        found = of_batches.get(id(v)) or rows_of(v)
+        if found is None:
+            record = piece_of(v)
+            if record is not None and not record.full:
+                found = RowValues(record.placed // num_replicas, record.mask)
+        return found
+
+    return [(v, rows(v)) for v in leaves], treedef
