@@ -42,6 +42,9 @@ CUT = [("[Gloo] Rank 2 is connected to 3 peer ranks. saved to /tmp/ckpt", "saved
        ("4.0", "sum 4.0"),
        ("", ""),  # the user's own empty line: nothing of gloo's is owed
        ("[Gloo] Rank 3 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3", None),
+       # a print between gloo's last number and its newline (which comes alone, as an empty line)
+       ("[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3saved", "saved"),
+       ("", None),
        ("done", "done")]
 
 
