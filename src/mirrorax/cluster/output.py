@@ -30,8 +30,8 @@ __all__ = ["ChatterFilter", "install", "restore", "verbose"]
 _PIECES = re.compile(r"\[Gloo\] Rank \d*| ?is connected to \d*| ?peer ranks\. ?"
                      r"|Expected number of connected peer ranks is : \d*")
 _MARK = "[Gloo] Rank"
-_TAIL = "Expected number of connected peer ranks is :"
-_ENDS_MESSAGE = re.compile(r"peer ranks is : \d*$")  # a line whose newline is gloo's (``std::endl``)
+_TAIL = "Expected number of connected peer ranks is :"  # (one write: whole wherever it lands)
+_ENDS_MESSAGE = re.compile(re.escape(_TAIL) + r" \d*$")  # a line whose newline is gloo's (``std::endl``)
 
 _state: dict[str, Any] = {}
 
@@ -71,9 +71,10 @@ class ChatterFilter:
         to show yet (it was all gloo's, or the start of a line that the next line completes)."""
         if _MARK in line or _TAIL in line or (self.owed and "peer ranks" in line):
             rest = _PIECES.sub("", line)
-            ends = 1 if _ENDS_MESSAGE.search(line) or not rest.strip(" 0123456789") else 0
+            gloos = not rest.strip(" 0123456789")  # nothing but gloo's pieces (and its numbers)
+            ends = gloos or _ENDS_MESSAGE.search(line) is not None
             self.owed = max(0, self.owed + line.count(_MARK) - ends)
-            if not rest.strip(" 0123456789"):
+            if gloos:
                 return None
             if ends:  # the newline was gloo's: the printed line goes on in the next one
                 self.pending += rest

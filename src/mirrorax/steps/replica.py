@@ -354,11 +354,14 @@ def leaves_with_rows(value: Any, num_replicas: int) -> tuple[list[tuple[Any, Row
     """
     of_batches: dict[int, RowValues] = {}
 
+    def padded(mask: Any) -> RowValues:  # a padded batch's rows: split evenly over the replicas, as its mask
+        return RowValues(int(np.shape(mask)[0]) // num_replicas, mask)
+
     def open_batch(x: Any) -> Any:
         if not is_batch(x):
             return x
         if x.has_padding:
-            rows = RowValues(int(np.shape(x.mask)[0]) // num_replicas, x.mask)
+            rows = padded(x.mask)
             for leaf in jax.tree.leaves(x.data):
                 of_batches[id(leaf)] = rows
         return x.data
@@ -370,7 +373,7 @@ def leaves_with_rows(value: Any, num_replicas: int) -> tuple[list[tuple[Any, Row
         if found is None:
             record = piece_of(v)
             if record is not None and not record.full:
-                found = RowValues(record.placed // num_replicas, record.mask)
+                found = padded(record.mask)
         return found
 
     return [(v, rows(v)) for v in leaves], treedef
