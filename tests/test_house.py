@@ -20,8 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "src" / "mirrorax"
 
 #: Bottom floor first. A module may import modules of its own floor (no circle) or of a floor below.
 FLOORS: list[tuple[str, ...]] = [
-    ("_checks", "_host", "_version", "front_end", "steps", "steps.first_call", "steps.distributed_batch",
-     "cluster.output",
+    ("_checks", "_host", "_version", "front_end", "steps", "steps.first_call", "steps.binding",
+     "steps.distributed_batch", "cluster.output",
      "cluster.discovery", "cluster.watchdog", "cluster.failure", "cluster.preemption", "integrity",
      "checkpoint.integrity_item", "checkpoint.orbax_quirks", "checkpoint.dir_lock", "checkpoint.snapshot_io",
      "cluster.restarts", "keras", "keras._internals", "keras.callbacks", "keras.env", "steps.replica", "batch_sums",
