@@ -32,7 +32,7 @@ from flax import nnx
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh
 
-__all__ = ["NNX", "NnxSplitMerge"]
+__all__ = ["NNX", "NnxSplitMerge", "partition_axes"]
 
 PyTree = Any
 
@@ -53,6 +53,11 @@ class NnxSplitMerge:
         """Modules, optimizers, metrics, ``Rngs`` (``nnx.Pytree``) and variables (``nnx.Variable``)."""
         # (by type: Variable's isinstance hook costs 1 us on every node of every strategy.jit call's arguments)
         return issubclass(type(x), _NNX_TYPES)
+
+    def plain(self, x: Any) -> bool:
+        """A ``State`` (``nnx.split``'s, ``nnx.state``'s): what a functional step takes beside its ``GraphDef`` and
+        returns, as under ``jax.jit`` (flattened to its arrays at each call; never split or written back)."""
+        return type(x) is nnx.State
 
     def discover(self, args: tuple[Any, ...], where: str) -> AbstractContextManager[Callable[[], Any]] | None:
         """``None``: NNX objects are found among the arguments only."""
@@ -111,10 +116,10 @@ class NnxSplitMerge:
     def layouts(self, structure: Hashable, state: PyTree, mesh: BatchMesh) -> list[jax.sharding.Sharding]:
         """Replicated, or as each variable's sharding annotation names the mesh's axes."""
         flat = jax.tree_util.tree_flatten_with_path(state)[0]
-        specs = jax.tree.leaves(nnx.get_partition_spec(state))
+        specs = partition_axes(state)
         if len(specs) != len(flat):  # (every variable holds one array; anything else is replicated)
             return [mesh.replicated] * len(flat)
-        return [mesh.annotated_sharding(np.shape(a), tuple(spec), _path(p)) for (p, a), spec in zip(flat, specs)]
+        return [mesh.annotated_sharding(np.shape(a), spec, _path(p)) for (p, a), spec in zip(flat, specs)]
 
     def owned(self, objects: tuple[Any, ...], changed: PyTree) -> list[bool]:
         """Never asked (donation among the arguments is explicit): nothing is the engine's."""
@@ -127,6 +132,27 @@ class NnxSplitMerge:
     def hold(self, objects: tuple[Any, ...], structure: Hashable, state: PyTree) -> NnxHeld | None:
         """The objects held for the calls that follow (:class:`NnxHeld`)."""
         return NnxHeld.of(objects, state)
+
+
+def partition_axes(state: PyTree) -> list[tuple[Any, ...]]:
+    """Each variable's sharding annotation in ``state``, as the mesh axes of each dimension (``()``: none), in
+    the order of ``state``'s leaves.
+
+    Flax's ``nnx.with_partitioning(init, sharding)`` takes the axes as JAX's tutorials write them, a
+    ``NamedSharding(mesh, P(...))`` (its spec is read; the strategy's mesh must have its axes), a
+    ``PartitionSpec`` or a tuple of axis names (resolved through Flax's logical axis rules where it has any):
+    ``nnx.get_partition_spec`` takes the last two only."""
+    def axes(v: Any) -> tuple[Any, ...]:
+        if not isinstance(v, nnx.Variable):
+            return ()
+        sharding = v.get_metadata().get("out_sharding")
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return tuple(sharding.spec)
+        spec = nnx.spmd.get_var_pspec(v) if sharding else None
+        return () if spec is None else tuple(spec)
+
+    variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [axes(v) for v in variables]
 
 
 def _take_cached_partial() -> None:

@@ -186,8 +186,16 @@ def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
 
 def layout(tree: PyTree, default: Any) -> PyTree:
     """Each leaf's sharding (``jax.ShapeDtypeStruct``s, the abstract arguments of ``lower``, carry one
-    too), ``default`` for leaves without one (host arrays)."""
-    return jax.tree.map(lambda a: getattr(a, "sharding", None) or default, tree)
+    too), ``default`` for leaves without one (host arrays) and for those not laid out on ``default``'s mesh (a
+    ``jnp`` array JAX made on its default device: an output like it lives on the strategy's devices, where the
+    next call can take it beside the strategy's arrays; it raised "incompatible devices" on several)."""
+    mesh = getattr(default, "mesh", None)
+
+    def one(a: Any) -> Any:
+        sharding = getattr(a, "sharding", None)
+        return sharding if getattr(sharding, "mesh", None) == mesh else default
+
+    return jax.tree.map(one, tree)
 
 
 def _dtype(a: Any) -> Any:

@@ -82,6 +82,13 @@ class SplitMerge(Protocol):
         for objects found by :meth:`discover` only)."""
         ...
 
+    def plain(self, x: Any) -> bool:
+        """Whether ``x`` (a node of a step's arguments) is a pytree of this front-end's that a step takes as JAX
+        does, flattened, its nodes no objects even where :meth:`owns` would claim them (Flax NNX's ``State``:
+        ``nnx.split``'s state, passed to a functional step beside its ``GraphDef``, comes back as the step's
+        output, not written back). Optional: absent, nothing is."""
+        ...
+
     def discover(self, args: tuple[Any, ...], where: str) -> AbstractContextManager[Callable[[], Any]] | None:
         """A recorder for one trace of the step with ``args`` (entered inside the trace, around the step),
         or ``None`` when this front-end's objects are found among the arguments only. It yields a function
@@ -247,13 +254,14 @@ class Split:
 def split_args(args: tuple[Any, ...], kinds: Sequence[SplitMerge]) -> Split | None:
     """``args`` with the objects ``kinds`` own split out, or ``None`` when they hold none."""
     owner: dict[int, int] = {}
+    plain = [f for p in kinds if (f := getattr(p, "plain", None)) is not None]
 
     def is_object(x: Any) -> bool:
         for k, p in enumerate(kinds):
             if p.owns(x):
                 owner[id(x)] = k
                 return True
-        return False
+        return any(f(x) for f in plain)  # (a leaf of the walk, no object: JAX flattens it in the call)
 
     leaves, treedef = jax.tree.flatten(args, is_leaf=is_object)
     if not owner:
