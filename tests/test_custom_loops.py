@@ -567,9 +567,10 @@ def test_errors_say_what_was_received():
         mx.compute_average_loss(jnp.ones(4), (np.ones(4),))
     with pytest.raises(ValueError, match="batch_size is required"):
         s.experimental_distribute_dataset((np.ones((4, 2)),))
-    step = s.jit(lambda a, scale=1.0: a * scale)
-    with pytest.raises(TypeError, match=r"positional arguments only; received keyword\(s\) \['scale'\]"):
-        step(np.ones(2, np.float32), scale=2.0)
+    step = s.jit(lambda a, scale=1.0: a * scale)  # keywords as jax.jit takes them; a wrong one named by Python
+    np.testing.assert_array_equal(step(np.ones(2, np.float32), scale=2.0), [2.0, 2.0])
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'scael'"):
+        step(np.ones(2, np.float32), scael=2.0)
 
 
 # -- TF's tutorial, ported with its Keras objects (examples/tf_custom_training.py) ----------------------
