@@ -17,7 +17,7 @@ from mirrorax.inputs.batch import Batch
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh
 
-__all__ = ["shared_constant", "is_shared", "cached_put", "put_rows", "to_global"]
+__all__ = ["shared_constant", "is_shared", "cached_put", "put_rows", "to_global", "RowsPlacer"]
 
 
 # Full, unweighted batches all carry the same ones (weights, mask) and the same count: one read-only
@@ -59,10 +59,13 @@ def cached_put(a: np.ndarray, sharding: Any, put: Any) -> jax.Array:
 
 
 try:  # the transfer jax.device_put ends in, without its per-call Python (trees, avals, options)
+    from jax._src.core import ShapedArray as _ShapedArray
     from jax._src.dispatch import ArrayCopySemantics as _CopySemantics
+    from jax._src.interpreters.pxla import batched_device_put as _batched_put
     from jax._src.interpreters.pxla import shard_args as _shard_args
 except ImportError:  # pragma: no cover - another JAX: device_put below
     _shard_args = None
+    _batched_put = None  # type: ignore[assignment]
 
 
 def put_rows(leaves: list[Any], sharding: Any, process_count: int, axis: int = 0) -> list[jax.Array]:
@@ -85,6 +88,37 @@ def put_rows(leaves: list[Any], sharding: Any, process_count: int, axis: int = 0
         except TypeError:  # pragma: no cover - a JAX whose shard_args takes other arguments
             pass
     return jax.device_put(leaves, [sharding] * n)
+
+
+class RowsPlacer:
+    """Places host arrays of one signature (each leaf's shape and dtype) on one sharding, on one process: what
+    JAX's transfer takes for each leaf (its abstract value, the devices, each one's slice of the rows) is
+    worked out once, so that a loop of batches of that signature pays the transfer alone (about 4 us a leaf on
+    a CPU host, where :func:`put_rows` spends 12-25 us in ``shard_args``' per-call Python).
+
+    Args:
+      specs: each leaf's ``(shape, dtype)``, in the order :meth:`__call__` takes the leaves.
+      sharding: where every leaf goes (e.g. the batch sharding).
+    """
+
+    def __init__(self, specs: list[tuple[tuple[int, ...], Any]], sharding: Any) -> None:
+        self._sharding = sharding
+        self.dtypes = [np.dtype(d) for _, d in specs]  # (what each leaf must be given as)
+        self._items: list[tuple[Any, list[Any], tuple[Any, ...] | None]] = []
+        for shape, dtype in specs:
+            where = sharding.addressable_devices_indices_map(tuple(shape))
+            devices, slices = list(where), tuple(where.values())
+            whole = len(devices) == 1 and all(s == slice(None) for s in slices[0])
+            aval = _ShapedArray(tuple(shape), np.dtype(dtype)) if _batched_put is not None else None
+            self._items.append((aval, devices, None if whole else slices))
+
+    def __call__(self, leaves: list[np.ndarray]) -> list[jax.Array]:
+        """Each leaf (a numpy array of its signature) as a global array laid out as the sharding says."""
+        if _batched_put is None:  # pragma: no cover - a JAX without the transfer: device_put
+            return list(jax.device_put(leaves, [self._sharding] * len(leaves)))
+        sharding = self._sharding
+        return [_batched_put(aval, sharding, [a] if slices is None else [a[i] for i in slices], devices)
+                for a, (aval, devices, slices) in zip(leaves, self._items)]
 
 
 def to_global(batch: Batch, mesh: BatchMesh, *, stacked: bool = False) -> Batch:
