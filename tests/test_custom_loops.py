@@ -25,6 +25,7 @@ import pytest
 from helpers import changed_lines, strategy
 
 import mirrorax as mx
+from mirrorax.steps import dispatch
 
 pytestmark = pytest.mark.multi_device
 
@@ -354,9 +355,9 @@ def test_jit_matches_one_device_with_sgd():
 def test_dispatch_waits_for_the_previous_call_never_the_current(monkeypatch):
     s = strategy(2)
     pushed, waited = [], []
-    real_block = jax.block_until_ready
+    real_wait = dispatch.wait
     # Record what the host waits on, and still wait (steps with collectives must not pile up).
-    monkeypatch.setattr(jax, "block_until_ready", lambda x: (waited.append(x), real_block(x))[1])
+    monkeypatch.setattr(dispatch, "wait", lambda x: (waited.append(x), real_wait(x))[1])
     push = s.in_flight.push
     monkeypatch.setattr(s.in_flight, "push", lambda token: (pushed.append(token), push(token))[1])
     step = _linear_step(s)
@@ -379,8 +380,8 @@ def test_dispatch_waits_for_the_previous_call_never_the_current(monkeypatch):
 def test_max_in_flight_one_waits_for_each_call(monkeypatch):
     s = mx.MirroredStrategy(devices=jax.devices()[:2], max_in_flight=1)
     waited = []
-    real_block = jax.block_until_ready
-    monkeypatch.setattr(jax, "block_until_ready", lambda x: (waited.append(x), real_block(x))[1])
+    real_wait = dispatch.wait
+    monkeypatch.setattr(dispatch, "wait", lambda x: (waited.append(x), real_wait(x))[1])
     f = s.jit(lambda a: a * 2)
     a = s.replicate(np.ones(2, np.float32))
     for i in range(3):

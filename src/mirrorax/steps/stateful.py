@@ -242,7 +242,7 @@ class StatefulFunction:
                              out_shardings=None if mesh.has_layout_map else mesh.replicated)
         self._padding_checked: set[Any] = set()  # signatures whose use of the mask was checked
         self._padding_warned = False
-        self._plain_last = False  # the last call ran the plain program and needed nothing more (_call_fast)
+        self._plain_last = False  # the last call ran the plain program and needed nothing more (the fast path)
         self._tracing: Any = None  # the signature of the call being made (its traces record what fn returns)
         self._traced: dict[Any, _Traced] = {}
         # the arrays the calls wrote into found objects and no call took since (not kept alive): donated when
@@ -346,21 +346,16 @@ class StatefulFunction:
                             "step once while tracing and keep its result as a constant. Remove @tf.function: "
                             f"{self._where} compiles the step with XLA itself.")
 
-    def _call_fast(self, args: tuple[Any, ...]) -> Any:
-        """The call through the last call's program when that call needed nothing of this class (no object,
-        no padding to mark, the global view), else :data:`~mirrorax.steps.dispatch.MISSED`: a loop of one signature
-        then pays no per-leaf look at its arguments (:meth:`StrategyFunction.call_fast`). Whether a call needs
-        more follows from its signature, which JAX's dispatch checks (another one misses), and from its
-        arguments holding no object, which the signature says too (an object is no array)."""
-        if not self._plain_last:
-            return MISSED
-        self._check_not_in_tf_function()
-        return self._plain.call_fast(args)
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not kwargs:
-            if not (self._gathers and padded_pieces_alive()):  # (else a padded batch's piece may be among args)
-                out = self._call_fast(args)
+            # The fast path: the last call's program, when that call needed nothing of this class (no object,
+            # no padding to mark, the global view): a loop of one signature then pays no per-leaf look at its
+            # arguments (StrategyFunction.call_fast). Whether a call needs more follows from its signature, which
+            # JAX's dispatch checks (another one misses), and from its arguments holding no object, which the
+            # signature says too (an object is no array).
+            if self._plain_last and not (self._gathers and padded_pieces_alive()):  # (else a piece may be there)
+                self._check_not_in_tf_function()
+                out = self._plain.call_fast(args)
                 if out is not MISSED:
                     return out
             if self._holds:
