@@ -239,3 +239,46 @@ def test_snapshot_cost_prints_a_row_with_its_costs():
     row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("| 1 | None |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert float(cells[2]) > 0.5 and float(cells[5]) > 0 and float(cells[6]) > 0, row  # state MiB, save, writer
+
+
+def test_every_baseline_donates_what_its_source_donates():
+    """A baseline is written as its source writes it: Flax's fastest loop donates its state and never the batch
+    (the nnx_loops baseline once donated the batch: JAX warned, Flax's loop ran 25% slow, and mirrorax looked
+    1.25x faster than it), the keras.io loop its state, the guide's functional loop nothing. Checked on the
+    compiled steps' own record of their donated arguments."""
+    import jax
+
+    from benchmarks import host_proxy, nnx_loops
+
+    found = host_proxy.baselines()
+    x, y = nnx_loops.make_data("guide", 64)
+    system = nnx_loops.System("flax_split_merge", "guide", x, y, 32, jax.devices()[:1])
+    found["nnx_loops.flax_split_merge"] = (system.step, system.example, system.donated)
+    assert set(found) == {"flax_loop", "flax_functional", "keras_hand", "nnx_loops.flax_split_merge"}
+    for name, (step, example, donated) in found.items():
+        positional, _ = step.lower(*example).args_info
+        for i, arg in enumerate(positional):
+            flags = [leaf.donated for leaf in jax.tree.leaves(arg)]
+            if i in donated:
+                assert flags and all(flags), (name, i, "its state must be donated")
+            else:
+                assert not any(flags), (name, i, "only its state may be donated")
+
+
+@pytest.mark.timeout(600)
+def test_host_proxy_runs_each_system_in_its_own_process_against_its_baseline(tmp_path):
+    """``python -m benchmarks.host_proxy`` on a few steps: each door and its baseline (added when not named) run in
+    processes of their own, alternating, and the table gives each door's ratio and host time beyond its baseline.
+    The plumbing, not the speed."""
+    out = tmp_path / "proxy.json"
+    systems = "strategy_jit_donated,strategy_jit_functional,trainer"
+    cmd = [*python(), "-m", "benchmarks.host_proxy", "--systems", systems, "--steps", "20", "--warmup", "5",
+           "--repeats", "1", "--rounds", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert set(rows) == {"strategy_jit_donated", "strategy_jit_functional", "trainer", "flax_loop", "flax_functional"}
+    for name, row in rows.items():
+        assert len(row["runs"]) == 2 and row["steps_per_s"] > 0 and row["host_us"] > 0, name
+        assert (row["ratio"] is None) == (name in ("flax_loop", "flax_functional")), name
+    assert "| strategy_jit_functional | flax_functional |" in proc.stdout
