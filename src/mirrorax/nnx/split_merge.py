@@ -19,7 +19,9 @@ annotated.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import operator
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractContextManager
@@ -183,6 +185,9 @@ def _slot_writer() -> Callable[[Any, Any], None] | None:
 
 
 _put = _slot_writer()
+_SLOT = "_raw_value"
+_get = operator.attrgetter(_SLOT)
+_set = object.__setattr__
 
 
 class NnxHeld:
@@ -235,6 +240,8 @@ class NnxHeld:
 
     def read(self) -> list[Any]:
         """Each variable's value now."""
+        if _put is not None:  # (the slot get_raw_value reads, read in C: a loop of small steps pays it each call)
+            return list(map(_get, self.variables))
         return [v.get_raw_value() for v in self.variables]
 
     def write(self, leaves: list[Any]) -> None:
@@ -250,8 +257,7 @@ class NnxHeld:
             for v, a in zip(self.variables, leaves):
                 v.set_raw_value(a)
             return
-        for v, a in zip(self.variables, leaves):
-            _put(v, a)
+        collections.deque(map(_set, self.variables, itertools.repeat(_SLOT), leaves), maxlen=0)  # (_put, in C)
 
 
 NNX = NnxSplitMerge()

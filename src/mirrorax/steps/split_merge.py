@@ -289,8 +289,9 @@ def split_args(args: tuple[Any, ...], kinds: Sequence[SplitMerge]) -> Split | No
 
 def threaded(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` as a function of ``(structure, leaves, *args)`` (a :class:`Split`'s: each protocol's state as its
-    leaves' list): the objects bound and handed to ``fn`` in their slots of ``args``, and their new states'
-    leaves returned beside ``fn``'s outputs. (Lists of leaves, not the states' own trees: a call flattens its
+    leaves' list): the objects bound and handed to ``fn`` in their slots of ``args``; returns their new states'
+    leaves and ``fn``'s outputs, in that order (XLA gives each donated leaf's buffer to the first output of its
+    shape: the new leaf, not a scalar output of the step's own). (Lists of leaves, not the states' own trees: a call flattens its
     arguments and rebuilds its outputs each time, and a front-end's state tree, NNX's nested ``State``, costs
     tens of microseconds a call to walk in Python; a list of arrays is walked in C.)"""
     @functools.wraps(fn)
@@ -324,7 +325,7 @@ def threaded(fn: Callable[..., Any]) -> Callable[..., Any]:
             trees = [None if tree == before else tree for (_, tree), (_, _, before) in zip(new, structure.value)]
             if any(t is not None for t in trees):
                 run.changed[structure] = trees  # type: ignore[attr-defined]
-            return out, [leaves for leaves, _ in new]
+            return [leaves for leaves, _ in new], out  # (the state first: each donated leaf aliases its own)
 
     run.changed = {}  # type: ignore[attr-defined]  # structure -> each part's new state tree (None: the same)
     return run

@@ -138,15 +138,15 @@ def _place_stray(mesh: BatchMesh, leaves: list[Any], targets: list[Any], which: 
 
 
 def _out_layouts(given: OutShardings, state: Callable[[Any, Any], Any]) -> OutShardings:
-    """A threading program's ``out_shardings``: the user's for the step's outputs (given, or a function of the
-    step's arguments; ``None``: JAX's choice) beside ``state(first, second)``, the new state's layouts, of the
-    program's two state arguments."""
+    """A threading program's ``out_shardings``: ``state(first, second)``, the new state's layouts, of the
+    program's two state arguments, then the user's for the step's outputs (given, or a function of the step's
+    arguments; ``None``: JAX's choice)."""
     if given is None:
         return None
 
     def out_shardings(first: Any, second: Any, *args: Any) -> Any:
         user = given(*args) if callable(given) else given
-        return None if user is None else (user, state(first, second))
+        return None if user is None else (state(first, second), user)
 
     return out_shardings
 
@@ -391,7 +391,7 @@ class StatefulFunction:
                 self._plain_last = not padding and not self._per_replica
             else:
                 changed, read = self._states(entry)
-                out, new = entry.function(changed, read, *args)
+                new, out = entry.function(changed, read, *args)
                 for (p, objects, _), c, r in zip(entry.parts, new, read):
                     p.update(objects, (c, r))
                     self._wrote(jax.tree.leaves(c))
@@ -429,7 +429,7 @@ class StatefulFunction:
             objects = [n for p, _, s in entry.parts for n in p.names(s)]
         traced = self._traced.get(key)
         paths = traced.paths if traced is not None else []
-        names = [f"output{p}" for p in paths] + objects
+        names = objects + [f"output{p}" for p in paths]  # (the program's outputs: the objects' state, then fn's)
         entered = [names[i] if len(names) == len(jaxpr.out_avals) else f"output {i}"
                    for i in padding_outputs(jaxpr, leaves, batch)]
         metrics = sorted(set(traced.unmasked)) if traced is not None else []
@@ -522,7 +522,8 @@ class StatefulFunction:
         return entry
 
     def _stateful(self, entry: _Found) -> StrategyFunction:
-        """The program of ``fn`` with the found objects' state: ``(changed, read, *args) -> (out, new changed)``."""
+        """The program of ``fn`` with the found objects' state: ``(changed, read, *args) -> (new changed, out)`` (the
+        state first: each donated leaf's buffer goes to its new value, the first output of its shape)."""
         fn, parts = self._fn, entry.parts
 
         def stateful(changed: list[PyTree], read: list[PyTree], *args: Any) -> Any:
@@ -530,7 +531,7 @@ class StatefulFunction:
                 bound = [stack.enter_context(p.bind(s, (c, r))) for (p, _, s), c, r in zip(parts, changed, read)]
                 out = fn(*args)
                 new = [p.state(s, (c, r), b) for (p, _, s), c, r, b in zip(parts, changed, read, bound)]
-            return out, new
+            return new, out
 
         donate = (0, *(i + 2 for i in self._donate))  # the changed state: replaced by the outputs
         layouts = [jax.tree.unflatten(tree, targets[:tree.num_leaves])  # the changed state's, per part
@@ -600,7 +601,7 @@ class StatefulFunction:
         leaves, targets = self._placed(split, kinds)
         donated = bool(split.positions) and split.positions <= set(self._donate)
         function, run = self._function(donated, pieces is not None)
-        out, new = function(split.structure, leaves, *self._rest(split.args, pieces))
+        new, out = function(split.structure, leaves, *self._rest(split.args, pieces))
         held = None if split.structure in run.changed else HeldCall.of(args, split, kinds, targets, new, donated)
         if held is None:
             _write_back(kinds, split.structure, split.objects, new, run.changed.get(split.structure))
@@ -630,7 +631,7 @@ class StatefulFunction:
                 _place_stray(self._mesh, part, targets, [j for j, a in enumerate(part) if a is not last[j]])
         pieces = self._pieces(rest)
         function, run = self._function(held.donated, pieces is not None)
-        out, new = function(held.structure, leaves, *self._rest(rest, pieces))
+        new, out = function(held.structure, leaves, *self._rest(rest, pieces))
         if held.structure in run.changed:  # (a batch of another shape whose trace adds a variable)
             self._holds.remove(held)
             _write_back(kinds, held.structure, held.objects(args), new, run.changed[held.structure])
