@@ -24,7 +24,6 @@ a loop over full batches pays nothing per call.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -170,32 +169,45 @@ class _Record:
         self.full = not batch.has_padding
 
 
+class _PieceRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a piece that knows the piece's key (its ``id`` while it lived)."""
+
+    __slots__ = ("key",)
+    key: int
+
+
 # id(piece) -> (a weak reference to the piece, its batch's record); an entry leaves with its piece.
-_PIECES: dict[int, tuple[weakref.ref[Any], _Record]] = {}
+_PIECES: dict[int, tuple[_PieceRef, _Record]] = {}
 _padded = [0]  # how many pieces of padded batches live
 
 
-def _forget(key: int, ref: weakref.ref[Any]) -> None:
-    entry = _PIECES.get(key)
+def _forget(ref: _PieceRef) -> None:
+    entry = _PIECES.get(ref.key)
     if entry is not None and entry[0] is ref:
-        del _PIECES[key]
+        del _PIECES[ref.key]
         if not entry[1].full:
             _padded[0] -= 1
 
 
-def remember_pieces(batch: DistributedBatch) -> None:
-    """Remembers each array of ``batch.data`` as a piece of ``batch`` while it lives. A full batch's pieces
-    need nothing in a step (they are its real rows); they are remembered so that an array computed from them
-    is not taken for one of a padded batch's."""
-    record = _Record(batch)
+def remember_pieces(batch: DistributedBatch, record: _Record | None = None) -> _Record:
+    """Remembers each array of ``batch.data`` as a piece of ``batch`` while it lives, and returns the record its
+    pieces share. A full batch's pieces need nothing in a step (they are its real rows); they are remembered so
+    that an array computed from them is not taken for one of a padded batch's. ``record``: one made for an
+    earlier batch with the same mask, count and rows (a loop's full batches share it)."""
+    if record is None:
+        record = _Record(batch)
+    full = record.full
     for leaf in jax.tree.leaves(batch.data):
         key = id(leaf)
         old = _PIECES.get(key)
         if old is not None and not old[1].full:  # (an array given again, as another batch's piece)
             _padded[0] -= 1
-        _PIECES[key] = (weakref.ref(leaf, functools.partial(_forget, key)), record)
-        if not record.full:
+        ref = _PieceRef(leaf, _forget)
+        ref.key = key
+        _PIECES[key] = (ref, record)
+        if not full:
             _padded[0] += 1
+    return record
 
 
 def padded_pieces_alive() -> bool:
