@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+
 import jax
 import keras
 import numpy as np
@@ -87,6 +90,17 @@ def train_step_args(trainer: mx.Trainer, x, y, batch_size: int = 24) -> tuple:
     finally:
         dispatch.StrategyFunction.flat_program = original
     return captured["args"]
+
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+def example(name: str):
+    """The program ``examples/<name>.py``, imported as a module of its own (its ``main`` then runs it)."""
+    spec = importlib.util.spec_from_file_location(f"mirrorax_example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def changed_lines(original: str, port: str) -> list[str]:

@@ -267,16 +267,19 @@ def gather_pieces(args: tuple[Any, ...]) -> Pieces | None:
     groups: dict[int, int] = {}  # id(record) -> its index in found
     found: list[tuple[_Record, list[Any]]] = []
     places: dict[int, tuple[int, int]] = {}
-    for i, leaf in enumerate(leaves):
-        record = piece_of(leaf)
-        if record is None:
-            continue
+
+    def join(i: int, leaf: Any, record: _Record) -> None:  # leaf i: a piece of record's batch
         k = groups.get(id(record))
         if k is None:
             k = groups[id(record)] = len(found)
             found.append((record, []))
         places[i] = (k, len(found[k][1]))
         found[k][1].append(leaf)
+
+    for i, leaf in enumerate(leaves):
+        record = piece_of(leaf)
+        if record is not None:
+            join(i, leaf, record)
     stray: list[int] = []
     alive: dict[int, bool] = {}  # rows of the batches with a piece alive -> whether all of them are padded
     records: dict[int, dict[int, _Record]] = {}  # rows -> the batches with a piece alive
@@ -289,22 +292,14 @@ def gather_pieces(args: tuple[Any, ...]) -> Pieces | None:
             continue
         matches = [k for k, (record, pieces) in enumerate(found) if _like(leaf, record, pieces[0].sharding)]
         if len(matches) == 1:
-            pieces = found[matches[0]][1]
-            places[i] = (matches[0], len(pieces))
-            pieces.append(leaf)
+            join(i, leaf, found[matches[0]][0])
         elif not matches and alive[shape[0]] and _split_rows(leaf):
             # Only padded batches of these rows live: it can be none but theirs. With one such batch alive it
             # is that batch's (computed from it in the loop: jnp.array(batch).T, x / 255); with several, it
             # cannot be told whose.
             same = records[shape[0]]
             if len(same) == 1:
-                (record,) = same.values()
-                k = groups.get(id(record))
-                if k is None:
-                    k = groups[id(record)] = len(found)
-                    found.append((record, []))
-                places[i] = (k, len(found[k][1]))
-                found[k][1].append(leaf)
+                join(i, leaf, next(iter(same.values())))
             else:
                 stray.append(i)
     names = _paths(args, stray) if stray else []
