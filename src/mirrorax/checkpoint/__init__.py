@@ -1,7 +1,11 @@
 """Checkpoints: the training state saved and restored with Orbax, on any device and process count.
 
 * :mod:`~mirrorax.checkpoint.checkpointer`: :class:`Checkpointer`, Orbax save/restore of the state, elastic
-  restore, damaged steps set aside (its public names are this package's too: ``mirrorax.checkpoint.Checkpointer``);
+  restore (its public names are this package's too: ``mirrorax.checkpoint.Checkpointer``); its reading half,
+  :mod:`~mirrorax.checkpoint.reader` (a step read back verified, damaged steps set aside); the stored form of
+  a state, :mod:`~mirrorax.checkpoint.stored`;
+* :mod:`~mirrorax.checkpoint.errors`: what both tiers raise and warn; :mod:`~mirrorax.checkpoint.storage`:
+  the file system under them (small files written atomically, a failed write in one line);
 * :mod:`~mirrorax.integrity` / :mod:`~mirrorax.checkpoint.integrity_item`: the checksums a step
   is verified by, and the Orbax item that writes them;
 * :mod:`~mirrorax.checkpoint.orbax_quirks`: work-arounds for Orbax's behaviours (its threads, its atexit save);

@@ -15,9 +15,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from mirrorax.cluster.failure import die
+
 __all__ = [
     "QuietSaveErrors",
     "before_executors_shut_down",
+    "close_at_exit",
+    "forget_at_exit",
     "close_abandoned_writes",
     "dropping_orbax_read_errors_of_abandoned_reads",
     "drain_abandoned_reads",
@@ -223,3 +227,37 @@ def before_executors_shut_down(hook: Any) -> None:
 
         register(hook)
     atexit.register(hook)
+
+
+#: The objects to close when the program ends (writing checkpointers not closed yet), by id.
+_OPEN: dict[int, Any] = {}
+_exit_hook_registered = False
+
+
+def close_at_exit(closable: Any) -> None:
+    """Closes ``closable`` (a writing checkpointer) when the program ends, if it is still open then, before
+    Python stops the executors Orbax writes with (:func:`before_executors_shut_down`): a save started as a
+    program's last act is finished, never left a temporary directory. A close that fails then (a full
+    disk) is said in one line and the process exits with status 1."""
+    global _exit_hook_registered
+    _OPEN[id(closable)] = closable
+    if not _exit_hook_registered:
+        _exit_hook_registered = True
+        before_executors_shut_down(_close_at_exit)
+
+
+def forget_at_exit(closable: Any) -> None:
+    """``closable`` was closed: nothing to do for it when the program ends."""
+    _OPEN.pop(id(closable), None)
+
+
+def _close_at_exit() -> None:
+    failure: Exception | None = None
+    while _OPEN:
+        _, closable = _OPEN.popitem()
+        try:
+            closable.close()
+        except Exception as exc:  # noqa: BLE001 - said below, once every one was closed
+            failure = failure or exc
+    if failure is not None:
+        die(f"mirrorax: {type(failure).__name__}: {failure}", 1)

@@ -24,6 +24,7 @@ import numpy as np
 
 from mirrorax._host import host_value
 from mirrorax._version import __version__
+from mirrorax.checkpoint.errors import CheckpointError, CheckpointWarning
 from mirrorax.inputs.batch import Batch
 from mirrorax.inputs.position import InputState, UnsafeInputState, check_loadable
 from mirrorax.integrity import path_str
@@ -52,8 +53,6 @@ def resume(ckpt: Any, abstract_state: Any, run: dict[str, Any], history: Any) ->
     Refuses (``CheckpointError``) a checkpoint of a run whose global batch, shuffle, seed or
     steps_per_epoch differ: those decide which examples each step sees.
     """
-    from mirrorax.checkpoint.checkpointer import CheckpointError
-
     restored = ckpt.restore_latest(abstract_state)
     if restored is None:
         return None
@@ -139,8 +138,6 @@ def _reconcile_hyperparameters(state: TrainState, configured: dict[str, float], 
 
 
 def _say(message: str) -> None:
-    from mirrorax.checkpoint.checkpointer import CheckpointWarning
-
     if jax.process_index() == 0:
         warnings.warn(message, CheckpointWarning, stacklevel=4)
 
