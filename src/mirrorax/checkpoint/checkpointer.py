@@ -314,7 +314,7 @@ class Checkpointer(Restoring):
                 pass
             close_abandoned_writes()
         finally:
-            self._quiet.stop(failed=True)
+            self._quiet.end()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -27,7 +27,7 @@ import numpy as np
 
 from mirrorax.checkpoint.dir_lock import DirectoryLocked, acquire
 from mirrorax.checkpoint.errors import CheckpointError
-from mirrorax.checkpoint.storage import check_writable
+from mirrorax.checkpoint.storage import check_writable, short
 from mirrorax.cluster.join import coordination_client
 from mirrorax.cluster.watchdog import waiting_for_peers
 
@@ -105,6 +105,9 @@ def claim_directory(directory: str) -> tuple[str, bool]:
             message = acquire(directory)
         except (CheckpointError, DirectoryLocked) as exc:
             refusal, failure = str(exc), exc
+        except OSError as exc:  # the lock's own write (a disk that filled up since the probe)
+            refusal = (f"Cannot take the lock of checkpoint directory {directory}: {short(exc)}. Free space on "
+                       "that file system (or fix its permissions) and run again.")
         else:
             locked = True
             if message:
