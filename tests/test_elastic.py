@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jobs.procs import ROOT, SCRIPTS, clean_env, launcher, python
 
 import mirrorax as mx
-from mirrorax.checkpoint import snapshot
+from mirrorax.checkpoint import policy, snapshot
 from mirrorax.checkpoint import snapshot_io as _snapshot_io
 from mirrorax.cluster import restarts as _restarts
 from mirrorax.fit import elastic
@@ -86,27 +86,31 @@ def test_a_node_keeps_its_newest_snapshot_and_none_of_a_killed_writer(tmp_path):
         state = {"w": state["w"] + 1}
         snaps.maybe_save(step, state)
     snaps.wait()
-    assert os.listdir(snaps.directory) == ["6"]  # steps 2, 4, 6 taken; one kept
+    assert sorted(os.listdir(snaps.directory)) == ["4", "6"]  # steps 2, 4, 6 taken; the newest two kept
     os.makedirs(os.path.join(snaps.directory, "8.tmp-999"))  # a writer killed mid-write
     state = {"w": state["w"] + 1}
     snaps.maybe_save(8, state)
     snaps.wait()
-    assert os.listdir(snaps.directory) == ["8"]
+    assert sorted(os.listdir(snaps.directory)) == ["6", "8"]
     step, restored, _ = mx.Snapshots(tmp_path).restore_latest(_abstract(state))
     assert step == 8 and float(restored["w"][0]) == 8.0
 
 
-def test_a_damaged_snapshot_is_skipped_with_a_warning(tmp_path):
+def test_a_damaged_snapshot_is_skipped_with_a_warning_and_the_one_before_taken(tmp_path):
     state = {"w": strategy(2).replicate(np.arange(6, dtype=np.float32))}
     with mx.Snapshots(tmp_path) as snaps:
         snaps.save(3, state)
-    data = os.path.join(snaps.directory, "3", "state.bin")
-    raw = bytearray(open(data, "rb").read())
-    raw[-1] ^= 0x40  # a flipped bit in the last float
-    open(data, "wb").write(bytes(raw))
-    with pytest.warns(mx.SnapshotWarning, match="do not match their checksum"):
-        assert mx.Snapshots(tmp_path).restore_latest(_abstract(state)) is None
-    assert os.listdir(snaps.directory) == ["3.damaged"]
+        snaps.save(4, {"w": state["w"] + 1})
+    for step in (4, 3):
+        data = os.path.join(snaps.directory, str(step), "state.bin")
+        raw = bytearray(open(data, "rb").read())
+        raw[-1] ^= 0x40  # a flipped bit in the last float
+        open(data, "wb").write(bytes(raw))
+        with pytest.warns(mx.SnapshotWarning, match=f"/{step}: the bytes of 'w' do not match their checksum: skipped, "
+                                                    f"moved to .*/{step}.damaged"):
+            restored = mx.Snapshots(tmp_path).restore_latest(_abstract(state))
+        assert restored is None if step == 3 else restored[0] == 3
+    assert sorted(os.listdir(snaps.directory)) == ["3.damaged", "4.damaged"]
 
 
 def test_another_models_snapshot_is_refused(tmp_path):
@@ -133,7 +137,7 @@ def test_the_schedule_every_steps_and_by_the_clock(tmp_path, monkeypatch):
     resumed = mx.Snapshots(tmp_path, every_steps=3)  # resumed at step 10: the next multiple, not at once
     assert [s for s in (11, 12, 13) if resumed.due(s)] == [12]
     clock = [100.0]
-    monkeypatch.setattr(snapshot.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(policy.time, "monotonic", lambda: clock[0])
     timed = mx.Snapshots(tmp_path, every_seconds=30)
     state = {"w": strategy(1).replicate(np.zeros(2, np.float32))}
     assert not timed.due(1) and timed.due(snapshot.FIRST_STEPS + 1)  # the first: a few steps in
@@ -194,7 +198,7 @@ def test_memory_and_threads_stay_flat_over_a_long_run_with_frequent_snapshots(tm
     assert py1 - py0 < 256 * 1024, f"Python memory grew {(py1 - py0) / 1024:.0f} KiB over 320 snapshots"
     assert rss1 - rss0 < 8, f"resident memory grew {rss1 - rss0:.1f} MiB over 320 snapshots"
     fit_dir = os.path.join(tmp_path, _snapshot_io.node_name())
-    assert sorted(os.listdir(os.path.join(fit_dir, "fit1"))) == ["480"]
+    assert sorted(os.listdir(os.path.join(fit_dir, "fit1"))) == ["479", "480"]
 
 
 def _fit(n: int, tmp_path, monkeypatch, stop_at: int | None = None, keras_fit: bool = False):

@@ -24,7 +24,7 @@ FLOORS: list[tuple[str, ...]] = [
      "cluster.output",
      "cluster.discovery", "cluster.watchdog", "cluster.failure", "cluster.preemption", "integrity",
      "checkpoint.integrity_item", "checkpoint.orbax_quirks", "checkpoint.dir_lock", "checkpoint.snapshot_io",
-     "checkpoint.errors", "checkpoint.storage", "checkpoint.stored",
+     "checkpoint.errors", "checkpoint.storage", "checkpoint.stored", "checkpoint.record", "checkpoint.policy",
      "cluster.restarts", "keras", "keras._internals", "keras.callbacks", "keras.env", "steps.replica", "batch_sums",
      "results", "train_state", "as_made", "fit", "fit.hooks", "fit.progress", "fit.cache", "traffic"),
     ("cluster.ray_train", "cluster.join", "cluster", "cluster.launch", "cluster.resolver", "checkpoint.job",

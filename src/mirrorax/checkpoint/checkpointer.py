@@ -50,7 +50,7 @@ import orbax.checkpoint as ocp
 from mirrorax._checks import check_int
 from mirrorax.checkpoint.dir_lock import release
 from mirrorax.checkpoint.errors import CheckpointError, CheckpointMismatchError, CheckpointWarning
-from mirrorax.checkpoint.integrity_item import IntegrityHandler, IntegritySave, NonFiniteState, meta_digest
+from mirrorax.checkpoint.integrity_item import IntegrityHandler, IntegritySave, NonFiniteState
 from mirrorax.checkpoint.job import claim_directory, savable, use_distributed_barriers
 from mirrorax.checkpoint.orbax_quirks import (
     QuietSaveErrors,
@@ -61,6 +61,7 @@ from mirrorax.checkpoint.orbax_quirks import (
     stop_tensorstore_spec_leak,
 )
 from mirrorax.checkpoint.reader import Restoring, checkpoint_time
+from mirrorax.checkpoint.record import meta_digest
 from mirrorax.checkpoint.storage import save_failed
 from mirrorax.checkpoint.stored import check_savable, json_clean, stored
 from mirrorax.cluster.consistency import debug_checks

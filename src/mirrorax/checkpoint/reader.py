@@ -28,9 +28,10 @@ import orbax.checkpoint as ocp
 
 from mirrorax._version import __version__
 from mirrorax.checkpoint.errors import CheckpointError, CheckpointMismatchError, CheckpointWarning
-from mirrorax.checkpoint.integrity_item import FORMAT_VERSION, IntegrityRestore, meta_digest
+from mirrorax.checkpoint.integrity_item import FORMAT_VERSION, IntegrityRestore
 from mirrorax.checkpoint.job import placed_like, restorable
 from mirrorax.checkpoint.orbax_quirks import drain_abandoned_reads, dropping_orbax_read_errors_of_abandoned_reads
+from mirrorax.checkpoint.record import Verify, meta_digest
 from mirrorax.checkpoint.storage import short
 from mirrorax.checkpoint.stored import check_abstract, first_mismatch, is_unpacked_form, stored, typed, unpacked_form
 from mirrorax.cluster.watchdog import in_checkpoint
@@ -40,8 +41,6 @@ from mirrorax.train_state import TrainState
 __all__ = ["Verify", "Restoring", "DAMAGED_SUBDIR", "checkpoint_time", "read_step", "read_integrity"]
 
 PyTree = Any
-#: A record's own check: ``(meta, step) -> None`` when it holds, else the sentence that says what is wrong.
-Verify = Callable[[dict[str, Any], int], "str | None"]
 
 # Damaged steps are moved here (inside the checkpoint directory) so that Orbax no longer counts them:
 # left in place, a damaged step 300 would be "latest", would count towards `keep` and would block
