@@ -9,8 +9,6 @@ past a damaged snapshot with the uninterrupted run's numbers: ``tests/test_elast
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 import signal
@@ -20,7 +18,7 @@ import threading
 import jax
 import numpy as np
 import pytest
-from helpers import strategy
+from helpers import flip_bit_after, rewrite_snapshot_index, strategy
 
 import mirrorax as mx
 from mirrorax.checkpoint import record, snapshot_io
@@ -44,14 +42,6 @@ def _two_snapshots(tmp_path, **kwargs) -> tuple[mx.Snapshots, dict]:
     return snaps, state
 
 
-def _flip(path: str, text: bytes, at: int = 0) -> None:
-    """Flips the lowest bit of the byte ``at`` after the first ``text`` in the file: one bit of one field."""
-    raw = bytearray(open(path, "rb").read())
-    where = raw.index(text) + len(text) + at
-    raw[where] ^= 0x01
-    open(path, "wb").write(bytes(raw))
-
-
 #: One bit of each field of a snapshot's records: its position (``"batch_in_epoch":8`` -> 9, ``"epoch":1`` -> 0),
 #: the step it names, the index's shape, offset, size and checksum of an array, and the digest itself.
 EDITS = {
@@ -71,7 +61,7 @@ EDITS = {
 def test_a_bit_flipped_in_any_field_of_a_record_is_skipped_and_the_snapshot_before_taken(tmp_path, edit):
     snaps, _ = _two_snapshots(tmp_path)
     name, text = EDITS[edit]
-    _flip(os.path.join(snaps.directory, "6", name), text)
+    flip_bit_after(os.path.join(snaps.directory, "6", name), text)
     with pytest.warns(mx.SnapshotWarning) as said:
         step, restored, meta = mx.Snapshots(tmp_path).restore_latest(_abstract({"w": restored_like(), "n": count()}))
     assert step == 3 and meta["batch_in_epoch"] == 8 and int(restored["n"]) == 1  # the one before, whole
@@ -90,19 +80,6 @@ def restored_like():
 
 def count():
     return strategy(2).replicate(np.int32(0))
-
-
-def _rewrite(directory: str, change) -> None:
-    """A crafted index: ``change(index)`` applied, and its digest written anew, so that only the index's own
-    checks can refuse it."""
-    path = os.path.join(directory, "index.json")
-    index = json.load(open(path))
-    change(index)
-    text = json.dumps(index).encode()
-    open(path, "wb").write(text)
-    digests = json.load(open(os.path.join(directory, "digest.json")))
-    digests["index.json"] = hashlib.sha256(text).hexdigest()
-    open(os.path.join(directory, "digest.json"), "w").write(json.dumps(digests))
 
 
 CRAFTED = {
@@ -126,7 +103,7 @@ def test_an_index_crafted_with_a_valid_digest_is_refused_never_read(tmp_path, cr
     data-type for array of references`` / ``ValueError: cannot reshape array``, every rerun)."""
     snaps, _ = _two_snapshots(tmp_path)
     change, why = CRAFTED[craft]
-    _rewrite(os.path.join(snaps.directory, "6"), change)
+    rewrite_snapshot_index(os.path.join(snaps.directory, "6"), change)
     with pytest.warns(mx.SnapshotWarning, match=re.escape(f"{snaps.directory}/6: {why}")):
         step, _, _ = mx.Snapshots(tmp_path).restore_latest(_abstract({"w": restored_like(), "n": count()}))
     assert step == 3

@@ -51,7 +51,7 @@ def test_prepare_reads_fit_once_into_a_frozen_record():
         assert plan.stream.batches_per_pass == 2  # 40 rows in batches of 32: a full one and a short one
         assert plan.start == fit_plan.Start(1) and not plan.resumed and plan.first_epoch == 0
         assert [plan.validate(e) for e in range(3)] == [False, True, False]  # after the (1-based) 2nd epoch
-        assert plan.ckpt is None and plan.saver is None and plan.inputs is None
+        assert plan.saving.tiers == [] and plan.saving.checkpoint_dir is None and plan.inputs is None
         assert fit_plan.resume(plan, trainer.device_state) is plan  # no checkpoint_dir: nothing to resume
         with pytest.raises(dataclasses.FrozenInstanceError):
             plan.epochs = 5  # type: ignore[misc]

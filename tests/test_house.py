@@ -45,7 +45,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("fit.device_state",),
     ("checkpoint.checkpointer", "checkpoint", "keras.checkpoint"),
     ("checkpoint.resume",),
-    ("fit.epoch", "fit.elastic"),
+    ("fit.epoch", "fit.elastic", "fit.saving"),
     ("fit.planner", "fit.fit_plan", "fit.loop"),
     ("trainer",),
     ("keras.fit",),
