@@ -211,3 +211,36 @@ def test_save_policies_compose_as_orbax_composes_them(monkeypatch):
     assert timed.next_step == 15 and agreed == [15]
     with pytest.raises(ValueError, match="EveryNSteps takes a number of steps >= 1; received 0"):
         EveryNSteps(0)
+
+
+@pytest.mark.slow
+def test_a_killed_launchers_snapshot_folder_is_removed_by_the_next_launch(tmp_path):
+    """``mirrorax launch`` removes the snapshot folder it made when it ends; one killed with SIGKILL (its children
+    die with it) left ``<tmp>/mirrorax-snapshots-*`` behind, one per such launch. The next launch removes it."""
+    import sys
+
+    from jobs.procs import clean_env
+
+    env = clean_env(TMPDIR=str(tmp_path))
+    child = ("import os, sys, time\nfrom mirrorax.checkpoint.snapshot import Snapshots\nSnapshots()\n"
+             "print('READY', os.environ['MIRRORAX_SNAPSHOT_DIR'], os.environ['MIRRORAX_LAUNCHER_PID'], flush=True)\n"
+             "time.sleep(float(sys.argv[1]))\n")
+    cmd = [sys.executable, "-m", "mirrorax.cluster.launch", "--nprocs", "1", "--max-restarts", "1", "--",
+           sys.executable, "-c", child]
+    first = subprocess.Popen([*cmd, "300"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    timer = threading.Timer(240, first.kill)
+    timer.start()
+    try:
+        ready = next((line for line in first.stdout if "READY" in line), "")  # type: ignore[union-attr]
+        made, launcher = ready.split("READY", 1)[1].split()[:2]
+        os.kill(int(launcher), signal.SIGKILL)  # the launcher itself: its cleanup never runs
+        first.wait(60)
+    finally:
+        timer.cancel()
+        first.kill()
+    assert os.path.dirname(made) == str(tmp_path) and os.path.exists(os.path.join(made, "launcher.json")), made
+    second = subprocess.run([*cmd, "0"], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0 and "READY" in second.stdout, second.stdout[-2000:] + second.stderr[-2000:]
+    assert not os.path.exists(made)  # removed by the next launch's process
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("mirrorax-snapshots-")]  # (its own: at its end)

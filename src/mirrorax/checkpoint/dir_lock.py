@@ -20,7 +20,7 @@ import os
 import socket
 import threading
 
-__all__ = ["LOCK_NAME", "DirectoryLocked", "acquire", "release"]
+__all__ = ["LOCK_NAME", "DirectoryLocked", "acquire", "release", "alive"]
 
 LOCK_NAME = ".mirrorax-lock"
 
@@ -32,7 +32,8 @@ class DirectoryLocked(RuntimeError):
     """The directory is locked by another live run (the message names its host and pid)."""
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host is running (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -112,7 +113,7 @@ def acquire(directory: str) -> str | None:
             if here and pid == os.getpid():  # left by this process (a Checkpointer never closed)
                 _held[path] = 1
                 return None
-            if here and isinstance(pid, int) and not _alive(pid):
+            if here and isinstance(pid, int) and not alive(pid):
                 try:
                     os.remove(path)
                 except FileNotFoundError:

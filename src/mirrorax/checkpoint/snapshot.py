@@ -170,6 +170,8 @@ class Snapshots:
                  job: dict[str, Any] | None = None, keep: int = 2) -> None:
         self.base = os.fspath(directory) if directory is not None else (os.environ.get(DIR_ENV) or None)
         self.enabled = self.base is not None
+        if self.base is not None:
+            io.claim_launch_dir(self.base)  # (a launch's folder marked; those of killed launchers removed)
         self.name = str(name)
         self.job = None if job is None else json.loads(json.dumps(job))
         self.every_steps = every_steps if every_steps is not None else _env_number(STEPS_ENV, int)

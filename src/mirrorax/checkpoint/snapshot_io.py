@@ -30,8 +30,11 @@ import json
 import mmap
 import os
 import queue
+import re
 import shutil
+import socket
 import struct
+import tempfile
 import threading
 import zlib
 from collections.abc import Callable
@@ -42,15 +45,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mirrorax.checkpoint.dir_lock import alive
 from mirrorax.checkpoint.errors import SnapshotError
 from mirrorax.checkpoint.record import Verify, meta_digest
-from mirrorax.checkpoint.storage import sync_directory
+from mirrorax.checkpoint.storage import sync_directory, write_atomic
 from mirrorax.cluster.restarts import DIR_ENV, LOST_ENV, SECONDS_ENV, STEPS_ENV, node_name
+from mirrorax.cluster.watchdog import LAUNCHER_PID_ENV
 from mirrorax.integrity import path_str
 
 __all__ = ["DIR_ENV", "SECONDS_ENV", "STEPS_ENV", "LOST_ENV", "node_name", "SnapshotError", "Writer", "writer",
            "Reached", "on_one_device", "named_leaves", "write", "read", "complete_steps", "place", "stored_like",
-           "key_impl", "FORMAT", "job_key", "other_jobs", "move_aside"]
+           "key_impl", "FORMAT", "job_key", "other_jobs", "move_aside", "claim_launch_dir"]
 
 FORMAT = 2  # 1: no digest of the JSON files (read by no mirrorax since)
 STATE_FILE, INDEX_FILE, META_FILE, DIGEST_FILE = "state.bin", "index.json", "meta.json", "digest.json"
@@ -376,3 +381,44 @@ def move_aside(directory: str, step: int) -> str:
         shutil.rmtree(target, ignore_errors=True)
         os.replace(os.path.join(directory, str(step)), target)
     return target
+
+
+# The folder ``mirrorax launch`` makes for a launch's snapshots (``tempfile.mkdtemp(prefix=...)``), and its mark.
+_LAUNCH_DIR = re.compile(r"mirrorax-snapshots-[A-Za-z0-9_]{8}")
+LAUNCHER_FILE = "launcher.json"
+_claimed: set[str] = set()
+
+
+def claim_launch_dir(base: str) -> None:
+    """Marks a launch's snapshot folder with its launcher, and removes the folders of this host's launchers that
+    died without removing theirs.
+
+    ``mirrorax launch`` makes ``<tmp>/mirrorax-snapshots-XXXXXXXX`` for a launch and removes it when it ends; a
+    launcher killed with SIGKILL (its children die with it) never does, and each such launch left its snapshots
+    behind. Its processes (the launcher's pid in ``MIRRORAX_LAUNCHER_PID``) write ``launcher.json`` (host, pid)
+    into it; the next launch's processes remove every such folder of this host whose launcher is gone. Only
+    folders of that form in the temporary directory, marked so: nothing a user named. Once per process and
+    folder; best effort.
+    """
+    launcher = os.environ.get(LAUNCHER_PID_ENV, "")
+    base = os.path.abspath(base)
+    parent = os.path.dirname(base)
+    if base in _claimed or not launcher.isdigit() or not _LAUNCH_DIR.fullmatch(os.path.basename(base)) or \
+            parent != os.path.abspath(tempfile.gettempdir()):
+        return
+    _claimed.add(base)
+    host = socket.gethostname()
+    with contextlib.suppress(OSError):
+        write_atomic(os.path.join(base, LAUNCHER_FILE), _canonical({"host": host, "pid": int(launcher)}))
+    for name in os.listdir(parent):
+        other = os.path.join(parent, name)
+        if other == base or not _LAUNCH_DIR.fullmatch(name):
+            continue
+        try:
+            with open(os.path.join(other, LAUNCHER_FILE)) as f:
+                owner = json.load(f)
+        except (OSError, ValueError):
+            continue  # not marked (or not a launch's): left alone
+        pid = owner.get("pid") if isinstance(owner, dict) else None
+        if owner.get("host") == host and isinstance(pid, int) and pid != int(launcher) and not alive(pid):
+            shutil.rmtree(other, ignore_errors=True)
