@@ -141,8 +141,9 @@ def test_the_schedule_every_steps_and_by_the_clock(tmp_path, monkeypatch):
     monkeypatch.setattr(policy.time, "monotonic", lambda: clock[0])
     timed = mx.Snapshots(tmp_path, every_seconds=30)
     state = {"w": strategy(1).replicate(np.zeros(2, np.float32))}
-    assert not timed.due(1) and timed.due(snapshot.FIRST_STEPS + 1)  # the first: a few steps in
+    assert not timed.due(1)
     clock[0] += 5.0  # 10 steps in 5 s: 2 steps a second, 60 steps to 30 s
+    assert timed.due(snapshot.FIRST_STEPS + 1)  # the first: a few steps in; the next planned from it
     timed.save(snapshot.FIRST_STEPS + 1, state)
     assert timed.next_step == snapshot.FIRST_STEPS + 1 + 60
     timed.wait()

@@ -244,3 +244,34 @@ def test_a_killed_launchers_snapshot_folder_is_removed_by_the_next_launch(tmp_pa
     assert second.returncode == 0 and "READY" in second.stdout, second.stdout[-2000:] + second.stderr[-2000:]
     assert not os.path.exists(made)  # removed by the next launch's process
     assert not [n for n in os.listdir(tmp_path) if n.startswith("mirrorax-snapshots-")]  # (its own: at its end)
+
+
+def test_a_fits_snapshot_tier_saves_by_the_clock_once_per_decision(tmp_path, monkeypatch):
+    """The fit's local tier asks the snapshots' own policy: 2 steps a second and a snapshot every 30 s is one every
+    60 steps after the first (10 steps in), each decision planned once."""
+    from mirrorax.checkpoint import policy
+    from mirrorax.checkpoint.resume import Record
+    from mirrorax.fit.saving import Saving
+    from mirrorax.results import History
+
+    clock = [0.0]
+    monkeypatch.setattr(policy.time, "monotonic", lambda: clock[0])
+    snaps = mx.Snapshots(tmp_path, every_seconds=30)
+    taken = []
+    real = snaps.save
+
+    def save(step, state, meta, window=None):
+        taken.append((step, meta["epoch"]))
+        real(step, state, meta, window=window)
+
+    monkeypatch.setattr(snaps, "save", save)
+    saving = Saving(Record({"batch_size": 8}, History(), {}), snapshots=snaps)
+    state = {"w": strategy(1).replicate(np.zeros(2, np.float32))}
+    for step in range(1, 201):
+        clock[0] += 0.5
+        saving.save_due(SavePoint(step), state, 0, step, lambda: None)
+    assert [s for s, _ in taken] == [11, 71, 131, 191]
+    saving.save_due(SavePoint(200, fit_end=True), state, 5, 0, lambda: None)  # the fit's end: always
+    assert taken[-1] == (200, 5) and [t.kind for t in saving.tiers] == ["snapshot"]
+    snaps.wait()
+    assert sorted(os.listdir(snaps.directory)) == ["191", "200"]

@@ -211,10 +211,15 @@ class Snapshots:
 
     # -- when -------------------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        """Whether a snapshot is due after step ``step`` (the same answer on every process)."""
+        """Whether a snapshot is due after step ``step`` (the same answer on every process). A yes is the decision:
+        the caller takes it now (:meth:`save`), and by the clock the next one is planned from here."""
         if not self.enabled or step == self.last_step:
             return False
-        return self.policy.should_save(SavePoint(step))
+        point = SavePoint(step)
+        if not self.policy.should_save(point):
+            return False
+        self.policy.saved(point)
+        return True
 
     # -- taking one ---------------------------------------------------------------------------------------------
     def maybe_save(self, step: int, state: PyTree, meta: dict[str, Any] | None = None, *, window: Any = None
@@ -270,7 +275,6 @@ class Snapshots:
             directory, keep = self.directory, self.keep
             io.writer().submit(lambda: self._write(directory, step, copies, index, record, keep))
         self.last_step = step
-        self.policy.saved(SavePoint(step))
 
     def wait(self) -> None:
         """Waits until every snapshot taken is written (a failed write is a warning, not an error)."""

@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from mirrorax.checkpoint import resume as resume_lib
 from mirrorax.checkpoint.policy import AnyOf, EpochEnd, EveryNSteps, FitEnd, OnPreemption, SavePoint, SavePolicy
 from mirrorax.checkpoint.record import position_wrong
@@ -69,7 +71,7 @@ def check_every(every: Any) -> int | None:
     """``checkpoint_every``: ``"epoch"`` (``None``: the epoch's end only) or a number of steps >= 1."""
     if every == "epoch":
         return None
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every < 1:
         raise ValueError(f"checkpoint_every must be 'epoch' or a number of steps >= 1; received {every!r}.")
     return int(every)
 
