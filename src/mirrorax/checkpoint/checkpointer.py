@@ -172,6 +172,23 @@ class Checkpointer(Restoring):
             self._locked = False
             release(self._directory)
 
+    # ---- properties ------------------------------------------------------------------------------
+
+    @property
+    def directory(self) -> str:
+        """The checkpoint directory (absolute for local paths)."""
+        return self._directory
+
+    @property
+    def keep(self) -> int | None:
+        """How many of the newest checkpoints are kept (``None``: all)."""
+        return self._keep
+
+    @property
+    def read_only(self) -> bool:
+        """Whether this checkpointer only reads (``Checkpointer(..., read_only=True)``)."""
+        return self._read_only
+
     # ---- saving ----------------------------------------------------------------------------------
 
     @checkpoint_time

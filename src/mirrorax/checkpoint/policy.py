@@ -103,43 +103,37 @@ class EveryNSeconds:
         return f"EveryNSeconds({self.seconds:g})"
 
 
-class EpochEnd:
+class _AtPoints:
+    """At the points the loop marks with :attr:`flag` (a :class:`SavePoint` field)."""
+
+    flag = ""
+
+    def should_save(self, point: SavePoint) -> bool:
+        return bool(getattr(point, self.flag))
+
+    def saved(self, point: SavePoint) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class EpochEnd(_AtPoints):
     """At the end of every epoch."""
 
-    def should_save(self, point: SavePoint) -> bool:
-        return point.epoch_end
-
-    def saved(self, point: SavePoint) -> None:
-        pass
-
-    def __repr__(self) -> str:
-        return "EpochEnd()"
+    flag = "epoch_end"
 
 
-class OnPreemption:
+class OnPreemption(_AtPoints):
     """At the step where every process stops for a preemption (SIGTERM)."""
 
-    def should_save(self, point: SavePoint) -> bool:
-        return point.preempted
-
-    def saved(self, point: SavePoint) -> None:
-        pass
-
-    def __repr__(self) -> str:
-        return "OnPreemption()"
+    flag = "preempted"
 
 
-class FitEnd:
+class FitEnd(_AtPoints):
     """At the end of a fit (its epochs done, or a callback's stop)."""
 
-    def should_save(self, point: SavePoint) -> bool:
-        return point.fit_end
-
-    def saved(self, point: SavePoint) -> None:
-        pass
-
-    def __repr__(self) -> str:
-        return "FitEnd()"
+    flag = "fit_end"
 
 
 class AnyOf:

@@ -79,22 +79,7 @@ class Restoring:
     def _finish(self) -> None:
         """Waits for the pending save (the checkpointer's)."""
 
-    # ---- properties and listing ------------------------------------------------------------------
-
-    @property
-    def directory(self) -> str:
-        """The checkpoint directory (absolute for local paths)."""
-        return self._directory
-
-    @property
-    def keep(self) -> int | None:
-        """How many of the newest checkpoints are kept (``None``: all)."""
-        return self._keep
-
-    @property
-    def read_only(self) -> bool:
-        """Whether this checkpointer only reads (``Checkpointer(..., read_only=True)``)."""
-        return self._read_only
+    # ---- listing ---------------------------------------------------------------------------------
 
     def all_steps(self) -> list[int]:
         """Steps of the finished checkpoints in the directory, ascending (in-progress saves excluded)."""
