@@ -11,10 +11,13 @@
 * :mod:`~mirrorax.checkpoint.orbax_quirks`: work-arounds for Orbax's behaviours (its threads, its atexit save);
 * :mod:`~mirrorax.checkpoint.dir_lock`: one writer per checkpoint directory;
 * :mod:`~mirrorax.checkpoint.job`: what a checkpoint needs of a multi-process job;
-* :mod:`~mirrorax.checkpoint.resume`: what ``fit`` keeps besides the state (position, history) and how it
-  resumes;
+* :mod:`~mirrorax.checkpoint.resume`: the record ``fit`` keeps beside the state in either tier (position,
+  history, run) and how it resumes; :mod:`~mirrorax.checkpoint.record`: that record's digest and checks (its
+  position, a job's identity); :mod:`~mirrorax.checkpoint.policy`: when to save, as policy objects;
 * :mod:`~mirrorax.checkpoint.snapshot` / :mod:`~mirrorax.checkpoint.snapshot_io`: ``mx.Snapshots``, each
-  node's copy of the state for elastic restarts, and its bytes.
+  node's copy of the state for elastic restarts (one folder per job), and its bytes, verified before use.
+
+A fit's saving (the two tiers, when each saves, the resume) is :mod:`mirrorax.fit.saving`.
 
 The checkpointer imports Orbax and TensorStore (~25 MB of resident memory), so this package imports
 nothing itself: its public names load on first use, and a module of the package (``snapshot``, which
