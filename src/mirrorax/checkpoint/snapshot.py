@@ -11,17 +11,21 @@ What a snapshot costs the step: a copy of the state on the first local device, d
 for the step, and for a state split over the devices (``shard=``) one all-gather, so that every node holds
 every shard and any set of survivors holds the whole state. The copy to the host and the write run on one
 writer thread per process, off the step's path (:mod:`mirrorax.checkpoint.snapshot_io`). The node's lowest process
-writes; a node keeps its newest complete snapshot per name, so memory and disk stay flat however long the
-run.
+writes; a node keeps its two newest complete snapshots per name, so memory and disk stay flat however long
+the run. Each job's snapshots have a folder of their own (``<name>-<digest of the job>``): a job never
+restores another's.
 
-Every process decides the same steps: every ``MIRRORAX_SNAPSHOT_STEPS`` steps, or, by the clock, process
-0 measures its steps per second at each snapshot and tells the others the next snapshot's step through
-JAX's coordination service (one key per snapshot, read at the snapshot: nothing per step).
+Every process decides the same steps (:mod:`mirrorax.checkpoint.policy`): every ``MIRRORAX_SNAPSHOT_STEPS``
+steps, or, by the clock, process 0 measures its steps per second at each snapshot and tells the others the
+next snapshot's step through JAX's coordination service (one key per snapshot, read at the snapshot:
+nothing per step).
 
 Restoring (:meth:`Snapshots.restore_latest`, every process together): each process reads its node's newest
-complete snapshot (checksummed), the processes agree on the newest step any node holds, and the processes
-that hold it use their own copy while the others receive it from the lowest holder (one collective). The
-state is then placed in the new job's layout: any process and device count.
+complete snapshot that verifies (its records against their digest, its arrays against their checksums: a
+damaged one is moved aside, with a warning, and the one before it taken), the processes agree on the newest
+step any node holds, and the processes that hold it use their own copy while the others receive it from the
+lowest holder (one collective). The state is then placed in the new job's layout: any process and device
+count.
 """
 
 from __future__ import annotations

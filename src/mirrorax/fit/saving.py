@@ -167,15 +167,15 @@ class Saving:
     def epoch_end(self, state: TrainState, next_epoch: int, order: Order) -> None:
         """An epoch ended (every step done, its history appended): what each tier saves there, as the start of
         epoch ``next_epoch``."""
-        point = SavePoint(int(state.host_counters()["step"]), epoch_end=True)
-        self.save_due(point, state, next_epoch, 0, order)
+        if self.tiers:
+            point = SavePoint(int(state.host_counters()["step"]), epoch_end=True)
+            self.save_due(point, state, next_epoch, 0, order)
 
     def finish(self, state: TrainState, epochs: int) -> None:
         """The fit ended (its epochs, or a callback's stop): its last snapshot, marked as past its last epoch, so
         that a restarted script passes through this fit at once; then waits until it is written."""
-        point = SavePoint(int(state.host_counters()["step"]), fit_end=True)
-        self.save_due(point, state, epochs, 0, lambda: None)
         if self.snapshots is not None:
+            self.save_due(SavePoint(int(state.host_counters()["step"]), fit_end=True), state, epochs, 0, lambda: None)
             self.snapshots.wait()
 
     def close(self) -> None:
