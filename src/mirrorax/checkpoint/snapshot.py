@@ -30,6 +30,7 @@ count.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -202,7 +203,7 @@ class Snapshots:
         self.last_held: dict[str, Any] = {}  # what held() agreed last (the newest step, who holds it, reached)
         self.say = True  # restore_latest says the restart on stderr (fit says its own, with the epoch)
 
-    @property
+    @functools.cached_property
     def directory(self) -> str:
         """This node's directory of these snapshots (``<base>/<node>/<name>``, ``-<digest of job>`` added)."""
         key = io.job_key(self.job)
