@@ -244,3 +244,33 @@ class Compiles:
 
     def __exit__(self, *exc):
         jax.monitoring.unregister_event_duration_listener(self._listen_duration)
+
+
+def flip_bit_after(path, text: bytes, at: int = 0) -> None:
+    """Flips the lowest bit of the byte ``at`` after the first ``text`` in the file ``path``: one bit of one field
+    of a record (``b'"batch_in_epoch":'`` -> its first digit)."""
+    raw = bytearray(open(path, "rb").read())
+    where = raw.index(text) + len(text) + at
+    raw[where] ^= 0x01
+    open(path, "wb").write(bytes(raw))
+
+
+def rewrite_snapshot_index(directory, change) -> None:
+    """A crafted snapshot index in ``directory`` (a snapshot's ``<step>/``): ``change(index)`` applied and its digest
+    written anew, so that only the index's own checks can refuse it."""
+    import hashlib
+    import json
+    import os
+
+    path = os.path.join(directory, "index.json")
+    with open(path) as f:
+        index = json.load(f)
+    change(index)
+    text = json.dumps(index).encode()
+    with open(path, "wb") as f:
+        f.write(text)
+    with open(os.path.join(directory, "digest.json")) as f:
+        digests = json.load(f)
+    digests["index.json"] = hashlib.sha256(text).hexdigest()
+    with open(os.path.join(directory, "digest.json"), "w") as f:
+        f.write(json.dumps(digests))
