@@ -422,6 +422,23 @@ def test_a_ray_train_worker_reads_its_job_from_rays_context(monkeypatch, tmp_pat
     assert ray_train.job_from_ray() is None and not ray_train.in_ray_worker()
 
 
+def test_a_process_that_imported_ray_names_its_node_without_starting_ray(monkeypatch):
+    """A snapshot names its node; a process that imported ray without starting it (a notebook using Ray Data, a
+    test that imported ray.train) is not a Ray worker: its node is the host, and Ray is not asked. Ray's
+    get_runtime_context() would start a local Ray instance (CI caught one, forking the test's process)."""
+    import socket
+    import types
+
+    asked = []
+    ray = types.ModuleType("ray")
+    ray.is_initialized = lambda: False
+    ray.get_runtime_context = lambda: asked.append(1) or types.SimpleNamespace(get_node_id=lambda: "f" * 56)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    assert _restarts.node_name() == (socket.gethostname() or "localhost") and asked == []
+    ray.is_initialized = lambda: True  # in a Ray worker: the Ray node's id, so simulated nodes of one host differ
+    assert _restarts.node_name() == "ray-" + "f" * 16 and asked == [1]
+
+
 def test_launch_refuses_a_minimum_above_the_processes():
     from mirrorax.cluster import launch
 
