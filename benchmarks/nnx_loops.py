@@ -15,7 +15,11 @@ the tutorial does. The systems:
   ``strategy.experimental_distribute_dataset`` of the same arrays;
 * ``strategy_jit_loader``: the same, over ``strategy.experimental_distribute_dataset`` of the loader's host
   numpy batches (the ones Flax's loop is given): the guide ported with its loop's dataset changed;
-* ``trainer``: ``mx.Trainer(module, loss=..., optimizer=...).fit`` of the same module and optimizer.
+* ``trainer``: ``mx.Trainer(module, loss=..., optimizer=...).fit`` of the same module and optimizer;
+* ``flax_functional``: Flax's performance guide's functional loop as written (``@jax.jit`` over
+  ``jax_train_step(graphdef, state, x, y)`` returning ``loss, state``, nothing donated), and
+  ``strategy_jit_functional``, the same with ``@strategy.jit`` for ``@jax.jit`` over
+  ``experimental_distribute_dataset`` of the loader's batches (measured against ``flax_functional``).
 
 Each chunk is ``steps`` steps, ended when the state is ready (a Trainer chunk is one ``fit`` call, its set-up
 included). Each system runs in a process of its own (a system sharing a process with others slows Flax's
@@ -42,11 +46,15 @@ import time
 from functools import partial
 from typing import Any
 
-SYSTEMS = ("flax_split_merge", "nnx_jit", "strategy_jit", "strategy_jit_loader", "trainer")
+SYSTEMS = ("flax_split_merge", "nnx_jit", "strategy_jit", "strategy_jit_loader", "trainer", "flax_functional",
+           "strategy_jit_functional")
+#: Each system's ratio is to this loop's steps/s (the functional loop's to Flax's functional loop).
+BASELINE = {"strategy_jit_functional": "flax_functional"}
 LABELS = {"flax_split_merge": "Flax's split/merge jax.jit loop", "nnx_jit": "@nnx.jit",
           "strategy_jit": "@strategy.jit, over arrays",
           "strategy_jit_loader": "@strategy.jit, over the loader's batches",
-          "trainer": "mx.Trainer"}
+          "trainer": "mx.Trainer", "flax_functional": "Flax's functional jax.jit loop (the guide's)",
+          "strategy_jit_functional": "the functional loop on @strategy.jit"}
 
 
 def _models() -> dict[str, Any]:
@@ -222,6 +230,31 @@ class System:
                     self._i += 1
                     box[0] = train_step_jax(box[0], batch)
                 jax.block_until_ready(box[0])
+        elif name in ("flax_functional", "strategy_jit_functional"):  # the guide's functional loop
+            strategy = mx.MirroredStrategy(devices=devices, max_in_flight=max_in_flight)
+            jit = jax.jit if name == "flax_functional" else strategy.jit
+            graphdef, state = nnx.split((model, optimizer, metrics))
+
+            @jit
+            def jax_train_step(graphdef: Any, state: Any, x: Any, y: Any) -> Any:
+                model, optimizer, metrics = nnx.merge(graphdef, state)
+                loss = train_step(model, optimizer, metrics, x, y)
+                return loss, nnx.state((model, optimizer, metrics))
+
+            box = [state]
+            feed = batches if name == "flax_functional" else strategy.experimental_distribute_dataset(batches)
+            stream = [iter(feed)]
+
+            def call(n: int) -> None:
+                state = box[0]
+                for _ in range(n):
+                    try:
+                        xb, yb = next(stream[0])
+                    except StopIteration:
+                        stream[0] = iter(feed)
+                        xb, yb = next(stream[0])
+                    loss, state = jax_train_step(graphdef, state, xb, yb)
+                box[0] = jax.block_until_ready(state)
         elif name == "nnx_jit":
             step = nnx.jit(train_step, donate_argnums=(0, 1, 2))
 
@@ -279,8 +312,8 @@ def measure(workload: str, batch: int, systems: list[str], steps: int, rounds: i
             built[s].call(steps)
             chunks[s].append(time.perf_counter() - t0)
     rows = {}
-    base = chunks.get("flax_split_merge")
     for s in systems:
+        base = chunks.get(BASELINE.get(s, "flax_split_merge"))
         rate = statistics.median(steps / t for t in chunks[s])
         ratio = statistics.median(b / t for b, t in zip(base, chunks[s])) if base else None
         rows[s] = {"steps_per_s": rate, "ratio": ratio, "chunk_s": chunks[s], "warmup_s": first[s]}
@@ -289,7 +322,8 @@ def measure(workload: str, batch: int, systems: list[str], steps: int, rounds: i
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| workload | batch | system | steps/s | / Flax's split/merge loop |", "|---|---:|---|---:|---:|"]
+    lines = ["| workload | batch | system | steps/s | / its baseline (Flax's split/merge loop; the functional loop: "
+             "Flax's) |", "|---|---:|---|---:|---:|"]
     for r in results:
         for s, v in r["systems"].items():
             ratio = "-" if v["ratio"] is None else f"{v['ratio']:.3f}"
@@ -323,14 +357,15 @@ def separate(combos: list[tuple[str, int]], systems: list[str], steps: int, roun
     results = []
     for c, (workload, batch) in enumerate(combos):
         rows = {}
-        base = [run[c] for run in runs.get("flax_split_merge", [])]
         for s in systems:
+            name = BASELINE.get(s, "flax_split_merge")
+            base = [run[c] for run in runs.get(name, [])]
             mine_runs = [run[c] for run in runs[s]]
             chunks = [t for run in mine_runs for t in run["systems"][s]["chunk_s"]]
             rate = statistics.median(steps / t for t in chunks)
             ratio = None if not base else statistics.median(
                 statistics.median(steps / t for t in mine["systems"][s]["chunk_s"])
-                / statistics.median(steps / t for t in theirs["systems"]["flax_split_merge"]["chunk_s"])
+                / statistics.median(steps / t for t in theirs["systems"][name]["chunk_s"])
                 for mine, theirs in zip(mine_runs, base))
             rows[s] = {"steps_per_s": rate, "ratio": ratio, "chunk_s": chunks,
                        "warmup_s": [run["systems"][s]["warmup_s"] for run in mine_runs]}
@@ -371,8 +406,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         import jax
 
-        results = [measure(w, b, systems, args.steps, args.rounds, jax.devices()[:1], args.max_in_flight)
-                   for w, b in combos]
+        results = []
+        for w, b in combos:
+            results.append(measure(w, b, systems, args.steps, args.rounds, jax.devices()[:1], args.max_in_flight))
+            print(markdown(results[-1:]), flush=True)  # (a run cut short keeps what it measured)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=1)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
