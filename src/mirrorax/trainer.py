@@ -25,6 +25,8 @@ from mirrorax.fit.device_state import DeviceState
 from mirrorax.fit.functions import NonFiniteMode, StepFunctions
 from mirrorax.fit.loop import Loop
 from mirrorax.fit.progress import format_logs, resolve_verbose
+from mirrorax.fit.utilisation import Utilisation
+from mirrorax.fit.utilisation import utilisation as utilisation_of
 from mirrorax.inputs.make import class_weights
 from mirrorax.inputs.reading import FitReading
 from mirrorax.models.adapters import adapt
@@ -140,6 +142,15 @@ class Trainer:
         self._model = model
         self.loop.model = model
         planner.remember_trainer(model, self)
+
+    @property
+    def utilisation(self) -> list[Utilisation]:
+        """Where the time of each epoch of the last ``fit`` went: a :class:`mirrorax.Utilisation` per epoch (MFU, the
+        devices' busy share, the input's wait share), as each epoch's progress line ends; ``[]`` before a fit."""
+        try:
+            return utilisation_of(self)
+        except ValueError:
+            return []
 
     @property
     def state(self) -> TrainState | None:

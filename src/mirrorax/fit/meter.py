@@ -1,0 +1,331 @@
+"""A fit's figures, measured as its epochs run: where each step's time goes, and ``steps_per_execution="auto"``.
+
+Per dispatch the loop (:mod:`mirrorax.fit.loop`) waits in two places: for its next batch, and in the window
+for an earlier step to finish. :class:`EpochMeter` reads the clock around both (a few clock reads a dispatch);
+the rest of the wall time is the host's own work (the dispatch, the hooks, placing the batch). The devices'
+time per step is taken on idle devices now and then (a *probe*: the window drained before a dispatch, the
+step waited for right after it; at each epoch's dispatch 2, 5, 11, 23, ..., so a few a epoch and the least
+disturbed kept). Compilation (JAX's compile events) is left out of every figure.
+
+:class:`FitMeter` holds a fit's records (one :class:`~mirrorax.fit.utilisation.Utilisation` per epoch, read
+with ``mx.utilisation``), hands each epoch's figures to the progress line and the callbacks, says once when an
+epoch was input-bound, and under ``steps_per_execution="auto"`` measures the costs that
+:func:`~mirrorax.fit.auto_steps.choose_steps` decides on: 16 dispatches at one step each, then as many steps
+at the chosen ``k`` to see that it pays (:func:`~mirrorax.fit.auto_steps.keeps_paying`). Multi-process, process
+0's decisions are every process's: the dispatches stay the same everywhere.
+
+``MIRRORAX_FIGURES=0`` turns the figures off (what ``benchmarks/figures_cost.py`` compares against).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from mirrorax.cluster import consistency
+from mirrorax.fit.auto_steps import MAX_STEPS, AutoSteps, Costs, choose_steps, keeps_paying
+from mirrorax.fit.epoch import EpochHook, EpochRun, Outcome
+from mirrorax.fit.utilisation import Utilisation, device_memory, input_kind, peak_flops, record, warn_input_bound
+from mirrorax.inputs.prefetch import Prefetcher
+from mirrorax.steps.dispatch import wait
+
+if TYPE_CHECKING:
+    from mirrorax.fit.hooks import Callbacks
+    from mirrorax.fit.progress import Progress
+    from mirrorax.inputs.batch import Batch
+    from mirrorax.strategy import MirroredStrategy
+
+__all__ = ["EpochMeter", "FitMeter", "compile_seconds", "figures_enabled"]
+
+#: An epoch's first dispatch (0-based) timed on idle devices; the next at twice that plus one, and so on.
+FIRST_PROBE = 2
+#: Dispatches at one step each that "auto" measures its costs on (after WARM_UP more).
+MEASURE = 16
+WARM_UP = 2
+#: Steps at the chosen k that "auto" measures before keeping it.
+VERIFY_STEPS = 64
+#: Dispatches an epoch needs before its input share can name it input-bound.
+JUDGE_AFTER = 4
+
+_compile = [0.0]
+_listening = [False]
+
+
+def _on_duration(event: str, duration_secs: float, **_: str | int) -> None:
+    if event.startswith("/jax/core/compile/"):
+        _compile[0] += duration_secs
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent tracing, lowering and compiling (JAX's compile events) since first asked."""
+    if not _listening[0]:
+        jax.monitoring.register_event_duration_secs_listener(_on_duration)
+        _listening[0] = True
+    return _compile[0]
+
+
+def figures_enabled() -> bool:
+    """Whether fit measures its figures (``MIRRORAX_FIGURES``, on unless ``0``)."""
+    return os.environ.get("MIRRORAX_FIGURES", "1").strip().lower() not in ("0", "false", "off")
+
+
+class _Window:
+    """Sums over the dispatches ``"auto"`` measures (each without a compile or a probe)."""
+
+    def __init__(self) -> None:
+        self.dispatches = self.steps = 0
+        self.wall = self.read = self.wait = 0.0
+
+    def add(self, k: int, wall: float, read: float, waited: float) -> None:
+        self.dispatches += 1
+        self.steps += k
+        self.wall, self.read, self.wait = self.wall + wall, self.read + read, self.wait + waited
+
+
+class FitMeter:
+    """One fit's figures and, under ``"auto"``, its steps per dispatch.
+
+    Args:
+      model: the model (whose records :func:`mirrorax.fit.utilisation.utilisation` returns).
+      strategy: where the steps run. flops: the train step's FLOPs on one device (``None``: unknown).
+      steps_per_execution: the trainer's fixed steps per dispatch; auto: ``steps_per_execution="auto"``.
+      prefetch: batches placed ahead on a thread (0: none). source: the fit's input (for advice). epochs: the fit's.
+    """
+
+    def __init__(self, model: Any, strategy: MirroredStrategy, flops: float | None, *, steps_per_execution: int,
+                 auto: bool, prefetch: int, source: Any, epochs: int) -> None:
+        self.enabled = figures_enabled() or auto
+        self.strategy = strategy
+        self.peak = peak_flops(strategy.devices[0])
+        self.flops = flops if self.peak is not None else None
+        self.kind = input_kind(source)
+        self.epochs = epochs
+        self.records: list[Utilisation] = []
+        record(model, self.records)
+        self.fixed = steps_per_execution
+        self.auto = AutoSteps(lead_groups=prefetch + 2) if auto else None
+        self.group: int | Callable[[int], int] = self.auto.group if self.auto is not None else steps_per_execution
+        self.probes: dict[int, float] = {}  # steps per dispatch -> least device seconds per step measured
+        self.warned = False
+        self.batch_bytes: float | None = None  # one step's batch on one device
+        self.phase = "measure" if auto else "settled"
+        self.warm_up = WARM_UP
+        self.window = _Window()
+        self.one_step: float | None = None  # seconds per step measured at one step per dispatch
+        self.compiled = 0.0  # compile seconds seen in this fit's epochs
+
+    def epoch(self, run: EpochRun, epoch: int) -> EpochMeter | None:
+        """The meter of epoch ``epoch`` (``None``: figures off and no ``"auto"``)."""
+        return EpochMeter(self, run, epoch) if self.enabled else None
+
+    def steps_per_execution(self) -> int:
+        """The steps per dispatch now (``"auto"``: its newest decision)."""
+        return self.auto.next_k if self.auto is not None else self.fixed
+
+    # -- the epoch's record ----------------------------------------------------------------------------
+    def end_epoch(self, meter: EpochMeter, progress: Progress, hooks: Callbacks) -> Utilisation | None:
+        """Epoch ``meter`` ended (its timed part): its record kept, its figures given to the progress line and
+        the callbacks' (Keras's progress bar), an input-bound epoch said (once a fit). Returns the record."""
+        u = meter.result()
+        if self.auto is not None:
+            self.auto.new_epoch()
+        if u is None:
+            return None
+        self.records.append(u)
+        figures = u.figures(auto=self.auto is not None)
+        progress.figures = figures
+        hooks.show_figures(figures)
+        if not self.warned and self.strategy.is_primary and meter.dispatches >= JUDGE_AFTER:
+            self.warned = warn_input_bound(u, self.kind)
+        return u
+
+    def note_probe(self, k: int, seconds: float) -> None:
+        self.probes[k] = min(self.probes.get(k, math.inf), seconds / k)
+
+    def note_batch(self, k: int, batch: Batch) -> None:
+        leaves = jax.tree.leaves((batch.x, batch.y, batch.sample_weight, batch.mask))
+        self.batch_bytes = sum(getattr(a, "nbytes", 0) for a in leaves) / max(k, 1) / len(self.strategy.devices)
+
+    def device_seconds(self, k: int) -> float | None:
+        """The devices' seconds per step at ``k`` steps per dispatch (the nearest ``k`` measured)."""
+        if not self.probes:
+            return None
+        return self.probes[min(self.probes, key=lambda m: abs(m - k))]
+
+    # -- "auto" ------------------------------------------------------------------------------------------
+    def feed(self, run: EpochRun, epoch: int, k: int, wall: float, read: float, waited: float) -> None:
+        """One dispatch of ``k`` steps of epoch ``epoch`` (no compile, no probe) for ``"auto"``'s measurements;
+        decides when a window is full."""
+        auto = self.auto
+        assert auto is not None
+        if self.phase == "measure" and k == 1:
+            if self.warm_up:
+                self.warm_up -= 1
+                return
+            self.window.add(k, wall, read, waited)
+            if self.window.dispatches >= MEASURE and 1 in self.probes:
+                self._decide(run, epoch)
+        elif self.phase == "verify" and k == auto.next_k:
+            self.window.add(k, wall, read, waited)
+            if self.window.steps >= VERIFY_STEPS and self.window.dispatches >= 2:
+                assert self.one_step is not None
+                keep = self._agreed(int(keeps_paying(self.one_step, self.window.wall / self.window.steps)), run)
+                if not keep:
+                    auto.switch(1, run.steps)
+                self.phase = "settled"
+
+    def _decide(self, run: EpochRun, epoch: int) -> None:
+        w, auto = self.window, self.auto
+        assert auto is not None
+        costs = Costs(call=max(w.wall - w.read - w.wait, 0.0) / w.dispatches, read=w.read / w.steps,
+                      device=self.probes[1])
+        left = None
+        if run.total:
+            left = run.total - run.in_epoch + max(self.epochs - epoch - 1, 0) * run.total
+        k = self._agreed(choose_steps(costs, limit=self._limit(run.total), remaining_steps=left,
+                                      compile_seconds=self.compiled), run)
+        self.one_step = w.wall / w.steps
+        self.window = _Window()
+        if k > 1:
+            auto.switch(k, run.steps)
+            self.phase = "verify"
+        else:
+            self.phase = "settled"
+
+    def _limit(self, total: int | None) -> int:
+        """The most steps one dispatch may run: at most half an epoch, and stacked batches within a sixteenth of
+        a device's memory (256 MiB where it is not known)."""
+        cap = MAX_STEPS if not total else min(MAX_STEPS, max(1, total // 2))
+        if self.batch_bytes:
+            budget = (device_memory(self.strategy.devices) or 2**32) / 16
+            cap = min(cap, max(1, int(budget // self.batch_bytes)))
+        return cap
+
+    def _agreed(self, value: int, run: EpochRun) -> int:
+        """``value`` as process 0 has it (the window drained first: the broadcast is a device collective)."""
+        if self.strategy.process_count == 1:
+            return value
+        run.window.drain()
+        return int(consistency.broadcast_from_primary(np.array([value], np.int32))[0])
+
+
+class EpochMeter(EpochHook):
+    """One epoch's clock: the first of the loop's hooks, and wrapped around its batches.
+
+    :meth:`reading` times the input's own batches (the wait for the next batch when batches are placed on the
+    loop's thread), :meth:`placing` the placed batches (the wait itself when a thread places them ahead); the time
+    from a batch's arrival to the hook's ``after_step`` is the wait for an earlier step in the window.
+    """
+
+    def __init__(self, fit: FitMeter, run: EpochRun, epoch: int) -> None:
+        self.fit, self.run, self.epoch = fit, run, epoch
+        self.dispatches = 0
+        self.next_probe = FIRST_PROBE
+        self.read = 0.0  # in the input's next() (the loop's thread, or the prefetcher's)
+        self.placed_wait = 0.0  # in the placed batches' next()
+        self.waited = 0.0  # for earlier steps (the window) and the probes
+        self.threaded = False
+        self.probing = False
+        self.probe: float | None = None
+        self.start = self.last = self.placed_end = time.perf_counter()
+        self.compile_start = self.compile_mark = compile_seconds()
+        self.marks = (0.0, 0.0)  # (input wait, window wait) at the previous after_step
+        self.end: float | None = None
+
+    @property
+    def input_wait(self) -> float:
+        return self.placed_wait if self.threaded else self.read
+
+    def reading(self, host: Iterator[Batch]) -> Iterator[Batch]:
+        """``host``'s batches, timed."""
+        clock = time.perf_counter
+        while True:
+            t = clock()
+            item = next(host, None)
+            self.read += clock() - t
+            if item is None:
+                return
+            yield item
+
+    def placing(self, placed: Any) -> Iterator[tuple[int, Batch]]:
+        """``placed``'s ``(k, batch)`` items, timed; a probe's wait for the step just dispatched first."""
+        self.threaded = isinstance(placed, Prefetcher)
+        it, clock = iter(placed), time.perf_counter
+        try:
+            while True:
+                t = clock()
+                if self.probing:
+                    wait(self.run.aux)  # the step just dispatched, on devices the probe left idle
+                    self.probing, now = False, clock()
+                    self.probe, t = now - t, now
+                    self.waited += self.probe
+                item = next(it, None)
+                self.placed_end = clock()
+                self.placed_wait += self.placed_end - t
+                if item is None:
+                    return
+                if self.fit.batch_bytes is None:
+                    self.fit.note_batch(*item)
+                yield item
+        finally:
+            close = getattr(placed, "close", None)
+            if close is not None:
+                close()
+
+    def before_step(self, run: EpochRun) -> Outcome | None:
+        if self.dispatches == self.next_probe:
+            self.next_probe = 2 * self.next_probe + 1
+            t = time.perf_counter()
+            run.window.drain()
+            self.waited += time.perf_counter() - t
+            self.probing = True
+        return None
+
+    def after_step(self, run: EpochRun) -> Outcome | None:
+        now = time.perf_counter()
+        self.waited += now - self.placed_end
+        self.dispatches += 1
+        k = run.steps - run.before
+        probed, self.probe = self.probe, None
+        if probed is not None:
+            self.fit.note_probe(k, probed)
+        fit = self.fit
+        if fit.phase != "settled":
+            compiled = compile_seconds()
+            read, waited = self.input_wait, self.waited
+            if compiled > self.compile_mark:
+                fit.compiled += compiled - self.compile_mark
+            elif probed is None:
+                fit.feed(run, self.epoch, k, now - self.last, read - self.marks[0], waited - self.marks[1])
+            self.compile_mark, self.marks = compiled, (read, waited)
+        self.last = now
+        return None
+
+    def stop(self) -> None:
+        """The epoch's timed part ends (before validation)."""
+        self.end = time.perf_counter()
+
+    def result(self) -> Utilisation | None:
+        """The epoch's record (``None``: no step ran)."""
+        run, fit = self.run, self.fit
+        end = self.end if self.end is not None else time.perf_counter()
+        seconds = end - self.start - (compile_seconds() - self.compile_start)
+        if run.steps == 0 or seconds <= 0:
+            return None
+        k = fit.steps_per_execution()
+        sps = run.steps / seconds
+        device = fit.device_seconds(k)
+        mfu = fit.flops * sps / fit.peak if fit.flops is not None and fit.peak else None
+        waited = min(self.input_wait, seconds)
+        host = max(seconds - waited - min(self.waited, seconds), 0.0) / run.steps
+        return Utilisation(epoch=self.epoch, steps=run.steps, seconds=seconds, steps_per_second=sps,
+                           flops_per_step=fit.flops, peak_flops=fit.peak, mfu=mfu,
+                           device_busy=None if device is None else min(1.0, device * sps),
+                           input_wait=waited / seconds, host_seconds_per_step=host,
+                           device_seconds_per_step=device, steps_per_execution=k)
