@@ -18,10 +18,13 @@ import jax
 import keras
 import numpy as np
 import pytest
-from helpers import strategy
+from helpers import assert_weights_close, strategy
 
 import mirrorax as mx
-from mirrorax.fit import utilisation
+from mirrorax.fit import meter, utilisation
+from mirrorax.fit.auto_steps import MAX_STEPS, AutoSteps, Costs, choose_steps, keeps_paying
+from mirrorax.inputs.batch import Batch
+from mirrorax.inputs.prefetch import device_batches
 
 pytestmark = pytest.mark.multi_device
 
@@ -40,6 +43,113 @@ def _tiny(seed: int = 3, **compile_kwargs) -> keras.Model:
     m.compile(**{"optimizer": "adam", "loss": "sparse_categorical_crossentropy", "metrics": ["accuracy"],
                  **compile_kwargs})
     return m
+
+
+# -- "auto": the choice, a pure function of measured costs --------------------------------------------------
+
+def test_auto_fuses_where_the_host_is_the_limit_and_not_where_the_devices_are():
+    # Costs of the order measured on this CPU with 4 simulated devices: a trivial step costs the host ~400 us a
+    # dispatch and the devices ~35 us; a large one (a wide MLP at a large batch) the devices ~80 ms.
+    trivial = Costs(call=400e-6, read=10e-6, device=35e-6)
+    assert choose_steps(trivial) == 16  # 25 + 10 us of host a step: within 10% of the device's 35 (k=8: 60 us)
+    assert trivial.step_time(16) <= 1.1 * trivial.step_time(MAX_STEPS) < trivial.step_time(8)
+    assert choose_steps(Costs(call=400e-6, read=10e-6, device=80e-3)) == 1  # the devices are the limit
+    assert choose_steps(Costs(call=400e-6, read=5e-3, device=35e-6)) == 1  # the input is: fusing gains 7%
+    assert choose_steps(Costs(call=400e-6, read=10e-6, device=380e-6)) == 1  # 410 vs 380 us: under 10% to gain
+    assert choose_steps(trivial, limit=4) == 4  # half an epoch, or the stacked batches' memory
+    # A new program's compile must pay for itself within the fit.
+    assert choose_steps(trivial, remaining_steps=1000, compile_seconds=1.0) == 1
+    assert choose_steps(trivial, remaining_steps=100_000, compile_seconds=1.0) == 16
+    assert keeps_paying(400e-6, 60e-6) and not keeps_paying(400e-6, 390e-6)
+
+
+def test_auto_changes_k_only_past_every_batch_the_grouping_may_have_read():
+    a = AutoSteps(lead_groups=2)  # a prefetch thread 0 ahead: the loop's next group, and one more
+    assert [a.group(i) for i in (0, 17, 1000)] == [1, 1, 1]
+    a.switch(8, dispatched=20)  # 20 batches dispatched at k=1: the grouping has read at most 2 groups more
+    assert (a.group(22), a.group(23), a.group(500)) == (1, 8, 8)
+    a.new_epoch()  # the next epoch groups by the newest decision from its first batch
+    assert (a.group(0), a.switch_at) == (8, None)
+    a.switch(1, dispatched=16)
+    assert (a.group(39), a.group(40)) == (8, 1)  # 16 + 3 groups of 8
+
+
+def test_a_group_size_by_batch_index_groups_the_same_batches_in_order():
+    mesh = strategy(2)
+
+    def batch(i):
+        return Batch(x=np.full((2, 1), i, np.float32), y=np.zeros(2, np.int32), sample_weight=np.ones(2, np.float32),
+                     mask=np.ones(2, np.float32), rows=2)
+
+    sizes = lambda index: 1 if index < 3 else 4  # noqa: E731
+    got = list(device_batches(iter([batch(i) for i in range(13)]), sizes, mesh, prefetch=0, per_process=False))
+    assert [k for k, _ in got] == [0, 0, 0, 4, 4, 0, 0]  # 0-2 one by one, 3-6 and 7-10 stacked, 11-12 short of 4
+    seen = np.concatenate([np.asarray(b.x).reshape(-1, 2)[:, 0] for _, b in got])
+    assert seen.tolist() == list(range(13))
+
+
+class _Executions(keras.callbacks.Callback):
+    """Each epoch's (begin, end) batch indices: the executions the batch hooks saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.epochs = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epochs.append([])
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.epochs[-1].append([batch, None])
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.epochs[-1][-1][1] = batch
+
+
+def _force_auto(monkeypatch, k: int = 4):
+    """"auto" decides ``k`` and keeps it, whatever this machine's timings are."""
+    monkeypatch.setattr(meter, "choose_steps", lambda costs, **kwargs: k)
+    monkeypatch.setattr(meter, "keeps_paying", lambda one, fused: True)
+
+
+@pytest.mark.slow  # two fits of 62 batches, 2 epochs
+def test_auto_trains_as_one_step_per_dispatch_and_calls_batch_hooks_per_execution(monkeypatch):
+    _force_auto(monkeypatch)
+    x, y = _data()  # 62 batches of 8 an epoch, the last one of 3 rows
+    a, b = _tiny(), _tiny()
+    ha = mx.Trainer(a, strategy(4)).fit(x, y, batch_size=8, epochs=2, verbose=0)
+    executions = _Executions()
+    tb = mx.Trainer(b, strategy(4), steps_per_execution="auto")
+    hb = tb.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[executions])
+    assert_weights_close(a, b, 1e-6, 0)  # the same batches, in the same order, the same updates
+    for key in ha.history:
+        np.testing.assert_allclose(hb.history[key], ha.history[key], rtol=1e-6, err_msg=key)
+    assert [u.steps_per_execution for u in tb.utilisation] == [4, 4] and tb.compile_counts()["train_many"] == 1
+    # As Keras's steps_per_execution=k gives them: an execution's begin at its first batch, its end at its last.
+    for epoch in executions.epochs:
+        assert [e[0] for e in epoch] == [0] + [e[1] + 1 for e in epoch[:-1]] and epoch[-1][1] == 61
+        sizes = [end - begin + 1 for begin, end in epoch]
+        assert set(sizes) == {1, 4} and sum(sizes) == 62
+    assert executions.epochs[1][:15] == [[i, i + 3] for i in range(0, 60, 4)]  # epoch 2: fused from its start
+
+
+@pytest.mark.slow  # two fits of a Keras model under a scope
+def test_keras_compile_takes_auto_under_a_scope_and_fits_as_steps_per_execution_one(monkeypatch, capsys):
+    _force_auto(monkeypatch)
+    x, y = _data()
+    with strategy(4).scope():
+        a = _tiny()
+        b = _tiny(steps_per_execution="auto")  # Keras 3 takes an int only; tf.keras 2.x took "auto"
+    assert b.steps_per_execution == 1  # what Keras's own functions read
+    ha = a.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    hb = b.fit(x, y, batch_size=8, epochs=2, verbose=2, shuffle=False)
+    assert_weights_close(a, b, 1e-6, 0)
+    assert set(hb.history) == set(ha.history) == {"loss", "accuracy"}  # Keras's History: no figures in it
+    for key in ha.history:
+        np.testing.assert_allclose(hb.history[key], ha.history[key], rtol=1e-6, err_msg=key)
+    lines = re.findall(r"^62/62 - .*$", capsys.readouterr().out, re.M)
+    figures = r" - loss: [0-9.]+ - device busy: \d+% - input wait: \d+% - steps/execution: 4 \(auto\)"
+    assert len(lines) == 2 and all(re.search(figures + "$", s) for s in lines), lines
+    assert [u.epoch for u in mx.utilisation(b)] == [0, 1]
 
 
 # -- the figures -------------------------------------------------------------------------------------------
@@ -90,10 +200,12 @@ def test_the_peak_of_a_device_kind(kind, want):
     assert utilisation.peak_flops(jax.devices()[0]) is None  # the CPU: no MFU
 
 
-def test_a_bad_peak_setting_says_what_it_received(monkeypatch):
+def test_a_bad_peak_setting_and_a_bad_steps_per_execution_say_what_they_received(monkeypatch):
     monkeypatch.setenv("MIRRORAX_PEAK_TFLOPS", "fast")
     with pytest.raises(ValueError, match="MIRRORAX_PEAK_TFLOPS must be a positive number .* received 'fast'"):
         utilisation.peak_flops(jax.devices()[0])
+    with pytest.raises(ValueError, match="steps_per_execution must be an integer >= 1 or 'auto'; received 'fast'"):
+        mx.Trainer(_tiny(), strategy(1), steps_per_execution="fast")
 
 
 # -- input-bound epochs --------------------------------------------------------------------------------------
