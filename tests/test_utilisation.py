@@ -254,3 +254,46 @@ def test_a_slow_py_dataset_is_told_of_its_workers_once_a_fit():
     said = _input_bound_warnings(lambda: model.fit(_SlowRows(x, y), epochs=2, verbose=0))
     assert len(said) == 1 and "PyDataset" in said[0] and "workers=N" in said[0], said
 
+
+class _CountedRows(keras.utils.PyDataset):
+    """Batches by index; each read noted in ``log`` (a file: processes read too) with its process and thread."""
+
+    def __init__(self, x, y, log, **kwargs):
+        super().__init__(**kwargs)
+        self.x, self.y, self.log = x, y, log
+
+    def __len__(self):
+        return len(self.x) // 8
+
+    def __getitem__(self, i):
+        import os
+        import threading
+
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()} {threading.get_ident()}\n")
+        return self.x[8 * i:8 * i + 8], self.y[8 * i:8 * i + 8]
+
+
+@pytest.mark.parametrize("processes", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_py_dataset_with_workers_is_read_ahead_by_them_in_keras_order(processes, tmp_path):
+    """The fix the warning names works: a PyDataset's workers (threads, or processes with use_multiprocessing)
+    read its batches ahead, in the order Keras draws (shuffle=True), and the fit is the one of one reader."""
+    import os
+
+    x, y = _data(8 * 24)
+    outcomes = []
+    for n, kwargs in enumerate(({}, {"workers": 3, "use_multiprocessing": processes})):
+        with strategy(2).scope():
+            model = _tiny()
+        log = tmp_path / f"reads{n}"
+        keras.utils.set_random_seed(5)  # Keras's order: drawn from Python's random state at each pass
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)  # JAX's word on a fork: as under Keras
+            model.fit(_CountedRows(x, y, log, **kwargs), epochs=2, verbose=0, shuffle=True)
+        outcomes.append((model.get_weights(), [tuple(line.split()) for line in log.read_text().splitlines()]))
+    (plain, one), (read_ahead, many) = outcomes
+    for a, b in zip(plain, read_ahead):
+        np.testing.assert_array_equal(a, b)
+    assert len(set(one)) == 1 and len(one) == len(many) == 2 * 24 + 1  # (+ the batch read to build the model)
+    readers = {pid for pid, _ in many} if processes else {thread for _, thread in many}
+    assert len(readers) > 2 and (not processes or str(os.getpid()) in readers)
