@@ -132,6 +132,21 @@ def test_auto_trains_as_one_step_per_dispatch_and_calls_batch_hooks_per_executio
     assert executions.epochs[1][:15] == [[i, i + 3] for i in range(0, 60, 4)]  # epoch 2: fused from its start
 
 
+@pytest.mark.slow  # three fits
+def test_autos_choice_holds_for_the_trainers_next_fit_of_the_same_global_batch(monkeypatch):
+    _force_auto(monkeypatch)
+    x, y = _data(8 * 40)
+    t = mx.Trainer(_tiny(), strategy(2), steps_per_execution="auto")
+    runs = []
+    for batch in (8, 8, 4):
+        executions = _Executions()
+        t.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[executions])
+        runs.append([end - begin + 1 for begin, end in executions.epochs[0]])
+    assert runs[0][:18] == [1] * 18 and 4 in runs[0]  # measured at one step a dispatch, then fused
+    assert runs[1] == [4] * 10  # the same costs: fused from the first batch
+    assert runs[2][:18] == [1] * 18  # another global batch: measured afresh
+
+
 @pytest.mark.slow  # two fits of a Keras model under a scope
 def test_keras_compile_takes_auto_under_a_scope_and_fits_as_steps_per_execution_one(monkeypatch, capsys):
     _force_auto(monkeypatch)

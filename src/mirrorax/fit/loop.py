@@ -151,7 +151,8 @@ class Loop:
         # The fit's figures (MFU, busy and input shares; "auto"'s steps per dispatch): mirrorax.fit.meter.
         self.meter = FitMeter(self.model, self.strategy, fit_flops(self.steps),
                               steps_per_execution=self.steps_per_execution, auto=self.auto_steps,
-                              prefetch=self.prefetch, source=plan.source, epochs=plan.epochs)
+                              prefetch=self.prefetch, source=plan.source, epochs=plan.epochs,
+                              batch_size=plan.batch_size, previous=self.meter)
         hooks.call("on_train_begin")
         if plan.resumed:  # Keras's History (emptied by on_train_begin) holds the epochs run before the restart
             hooks.restore_history(plan.history)

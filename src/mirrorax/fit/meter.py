@@ -96,10 +96,13 @@ class FitMeter:
       strategy: where the steps run. flops: the train step's FLOPs on one device (``None``: unknown).
       steps_per_execution: the trainer's fixed steps per dispatch; auto: ``steps_per_execution="auto"``.
       prefetch: batches placed ahead on a thread (0: none). source: the fit's input (for advice). epochs: the fit's.
+      batch_size: the fit's global batch. previous: the same trainer's previous fit's meter: ``"auto"``'s decision
+        holds on from there for a fit of the same global batch (its costs are the same), measured afresh otherwise.
     """
 
     def __init__(self, model: Any, strategy: MirroredStrategy, flops: float | None, *, steps_per_execution: int,
-                 auto: bool, prefetch: int, source: Any, epochs: int) -> None:
+                 auto: bool, prefetch: int, source: Any, epochs: int, batch_size: int = 0,
+                 previous: FitMeter | None = None) -> None:
         self.enabled = figures_enabled() or auto
         self.strategy = strategy
         self.peak = peak_flops(strategy.devices[0])
@@ -119,6 +122,10 @@ class FitMeter:
         self.window = _Window()
         self.one_step: float | None = None  # seconds per step measured at one step per dispatch
         self.compiled = 0.0  # compile seconds seen in this fit's epochs
+        self.batch_size = batch_size
+        if auto and previous is not None and previous.auto is not None and previous.batch_size == batch_size:
+            self.auto, self.phase, self.one_step = previous.auto, previous.phase, previous.one_step
+            self.group, self.probes = self.auto.group, dict(previous.probes)
 
     def epoch(self, run: EpochRun, epoch: int) -> EpochMeter | None:
         """The meter of epoch ``epoch`` (``None``: figures off and no ``"auto"``)."""
