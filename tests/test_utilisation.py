@@ -132,19 +132,24 @@ def test_auto_trains_as_one_step_per_dispatch_and_calls_batch_hooks_per_executio
     assert executions.epochs[1][:15] == [[i, i + 3] for i in range(0, 60, 4)]  # epoch 2: fused from its start
 
 
-@pytest.mark.slow  # three fits
-def test_autos_choice_holds_for_the_trainers_next_fit_of_the_same_global_batch(monkeypatch):
-    _force_auto(monkeypatch)
+@pytest.mark.slow  # four fits
+def test_autos_choice_waits_for_fits_long_enough_and_holds_for_the_next_of_the_same_batch(monkeypatch):
+    # Fusing pays for its compile only over 50 steps here: the trainer's first fit of 40 batches is too short
+    # (the choice is put off), its second counts the first's steps too and fuses, its third fuses from its start.
+    monkeypatch.setattr(meter, "choose_steps", lambda costs, remaining_steps=None, **kw:
+                        4 if remaining_steps is None or remaining_steps >= 50 else 1)
+    monkeypatch.setattr(meter, "keeps_paying", lambda one, fused: True)
     x, y = _data(8 * 40)
     t = mx.Trainer(_tiny(), strategy(2), steps_per_execution="auto")
     runs = []
-    for batch in (8, 8, 4):
+    for batch in (8, 8, 8, 4):
         executions = _Executions()
         t.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[executions])
         runs.append([end - begin + 1 for begin, end in executions.epochs[0]])
-    assert runs[0][:18] == [1] * 18 and 4 in runs[0]  # measured at one step a dispatch, then fused
-    assert runs[1] == [4] * 10  # the same costs: fused from the first batch
-    assert runs[2][:18] == [1] * 18  # another global batch: measured afresh
+    assert runs[0] == [1] * 40  # put off
+    assert runs[1][:18] == [1] * 18 and 4 in runs[1]  # measured at one step a dispatch again, then fused
+    assert runs[2] == [4] * 10  # the same costs: fused from the first batch
+    assert runs[3][:18] == [1] * 18  # another global batch: measured afresh
 
 
 @pytest.mark.slow  # two fits of a Keras model under a scope

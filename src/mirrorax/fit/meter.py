@@ -117,15 +117,19 @@ class FitMeter:
         self.probes: dict[int, float] = {}  # steps per dispatch -> least device seconds per step measured
         self.warned = False
         self.batch_bytes: float | None = None  # one step's batch on one device
-        self.phase = "measure" if auto else "settled"
+        self.phase = "measure" if auto else "settled"  # then "verify" a fused k, "settled"; or "deferred"
         self.warm_up = WARM_UP
         self.window = _Window()
         self.one_step: float | None = None  # seconds per step measured at one step per dispatch
-        self.compiled = 0.0  # compile seconds seen in this fit's epochs
+        self.compile_cost = 0.0  # the longest compile seen in one dispatch: what a new k's program may cost
         self.batch_size = batch_size
+        self.earlier_steps = 0  # steps of the trainer's earlier fits of this batch: how long it trains, so far
         if auto and previous is not None and previous.auto is not None and previous.batch_size == batch_size:
-            self.auto, self.phase, self.one_step = previous.auto, previous.phase, previous.one_step
+            self.auto, self.one_step, self.compile_cost = previous.auto, previous.one_step, previous.compile_cost
+            # A choice put off because the fit was too short to pay for a compile is looked at again.
+            self.phase = "measure" if previous.phase == "deferred" else previous.phase
             self.group, self.probes = self.auto.group, dict(previous.probes)
+            self.earlier_steps = previous.earlier_steps + sum(u.steps for u in previous.records)
 
     def epoch(self, run: EpochRun, epoch: int) -> EpochMeter | None:
         """The meter of epoch ``epoch`` (``None``: figures off and no ``"auto"``)."""
@@ -182,7 +186,7 @@ class FitMeter:
             self.window.add(k, wall, read, waited)
             if self.window.steps >= VERIFY_STEPS and self.window.dispatches >= 2:
                 assert self.one_step is not None
-                keep = self._agreed(int(keeps_paying(self.one_step, self.window.wall / self.window.steps)), run)
+                keep, = self._agreed((int(keeps_paying(self.one_step, self.window.wall / self.window.steps)),), run)
                 if not keep:
                     auto.switch(1, run.steps)
                 self.phase = "settled"
@@ -195,15 +199,19 @@ class FitMeter:
         left = None
         if run.total:
             left = run.total - run.in_epoch + max(self.epochs - epoch - 1, 0) * run.total
-        k = self._agreed(choose_steps(costs, limit=self._limit(run.total), remaining_steps=left,
-                                      compile_seconds=self.compiled), run)
+        # Steps left: this fit's, plus as many as the trainer's earlier fits of this batch ran (a loop of short
+        # fits trains on); a fit that cannot pay for the compile puts the choice off to the next one.
+        limit = self._limit(run.total)
+        k = choose_steps(costs, limit=limit, remaining_steps=None if left is None else left + self.earlier_steps,
+                         compile_seconds=self.compile_cost)
+        k, best = self._agreed((k, choose_steps(costs, limit=limit)), run)
         self.one_step = w.wall / w.steps
         self.window = _Window()
         if k > 1:
             auto.switch(k, run.steps)
             self.phase = "verify"
         else:
-            self.phase = "settled"
+            self.phase = "deferred" if best > 1 else "settled"
 
     def _limit(self, total: int | None) -> int:
         """The most steps one dispatch may run: at most half an epoch, and stacked batches within a sixteenth of
@@ -214,12 +222,12 @@ class FitMeter:
             cap = min(cap, max(1, int(budget // self.batch_bytes)))
         return cap
 
-    def _agreed(self, value: int, run: EpochRun) -> int:
-        """``value`` as process 0 has it (the window drained first: the broadcast is a device collective)."""
+    def _agreed(self, values: tuple[int, ...], run: EpochRun) -> tuple[int, ...]:
+        """``values`` as process 0 has them (the window drained first: the broadcast is a device collective)."""
         if self.strategy.process_count == 1:
-            return value
+            return values
         run.window.drain()
-        return int(consistency.broadcast_from_primary(np.array([value], np.int32))[0])
+        return tuple(int(v) for v in consistency.broadcast_from_primary(np.array(values, np.int32)))
 
 
 class EpochMeter(EpochHook):
@@ -303,11 +311,11 @@ class EpochMeter(EpochHook):
         if probed is not None:
             self.fit.note_probe(k, probed)
         fit = self.fit
-        if fit.phase != "settled":
+        if fit.phase in ("measure", "verify"):
             compiled = compile_seconds()
             read, waited = self.input_wait, self.waited
             if compiled > self.compile_mark:
-                fit.compiled += compiled - self.compile_mark
+                fit.compile_cost = max(fit.compile_cost, compiled - self.compile_mark)
             elif probed is None:
                 fit.feed(run, self.epoch, k, now - self.last, read - self.marks[0], waited - self.marks[1])
             self.compile_mark, self.marks = compiled, (read, waited)

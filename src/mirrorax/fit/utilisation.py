@@ -240,7 +240,7 @@ def warn_input_bound(u: Utilisation, kind: str) -> bool:
     if u.input_wait <= INPUT_BOUND_SHARE:
         return False
     warnings.warn(f"Epoch {u.epoch + 1} waited {100 * u.input_wait:.0f}% of its {u.seconds:.2f} s for the next batch "
-                  f"(over {100 * INPUT_BOUND_SHARE:.0f}%): the input, a {kind}, is the limit, not the devices. "
+                  f"(over {100 * INPUT_BOUND_SHARE:.0f}%): the input ({kind}) is the limit, not the devices. "
                   f"To feed them faster, {input_advice(kind)}. (Said once per fit; mx.utilisation(model) has "
                   "every epoch's figures.)", InputBoundWarning, stacklevel=2)
     return True
