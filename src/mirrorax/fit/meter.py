@@ -4,8 +4,8 @@ Per dispatch the loop (:mod:`mirrorax.fit.loop`) waits in two places: for its ne
 for an earlier step to finish. :class:`EpochMeter` reads the clock around both (a few clock reads a dispatch);
 the rest of the wall time is the host's own work (the dispatch, the hooks, placing the batch). The devices'
 time per step is taken on idle devices now and then (a *probe*: the window drained before a dispatch, the
-step waited for right after it; at each epoch's dispatch 2, 5, 11, 23, ..., so a few a epoch and the least
-disturbed kept). Compilation (JAX's compile events) is left out of every figure.
+step waited for right after it; at dispatches 2, 5 and 11 of a fit's first epoch and at dispatch 5 of each
+later one, the least disturbed kept). Compilation (JAX's compile events) is left out of every figure.
 
 :class:`FitMeter` holds a fit's records (one :class:`~mirrorax.fit.utilisation.Utilisation` per epoch, read
 with ``mx.utilisation``), hands each epoch's figures to the progress line and the callbacks, says once when an
@@ -43,8 +43,9 @@ if TYPE_CHECKING:
 
 __all__ = ["EpochMeter", "FitMeter", "compile_seconds", "figures_enabled"]
 
-#: An epoch's first dispatch (0-based) timed on idle devices; the next at twice that plus one, and so on.
-FIRST_PROBE = 2
+#: The dispatches (0-based) timed on idle devices: in a fit's first epoch, in each later one. A probe costs the
+#: overlap of one step with the host's work: a few in an epoch of hundreds of steps cost nothing measurable.
+PROBES_FIRST, PROBES_LATER = (2, 5, 11), (5,)
 #: Dispatches at one step each that "auto" measures its costs on (after WARM_UP more).
 MEASURE = 16
 WARM_UP = 2
@@ -241,7 +242,7 @@ class EpochMeter(EpochHook):
     def __init__(self, fit: FitMeter, run: EpochRun, epoch: int) -> None:
         self.fit, self.run, self.epoch = fit, run, epoch
         self.dispatches = 0
-        self.next_probe = FIRST_PROBE
+        self.probe_at = PROBES_LATER if fit.records else PROBES_FIRST
         self.read = 0.0  # in the input's next() (the loop's thread, or the prefetcher's)
         self.placed_wait = 0.0  # in the placed batches' next()
         self.waited = 0.0  # for earlier steps (the window) and the probes
@@ -294,8 +295,7 @@ class EpochMeter(EpochHook):
                 close()
 
     def before_step(self, run: EpochRun) -> Outcome | None:
-        if self.dispatches == self.next_probe:
-            self.next_probe = 2 * self.next_probe + 1
+        if self.dispatches in self.probe_at:
             t = time.perf_counter()
             run.window.drain()
             self.waited += time.perf_counter() - t
