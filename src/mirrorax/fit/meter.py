@@ -5,7 +5,7 @@ for an earlier step to finish. :class:`EpochMeter` reads the clock around both (
 the rest of the wall time is the host's own work (the dispatch, the hooks, placing the batch). The devices'
 time per step is taken on idle devices now and then (a *probe*: the window drained before a dispatch, the
 step waited for right after it; at dispatches 2, 5 and 11 of a fit's first epoch and at dispatch 5 of each
-later one, the least disturbed kept). Compilation (JAX's compile events) is left out of every figure.
+later one, the median of the newest kept). Compilation (JAX's compile events) is left out of every figure.
 
 :class:`FitMeter` holds a fit's records (one :class:`~mirrorax.fit.utilisation.Utilisation` per epoch, read
 with ``mx.utilisation``), hands each epoch's figures to the progress line and the callbacks, says once when an
@@ -19,8 +19,8 @@ at the chosen ``k`` to see that it pays (:func:`~mirrorax.fit.auto_steps.keeps_p
 
 from __future__ import annotations
 
-import math
 import os
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -46,6 +46,9 @@ __all__ = ["EpochMeter", "FitMeter", "compile_seconds", "figures_enabled"]
 #: The dispatches (0-based) timed on idle devices: in a fit's first epoch, in each later one. A probe costs the
 #: overlap of one step with the host's work: a few in an epoch of hundreds of steps cost nothing measurable.
 PROBES_FIRST, PROBES_LATER = (2, 5, 11), (5,)
+#: The probes kept per steps per dispatch: their median is the devices' time (on a shared host one probe may
+#: find the devices quicker, or slower, than the steps around it do).
+KEEP_PROBES = 7
 #: Dispatches at one step each that "auto" measures its costs on (after WARM_UP more).
 MEASURE = 16
 WARM_UP = 2
@@ -115,7 +118,7 @@ class FitMeter:
         self.fixed = steps_per_execution
         self.auto = AutoSteps(lead_groups=prefetch + 2) if auto else None
         self.group: int | Callable[[int], int] = self.auto.group if self.auto is not None else steps_per_execution
-        self.probes: dict[int, float] = {}  # steps per dispatch -> least device seconds per step measured
+        self.probes: dict[int, list[float]] = {}  # steps per dispatch -> the newest probes' device seconds a step
         self.warned = False
         self.batch_bytes: float | None = None  # one step's batch on one device
         self.phase = "measure" if auto else "settled"  # then "verify" a fused k, "settled"; or "deferred"
@@ -129,7 +132,7 @@ class FitMeter:
             self.auto, self.one_step, self.compile_cost = previous.auto, previous.one_step, previous.compile_cost
             # A choice put off because the fit was too short to pay for a compile is looked at again.
             self.phase = "measure" if previous.phase == "deferred" else previous.phase
-            self.group, self.probes = self.auto.group, dict(previous.probes)
+            self.group, self.probes = self.auto.group, {k: list(v) for k, v in previous.probes.items()}
             self.earlier_steps = previous.earlier_steps + sum(u.steps for u in previous.records)
 
     def epoch(self, run: EpochRun, epoch: int) -> EpochMeter | None:
@@ -158,7 +161,9 @@ class FitMeter:
         return u
 
     def note_probe(self, k: int, seconds: float) -> None:
-        self.probes[k] = min(self.probes.get(k, math.inf), seconds / k)
+        kept = self.probes.setdefault(k, [])
+        kept.append(seconds / k)
+        del kept[:-KEEP_PROBES]
 
     def note_batch(self, k: int, batch: Batch) -> None:
         leaves = jax.tree.leaves((batch.x, batch.y, batch.sample_weight, batch.mask))
@@ -168,7 +173,7 @@ class FitMeter:
         """The devices' seconds per step at ``k`` steps per dispatch (the nearest ``k`` measured)."""
         if not self.probes:
             return None
-        return self.probes[min(self.probes, key=lambda m: abs(m - k))]
+        return statistics.median(self.probes[min(self.probes, key=lambda m: abs(m - k))])
 
     # -- "auto" ------------------------------------------------------------------------------------------
     def feed(self, run: EpochRun, epoch: int, k: int, wall: float, read: float, waited: float) -> None:
@@ -196,7 +201,7 @@ class FitMeter:
         w, auto = self.window, self.auto
         assert auto is not None
         costs = Costs(call=max(w.wall - w.read - w.wait, 0.0) / w.dispatches, read=w.read / w.steps,
-                      device=self.probes[1])
+                      device=statistics.median(self.probes[1]))
         left = None
         if run.total:
             left = run.total - run.in_epoch + max(self.epochs - epoch - 1, 0) * run.total
