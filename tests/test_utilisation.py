@@ -21,10 +21,8 @@ import pytest
 from helpers import assert_weights_close, strategy
 
 import mirrorax as mx
-from mirrorax.fit import meter, utilisation
-from mirrorax.fit.auto_steps import MAX_STEPS, AutoSteps, Costs, choose_steps, keeps_paying
-from mirrorax.inputs.batch import Batch
-from mirrorax.inputs.prefetch import device_batches
+
+# (The modules under test are imported in each test: on the code before them each test fails on its own.)
 
 pytestmark = pytest.mark.multi_device
 
@@ -48,6 +46,8 @@ def _tiny(seed: int = 3, **compile_kwargs) -> keras.Model:
 # -- "auto": the choice, a pure function of measured costs --------------------------------------------------
 
 def test_auto_fuses_where_the_host_is_the_limit_and_not_where_the_devices_are():
+    from mirrorax.fit.auto_steps import MAX_STEPS, Costs, choose_steps, keeps_paying
+
     # Costs of the order measured on this CPU with 4 simulated devices: a trivial step costs the host ~400 us a
     # dispatch and the devices ~35 us; a large one (a wide MLP at a large batch) the devices ~80 ms.
     trivial = Costs(call=400e-6, read=10e-6, device=35e-6)
@@ -64,6 +64,8 @@ def test_auto_fuses_where_the_host_is_the_limit_and_not_where_the_devices_are():
 
 
 def test_auto_changes_k_only_past_every_batch_the_grouping_may_have_read():
+    from mirrorax.fit.auto_steps import AutoSteps
+
     a = AutoSteps(lead_groups=2)  # a prefetch thread 0 ahead: the loop's next group, and one more
     assert [a.group(i) for i in (0, 17, 1000)] == [1, 1, 1]
     a.switch(8, dispatched=20)  # 20 batches dispatched at k=1: the grouping has read at most 2 groups more
@@ -75,6 +77,9 @@ def test_auto_changes_k_only_past_every_batch_the_grouping_may_have_read():
 
 
 def test_a_group_size_by_batch_index_groups_the_same_batches_in_order():
+    from mirrorax.inputs.batch import Batch
+    from mirrorax.inputs.prefetch import device_batches
+
     mesh = strategy(2)
 
     def batch(i):
@@ -107,6 +112,8 @@ class _Executions(keras.callbacks.Callback):
 
 def _force_auto(monkeypatch, k: int = 4):
     """"auto" decides ``k`` and keeps it, whatever this machine's timings are."""
+    from mirrorax.fit import meter
+
     monkeypatch.setattr(meter, "choose_steps", lambda costs, **kwargs: k)
     monkeypatch.setattr(meter, "keeps_paying", lambda one, fused: True)
 
@@ -134,6 +141,8 @@ def test_auto_trains_as_one_step_per_dispatch_and_calls_batch_hooks_per_executio
 
 @pytest.mark.slow  # four fits
 def test_autos_choice_waits_for_fits_long_enough_and_holds_for_the_next_of_the_same_batch(monkeypatch):
+    from mirrorax.fit import meter
+
     # Fusing pays for its compile only over 50 steps here: the trainer's first fit of 40 batches is too short
     # (the choice is put off), its second counts the first's steps too and fuses, its third fuses from its start.
     monkeypatch.setattr(meter, "choose_steps", lambda costs, remaining_steps=None, **kw:
@@ -215,12 +224,16 @@ def test_without_a_peak_the_line_has_no_mfu_and_the_history_no_figures():
                                         ("NVIDIA H100 PCIe", 756e12), ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12),
                                         ("NVIDIA A100-SXM4-40GB", 312e12), ("a chip of next year", None)])
 def test_the_peak_of_a_device_kind(kind, want):
+    from mirrorax.fit import utilisation
+
     device = types.SimpleNamespace(platform="tpu" if kind.startswith("TPU") else "gpu", device_kind=kind)
     assert utilisation.peak_flops(device) == want
     assert utilisation.peak_flops(jax.devices()[0]) is None  # the CPU: no MFU
 
 
 def test_a_bad_peak_setting_and_a_bad_steps_per_execution_say_what_they_received(monkeypatch):
+    from mirrorax.fit import utilisation
+
     monkeypatch.setenv("MIRRORAX_PEAK_TFLOPS", "fast")
     with pytest.raises(ValueError, match="MIRRORAX_PEAK_TFLOPS must be a positive number .* received 'fast'"):
         utilisation.peak_flops(jax.devices()[0])
@@ -317,3 +330,25 @@ def test_a_py_dataset_with_workers_is_read_ahead_by_them_in_keras_order(processe
     assert len(set(one)) == 1 and len(one) == len(many) == 2 * 24 + 1  # (+ the batch read to build the model)
     readers = {pid for pid, _ in many} if processes else {thread for _, thread in many}
     assert len(readers) > 2 and (not processes or str(os.getpid()) in readers)
+
+
+@pytest.mark.multi_process
+@pytest.mark.slow  # two processes
+@pytest.mark.timeout(240)
+def test_on_two_processes_process_0s_choice_is_every_processs(tmp_path):
+    """Each process of a 2 x 2 job is made to choose another k (4 and 8): they dispatch process 0's, the job
+    finishes, and its numbers are one process's at one step per dispatch."""
+    from jobs import auto_steps
+    from jobs.procs import clean_env, launcher, python, run_all
+
+    cmd = launcher("--nprocs", "2", "--cpu-devices-per-proc", "2", "--failure-timeout", "20", "--",
+                   *python("tests/jobs/auto_steps.py"))
+    codes, outs, _ = run_all([cmd], [clean_env(MP_OUT=str(tmp_path))], timeout=180)
+    assert codes[0] == 0, outs[0]
+    ranks = [dict(np.load(tmp_path / f"auto{r}.npz")) for r in range(2)]
+    assert ranks[0]["k"].tolist() == ranks[1]["k"].tolist() == [4, 4]
+    want = auto_steps.train(strategy(4))
+    for key in want:
+        np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
+        if key != "k":
+            np.testing.assert_allclose(ranks[0][key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
