@@ -80,16 +80,21 @@ def figures_enabled() -> bool:
 
 
 class _Window:
-    """Sums over the dispatches ``"auto"`` measures (each without a compile or a probe)."""
+    """The dispatches ``"auto"`` measures: all of them counted (``seen``, ``seen_steps``: when a window is full
+    depends on the dispatches alone, the same on every process), their times summed where no compile and no
+    probe took part (``dispatches``, ``steps``)."""
 
     def __init__(self) -> None:
-        self.dispatches = self.steps = 0
+        self.seen = self.seen_steps = self.dispatches = self.steps = 0
         self.wall = self.read = self.wait = 0.0
 
-    def add(self, k: int, wall: float, read: float, waited: float) -> None:
-        self.dispatches += 1
-        self.steps += k
-        self.wall, self.read, self.wait = self.wall + wall, self.read + read, self.wait + waited
+    def add(self, k: int, wall: float, read: float, waited: float, clean: bool) -> None:
+        self.seen += 1
+        self.seen_steps += k
+        if clean:
+            self.dispatches += 1
+            self.steps += k
+            self.wall, self.read, self.wait = self.wall + wall, self.read + read, self.wait + waited
 
 
 class FitMeter:
@@ -176,23 +181,24 @@ class FitMeter:
         return statistics.median(self.probes[min(self.probes, key=lambda m: abs(m - k))])
 
     # -- "auto" ------------------------------------------------------------------------------------------
-    def feed(self, run: EpochRun, epoch: int, k: int, wall: float, read: float, waited: float) -> None:
-        """One dispatch of ``k`` steps of epoch ``epoch`` (no compile, no probe) for ``"auto"``'s measurements;
-        decides when a window is full."""
+    def feed(self, run: EpochRun, epoch: int, k: int, wall: float, read: float, waited: float, clean: bool) -> None:
+        """One dispatch of ``k`` steps of epoch ``epoch`` for ``"auto"``'s measurements (``clean``: no compile or
+        probe in it: its times count); decides when a window is full."""
         auto = self.auto
         assert auto is not None
         if self.phase == "measure" and k == 1:
             if self.warm_up:
                 self.warm_up -= 1
                 return
-            self.window.add(k, wall, read, waited)
-            if self.window.dispatches >= MEASURE and 1 in self.probes:
+            self.window.add(k, wall, read, waited, clean)
+            if self.window.seen >= MEASURE and 1 in self.probes:
                 self._decide(run, epoch)
         elif self.phase == "verify" and k == auto.next_k:
-            self.window.add(k, wall, read, waited)
-            if self.window.steps >= VERIFY_STEPS and self.window.dispatches >= 2:
-                assert self.one_step is not None
-                keep, = self._agreed((int(keeps_paying(self.one_step, self.window.wall / self.window.steps)),), run)
+            w = self.window
+            w.add(k, wall, read, waited, clean)
+            if w.seen_steps >= VERIFY_STEPS and w.seen >= 2:
+                pays = self.one_step is None or not w.steps or keeps_paying(self.one_step, w.wall / w.steps)
+                keep, = self._agreed((int(pays),), run)
                 if not keep:
                     auto.switch(1, run.steps)
                 self.phase = "settled"
@@ -200,6 +206,8 @@ class FitMeter:
     def _decide(self, run: EpochRun, epoch: int) -> None:
         w, auto = self.window, self.auto
         assert auto is not None
+        if not w.dispatches:  # every dispatch compiled something: nothing measured (decided on process 0 anyway)
+            w.dispatches = w.steps = 1
         costs = Costs(call=max(w.wall - w.read - w.wait, 0.0) / w.dispatches, read=w.read / w.steps,
                       device=statistics.median(self.probes[1]))
         left = None
@@ -211,7 +219,7 @@ class FitMeter:
         k = choose_steps(costs, limit=limit, remaining_steps=None if left is None else left + self.earlier_steps,
                          compile_seconds=self.compile_cost)
         k, best = self._agreed((k, choose_steps(costs, limit=limit)), run)
-        self.one_step = w.wall / w.steps
+        self.one_step = w.wall / w.steps if w.wall else None
         self.window = _Window()
         if k > 1:
             auto.switch(k, run.steps)
@@ -321,8 +329,8 @@ class EpochMeter(EpochHook):
             read, waited = self.input_wait, self.waited
             if compiled > self.compile_mark:
                 fit.compile_cost = max(fit.compile_cost, compiled - self.compile_mark)
-            elif probed is None:
-                fit.feed(run, self.epoch, k, now - self.last, read - self.marks[0], waited - self.marks[1])
+            fit.feed(run, self.epoch, k, now - self.last, read - self.marks[0], waited - self.marks[1],
+                     clean=compiled <= self.compile_mark and probed is None)
             self.compile_mark, self.marks = compiled, (read, waited)
         self.last = now
         return None
