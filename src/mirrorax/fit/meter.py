@@ -126,6 +126,7 @@ class FitMeter:
         self.probes: dict[int, list[float]] = {}  # steps per dispatch -> the newest probes' device seconds a step
         self.warned = False
         self.batch_bytes: float | None = None  # one step's batch on one device
+        self.measuring = False
         self.phase = "measure" if auto else "settled"  # then "verify" a fused k, "settled"; or "deferred"
         self.warm_up = WARM_UP
         self.window = _Window()
@@ -139,6 +140,17 @@ class FitMeter:
             self.phase = "measure" if previous.phase == "deferred" else previous.phase
             self.group, self.probes = self.auto.group, {k: list(v) for k, v in previous.probes.items()}
             self.earlier_steps = previous.earlier_steps + sum(u.steps for u in previous.records)
+
+    @property
+    def phase(self) -> str:
+        """Where "auto" stands: ``"measure"``, ``"verify"`` (a fused k), ``"settled"``, ``"deferred"`` (to the next
+        fit); ``measuring`` says whether it measures (what the epoch's clock looks at each step)."""
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._phase = value
+        self.measuring = value in ("measure", "verify")
 
     def epoch(self, run: EpochRun, epoch: int) -> EpochMeter | None:
         """The meter of epoch ``epoch`` (``None``: figures off and no ``"auto"``)."""
@@ -262,7 +274,7 @@ class EpochMeter(EpochHook):
         self.threaded = False
         self.probing = False
         self.probe: float | None = None
-        self.start = self.last = self.placed_end = time.perf_counter()
+        self.start = self.last = time.perf_counter()
         self.compile_start = self.compile_mark = compile_seconds()
         self.marks = (0.0, 0.0)  # (input wait, window wait) at the previous after_step
         self.end: float | None = None
@@ -274,34 +286,39 @@ class EpochMeter(EpochHook):
     def reading(self, host: Iterator[Batch]) -> Iterator[Batch]:
         """``host``'s batches, timed."""
         clock = time.perf_counter
-        while True:
-            t = clock()
-            item = next(host, None)
+        t = clock()
+        for item in host:
             self.read += clock() - t
-            if item is None:
-                return
             yield item
+            t = clock()
+        self.read += clock() - t
 
     def placing(self, placed: Any) -> Iterator[tuple[int, Batch]]:
-        """``placed``'s ``(k, batch)`` items, timed; a probe's wait for the step just dispatched first."""
+        """``placed``'s ``(k, batch)`` items, timed; a probe's wait for the step just dispatched first.
+
+        (Per step: two clock reads here and one in :meth:`after_step`; the window's wait is summed as the
+        after-step times less the arrival times.)"""
         self.threaded = isinstance(placed, Prefetcher)
         it, clock = iter(placed), time.perf_counter
         try:
-            while True:
-                t = clock()
-                if self.probing:
-                    wait(self.run.aux)  # the step just dispatched, on devices the probe left idle
-                    self.probing, now = False, clock()
-                    self.probe, t = now - t, now
-                    self.waited += self.probe
-                item = next(it, None)
-                self.placed_end = clock()
-                self.placed_wait += self.placed_end - t
-                if item is None:
-                    return
-                if self.fit.batch_bytes is None:
-                    self.fit.note_batch(*item)
+            t = clock()
+            item = next(it, None)  # the first batch, read before the first dispatch
+            self.placed_wait += clock() - t
+            if item is not None:
+                self.fit.note_batch(*item)
+            while item is not None:
                 yield item
+                t = clock()  # (the step just dispatched)
+                if self.probing:
+                    wait(self.run.aux)  # ... on devices the probe left idle
+                    now = clock()
+                    self.probing, self.probe = False, now - t
+                    self.waited += now - t
+                    t = now
+                item = next(it, None)
+                end = clock()
+                self.placed_wait += end - t
+                self.waited -= end  # (+ after_step's time: the wait in the window)
         finally:
             close = getattr(placed, "close", None)
             if close is not None:
@@ -317,14 +334,19 @@ class EpochMeter(EpochHook):
 
     def after_step(self, run: EpochRun) -> Outcome | None:
         now = time.perf_counter()
-        self.waited += now - self.placed_end
+        self.waited += now
         self.dispatches += 1
-        k = run.steps - run.before
+        if self.probe is not None or self.fit.measuring:
+            self._note(run, now)
+        return None
+
+    def _note(self, run: EpochRun, now: float) -> None:
+        """A probe's time, and "auto"'s measurements (while it measures): what ``after_step`` does now and then."""
+        fit, k = self.fit, run.steps - run.before
         probed, self.probe = self.probe, None
         if probed is not None:
-            self.fit.note_probe(k, probed)
-        fit = self.fit
-        if fit.phase in ("measure", "verify"):
+            fit.note_probe(k, probed)
+        if fit.measuring:
             compiled = compile_seconds()
             read, waited = self.input_wait, self.waited
             if compiled > self.compile_mark:
@@ -333,7 +355,6 @@ class EpochMeter(EpochHook):
                      clean=compiled <= self.compile_mark and probed is None)
             self.compile_mark, self.marks = compiled, (read, waited)
         self.last = now
-        return None
 
     def stop(self) -> None:
         """The epoch's timed part ends (before validation)."""
