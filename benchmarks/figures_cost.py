@@ -7,7 +7,8 @@ So: Keras's ``Dense(10)`` on 2 inputs at a global batch of 8 on one CPU device, 
 ``--steps`` steps (one epoch), two trainers in one process, one with the figures and one without, alternating
 fits ABBA over ``--rounds`` rounds after a warm-up fit each. Reported: the median steps/s of each, the median of
 the per-round ratios, and the main thread's CPU time per step (the host's own work, which other processes'
-load moves least), with the machine's load average before and after.
+load moves least), with the machine's load average before and after; then the clock's own cost, its hooks and
+wrappers in a loop of no work (what a step pays that the noise of a shared host hides).
 
 Run: ``python -m benchmarks.figures_cost`` (about 2 minutes), ``--steps 8192 --rounds 20`` for a longer look.
 """
@@ -55,6 +56,40 @@ def _fit(trainer: Any, x: Any, y: Any, figures: bool) -> tuple[float, float]:
     return steps / (time.perf_counter() - wall), (time.thread_time() - cpu) / steps
 
 
+def clock_alone(steps: int = 200_000) -> float:
+    """The epoch's clock without a step: seconds a step that ``EpochMeter``'s hooks and wrappers add to a loop of
+    no work (the loop's own bookkeeping subtracted), the median of 5 runs."""
+    import types
+
+    from mirrorax.fit.epoch import EpochRun
+    from mirrorax.fit.meter import EpochMeter, FitMeter
+    from mirrorax.steps.dispatch import InFlight
+
+    device = types.SimpleNamespace(platform="cpu", device_kind="cpu")
+    strategy = types.SimpleNamespace(devices=[device], is_primary=True, process_count=1)
+    owner = type("Model", (), {})()  # what the records are kept for
+
+    def loop(metered: bool) -> float:
+        fit = FitMeter(owner, strategy, None, steps_per_execution=1, auto=False, prefetch=0, source=None, epochs=1)
+        run = EpochRun(None, InFlight(2))
+        meter = EpochMeter(fit, run, 0)
+        meter.probe_at = ()  # (a probe waits for a step: there is none here)
+        items = ((0, None) for _ in range(steps))
+        placed = meter.placing(meter.reading(items)) if metered else items
+        fit.note_batch = lambda *a: None  # type: ignore[method-assign]
+        start = time.perf_counter()
+        for _ in range(steps):
+            if metered:
+                meter.before_step(run)
+            next(placed, None)
+            run.before, run.steps = run.steps, run.steps + 1
+            if metered:
+                meter.after_step(run)
+        return (time.perf_counter() - start) / steps
+
+    return statistics.median(loop(True) - loop(False) for _ in range(5))
+
+
 def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
@@ -85,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  on/off: steps/s ratio {statistics.median(ratios):.4f} (median of the rounds' ratios; rounds "
           f"{min(ratios):.3f}-{max(ratios):.3f}), CPU a step {cpu[True] / cpu[False]:.4f}")
     print(f"  last on epoch: {on.utilisation[-1]}")
+    alone = clock_alone()
+    share = alone * statistics.median(s for s, _ in runs[False])
+    print(f"  the clock alone (a loop of no work): {1e6 * alone:.2f} us a step, {100 * share:.2f}% of this step "
+          "with the figures off")
     print(f"  load average (1, 5, 15 min) before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, after: "
           f"{after[0]:.2f} {after[1]:.2f} {after[2]:.2f}")
     return 0
