@@ -63,6 +63,22 @@ def test_auto_fuses_where_the_host_is_the_limit_and_not_where_the_devices_are():
     assert keeps_paying(400e-6, 60e-6) and not keeps_paying(400e-6, 390e-6)
 
 
+def test_measured_again_at_k_the_devices_per_dispatch_time_is_told_apart_and_a_larger_k_taken():
+    from mirrorax.fit.auto_steps import Costs, choose_steps, refine
+
+    # At k=1 a step took the devices 40 us; at k=8, 10 us a step: 34 of the 40 were the dispatch's (a launch, its
+    # completion), which fusing pays once per k too. The first choice (k=8 within 10% of the best the one-point
+    # costs said) was short of what the parted costs reach.
+    one = Costs(call=300e-6, read=5e-6, device=40e-6)
+    assert choose_steps(one) == 8
+    parted = refine(one, 8, call=330e-6, device=10e-6)
+    assert parted.device == pytest.approx(40e-6 / 7) and parted.device_call == pytest.approx(40e-6 - 40e-6 / 7)
+    assert parted.step_time(8) == pytest.approx(max(330e-6 / 8 + 5e-6, 10e-6))  # the line goes through both
+    assert choose_steps(parted, current=8) == 128
+    assert choose_steps(parted, current=128) == 128  # nothing beats the current k: it stays
+    assert choose_steps(Costs(call=300e-6, read=5e-6, device=50e-3), current=8) == 8
+
+
 def test_auto_changes_k_only_past_every_batch_the_grouping_may_have_read():
     from mirrorax.fit.auto_steps import AutoSteps
 

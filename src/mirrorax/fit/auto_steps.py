@@ -10,7 +10,10 @@ So a step at ``k`` takes about ``max(call / k + read, device)`` (host and device
 a pure function of three measured times (:func:`choose_steps`): the smallest power of two that brings the
 step within reach of what fusing cannot remove, when that pays at least :data:`MIN_GAIN` over ``k = 1``. After
 the switch the steps per second are measured again, and ``k`` is kept only while it pays
-(:func:`keeps_paying`). :class:`AutoSteps` holds the decision for a fit, as a schedule by batch index: the
+(:func:`keeps_paying`). The devices too spend time per dispatch (a launch, its completion), which a step
+measured at one step per dispatch counts as the step's: measured again at ``k``, the two points part what is
+paid per dispatch from what is paid per step, host's and devices' (:func:`refine`), and a larger ``k`` is
+taken where that pays. :class:`AutoSteps` holds the decision for a fit, as a schedule by batch index: the
 same decision on every process gives the same dispatches on every process.
 """
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["AutoSteps", "Costs", "MAX_STEPS", "MIN_GAIN", "choose_steps", "keeps_paying"]
+__all__ = ["AutoSteps", "Costs", "MAX_STEPS", "MIN_GAIN", "choose_steps", "keeps_paying", "refine"]
 
 #: The most steps one dispatch runs.
 MAX_STEPS = 128
@@ -37,24 +40,44 @@ class Costs:
     Attributes:
       call: the host's work per dispatch that fusing pays once per execution (dispatch, hooks, placement).
       read: the host's wait per step for the next batch from the input (paid per step, fused or not).
-      device: the devices' time per step.
+      device: the devices' time per step; device_call: theirs per dispatch (0: not told apart from ``device``).
     """
 
     call: float
     read: float
     device: float
+    device_call: float = 0.0
 
     def step_time(self, k: int) -> float:
         """The predicted seconds per step with ``k`` steps per dispatch (host and devices overlapping)."""
-        return max(self.call / k + self.read, self.device)
+        return max(self.call / k + self.read, self.device + self.device_call / k)
+
+
+def refine(one: Costs, k: int, call: float, device: float) -> Costs:
+    """``one`` (measured at one step per dispatch) told apart, with what a dispatch of ``k`` steps cost (``call``:
+    the host's work per dispatch; ``device``: the devices' time per step), into what is paid per dispatch and what
+    per step, host's and devices' (a line through the two points).
+
+    Example:
+      >>> c = refine(Costs(call=300e-6, read=5e-6, device=40e-6), 8, call=330e-6, device=10e-6)
+      >>> round(1e6 * c.device, 1), round(1e6 * c.device_call, 1)  # 40 us a step at k=1: 34 of it a dispatch's
+      (5.7, 34.3)
+    """
+    if k <= 1:
+        return one
+    host_step = max((call - one.call) / (k - 1), 0.0)
+    device_step = max((device * k - one.device) / (k - 1), 0.0)
+    return Costs(call=max(one.call - host_step, 0.0), read=one.read + host_step, device=device_step,
+                 device_call=max(one.device - device_step, 0.0))
 
 
 def choose_steps(costs: Costs, *, limit: int = MAX_STEPS, remaining_steps: int | None = None,
-                 compile_seconds: float = 0.0) -> int:
-    """The steps per dispatch for ``costs``: 1 where the devices (or the input) are the limit, else the smallest
-    power of two ``k <= limit`` whose predicted step time is within :data:`SLACK` of the best any ``k <= limit``
-    reaches, provided it beats one step per dispatch by :data:`MIN_GAIN` and, over ``remaining_steps`` (``None``:
-    many), saves more than twice ``compile_seconds`` (the new program's compile).
+                 compile_seconds: float = 0.0, current: int = 1) -> int:
+    """The steps per dispatch for ``costs``: ``current`` (1: one step per dispatch) where the devices (or the
+    input) are the limit, else the smallest power of two ``k <= limit`` whose predicted step time is within
+    :data:`SLACK` of the best any ``k <= limit`` reaches, provided it beats ``current`` by :data:`MIN_GAIN` and,
+    over ``remaining_steps`` (``None``: many), saves more than twice ``compile_seconds`` (the new program's
+    compile).
 
     Example:
       >>> choose_steps(Costs(call=300e-6, read=5e-6, device=20e-6))  # the host is the limit: fuse
@@ -63,16 +86,17 @@ def choose_steps(costs: Costs, *, limit: int = MAX_STEPS, remaining_steps: int |
       1
     """
     limit = max(1, int(limit))
-    one = costs.step_time(1)
+    one = costs.step_time(current)
     best = costs.step_time(limit)
     if one <= 0 or best >= one / (1 + MIN_GAIN):
-        return 1
+        return current
     k = 1
     while k < limit and costs.step_time(k) > best * (1 + SLACK):
         k *= 2
     k = min(k, limit)
-    if remaining_steps is not None and (one - costs.step_time(k)) * remaining_steps <= 2 * compile_seconds:
-        return 1
+    if k <= current or (remaining_steps is not None
+                        and (one - costs.step_time(k)) * remaining_steps <= 2 * compile_seconds):
+        return current
     return k
 
 

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from mirrorax.cluster import consistency
-from mirrorax.fit.auto_steps import MAX_STEPS, AutoSteps, Costs, choose_steps, keeps_paying
+from mirrorax.fit.auto_steps import MAX_STEPS, AutoSteps, Costs, choose_steps, keeps_paying, refine
 from mirrorax.fit.epoch import EpochHook, EpochRun, Outcome
 from mirrorax.fit.utilisation import Utilisation, device_memory, input_kind, peak_flops, record, warn_input_bound
 from mirrorax.inputs.prefetch import Prefetcher
@@ -130,12 +130,17 @@ class FitMeter:
         self.phase = "measure" if auto else "settled"  # then "verify" a fused k, "settled"; or "deferred"
         self.warm_up = WARM_UP
         self.window = _Window()
-        self.one_step: float | None = None  # seconds per step measured at one step per dispatch
+        self.one_step: float | None = None  # seconds per step measured at the k a fused k is checked against
+        self.one_costs: Costs | None = None  # the costs measured at one step per dispatch
+        self.fallback = 1  # the k to go back to if the k being checked does not pay
+        self.probe_wanted = False  # a probe at the k being checked, at its first dispatch
         self.compile_cost = 0.0  # the longest compile seen in one dispatch: what a new k's program may cost
         self.batch_size = batch_size
         self.earlier_steps = 0  # steps of the trainer's earlier fits of this batch: how long it trains, so far
         if auto and previous is not None and previous.auto is not None and previous.batch_size == batch_size:
             self.auto, self.one_step, self.compile_cost = previous.auto, previous.one_step, previous.compile_cost
+            self.one_costs, self.fallback = previous.one_costs, previous.fallback
+            self.probe_wanted = previous.probe_wanted
             # A choice put off because the fit was too short to pay for a compile is looked at again.
             self.phase = "measure" if previous.phase == "deferred" else previous.phase
             self.group, self.probes = self.auto.group, {k: list(v) for k, v in previous.probes.items()}
@@ -206,38 +211,69 @@ class FitMeter:
             if self.window.seen >= MEASURE and 1 in self.probes:
                 self._decide(run, epoch)
         elif self.phase == "verify" and k == auto.next_k:
-            w = self.window
-            w.add(k, wall, read, waited, clean)
-            if w.seen_steps >= VERIFY_STEPS and w.seen >= 2:
-                pays = self.one_step is None or not w.steps or keeps_paying(self.one_step, w.wall / w.steps)
-                keep, = self._agreed((int(pays),), run)
-                if not keep:
-                    auto.switch(1, run.steps)
-                self.phase = "settled"
+            self.window.add(k, wall, read, waited, clean)
+            if self.window.seen_steps >= VERIFY_STEPS and self.window.seen >= 2:
+                self._verify(run, epoch)
+
+    def _remaining(self, run: EpochRun, epoch: int) -> int | None:
+        """Steps left: this fit's, plus as many as the trainer's earlier fits of this batch ran (a loop of short
+        fits trains on); ``None``: epochs of unknown length."""
+        if not run.total:
+            return None
+        return run.total - run.in_epoch + max(self.epochs - epoch - 1, 0) * run.total + self.earlier_steps
 
     def _decide(self, run: EpochRun, epoch: int) -> None:
+        """The measure window is full: the first choice of k (a fit that cannot pay for the compile puts it off to
+        the next one)."""
         w, auto = self.window, self.auto
         assert auto is not None
         if not w.dispatches:  # every dispatch compiled something: nothing measured (decided on process 0 anyway)
             w.dispatches = w.steps = 1
         costs = Costs(call=max(w.wall - w.read - w.wait, 0.0) / w.dispatches, read=w.read / w.steps,
                       device=statistics.median(self.probes[1]))
-        left = None
-        if run.total:
-            left = run.total - run.in_epoch + max(self.epochs - epoch - 1, 0) * run.total
-        # Steps left: this fit's, plus as many as the trainer's earlier fits of this batch ran (a loop of short
-        # fits trains on); a fit that cannot pay for the compile puts the choice off to the next one.
         limit = self._limit(run.total)
-        k = choose_steps(costs, limit=limit, remaining_steps=None if left is None else left + self.earlier_steps,
+        k = choose_steps(costs, limit=limit, remaining_steps=self._remaining(run, epoch),
                          compile_seconds=self.compile_cost)
         k, best = self._agreed((k, choose_steps(costs, limit=limit)), run)
-        self.one_step = w.wall / w.steps if w.wall else None
+        self.one_costs, self.one_step = costs, (w.wall / w.steps if w.wall else None)
         self.window = _Window()
         if k > 1:
-            auto.switch(k, run.steps)
-            self.phase = "verify"
+            self._switch(k, 1, run)
         else:
             self.phase = "deferred" if best > 1 else "settled"
+
+    def _verify(self, run: EpochRun, epoch: int) -> None:
+        """The verify window at k is full: k is kept if it pays over the k before it (else that k again), and a
+        larger one taken where the costs told apart at both say it pays (:func:`refine`)."""
+        w, auto = self.window, self.auto
+        assert auto is not None
+        k = auto.next_k
+        measured = w.wall / w.steps if w.steps and w.wall else None
+        pays = self.one_step is None or measured is None or keeps_paying(self.one_step, measured)
+        further = k
+        if pays and measured is not None and k in self.probes and self.one_costs is not None:
+            costs = refine(self.one_costs, k, call=max(w.wall - w.read - w.wait, 0.0) / w.dispatches,
+                           device=statistics.median(self.probes[k]))
+            further = choose_steps(costs, limit=self._limit(run.total), remaining_steps=self._remaining(run, epoch),
+                                   compile_seconds=self.compile_cost, current=k)
+        keep, further = self._agreed((int(pays), further), run)
+        self.window = _Window()
+        if not keep:
+            auto.switch(self.fallback, run.steps)
+            self.phase = "settled"
+        elif further > k:
+            self.one_step = measured
+            self._switch(further, k, run)
+        else:
+            self.phase = "settled"
+
+    def _switch(self, k: int, fallback: int, run: EpochRun) -> None:
+        """To k steps a dispatch (``fallback`` if it does not pay), measured at k once the switch is reached, a
+        probe at k among its first dispatches."""
+        assert self.auto is not None
+        self.auto.switch(k, run.steps)
+        self.fallback, self.probe_wanted = fallback, True
+        self.phase = "verify"
 
     def _limit(self, total: int | None) -> int:
         """The most steps one dispatch may run: at most half an epoch, and stacked batches within a sixteenth of
@@ -325,12 +361,17 @@ class EpochMeter(EpochHook):
                 close()
 
     def before_step(self, run: EpochRun) -> Outcome | None:
-        if self.dispatches in self.probe_at:
+        if self.dispatches in self.probe_at or (self.fit.probe_wanted and self._at_switch(run)):
             t = time.perf_counter()
             run.window.drain()
             self.waited += time.perf_counter() - t
             self.probing = True
         return None
+
+    def _at_switch(self, run: EpochRun) -> bool:
+        """Whether the next dispatch is among the first of the k "auto" switched to (then probed)."""
+        auto = self.fit.auto
+        return auto is not None and (auto.switch_at is None or run.steps >= auto.switch_at)
 
     def after_step(self, run: EpochRun) -> Outcome | None:
         now = time.perf_counter()
@@ -346,6 +387,8 @@ class EpochMeter(EpochHook):
         probed, self.probe = self.probe, None
         if probed is not None:
             fit.note_probe(k, probed)
+            if fit.auto is not None and k == fit.auto.next_k:
+                fit.probe_wanted = False
         if fit.measuring:
             compiled = compile_seconds()
             read, waited = self.input_wait, self.waited
