@@ -210,7 +210,10 @@ def _read_ahead(data: Any, indices: Any, workers: int, processes: bool, ahead: i
                 pending.append(pool.apply_async(read, (following,)))
             yield item
     finally:
-        pool.terminate()
+        # Closed, not terminated: the reads still pending (at most ``ahead``) finish and the workers leave by
+        # themselves. A terminate signals them, and one that has not yet run its initializer still has fit's
+        # SIGTERM handler: it would not leave, and the join would wait for ever.
+        pool.close()
         pool.join()
 
 
