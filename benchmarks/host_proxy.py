@@ -42,7 +42,6 @@ import statistics
 import subprocess
 import sys
 import time
-from functools import partial
 from typing import Any
 
 BASELINE = {"strategy_jit": "flax_loop", "strategy_jit_donated": "flax_loop", "strategy_jit_arrays": "flax_loop",
@@ -89,15 +88,10 @@ def _nnx(system: str, x: Any, y: Any) -> Any:
             yield loader[i % len(loader)]
 
     if system == "flax_loop":  # Flax's benchmarks/nnx_simple_training.py, jax mode
+        from benchmarks.nnx_loops import flax_loop_step
+
         graphdef, state = nnx.split((model, optimizer, metrics))
-
-        @partial(jax.jit, donate_argnums=0)
-        def train_step_jax(state: Any, batch: Any) -> Any:
-            model, optimizer, metrics = nnx.merge(graphdef, state)
-            x, y = batch
-            train_step(model, optimizer, metrics, x, y)
-            return nnx.state((model, optimizer, metrics))
-
+        train_step_jax = flax_loop_step(graphdef, train_step)
         box = [state]
 
         def loop(n: int) -> None:

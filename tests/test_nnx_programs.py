@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import io
-import pathlib
 import warnings
 
 import jax
@@ -23,7 +21,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import changed_lines, strategy
+from helpers import EXAMPLES, changed_lines, example, strategy
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -32,15 +30,6 @@ import mirrorax as mx
 
 pytestmark = pytest.mark.multi_device
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
-
-
-def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"mirrorax_example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 # -- the JAX AI stack's miniGPT tutorial (examples/minigpt*.py) ------------------------------------------------
 MESHES = {1: (1, 1), 3: (3, 1), 4: (2, 2), 8: (4, 2)}  # the tutorial's 4 x 2 on 8 devices
@@ -48,7 +37,7 @@ MESHES = {1: (1, 1), 3: (3, 1), 4: (2, 2), 8: (4, 2)}  # the tutorial's 4 x 2 on
 
 def _minigpt(name: str, n: int, **kw) -> dict:
     with contextlib.redirect_stdout(io.StringIO()):  # (it prints the texts it generates, token by token)
-        return _example(name).main(jax.devices()[:n], mesh_shape=MESHES[n], **kw)
+        return example(name).main(jax.devices()[:n], mesh_shape=MESHES[n], **kw)
 
 
 def _gap(a: dict, b: dict) -> tuple[float, float]:

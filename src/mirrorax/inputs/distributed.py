@@ -83,7 +83,7 @@ class _Full:
     one such batch was seen: a later item of that signature needs no check, cut, copy or padding, and is placed
     by a :class:`~mirrorax.inputs.placement.RowsPlacer` (a loop of small steps pays the transfer alone)."""
 
-    __slots__ = ("treedef", "specs", "rows", "leaf", "_mesh", "_host", "_placed")
+    __slots__ = ("treedef", "specs", "rows", "leaf", "record", "_mesh", "_host", "_placed")
 
     def __init__(self, treedef: Any, leaves: list[np.ndarray], rows: int, mesh: BatchMesh, mask: np.ndarray,
                  num_real: np.ndarray) -> None:
@@ -92,6 +92,7 @@ class _Full:
         self.leaf = jax.tree_util.treedef_is_leaf(treedef)
         self._host = (mask, num_real)  # (shared constants: placed once, at the first placement)
         self._placed: tuple[RowsPlacer, jax.Array, jax.Array] | None = None
+        self.record: Any = None  # (what the pieces of its batches share: one record for them all)
 
     def match(self, item: Any) -> list[np.ndarray] | None:
         """``item``'s leaves if it has this signature, else ``None``."""
@@ -274,7 +275,7 @@ class DistributedDataset:
             signature = self._full
             assert signature is not None
             batch = signature.place(host)
-            remember_pieces(batch)
+            signature.record = remember_pieces(batch, signature.record)
             return batch.data if signature.leaf else batch
         assert isinstance(host, Batch)
         sharding = s.batch_sharding

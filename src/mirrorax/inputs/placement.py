@@ -61,11 +61,33 @@ def cached_put(a: np.ndarray, sharding: Any, put: Any) -> jax.Array:
 try:  # the transfer jax.device_put ends in, without its per-call Python (trees, avals, options)
     from jax._src.core import ShapedArray as _ShapedArray
     from jax._src.dispatch import ArrayCopySemantics as _CopySemantics
-    from jax._src.interpreters.pxla import batched_device_put as _batched_put
     from jax._src.interpreters.pxla import shard_args as _shard_args
+    from jax._src.lib import xla_client as _xc
 except ImportError:  # pragma: no cover - another JAX: device_put below
     _shard_args = None
-    _batched_put = None  # type: ignore[assignment]
+    _xc = None  # type: ignore[assignment]
+
+
+def _transfer() -> Any:
+    """``put(aval, sharding, shards, devices)``: JAX's own transfer of host shards into one global array, the
+    host buffer read until the copy completes. JAX's default lets the CPU client alias a host array instead
+    (zero copy), and a step's program then ran 13-18% slower on its inputs than on copies (measured on the
+    CPU proxy, benchmarks/host_proxy.py): what an accelerator does anyway (a host-to-device copy) is asked
+    here on every platform. ``None`` on a JAX without it (put_rows' other paths then)."""
+    put = getattr(_xc, "batched_device_put", None)
+    semantics = getattr(getattr(_xc, "HostBufferSemantics", None), "IMMUTABLE_UNTIL_TRANSFER_COMPLETES", None)
+    if put is None or semantics is None:  # pragma: no cover - another jaxlib
+        return None
+
+    def transfer(aval: Any, sharding: Any, shards: list[Any], devices: list[Any], copy: bool = True) -> Any:
+        if not copy:  # (JAX's default)
+            return put(aval, sharding, shards, devices, True)
+        return put(aval, sharding, shards, devices, True, False, semantics)
+
+    return transfer
+
+
+_batched_put = _transfer()
 
 
 def put_rows(leaves: list[Any], sharding: Any, process_count: int, axis: int = 0) -> list[jax.Array]:
@@ -115,21 +137,24 @@ class RowsPlacer:
     def __init__(self, specs: list[tuple[tuple[int, ...], Any]], sharding: Any) -> None:
         self._sharding = sharding
         self.dtypes = [np.dtype(d) for _, d in specs]  # (what each leaf must be given as)
-        self._items: list[tuple[Any, list[Any], tuple[Any, ...] | None]] = []
+        self._items: list[tuple[Any, list[Any], tuple[Any, ...] | None, bool]] = []
         for shape, dtype in specs:
             where = sharding.addressable_devices_indices_map(tuple(shape))
             devices, slices = list(where), tuple(where.values())
             whole = len(devices) == 1 and all(s == slice(None) for s in slices[0])
             aval = _ShapedArray(tuple(shape), np.dtype(dtype)) if _batched_put is not None else None
-            self._items.append((aval, devices, None if whole else slices))
+            # A slice that several devices hold (a batch split over some mesh axes only) is transferred as
+            # JAX's default does: this jaxlib refuses a copy read until done for a host buffer sent twice.
+            distinct = len({tuple((s.start, s.stop, s.step) for s in index) for index in slices}) == len(slices)
+            self._items.append((aval, devices, None if whole else slices, distinct))
 
     def __call__(self, leaves: list[np.ndarray]) -> list[jax.Array]:
         """Each leaf (a numpy array of its signature) as a global array laid out as the sharding says."""
         if _batched_put is None:  # pragma: no cover - a JAX without the transfer: device_put
             return list(jax.device_put(leaves, [self._sharding] * len(leaves)))
         sharding = self._sharding
-        return [_batched_put(aval, sharding, [a] if slices is None else [a[i] for i in slices], devices)
-                for a, (aval, devices, slices) in zip(leaves, self._items)]
+        return [_batched_put(aval, sharding, [a] if slices is None else [a[i] for i in slices], devices, copy)
+                for a, (aval, devices, slices, copy) in zip(leaves, self._items)]
 
 
 def to_global(batch: Batch, mesh: BatchMesh, *, stacked: bool = False) -> Batch:

@@ -24,7 +24,6 @@ a loop over full batches pays nothing per call.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -170,32 +169,45 @@ class _Record:
         self.full = not batch.has_padding
 
 
+class _PieceRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a piece that knows the piece's key (its ``id`` while it lived)."""
+
+    __slots__ = ("key",)
+    key: int
+
+
 # id(piece) -> (a weak reference to the piece, its batch's record); an entry leaves with its piece.
-_PIECES: dict[int, tuple[weakref.ref[Any], _Record]] = {}
+_PIECES: dict[int, tuple[_PieceRef, _Record]] = {}
 _padded = [0]  # how many pieces of padded batches live
 
 
-def _forget(key: int, ref: weakref.ref[Any]) -> None:
-    entry = _PIECES.get(key)
+def _forget(ref: _PieceRef) -> None:
+    entry = _PIECES.get(ref.key)
     if entry is not None and entry[0] is ref:
-        del _PIECES[key]
+        del _PIECES[ref.key]
         if not entry[1].full:
             _padded[0] -= 1
 
 
-def remember_pieces(batch: DistributedBatch) -> None:
-    """Remembers each array of ``batch.data`` as a piece of ``batch`` while it lives. A full batch's pieces
-    need nothing in a step (they are its real rows); they are remembered so that an array computed from them
-    is not taken for one of a padded batch's."""
-    record = _Record(batch)
+def remember_pieces(batch: DistributedBatch, record: _Record | None = None) -> _Record:
+    """Remembers each array of ``batch.data`` as a piece of ``batch`` while it lives, and returns the record its
+    pieces share. A full batch's pieces need nothing in a step (they are its real rows); they are remembered so
+    that an array computed from them is not taken for one of a padded batch's. ``record``: one made for an
+    earlier batch with the same mask, count and rows (a loop's full batches share it)."""
+    if record is None:
+        record = _Record(batch)
+    full = record.full
     for leaf in jax.tree.leaves(batch.data):
         key = id(leaf)
         old = _PIECES.get(key)
         if old is not None and not old[1].full:  # (an array given again, as another batch's piece)
             _padded[0] -= 1
-        _PIECES[key] = (weakref.ref(leaf, functools.partial(_forget, key)), record)
-        if not record.full:
+        ref = _PieceRef(leaf, _forget)
+        ref.key = key
+        _PIECES[key] = (ref, record)
+        if not full:
             _padded[0] += 1
+    return record
 
 
 def padded_pieces_alive() -> bool:
@@ -255,16 +267,19 @@ def gather_pieces(args: tuple[Any, ...]) -> Pieces | None:
     groups: dict[int, int] = {}  # id(record) -> its index in found
     found: list[tuple[_Record, list[Any]]] = []
     places: dict[int, tuple[int, int]] = {}
-    for i, leaf in enumerate(leaves):
-        record = piece_of(leaf)
-        if record is None:
-            continue
+
+    def join(i: int, leaf: Any, record: _Record) -> None:  # leaf i: a piece of record's batch
         k = groups.get(id(record))
         if k is None:
             k = groups[id(record)] = len(found)
             found.append((record, []))
         places[i] = (k, len(found[k][1]))
         found[k][1].append(leaf)
+
+    for i, leaf in enumerate(leaves):
+        record = piece_of(leaf)
+        if record is not None:
+            join(i, leaf, record)
     stray: list[int] = []
     alive: dict[int, bool] = {}  # rows of the batches with a piece alive -> whether all of them are padded
     records: dict[int, dict[int, _Record]] = {}  # rows -> the batches with a piece alive
@@ -277,22 +292,14 @@ def gather_pieces(args: tuple[Any, ...]) -> Pieces | None:
             continue
         matches = [k for k, (record, pieces) in enumerate(found) if _like(leaf, record, pieces[0].sharding)]
         if len(matches) == 1:
-            pieces = found[matches[0]][1]
-            places[i] = (matches[0], len(pieces))
-            pieces.append(leaf)
+            join(i, leaf, found[matches[0]][0])
         elif not matches and alive[shape[0]] and _split_rows(leaf):
             # Only padded batches of these rows live: it can be none but theirs. With one such batch alive it
             # is that batch's (computed from it in the loop: jnp.array(batch).T, x / 255); with several, it
             # cannot be told whose.
             same = records[shape[0]]
             if len(same) == 1:
-                (record,) = same.values()
-                k = groups.get(id(record))
-                if k is None:
-                    k = groups[id(record)] = len(found)
-                    found.append((record, []))
-                places[i] = (k, len(found[k][1]))
-                found[k][1].append(leaf)
+                join(i, leaf, next(iter(same.values())))
             else:
                 stray.append(i)
     names = _paths(args, stray) if stray else []

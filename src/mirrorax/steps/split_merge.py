@@ -291,9 +291,9 @@ def threaded(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` as a function of ``(structure, leaves, *args)`` (a :class:`Split`'s: each protocol's state as its
     leaves' list): the objects bound and handed to ``fn`` in their slots of ``args``; returns their new states'
     leaves and ``fn``'s outputs, in that order (XLA gives each donated leaf's buffer to the first output of its
-    shape: the new leaf, not a scalar output of the step's own). (Lists of leaves, not the states' own trees: a call flattens its
-    arguments and rebuilds its outputs each time, and a front-end's state tree, NNX's nested ``State``, costs
-    tens of microseconds a call to walk in Python; a list of arrays is walked in C.)"""
+    shape: the new leaf, not a scalar output of the step's own). (Lists of leaves, not the states' own trees: a
+    call flattens its arguments and rebuilds its outputs each time, and a front-end's state tree, NNX's nested
+    ``State``, costs tens of microseconds a call to walk in Python; a list of arrays is walked in C.)"""
     @functools.wraps(fn)
     def run(structure: _Structure, leaves: list[list[Any]], *args: Any) -> Any:
         kinds = protocols()

@@ -620,8 +620,8 @@ class StatefulFunction:
         if not held.unchanged():
             self._holds.remove(held)
             return MISSED
-        kinds = protocols()
-        rest = held.rest(args, lambda x: any(p.owns(x) for p in kinds))
+        # (the registered protocols are asked only of an argument that is no plain array, number or batch)
+        rest = held.rest(args, lambda x: any(p.owns(x) for p in protocols()))
         if rest is None:
             return MISSED
         self._check_not_in_tf_function()
@@ -632,9 +632,9 @@ class StatefulFunction:
         pieces = self._pieces(rest)
         function, run = self._function(held.donated, pieces is not None)
         new, out = function(held.structure, leaves, *self._rest(rest, pieces))
-        if held.structure in run.changed:  # (a batch of another shape whose trace adds a variable)
+        if run.changed and held.structure in run.changed:  # (a batch of another shape whose trace adds a variable)
             self._holds.remove(held)
-            _write_back(kinds, held.structure, held.objects(args), new, run.changed[held.structure])
+            _write_back(protocols(), held.structure, held.objects(args), new, run.changed[held.structure])
         else:
             held.write(new)
         return held.objects_back(out, args)
