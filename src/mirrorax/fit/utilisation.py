@@ -174,8 +174,8 @@ def utilisation(model_or_trainer: Any) -> list[Utilisation]:
 
     Example:
       >>> model.fit(x, y, epochs=2)
-      >>> [round(u.input_wait, 2) for u in mx.utilisation(model)]
-      [0.01, 0.01]
+      >>> len(mx.utilisation(model)), mx.utilisation(model)[-1].epoch  # one record per epoch
+      (2, 1)
     """
     model = getattr(model_or_trainer, "model", model_or_trainer)
     for obj in (model_or_trainer, model):
