@@ -118,7 +118,7 @@ class Plan:
 
 # mlp, cnn: chunks of 2,048 steps, a multiple of every k "auto" may choose (an epoch's last steps short of a
 # whole k run one a dispatch). The LM: 16 steps a chunk; "auto" decides after 18 dispatches of a fit, so
-# ``--steps 24`` or more lets it decide in one (the fit's set-up is then ~2-3% of a chunk of the LM).
+# ``--steps 24`` or more lets it decide in one (at 32 steps the fit's set-up is ~1.5-2.5% of an LM chunk).
 PLANS = {"mlp": Plan(2048, first_rounds=4), "mlp32": Plan(2048, first_rounds=4), "cnn": Plan(2048, first_rounds=4),
          "transformer": Plan(1000, bf16=True), "lm": Plan(16, warmup=2, bf16=True, alone=True)}
 SMOKE = {"mlp": Plan(4, rounds=2, warmup=1, first_rounds=2), "mlp32": Plan(4, rounds=2, warmup=1, settle=1),
