@@ -169,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f'  k=1: {res["one_step_figures"]}; auto: {res["auto_figures"]}')
     print(f"load average (1, 5, 15 min) before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, after: "
           + " ".join(f"{v:.2f}" for v in os.getloadavg()))
-    plot(results, os.path.join(out, "steps_per_execution.png"))
+    try:
+        plot(results, os.path.join(out, "steps_per_execution.png"))
+    except ImportError:  # (a machine without matplotlib: the plot is drawn elsewhere with --plot)
+        print(f"wrote {out}/results.json; no matplotlib here: draw the plot with --plot {out}/results.json")
+        return 0
     print(f"wrote {out}/results.json and steps_per_execution.png")
     return 0
 
