@@ -165,6 +165,29 @@ def test_accelerator_table_cpu_smoke(tmp_path):
     assert "| guide | 8 | @strategy.jit |" in table and "| guide | 8 | mx.Trainer |" in table
 
 
+def test_accelerator_auto_systems_cpu_smoke(tmp_path):
+    """The table's ``steps_per_execution="auto"`` systems (``mx.Trainer`` and ``model.fit`` under a scope) on the
+    MLP at batch 32 (the test above runs the hand loop): fitted until "auto" settles (here at most one chunk),
+    then timed; each timed fit's own figures (its printed MFU, k, busy and input shares) set beside the table's
+    MFU."""
+    proc = subprocess.run(python("-m", "benchmarks.accelerator", "--cpu-smoke", "--workloads", "mlp32",
+                                 "--systems", "mirrorax_auto,keras_scope_auto", "--peak-tflops", "1",
+                                 "--process-rounds", "1", "--out", str(tmp_path)),
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    rows = result["summary"]["mlp32"]
+    assert sorted(rows) == ["keras_scope_auto", "mirrorax_auto"]
+    assert all(r["batch"] == 32 and r["steps"] == 4 for r in result["runs"])
+    for s in ("mirrorax_auto", "keras_scope_auto"):
+        r = rows[s]
+        assert r["ks"] == [1] and r["settle_calls"] == 1 and r["samples_per_s"] > 0, (s, r)
+        assert r["fit_mfu"] > 0 and r["chunk_mfu"] > 0 and r["xla_flops_ratio"] > 0 and r["time_ratio"] > 0.5
+        assert 0 <= r["input_wait"] <= 1
+    table = (tmp_path / "results.md").read_text()
+    assert table.count('| mlp32 | Trainer.fit, "auto" |') == 2 and "| printed MFU | benchmark MFU |" in table
+
+
 def test_gpu_script_names_the_systems_when_one_is_unknown(capsys):
     from benchmarks import gpu_h200
 
