@@ -202,6 +202,22 @@ def flax_loop_step(graphdef: Any, train_step: Any) -> Any:
     return train_step_jax
 
 
+def functional_step(jit: Any, train_step: Any) -> Any:
+    """Flax's guide "Performance considerations"'s functional loop's step, as the guide writes it: ``jit`` (``jax.jit``,
+    or ``strategy.jit`` in its port) over ``jax_train_step(graphdef, state, x, y)`` returning ``loss, state``, nothing
+    donated; ``train_step(model, optimizer, metrics, x, y)`` the step's body."""
+    from flax import nnx
+
+    @jit
+    def jax_train_step(graphdef: Any, state: Any, x: Any, y: Any) -> Any:
+        model, optimizer, metrics = nnx.merge(graphdef, state)
+        loss = train_step(model, optimizer, metrics, x, y)
+        state = nnx.state((model, optimizer, metrics))
+        return loss, state
+
+    return jax_train_step
+
+
 class System:
     """One loop on one workload: ``call(n)`` trains ``n`` steps and returns when the state is ready."""
 
@@ -234,13 +250,7 @@ class System:
             strategy = mx.MirroredStrategy(devices=devices, max_in_flight=max_in_flight)
             jit = jax.jit if name == "flax_functional" else strategy.jit
             graphdef, state = nnx.split((model, optimizer, metrics))
-
-            @jit
-            def jax_train_step(graphdef: Any, state: Any, x: Any, y: Any) -> Any:
-                model, optimizer, metrics = nnx.merge(graphdef, state)
-                loss = train_step(model, optimizer, metrics, x, y)
-                return loss, nnx.state((model, optimizer, metrics))
-
+            jax_train_step = functional_step(jit, train_step)
             box = [state]
             feed = batches if name == "flax_functional" else strategy.experimental_distribute_dataset(batches)
             stream = [iter(feed)]
