@@ -266,20 +266,19 @@ def test_a_fit_lost_mid_epoch_resumes_from_its_snapshot_on_another_device_count(
 
 
 def test_the_restart_line_names_the_lost_and_the_steps_lost(monkeypatch):
-    monkeypatch.setattr(snapshot, "_roster", ["ray-a", "ray-c", "ray-d"])
-    monkeypatch.setattr(jax, "process_count", lambda: 3)  # a job of 3 processes (this one is one of them)
-    monkeypatch.delenv(snapshot.LOST_ENV, raising=False)
+    here = ["ray-a", "ray-c", "ray-d"]  # a job of 3 processes, one node each
+    monkeypatch.delenv(_restarts.LOST_ENV, raising=False)
     facts = {"reached": 44, "group": {"processes": 4, "devices": 8, "nodes": ["ray-a", "ray-b", "ray-c", "ray-d"]}}
-    assert snapshot.restart_line("fit 2", "snapshot step 40 (epoch 2, batch 4)", 40, facts, 6) == (
+    assert _restarts.restart_line("fit 2", "snapshot step 40 (epoch 2, batch 4)", 40, facts, 6, 3, here) == (
         "mirrorax: elastic restart: fit 2 continues on 3 processes (6 devices) from snapshot step 40 (epoch 2, batch "
         "4); the job had 4 processes (8 devices); lost: process 1 (its node ray-b left); 4 steps lost (it had reached "
         "step 44).")
-    monkeypatch.setenv(snapshot.LOST_ENV, "process 1 (slot 1: killed by signal SIGKILL)")  # mirrorax launch's words
-    told = snapshot.restart_line("'loop'", "snapshot step 40", 40, facts, 6)
+    monkeypatch.setenv(_restarts.LOST_ENV, "process 1 (slot 1: killed by signal SIGKILL)")  # mirrorax launch's words
+    told = _restarts.restart_line("'loop'", "snapshot step 40", 40, facts, 6, 3, here)
     assert "lost: process 1 (slot 1: killed by signal SIGKILL); 4 steps lost" in told
-    monkeypatch.delenv(snapshot.LOST_ENV)
+    monkeypatch.delenv(_restarts.LOST_ENV)
     grown = {"reached": 12, "group": {"processes": 2, "devices": 4, "nodes": ["ray-a", "ray-c"]}}
-    assert snapshot.restart_line("fit 1", "snapshot step 12", 12, grown, 6) == (
+    assert _restarts.restart_line("fit 1", "snapshot step 12", 12, grown, 6, 3, here) == (
         "mirrorax: elastic restart: fit 1 continues on 3 processes (6 devices) from snapshot step 12; the job had 2 "
         "processes (4 devices); 0 steps lost (it had reached step 12).")
 

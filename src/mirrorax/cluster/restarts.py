@@ -5,20 +5,24 @@ that fails restarts on the same slots (``--max-restarts``); with ``--min-nprocs 
 that failed :data:`SLOT_FAILURES` times keeps failing (a bad device, a host that kills it) and the group
 restarts without it, as long as ``M`` are left. The restarted processes resume from the newest snapshot
 (``MIRRORAX_SNAPSHOT_DIR``, made here for the launch and removed when it ends) or checkpoint, and are told
-which process the last group lost (``MIRRORAX_ELASTIC_LOST``): ``fit`` says it in its restart line.
+which process the last group lost (``MIRRORAX_ELASTIC_LOST``): ``fit`` says it in its restart line
+(:func:`restart_line`, from plain facts: the processes, the job before, the steps reached).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import shutil
 import socket
 import sys
 import tempfile
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["DIR_ENV", "LOST_ENV", "SECONDS_ENV", "STEPS_ENV", "node_name", "Restarts", "SLOT_FAILURES", "SLOT_ENV",
-           "default_max_restarts"]
+           "default_max_restarts", "restart_line"]
 
 DIR_ENV = "MIRRORAX_SNAPSHOT_DIR"  # each node's snapshots go under it (mirrorax launch and Ray set it)
 LOST_ENV = "MIRRORAX_ELASTIC_LOST"  # set by mirrorax launch for a restarted group: what the last one lost
@@ -94,3 +98,31 @@ def default_max_restarts(nprocs: int, min_nprocs: int) -> int:
     drop (each after :data:`SLOT_FAILURES` failures) plus one more."""
     return 0 if min_nprocs >= nprocs else SLOT_FAILURES * (nprocs - min_nprocs) + 1
 
+
+
+def restart_line(what: str, where: str, step: int, facts: dict[str, Any], devices: int, processes: int,
+                 nodes: Sequence[str]) -> str:
+    """A restart in one line: ``what`` (``"fit 2"``, ``"loop"``) continues on the job as it is now (``processes``
+    processes on ``devices``, the node of each in ``nodes``) from ``where``; the job before (``facts["group"]``:
+    its ``processes``, ``devices`` and ``nodes``), which processes it lost (told by ``mirrorax launch``:
+    ``MIRRORAX_ELASTIC_LOST``; else the processes whose node left), the steps lost (from step ``step`` back from
+    ``facts["reached"]``)."""
+    n = processes
+    parts = [f"mirrorax: elastic restart: {what} continues on {n} process{'es' if n != 1 else ''} ({devices} devices) "
+             f"from {where}"]
+    before, lost = facts.get("group") or {}, os.environ.get(LOST_ENV, "")
+    if before:
+        was = int(before.get("processes", 0))
+        parts.append(f"the job had {was} process{'es' if was != 1 else ''} ({before.get('devices', '?')} devices)")
+        here = set(nodes)
+        gone = [p for p, node in enumerate(before.get("nodes", [])) if node not in here]
+        if not lost and gone:
+            lost = ", ".join(f"process {p} (its node {before['nodes'][p]} left)" for p in gone)
+        elif not lost and was > n:
+            lost = f"{was - n} process(es)"
+    if lost:
+        parts.append(f"lost: {lost}")
+    reached = int(facts.get("reached", -1))
+    if reached >= step:
+        parts.append(f"{reached - step} step{'s' if reached - step != 1 else ''} lost (it had reached step {reached})")
+    return "; ".join(parts) + "."

@@ -26,8 +26,9 @@ from typing import Any
 import jax
 
 from mirrorax.checkpoint.resume import Saver
-from mirrorax.checkpoint.snapshot import Snapshots, configured, restart_line
+from mirrorax.checkpoint.snapshot import Snapshots, configured, nodes
 from mirrorax.cluster import preemption
+from mirrorax.cluster.restarts import restart_line
 from mirrorax.fit.epoch import EpochHook, EpochRun, Outcome
 
 __all__ = ["FitSnapshots", "SnapshotHook", "ReachedHook"]
@@ -99,7 +100,7 @@ class FitSnapshots:
             held = self.snapshots.last_held
             facts = {"reached": held.get("reached", -1), "group": held.get("group") if kind == "snapshot" else None}
             line = restart_line(f"fit {self.ordinal}", f"{kind} step {step} (epoch {epoch + 1}, batch {batch})", step,
-                                facts, devices)
+                                facts, devices, jax.process_count(), nodes())
         preemption.announce(line, jax.process_index() == 0)
 
 
