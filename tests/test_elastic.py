@@ -286,23 +286,50 @@ def test_the_restart_line_names_the_lost_and_the_steps_lost(monkeypatch):
 def test_the_launcher_leaves_out_a_slot_that_keeps_failing(tmp_path):
     env: dict[str, str] = {}
     r = _restarts.Restarts(4, 2, _restarts.default_max_restarts(4, 2), env)
+    sigkill = "killed by signal SIGKILL"
     try:
         assert r.max_restarts == 5 and os.path.isdir(env[snapshot.DIR_ENV])
-        assert r.after_failure(1, "killed by signal SIGKILL") == "restarting the group of 4"
+        assert r.after_failure([(1, sigkill, -9)]) == "restarting the group of 4"
         assert r.env(1) == {"MIRRORAX_SLOT": "1", _snapshot_io.LOST_ENV: "process 1 (slot 1: killed by signal SIGKILL)"}
-        assert r.after_failure(1, "killed by signal SIGKILL") == (
+        assert r.after_failure([(1, sigkill, -9)]) == (
             "slot 1 failed 2 times: restarting on the 3 process(es) left (--min-nprocs 2)")
         assert r.slots == [0, 2, 3] and r.env(1)["MIRRORAX_SLOT"] == "2" and "left out" in r.lost
-        r.after_failure(0, "exit code 1")
-        assert r.after_failure(0, "exit code 1").startswith("slot 0 failed 2 times: restarting on the 2")
-        r.after_failure(0, "exit code 1")  # at --min-nprocs: the same slots again
-        assert r.after_failure(0, "exit code 1") == "restarting the group of 2" and r.slots == [2, 3]
+        r.after_failure([(0, "exit code 1", 1)])
+        assert r.after_failure([(0, "exit code 1", 1)]).startswith("slot 0 failed 2 times: restarting on the 2")
+        assert r.after_failure([(1, "exit code 143: preempted", 143)]) == "restarting the group of 2"  # not counted
+        assert r.after_failure([(1, "exit code 143: preempted", 143)]) == "restarting the group of 2"
+        assert r.after_failure([(0, "exit code 1", 1)]) == "restarting the group of 2" and r.slots == [2, 3]
+        # At --min-nprocs, a slot that keeps failing cannot be left out: the job stops, saying why.
+        assert r.after_failure([(0, "exit code 1", 1)]) is None and r.slots == [2, 3]
+        assert r.stopped == ("fewer than --min-nprocs 2 healthy processes remain: 1 (slot 3); slot 2 failed 2 times (a "
+                             "slot that fails 2 times is left out). Lower --min-nprocs to go on with fewer processes")
+        assert r.attempts == 9 and r.used_up().startswith("restarts used up: the group failed 9 times, and "
+                                                          "--max-restarts 5 allows no more.")
     finally:
         made = env[snapshot.DIR_ENV]
         r.close()
     assert not os.path.exists(made)
     assert _restarts.default_max_restarts(4, 4) == 0
     assert _restarts.Restarts(4, 4, 0, env := {}).made is None and env == {}
+
+
+def test_several_slots_failing_together_are_each_counted_and_never_a_survivor():
+    """Issue 57: slots 1, 2 and 3 fail together in every attempt under --min-nprocs 2: each is counted (slot 0,
+    which never failed, is not), and at their second failure 1 healthy slot is left: the job stops, saying so."""
+    r = _restarts.Restarts(4, 2, 5, {})
+    sigkill = "killed by signal SIGKILL"
+    together = [(1, sigkill, -9), (2, sigkill, -9), (3, sigkill, -9)]
+    assert r.after_failure(together) == "restarting the group of 4"
+    assert r.lost == ("process 1 (slot 1: killed by signal SIGKILL) and process 2 (slot 2: killed by signal SIGKILL) "
+                      "and process 3 (slot 3: killed by signal SIGKILL)")
+    assert r.after_failure(together) is None and r.slots == [0, 1, 2, 3]
+    assert r.stopped.startswith("fewer than --min-nprocs 2 healthy processes remain: 1 (slot 0); slots 1, 2, 3 "
+                                "failed 2 times each"), r.stopped
+    kept = _restarts.Restarts(4, 2, 5, {})
+    assert kept.after_failure(together[:2]) == "restarting the group of 4"
+    assert kept.after_failure(together[:2]) == (
+        "slots 1, 2 failed 2 times each: restarting on the 2 process(es) left (--min-nprocs 2)")
+    assert kept.slots == [0, 3]
 
 
 def test_a_ray_train_worker_reads_its_job_from_rays_context(monkeypatch, tmp_path):

@@ -199,9 +199,43 @@ def test_max_restarts_restarts_the_whole_group_on_a_fresh_port():
     assert len(ports) == 3, out
 
 
-def test_restarts_exhausted_returns_the_failure():
+def test_restarts_exhausted_returns_the_failure_and_the_last_line_says_so():
     code, out, _ = _launch(_child("import sys; sys.exit(5)"), 2, max_restarts=1)
     assert code == 5 and out.count("failed (exit code 5)") == 2, out
+    assert out.splitlines()[-1] == (
+        "mirrorax launch: stopped: restarts used up: the group failed 2 times, and --max-restarts 1 allows no more. "
+        "Raise --max-restarts to try again more times; exit status 5."), out
+
+
+def test_the_survivor_of_three_lost_peers_is_never_named_nor_left_out():
+    """Issue 57, as measured: under --min-nprocs 2, slots 1, 2 and 3 are SIGKILLed together in every attempt;
+    slot 0, a survivor that (as JAX's notifier does) outlives the launcher's SIGTERM, raises the collective's
+    error in its own words ("mirrorax: process 0 of 4 failed with ... Connection closed by peer") and leaves 1.5 s
+    later. Slot 0 is never named nor left out; after the second attempt 1 healthy slot is left, and the last line
+    says that the job stopped for it, with the count and the flag."""
+    code, out, _ = _launch(_child("""
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(1.0)
+        rank = os.environ["MIRRORAX_PROCESS_ID"]
+        if os.environ["MIRRORAX_SLOT"] != "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.05)
+        print(f"mirrorax: process {rank} of 4 failed with XlaRuntimeError: INTERNAL: Gloo AllGather failed: "
+              "Connection closed by peer [127.0.0.1]:4567; leaving now so that the other processes stop too.",
+              flush=True)
+        time.sleep(1.5)
+        sys.exit(1)"""), 4, min_nprocs=2)
+    said = [x for x in out.splitlines() if x.startswith("mirrorax launch:")]
+    assert code == 128 + signal.SIGKILL, out
+    assert not [x for x in said if "rank 0 " in x or "slot 0 " in x], said
+    assert said[0].startswith("mirrorax launch: rank 1 failed (killed by signal SIGKILL); ranks 2, 3 failed (killed by "
+                              "signal SIGKILL) too; stopped the other 1 process(es)."), said
+    assert said[-1].startswith(
+        "mirrorax launch: stopped: fewer than --min-nprocs 2 healthy processes remain: 1 (slot 0); slots 1, 2, 3 "
+        "failed 2 times each (a slot that fails 2 times is left out). Lower --min-nprocs to go on with fewer "
+        "processes; exit status 137."), said
+    assert out.splitlines()[-1] == said[-1] and len(said) == 4, said  # 2 reports, 1 restart, the end
 
 
 def test_ctrl_c_on_the_launcher_stops_every_child(tmp_path):

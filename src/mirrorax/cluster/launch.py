@@ -38,6 +38,7 @@ import time
 from collections.abc import Mapping, Sequence, Set
 from typing import IO, Any
 
+import mirrorax.cluster.verdict as verdict
 import mirrorax.cluster.watchdog as _watchdog
 from mirrorax._checks import check_int
 from mirrorax.cluster.discovery import accelerators_present
@@ -61,14 +62,6 @@ MAX_NPROCS = 1024
 WATCHDOG_EXIT_CODE = 124
 # Lines of a C++ stack trace (absl's "Check failure stack trace"): kept out of the report's tail.
 _TRACE = re.compile(r"^\s*@\s+0x[0-9a-fA-F]+\s|^\*\*\* Check failure stack trace")
-_OWN = re.compile(r"mirrorax: process (\d+) of \d+ failed with")
-_NAMED = re.compile(r"mirrorax: process (\d+) of \d+ failed \(")
-# What a process prints when it dies only because a peer it was exchanging data with went away (gloo
-# aborts the survivor within milliseconds of a SIGKILLed peer, often inside the same poll interval).
-_PEER_LOST = re.compile(r"gloo::|[Cc]onnection (closed|reset) by peer|collective mismatch|Broken pipe")
-#: The signals a survivor dies by when a peer it exchanged data with went away: gloo and XLA abort it, or its
-#: collective crashes on the closed connection (a segfault, seen when a peer is SIGKILLed mid-step).
-_SURVIVOR_SIGNALS = frozenset({-signal.SIGABRT, -signal.SIGSEGV, -signal.SIGBUS})
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -215,6 +208,7 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
     base = dict(os.environ if env is None else env)
     restarts = Restarts(nprocs, min_nprocs, max_restarts, base)
     group = _Group(cmd, nprocs, base, cpu_devices_per_proc, failure_timeout, grace, out, watchdog, restarts)
+    code, why = 1, ""
     try:
         with _forward_signals(group):
             for attempt in range(max_restarts + 1):
@@ -222,9 +216,19 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
                 code = group.run(port if port is not None else free_port(), attempt)
                 if code == 0 or group.interrupted:
                     return code
-                if attempt < max_restarts:
-                    plan = restarts.after_failure(*group.failure)
-                    group.say(f"{plan} (restart {attempt + 1} of {max_restarts})")
+                if attempt == max_restarts:
+                    why = restarts.used_up() if max_restarts else ""
+                    break
+                plan = restarts.after_failure(group.failures)
+                if plan is None:
+                    why = restarts.stopped
+                    break
+                group.say(f"{plan} (restart {attempt + 1} of {max_restarts})")
+        if why:  # the last line: why the job ends unfinished, and how to go on from where it was
+            kept = restarts.keep()
+            resume = (f" Its snapshots are kept in {kept}: run again with MIRRORAX_SNAPSHOT_DIR={kept} to resume from "
+                      "the newest." if kept else "")
+            group.say(f"stopped: {why}; exit status {code}.{resume}")
         return code
     finally:
         restarts.close()
@@ -245,7 +249,8 @@ class _Group:
                  restarts: Restarts | None = None) -> None:
         self.cmd, self.nprocs, self.env, self.cpu_devices = cmd, nprocs, env, cpu_devices
         self.restarts = restarts
-        self.failure: tuple[int | None, str] = (None, "")  # the rank the last attempt's report named, and how
+        # The processes that failed first in the last attempt: rank, how (in words) and exit status (None: stopped).
+        self.failures: list[tuple[int, str, int | None]] = []
         self.failure_timeout, self.term_grace, self.out = failure_timeout, term_grace, out
         self.grace = min(2.0, failure_timeout / 4)
         self.verbose = verbose(env)
@@ -289,7 +294,7 @@ class _Group:
             shutil.rmtree(self.progress_dir, ignore_errors=True)
 
     def _run(self, port: int, attempt: int) -> int:
-        self.failure = (None, "")
+        self.failures = []
         tails: list[collections.deque[str]] = [collections.deque(maxlen=TAIL_LINES) for _ in range(self.nprocs)]
         self.children, readers = [], []
         self.capture = [None] * self.nprocs
@@ -328,7 +333,7 @@ class _Group:
             return self.end_stuck(*stuck, readers, tails)
         # A process stopped (SIGSTOP, Ctrl-Z, a debugger) answers nothing; seen now, before it is killed.
         frozen = {r for r, c in enumerate(self.children) if c.poll() is None and _state(c.pid) in ("T", "t")}
-        if failed is not None and (failed[1] > 0 or failed[1] in _SURVIVOR_SIGNALS):
+        if failed is not None and (failed[1] > 0 or failed[1] in verdict.SURVIVOR_SIGNALS):
             # A process that raised exits 1; the others usually leave by themselves within a second, naming the
             # process that failed first (mirrorax.cluster.failure); let them, so that the report can name the right
             # rank.
@@ -336,7 +341,7 @@ class _Group:
             # may reach us a moment after it (through a wrapper process, a later reap), and it is the one to name.
             self.wait_for(self.children, SETTLE_SECONDS)
         own = [c.poll() for c in self.children]
-        self.stop_all()
+        during = self.stop_all()
         for reader in readers:
             reader.join(timeout=2.0)
         if self.interrupted is not None:
@@ -344,27 +349,43 @@ class _Group:
             return 128 + self.interrupted
         if failed is None:
             return 0
-        rank = _root_cause(tails, _first_failed(own, failed[0], self.lost), frozen)
-        own_code = own[rank]  # None while it runs, 0 once it ended cleanly
-        code = own_code if own_code else failed[1]
-        if own_code:
-            what = f"failed ({_describe(own_code)})"
-        elif own_code == 0:  # it left by itself, status 0 (sys.exit(0) in a callback): never "stopped by us"
-            said = _own_words(tails[rank])
-            what = f"exited (status 0{': ' + said if said else ''}) while the others still trained"
-            code = 1
-        elif rank in frozen:
-            what = ("stopped answering (its process was stopped: SIGSTOP, Ctrl-Z or a debugger; the others "
-                    "gave up on it when its heartbeats stopped)")
-        elif rank in _unhealthy(tails):
-            what = "stopped answering (it stopped sending heartbeats; the others gave up on it)"
-        else:
-            what = "failed (stopped by the launcher)"
+        # A death by an outside signal while the others were being stopped (several processes killed together
+        # reach the launcher a few polls apart) is a failure of its own; a SIGTERM or SIGINT then was ours.
+        seen = [o if o is not None or d is None or d in (0, -signal.SIGTERM, -signal.SIGINT) or d > 0 else d
+                for o, d in zip(own, during)]
+        found = verdict.causes(seen, tails, self.lost, verdict.first_failed(own, failed[0], self.lost), frozen)
+        unhealthy = verdict.unhealthy(tails)
+        hows = {r: self._how(r, seen[r], tails[r], frozen, unhealthy) for r in found}
+        rank = found[0]
+        what, code = hows[rank]
+        code = code if code is not None else failed[1]
+        self.failures = [(r, hows[r][0].removeprefix("failed (").removesuffix(")"), seen[r]) for r in found]
+        also = ""
+        if len(found) > 1:
+            others = found[1:]
+            also = (f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
+                    f"{' and '.join(dict.fromkeys(hows[r][0] for r in others))} too")
         tail = "".join(f"    {line}\n" for line in tails[rank]) or "    (no output)\n"
-        self.failure = (rank, what.removeprefix("failed (").removesuffix(")"))
-        self.say(f"rank {rank} {what}; stopped the other {self.nprocs - 1} process(es). "
+        self.say(f"rank {rank} {what}{also}; stopped the other {self.nprocs - len(found)} process(es). "
                  f"Last lines of rank {rank}:\n{tail.rstrip()}")
         return 128 - code if code < 0 else code
+
+    @staticmethod
+    def _how(rank: int, code: int | None, tail: Sequence[str], frozen: Set[int], unhealthy: Set[int]
+             ) -> tuple[str, int | None]:
+        """How ``rank`` failed, in words, and its exit status (``None``: it ran until the launcher stopped it;
+        a status 0 while the others trained counts as 1)."""
+        if code:
+            return f"failed ({verdict.describe(code)})", code
+        if code == 0:  # it left by itself, status 0 (sys.exit(0) in a callback): never "stopped by us"
+            said = verdict.own_words(tail)
+            return f"exited (status 0{': ' + said if said else ''}) while the others still trained", 1
+        if rank in frozen:
+            return ("stopped answering (its process was stopped: SIGSTOP, Ctrl-Z or a debugger; the others "
+                    "gave up on it when its heartbeats stopped)"), None
+        if rank in unhealthy:
+            return "stopped answering (it stopped sending heartbeats; the others gave up on it)", None
+        return "failed (stopped by the launcher)", None
 
     def end_stuck(self, rank: int, why: str, readers: Sequence[threading.Thread],
                   tails: Sequence[collections.deque[str]]) -> int:
@@ -389,7 +410,7 @@ class _Group:
             where = "Its Python stack (every thread, most recent call first):\n" + "\n".join(f"    {x}" for x in shown)
         else:
             where = f"Last lines of rank {rank}:\n" + ("\n".join(f"    {x}" for x in tails[rank]) or "    (no output)")
-        self.failure = (rank, why)
+        self.failures = [(rank, why, code)]
         self.say(f"rank {rank} {why}; stopped all {self.nprocs} processes. {where.rstrip()}")
         if code is not None:  # it exited by itself: its status, but never 0 (the job did not finish)
             return (128 - code if code < 0 else code) or 1
@@ -425,7 +446,7 @@ class _Group:
                 when = "at the second signal" if self.hurry else f"{self.term_grace:g} s after SIGTERM (--grace)"
                 what, code = f"was still running {when}: killed", 128 + signal.SIGKILL
             else:
-                what, code = f"failed after SIGTERM ({_describe(codes[rank])})", codes[rank]
+                what, code = f"failed after SIGTERM ({verdict.describe(codes[rank])})", codes[rank]
             tail = "".join(f"    {line}\n" for line in tails[rank]) or "    (no output)\n"
             self.say(f"rank {rank} {what}. Last lines of rank {rank}:\n{tail.rstrip()}")
             return 128 - code if code < 0 else code
@@ -452,7 +473,7 @@ class _Group:
     def _show(self, rank: int, line: str | None, tail: collections.deque[str]) -> None:
         if line is None:
             return
-        if _PEER_LOST.search(line):  # before the tail: every line a tail shows is counted here
+        if verdict.peer_lost(line):  # before the tail: every line a tail shows is counted here
             self.lost.add(rank)
         if not _TRACE.match(line):
             tail.append(line)
@@ -467,18 +488,21 @@ class _Group:
         while any(c.poll() is None for c in children) and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    def stop_all(self) -> None:
+    def stop_all(self) -> list[int | None]:
         """Stops every live child's process group: SIGINT after Ctrl-C (a chance to clean up), SIGTERM
         after a failure, then SIGKILL after the grace period (JAX's preemption notifier catches SIGTERM,
-        and a process blocked in a collective cannot run Python handlers)."""
+        and a process blocked in a collective cannot run Python handlers). Returns each child's status just
+        before the SIGKILL (``None``: still running)."""
         live = [c for c in self.children if c.poll() is None]
         first = signal.SIGINT if self.interrupted else signal.SIGTERM
         for child in live:
             _signal_group(child, first)
         self.wait_for(live, INTERRUPT_GRACE_SECONDS if self.interrupted else self.grace)
+        before = [c.poll() for c in self.children]
         for child in self.children:
             _signal_group(child, signal.SIGKILL)  # also reaps grandchildren left in the group
             child.wait()
+        return before
 
 
 class _Progress:
@@ -578,47 +602,6 @@ def _die_with(launcher: int, cmd: Sequence[str]) -> list[str]:
     return [sys.executable, "-S", "-c", _DIE_WITH, str(launcher), *cmd]
 
 
-def _root_cause(tails: Sequence[Sequence[str]], first: int, frozen: Set[int] = frozenset()) -> int:
-    """The rank that failed first, from what the processes said: a process that raised says
-    "mirrorax: process K of N failed with ...", the others "mirrorax: process K of N failed (...)" and JAX's
-    heartbeat "The following tasks are unhealthy ...:" with K on the next line. A stopped (frozen)
-    process comes after one that raised: it says nothing, and the heartbeat names it."""
-    own, named = None, None
-    for tail in tails:
-        lines = list(tail)
-        for i, line in enumerate(lines):
-            if (m := _OWN.search(line)) and own is None:
-                own = int(m.group(1))
-            elif (m := _NAMED.search(line)) and named is None:
-                named = int(m.group(1))
-            elif "tasks are unhealthy" in line and named is None and i + 1 < len(lines):
-                ids = re.findall(r"\d+", lines[i + 1])
-                named = int(ids[0]) if ids else None
-    for rank in (own, min(frozen, default=None), named):
-        if rank is not None and 0 <= rank < len(tails):
-            return rank
-    return first
-
-
-def _own_words(tail: Sequence[str]) -> str:
-    """What a process said of its own failure ("mirrorax: process K of N failed with X; leaving ..." -> X)."""
-    for line in tail:
-        if _OWN.search(line):
-            return line.partition(" failed with ")[2].partition("; leaving now")[0]
-    return ""
-
-
-def _unhealthy(tails: Sequence[Sequence[str]]) -> set[int]:
-    """The ranks JAX's heartbeat declared dead ("The following tasks are unhealthy ...:" then the ids)."""
-    found: set[int] = set()
-    for tail in tails:
-        lines = list(tail)
-        for i, line in enumerate(lines[:-1]):
-            if "tasks are unhealthy" in line:
-                found.update(int(x) for x in re.findall(r"\d+", lines[i + 1]))
-    return found
-
-
 def _state(pid: int) -> str:
     """The one-letter state of a process (``R``, ``S``, ``T`` stopped, ...) from ``/proc``; ``""`` if unknown."""
     try:
@@ -626,32 +609,6 @@ def _state(pid: int) -> str:
             return f.read().rpartition(")")[2].split()[0]  # after "pid (comm)": comm may hold spaces
     except (OSError, IndexError):
         return ""
-
-
-def _first_failed(codes: Sequence[int | None], first: int, lost: Set[int]) -> int:
-    """Among the ranks that exited non-zero by themselves: the first killed by a signal a survivor does not die
-    by (SIGKILL, SIGTERM: nothing is killed so because a peer died, while gloo and XLA abort a survivor or crash
-    it in the collective, and the two deaths can land in the same poll); else the first whose output never said
-    that it lost a peer (``lost``: every line is looked at, as a stack dump after the line can push it out of the
-    tail), one that exited with an error before one that crashed; ``first`` (the first failure seen) when every
-    one of them said so."""
-    for rank, code in enumerate(codes):
-        if code is not None and code < 0 and code not in _SURVIVOR_SIGNALS:
-            return rank
-    for exited in (True, False):
-        for rank, code in enumerate(codes):
-            if code not in (None, 0) and rank not in lost and (code > 0) == exited:
-                return rank
-    return first
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}" + (": preempted" if code == PREEMPTED_EXIT_CODE else "")
 
 
 def _signal_group(child: subprocess.Popen[bytes], sig: signal.Signals) -> None:

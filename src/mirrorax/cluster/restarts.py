@@ -21,6 +21,8 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from mirrorax.cluster.preemption import PREEMPTED_EXIT_CODE
+
 __all__ = ["DIR_ENV", "LOST_ENV", "SECONDS_ENV", "STEPS_ENV", "node_name", "Restarts", "SLOT_FAILURES", "SLOT_ENV",
            "default_max_restarts", "restart_line"]
 
@@ -58,39 +60,78 @@ class Restarts:
 
     def __init__(self, nprocs: int, min_nprocs: int, max_restarts: int, env: dict[str, str]) -> None:
         self.slots = list(range(nprocs))
-        self.min_nprocs, self.max_restarts = min_nprocs, max_restarts
+        self.nprocs, self.min_nprocs, self.max_restarts = nprocs, min_nprocs, max_restarts
         self.failures: collections.Counter[int] = collections.Counter()
+        self.attempts = 1  # the groups started so far
         self.made: str | None = None  # the snapshot directory made for this launch (removed at its end)
         self.lost = ""  # what the last attempt lost, for the next one's processes
+        self.stopped = ""  # why the job cannot go on (after_failure returned None)
         if max_restarts and not env.get(DIR_ENV):
             self.made = tempfile.mkdtemp(prefix="mirrorax-snapshots-")
             env[DIR_ENV] = self.made
 
-    def after_failure(self, rank: int | None, how: str) -> str:
-        """Process ``rank`` of the last attempt failed (``how``: its words); returns what the launcher says about
-        the next attempt, and sets :attr:`lost` (what the children are told)."""
-        if rank is None or not 0 <= rank < len(self.slots):
-            self.lost = ""
+    def after_failure(self, failed: Sequence[tuple[int, str, int | None]]) -> str | None:
+        """The processes ``failed`` (rank, how in words, exit status) failed first in the last attempt (the others
+        only followed them: never counted); returns what the launcher says about the next attempt, or ``None``
+        when the job cannot go on (:attr:`stopped` says why). Sets :attr:`lost` (what the children are told).
+
+        With ``min_nprocs`` below ``nprocs``, every slot that failed :data:`SLOT_FAILURES` times is left out; when
+        that would leave fewer than ``min_nprocs`` slots, the job stops. A preempted process (its status
+        ``PREEMPTED_EXIT_CODE``) is restarted, never counted against its slot.
+        """
+        failed = [f for f in failed if 0 <= f[0] < len(self.slots)]
+        self.attempts += 1
+        for rank, _, code in failed:
+            if code != PREEMPTED_EXIT_CODE:
+                self.failures[self.slots[rank]] += 1
+        keeps = [s for s in self.slots if self.failures[s] >= SLOT_FAILURES] if self.min_nprocs < self.nprocs else []
+        said = []
+        for rank, how, _ in failed:
+            slot = self.slots[rank]
+            said.append(f"process {rank} (slot {slot}: {how})"
+                        + (f", its failure {self.failures[slot]}: left out" if slot in keeps else ""))
+        self.lost = " and ".join(said)
+        if not keeps:
             return f"restarting the group of {len(self.slots)}"
-        slot = self.slots[rank]
-        self.failures[slot] += 1
-        self.lost = f"process {rank} (slot {slot}: {how})"
-        if self.failures[slot] >= SLOT_FAILURES and len(self.slots) > self.min_nprocs:
-            self.slots = [s for s in self.slots if s != slot]
-            self.lost += f", its failure {self.failures[slot]}: left out"
-            return (f"slot {slot} failed {self.failures[slot]} times: restarting on the {len(self.slots)} "
-                    f"process(es) left (--min-nprocs {self.min_nprocs})")
-        return f"restarting the group of {len(self.slots)}"
+        healthy = [s for s in self.slots if s not in keeps]
+        # (Each reached SLOT_FAILURES at this failure: one left out earlier is no longer among the slots.)
+        which = f"{_slots(keeps)} failed {SLOT_FAILURES} times{' each' if len(keeps) > 1 else ''}"
+        if len(healthy) < self.min_nprocs:
+            left = f"{len(healthy)} ({_slots(healthy)})" if healthy else "none"
+            self.stopped = (f"fewer than --min-nprocs {self.min_nprocs} healthy processes remain: {left}; {which} (a "
+                            f"slot that fails {SLOT_FAILURES} times is left out). Lower --min-nprocs to go on with "
+                            "fewer processes")
+            return None
+        self.slots = healthy
+        return f"{which}: restarting on the {len(self.slots)} process(es) left (--min-nprocs {self.min_nprocs})"
+
+    def used_up(self) -> str:
+        """Why the job stops when its last allowed attempt failed."""
+        return (f"restarts used up: the group failed {self.attempts} times, and --max-restarts {self.max_restarts} "
+                "allows no more. Raise --max-restarts to try again more times")
 
     def env(self, rank: int) -> dict[str, str]:
         """What the process of ``rank`` is told besides the job: its slot and what the last group lost."""
         return {SLOT_ENV: str(self.slots[rank]), LOST_ENV: self.lost}
 
+    def keep(self) -> str | None:
+        """The job stops unfinished: the snapshot directory made for it is kept if it holds any snapshot (returned,
+        for a rerun to resume from: ``MIRRORAX_SNAPSHOT_DIR``), else removed."""
+        made = self.made
+        if made is not None and any(files for _, _, files in os.walk(made)):
+            self.made = None
+            return made
+        return None
+
     def close(self) -> None:
-        """Removes the snapshot directory made for this launch."""
+        """Removes the snapshot directory made for this launch (unless :meth:`keep` kept it)."""
         if self.made is not None:
             shutil.rmtree(self.made, ignore_errors=True)
             self.made = None
+
+
+def _slots(slots: Sequence[int]) -> str:
+    return f"slot{'s' if len(slots) != 1 else ''} {', '.join(map(str, slots))}"
 
 
 def default_max_restarts(nprocs: int, min_nprocs: int) -> int:
