@@ -448,6 +448,25 @@ def test_launch_min_nprocs_finishes_on_the_processes_left_with_the_same_numbers(
     assert_same_numbers(_results(tmp_path), uninterrupted)
 
 
+@pytest.mark.slow
+@pytest.mark.multi_process
+@pytest.mark.timeout(300)
+def test_launch_with_three_of_four_slots_dying_in_every_attempt_stops_and_says_why():
+    """Issue 57 on real JAX processes (tests/jobs/psum.py, gloo on loopback): slots 1, 2 and 3 SIGKILL themselves
+    at their 5th all-reduce in every attempt under --min-nprocs 2; slot 0, blocked in the collective, is never
+    named nor left out, and the last line says that the job stopped because 1 healthy process is left."""
+    proc = subprocess.run(launcher("--nprocs", "4", "--min-nprocs", "2", "--cpu-devices-per-proc", "2", "--",
+                                   *python(str(SCRIPTS / "psum.py"))),
+                          env=clean_env(MP_FAIL="kill:", MP_FAIL_SLOTS="1,2,3"), cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=280)
+    said = [x for x in proc.stdout.splitlines() if x.startswith("mirrorax launch:")]
+    assert proc.returncode == 137, proc.stdout[-4000:]
+    assert not [x for x in said if "rank 0 " in x or "slot 0 " in x], said
+    assert said[-1].startswith("mirrorax launch: stopped: fewer than --min-nprocs 2 healthy processes remain: 1 (slot "
+                               "0); slots 1, 2, 3 failed 2 times each"), said
+    assert proc.stdout.splitlines()[-1] == said[-1]
+
+
 def restart_lines(out: str) -> list[str]:
     """The restart lines of a job's output, without a prefix (``[rank 0] ``, Ray's ``(RayTrainWorker ...)``), each
     once (Ray's driver shows a worker's line twice: from its log and from its stream)."""
