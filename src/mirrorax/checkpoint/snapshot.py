@@ -30,7 +30,6 @@ import contextlib
 import itertools
 import json
 import os
-import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -43,6 +42,7 @@ from mirrorax.checkpoint import snapshot_io as io
 from mirrorax.checkpoint.snapshot_io import DIR_ENV, LOST_ENV, SECONDS_ENV, STEPS_ENV, SnapshotError, node_name
 from mirrorax.cluster.consistency import broadcast_from
 from mirrorax.cluster.join import coordination_client
+from mirrorax.cluster.preemption import announce
 from mirrorax.cluster.restarts import restart_line
 from mirrorax.cluster.watchdog import in_checkpoint, waiting_for_peers
 
@@ -348,8 +348,7 @@ class Snapshots:
             devices = max((len(a.sharding.device_set) for _, a in named), default=0)
             line = restart_line(f"{self.name!r}", f"snapshot step {step}", step, meta, devices, jax.process_count(),
                                 nodes())
-            if jax.process_index() == 0:
-                print(line, file=sys.stderr, flush=True)
+            announce(line, jax.process_index() == 0)
         return step, jax.tree.unflatten(treedef, leaves), meta
 
     def _checked(self, step: int, named: list[tuple[str, Any]]
