@@ -370,6 +370,77 @@ def test_a_ray_train_worker_reads_its_job_from_rays_context(monkeypatch, tmp_pat
     assert ray_train.job_from_ray() is None and not ray_train.in_ray_worker()
 
 
+def test_below_the_minimum_a_run_that_trained_says_what_it_waits_for_and_ends_at_its_deadline():
+    """Issue 57: mirrorax.cluster.ray_wait on the controller's states (as its callback sees them). Before the first
+    group the wait is said, not bounded; after a loss below min_workers it is said once, with the minimum and the
+    room there is, and ends at the deadline (not before), with a message that says nothing is lost and how to
+    resume; room again (or a running group) resets it."""
+    from mirrorax.cluster import ray_wait
+
+    alive = [{"Alive": True, "Resources": {"CPU": 1.0, "mx_worker": 1.0}} for _ in range(4)]
+    nodes = list(alive)
+    wait = ray_wait.WaitForWorkers(3, 4, {"CPU": 1.0, "mx_worker": 1.0}, deadline_s=60)
+    assert wait.observe("InitializingState", lambda: nodes[:2], 0.0).endswith(
+        "the cluster's live nodes have room for 2. The run starts when there is room (its first group has not "
+        "started).")
+    assert wait.observe("InitializingState", lambda: nodes[:2], 1000.0) is None  # not bounded before it trained
+    assert wait.observe("RunningState", lambda: nodes, 1001.0) is None
+    nodes[1] = nodes[2] = {"Alive": False, "Resources": alive[1]["Resources"]}  # two nodes removed
+    said = wait.observe("RestartingState", lambda: nodes, 1010.0)
+    assert said == ("mirrorax: Ray Train waits for room for 3 workers (the minimum of ScalingConfig(num_workers=(3, "
+                    "4)), each {CPU: 1, mx_worker: 1}); the cluster's live nodes have room for 2. The run ends in 60 s "
+                    "unless room appears (JaxTrainer(wait_for_workers_s=...)); its snapshots and checkpoints are "
+                    "kept."), said
+    for t in (1011.0, 1040.0, 1069.0):  # said once; not ended before the deadline
+        assert wait.observe("RestartingState", lambda: nodes, t) is None
+    with pytest.raises(ray_wait.BelowMinimumWorkers, match=r"waited 60 s \(wait_for_workers_s=60\) for room for 3 "
+                       r"workers, the minimum of ScalingConfig\(num_workers=\(3, 4\)\); the cluster's live nodes had "
+                       r"room for 2\. The run ends here, and nothing is lost: .* run the same script again"):
+        wait.observe("ReschedulingState", lambda: nodes, 1070.5)
+    back = ray_wait.WaitForWorkers(3, 4, {"CPU": 1.0}, deadline_s=60)
+    back.observe("RunningState", lambda: nodes, 0.0)
+    assert back.observe("RestartingState", lambda: nodes, 1.0) is not None
+    assert back.observe("RestartingState", lambda: alive, 50.0) is None and back.since is None  # a node came back
+    assert back.observe("RestartingState", lambda: nodes, 100.0) is not None  # a new wait, said again
+    back.observe("RestartingState", lambda: nodes, 159.0)  # 59 s of the new one: not yet
+    with pytest.raises(ValueError, match="wait_for_workers_s must be a positive number of seconds; received 0"):
+        ray_wait.WaitForWorkers(3, 4, {"CPU": 1.0}, deadline_s=0)
+
+
+def test_each_node_is_cleaned_by_its_first_worker_whatever_its_address(monkeypatch):
+    """Issue 57: the lowest world rank on each node (by Ray's node id) removes its snapshots; nodes that share an
+    address (here all on one host, as Ray's local ranks would number them) are each cleaned once."""
+    import types
+
+    from mirrorax.cluster import ray_train
+
+    store: dict[str, str] = {}
+    client = types.SimpleNamespace(key_value_set=store.__setitem__,
+                                   blocking_key_value_get=lambda key, timeout_ms: store[key])
+    monkeypatch.setattr(ray_train, "coordination_client", lambda: client)
+    monkeypatch.setattr(ray_train, "_context", lambda: types.SimpleNamespace(get_world_size=lambda: 5))
+    nodes = ["ray-a", "ray-b", "ray-a", "ray-c", "ray-b"]
+    assert [ray_train._cleaner(rank, node) for rank, node in enumerate(nodes)] == [True, True, False, True, False]
+    monkeypatch.setattr(ray_train, "coordination_client", lambda: None)  # no job joined: each cleans its own
+    assert ray_train._cleaner(3, "ray-c")
+
+
+def test_ray_train_without_ray_says_how_to_install_it(monkeypatch):
+    from mirrorax.cluster import ray_train
+
+    for name in [m for m in sys.modules if m == "ray" or m.startswith("ray.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "ray", None)  # as where it is not installed: `import ray` fails
+    ray_train._trainer_class.cache_clear()
+    try:
+        assert not ray_train.in_ray_worker() and ray_train.job_from_ray() is None  # the rest works without Ray
+        with pytest.raises(ModuleNotFoundError, match=r'not installed here \(importing ray.train.v2.jax failed: .*\)\. '
+                                                      r'Install it with: pip install "mirrorax\[ray\]"'):
+            ray_train.JaxTrainer  # noqa: B018
+    finally:
+        ray_train._trainer_class.cache_clear()
+
+
 def test_launch_refuses_a_minimum_above_the_processes():
     from mirrorax.cluster import launch
 
@@ -515,3 +586,38 @@ def test_ray_train_loses_a_worker_and_grows_back_with_the_same_numbers(tmp_path,
         lost = re.search(r"; (\d+) steps? lost \(it had reached step (\d+)\)", line)
         assert "had ended before it" in line or (lost and int(lost.group(1)) <= 3), line
     assert_same_numbers(_results(tmp_path), uninterrupted)
+
+
+@pytest.mark.slow
+@pytest.mark.multi_process
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                    reason='Ray Train is not installed (pip install "mirrorax[ray]")')
+def test_ray_train_cleans_every_node_and_ends_below_its_minimum_within_its_deadline(tmp_path):
+    """Issue 57 on a local Ray cluster of 4 simulated nodes sharing one address (tests/jobs/ray_elastic.py
+    ``minimum``): a run that succeeds leaves no snapshot on any node; then a run of num_workers=(3, 4) loses 2
+    workers with their nodes at step 10 of the custom loop: it says what Ray waits for, ends within its 20 s
+    deadline with a message that names the minimum and how to resume, and the nodes left keep their snapshot of
+    step 9 (every 3 steps): nothing lost."""
+    pytest.importorskip("ray.train", reason='Ray Train is not installed (pip install "mirrorax[ray]")')
+    env = _job_env(tmp_path, EJ_PHASES="loop", MIRRORAX_SNAPSHOT_STEPS="3", RE_WAIT_S="20",
+                   PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]))
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "ray_elastic.py"), str(tmp_path), "minimum"], env=env,
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=560)
+    out = proc.stdout
+    lines = {x.split(" ", 1)[0]: x.split(" ", 1)[1] for x in out.splitlines()
+             if x.startswith(("RESULT ", "SNAPSHOTS ", "RESULT2 ", "ENDED ", "KEPT "))}
+    print("\n".join(x for x in out.splitlines() if x.startswith(("EVENT", "RESULT", "ENDED", "SNAPSHOTS"))))
+    assert proc.returncode == 0 and lines.get("RESULT") == "ok", out[-6000:]
+    assert lines["SNAPSHOTS"] == "LEFT []", lines["SNAPSHOTS"]  # every node cleaned, whatever its address
+    assert lines["RESULT2"].startswith(
+        "BelowMinimumWorkers: Ray Train waited 20 s (wait_for_workers_s=20) for room for 3 workers, the minimum of "
+        "ScalingConfig(num_workers=(3, 4)); the cluster's live nodes had room for 2. The run ends here, and nothing is "
+        "lost"), lines["RESULT2"]
+    assert "run the same script again" in lines["RESULT2"]
+    said = [x for x in out.splitlines() if "mirrorax: Ray Train waits for room for 3 workers" in x]
+    assert len(said) == 1 and "The run ends in 20 s unless room appears" in said[0], said
+    assert float(lines["ENDED"]) < 20 + 25, lines["ENDED"]  # Ray notices the loss (seconds), then the deadline
+    kept = json.loads(lines["KEPT"])
+    assert len(kept) == 2 and all(f"loop/9/{f}" in files for files in kept.values()
+                                  for f in ("state.bin", "index.json", "meta.json")), kept

@@ -22,7 +22,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "src" / "mirrorax"
 FLOORS: list[tuple[str, ...]] = [
     ("_checks", "_host", "_version", "front_end", "steps", "steps.first_call", "steps.distributed_batch",
      "cluster.output",
-     "cluster.discovery", "cluster.watchdog", "cluster.failure", "cluster.preemption", "cluster.verdict", "integrity",
+     "cluster.discovery", "cluster.watchdog", "cluster.failure", "cluster.preemption", "cluster.verdict",
+     "cluster.ray_wait", "integrity",
      "checkpoint.integrity_item", "checkpoint.orbax_quirks", "checkpoint.dir_lock", "checkpoint.snapshot_io",
      "cluster.restarts", "keras", "keras._internals", "keras.callbacks", "keras.env", "steps.replica", "batch_sums",
      "results", "train_state", "as_made", "fit", "fit.hooks", "fit.progress", "fit.cache", "traffic"),

@@ -17,8 +17,8 @@ in ``EJ_OUT`` says it did): after step ``step`` of ``phase``, in a job of ``proc
 process ``who`` (``rank<R>``, ``slot<S>``: ``mirrorax launch``'s slot, or ``all``)
 
 * ``kill``: prints ``KILL <phase> <step> <time>`` and SIGKILLs itself;
-* ``hold``: writes ``held-<phase>-<step>`` (its pid and node) and waits to be killed (the test kills it and
-  removes its node);
+* ``hold``: writes ``held-<phase>-<step>-<rank>`` (its pid and node) and waits to be killed (the test kills it
+  and removes its node);
 * ``wait``: waits to be killed, after process 0 wrote ``wait-<phase>-<step>`` (the test adds a node: Ray's
   resize ends this group).
 """
@@ -66,9 +66,10 @@ def at_step(phase: str, step: int) -> None:
         if action == "hold":
             open(marker, "w").close()
             node = _node()
-            with open(os.path.join(_out(), f"held-{phase}-{step}.tmp"), "w") as f:
+            held = os.path.join(_out(), f"held-{phase}-{step}-{rank}")
+            with open(f"{held}.tmp", "w") as f:
                 json.dump({"pid": os.getpid(), "node": node}, f)
-            os.replace(os.path.join(_out(), f"held-{phase}-{step}.tmp"), os.path.join(_out(), f"held-{phase}-{step}"))
+            os.replace(f"{held}.tmp", held)
             _forever(f"held at {phase} step {step}")
         if action == "wait":
             time.sleep(0.5)  # every process past the step (its snapshot taken) before the marker

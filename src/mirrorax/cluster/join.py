@@ -50,6 +50,7 @@ import mirrorax.cluster.watchdog as _watchdog
 from mirrorax._checks import check_int
 from mirrorax.cluster import ray_train
 from mirrorax.cluster.discovery import ClusterError, ClusterInfo, accelerators_present, job_from_env, private_jax
+from mirrorax.cluster.discovery import coordination_client as coordination_client
 from mirrorax.cluster.preemption import PREEMPTED_EXIT_CODE  # (kept here too: mx.cluster.PREEMPTED_EXIT_CODE)
 
 __all__ = ["ClusterInfo", "ClusterError", "initialize", "maybe_initialize_from_env", "is_initialized",
@@ -450,13 +451,6 @@ def _quiet_collectives(info: ClusterInfo) -> None:
             and ((jax.config.jax_platforms or "").strip() == "cpu"  # type: ignore[attr-defined]
                  or not accelerators_present())):
         _output.install()
-
-
-def coordination_client() -> Any | None:
-    """The connected ``DistributedRuntimeClient`` of JAX's coordination service (its key-value store:
-    ``key_value_set``, ``blocking_key_value_get``, ``key_value_delete``); ``None`` before
-    :func:`initialize`, or on a JAX where it moved (``jax.distributed`` does not export it)."""
-    return getattr(getattr(private_jax("distributed"), "global_state", None), "client", None)
 
 
 def _apply_cpu_devices() -> None:
