@@ -283,6 +283,65 @@ def test_the_restart_line_names_the_lost_and_the_steps_lost(monkeypatch):
         "processes (4 devices); 0 steps lost (it had reached step 12).")
 
 
+class _Store:
+    """A coordination service's key-value store, shared by threads playing the processes of a job."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+        self.changed = threading.Condition()
+
+    def key_value_set(self, key: str, value: str) -> None:
+        with self.changed:
+            self.values[key] = value
+            self.changed.notify_all()
+
+    def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+        with self.changed:
+            assert self.changed.wait_for(lambda: key in self.values, timeout_ms / 1000), key
+            return self.values[key]
+
+
+def test_a_grown_group_says_the_group_before_it_not_the_one_that_took_the_snapshot(tmp_path, monkeypatch):
+    """Issue 57: after a grow-back (3 processes -> 4) from a snapshot the 4 processes before the loss took, the
+    restart line says the job had 3 processes and lost nothing (it said "the job had 4 processes ...; lost:
+    process 1 (its node ray-b left)"). Each job notes its group on every node at its join, and reads the one
+    noted before it: the newest of the nodes' notes."""
+    monkeypatch.setenv(_restarts.DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(_restarts.LOST_ENV, raising=False)
+    monkeypatch.setattr(_restarts, "_before", [])
+    names = iter(["ray-a", "ray-e"])  # two processes, two nodes: ray-a ran the group of 3, ray-e is new
+    monkeypatch.setattr(_restarts, "node_name", lambda: local.name)
+    local = threading.local()
+    stale = {"processes": 4, "devices": 8, "nodes": ["ray-a", "ray-b", "ray-c", "ray-d"], "at": 1.0}
+    last = {"processes": 3, "devices": 6, "nodes": ["ray-a", "ray-c", "ray-d"], "at": 2.0}
+    with open(_restarts.group_file(str(tmp_path), "ray-e"), "w") as f:
+        json.dump(stale, f)  # a node that was away since the group of 4
+    with open(_restarts.group_file(str(tmp_path), "ray-a"), "w") as f:
+        json.dump(last, f)
+    store, seen = _Store(), {}
+
+    def process(pid: int) -> None:
+        local.name = next(names) if pid == 0 else "ray-e"
+        _restarts.note_group(store, pid, 2, 2, timeout_s=20)
+        seen[pid] = _restarts.group_before()
+
+    threads = [threading.Thread(target=process, args=(p,)) for p in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert seen == {0: last, 1: last}, seen
+    for node in ("ray-a", "ray-e"):  # this job's group, noted on each of its nodes for the next one
+        with open(_restarts.group_file(str(tmp_path), node)) as f:
+            now = json.load(f)
+        assert (now["processes"], now["devices"], now["nodes"]) == (2, 4, ["ray-a", "ray-e"]), now
+    here = ["ray-a", "ray-c", "ray-d", "ray-e"]
+    assert _restarts.restart_line("fit 1", "snapshot step 9 (epoch 2, batch 2)", 9, {"reached": 12, "group": stale}, 8,
+                                  4, here) == (
+        "mirrorax: elastic restart: fit 1 continues on 4 processes (8 devices) from snapshot step 9 (epoch 2, batch "
+        "2); the job had 3 processes (6 devices); 3 steps lost (it had reached step 12).")
+
+
 def test_the_launcher_leaves_out_a_slot_that_keeps_failing(tmp_path):
     env: dict[str, str] = {}
     r = _restarts.Restarts(4, 2, _restarts.default_max_restarts(4, 2), env)

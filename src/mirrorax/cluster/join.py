@@ -46,6 +46,7 @@ import jax
 import mirrorax.cluster.discovery as _discovery
 import mirrorax.cluster.failure as _failure
 import mirrorax.cluster.output as _output
+import mirrorax.cluster.restarts as _restarts
 import mirrorax.cluster.watchdog as _watchdog
 from mirrorax._checks import check_int
 from mirrorax.cluster import ray_train
@@ -208,6 +209,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         # Armed before the count check, so that a process that fails it takes the others down quickly.
         _failure.install(client, info.process_id, info.num_processes)
         _check_process_counts(info, initialization_timeout, client)
+        _restarts.note_group(client, info.process_id, info.num_processes, _local_devices(info), initialization_timeout)
         return info
 
 
@@ -372,6 +374,18 @@ def _connect(info: ClusterInfo, timeout: int, shutdown_timeout: int, bind: str |
     finally:
         joined.set()
         timer.cancel()
+
+
+def _local_devices(info: ClusterInfo) -> int | None:
+    """This process's device count where it is known without starting JAX's backend (simulated CPU devices, or
+    the accelerators named by ``local_device_ids``), else ``None``."""
+    if info.local_device_ids is not None:
+        return len(info.local_device_ids)
+    # jax.config's options are attributes made at run time; its stub lists none of them.
+    count = jax.config.jax_num_cpu_devices  # type: ignore[attr-defined]
+    if (jax.config.jax_platforms or "").strip() == "cpu" and count and count > 0:  # type: ignore[attr-defined]
+        return int(count)
+    return None
 
 
 def _check_port_free(bind: str, address: str) -> None:

@@ -25,6 +25,7 @@ install it (``pip install "mirrorax[ray]"``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -39,7 +40,7 @@ from typing import Any
 
 from mirrorax.cluster.discovery import ClusterInfo, coordination_client, make_info
 from mirrorax.cluster.ray_wait import DEFAULT_DEADLINE_S, BelowMinimumWorkers, WaitForWorkers
-from mirrorax.cluster.restarts import DIR_ENV, SECONDS_ENV, STEPS_ENV, node_name
+from mirrorax.cluster.restarts import DIR_ENV, SECONDS_ENV, STEPS_ENV, group_file, node_name
 
 # JaxTrainer is made on first use (module __getattr__): defining it imports Ray.
 __all__ = ["job_from_ray", "checkpoint_dir", "in_ray_worker", "JaxTrainer", "SNAPSHOT_ROOT",  # noqa: F822
@@ -146,6 +147,8 @@ def _remove_snapshots(rank: int) -> None:
     node = node_name()
     if _cleaner(rank, node):
         shutil.rmtree(os.path.join(base, node), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.remove(group_file(base, node))
 
 
 def _cleaner(rank: int, node: str) -> bool:

@@ -7,24 +7,31 @@ restarts without it, as long as ``M`` are left. The restarted processes resume f
 (``MIRRORAX_SNAPSHOT_DIR``, made here for the launch and removed when it ends) or checkpoint, and are told
 which process the last group lost (``MIRRORAX_ELASTIC_LOST``): ``fit`` says it in its restart line
 (:func:`restart_line`, from plain facts: the processes, the job before, the steps reached).
+
+*The job before* is the group that last ran on the snapshot directory, whatever wrote the snapshot resumed
+from: each job notes its group when it joins (:func:`note_group`, ``<node>.group.json`` beside each node's
+snapshots), after reading the one noted before it. A group grown back after a loss says so (it had 3
+processes, none lost), even when it resumes from a snapshot the 4 processes before the loss took.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import shutil
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from mirrorax.cluster.preemption import PREEMPTED_EXIT_CODE
 
 __all__ = ["DIR_ENV", "LOST_ENV", "SECONDS_ENV", "STEPS_ENV", "node_name", "Restarts", "SLOT_FAILURES", "SLOT_ENV",
-           "default_max_restarts", "restart_line"]
+           "default_max_restarts", "restart_line", "note_group", "group_before", "group_file"]
 
 DIR_ENV = "MIRRORAX_SNAPSHOT_DIR"  # each node's snapshots go under it (mirrorax launch and Ray set it)
 LOST_ENV = "MIRRORAX_ELASTIC_LOST"  # set by mirrorax launch for a restarted group: what the last one lost
@@ -118,7 +125,7 @@ class Restarts:
         """The job stops unfinished: the snapshot directory made for it is kept if it holds any snapshot (returned,
         for a rerun to resume from: ``MIRRORAX_SNAPSHOT_DIR``), else removed."""
         made = self.made
-        if made is not None and any(files for _, _, files in os.walk(made)):
+        if made is not None and any(not f.endswith(".group.json") for _, _, files in os.walk(made) for f in files):
             self.made = None
             return made
         return None
@@ -141,20 +148,88 @@ def default_max_restarts(nprocs: int, min_nprocs: int) -> int:
 
 
 
+# -- the group before: noted by each job at its join, read by the next -----------------------------------------
+_before: list[dict[str, Any]] = []  # the group noted before this job joined (empty: none, or not an elastic job)
+GROUP_KEY = "mirrorax/group"
+
+
+def group_file(base: str, node: str) -> str:
+    """Where ``node`` notes the group that last ran on snapshot directory ``base``."""
+    return os.path.join(base, f"{node}.group.json")
+
+
+def note_group(client: Any, process_id: int, num_processes: int, local_devices: int | None,
+               timeout_s: float = 300.0) -> None:
+    """At a job's join, where ``MIRRORAX_SNAPSHOT_DIR`` is set: reads the group each node noted last (the newest of
+    them is :func:`group_before`), then notes this job's on every node: its processes, devices (when known
+    without starting JAX's backend: ``local_devices`` of each process) and the node of each process. Every process
+    calls it together; process 0 gathers through the job's coordination service ``client``."""
+    base = os.environ.get(DIR_ENV)
+    if not base:
+        return
+    node = node_name()
+    path = group_file(base, node)
+    try:
+        with open(path) as f:
+            noted = json.load(f)
+    except (OSError, ValueError):
+        noted = None
+    mine = {"node": node, "noted": noted, "devices": local_devices}
+    if num_processes > 1:
+        client.key_value_set(f"{GROUP_KEY}/{process_id}", json.dumps(mine))
+        if process_id == 0:
+            every = [mine] + [json.loads(client.blocking_key_value_get(f"{GROUP_KEY}/{p}", int(timeout_s * 1000)))
+                              for p in range(1, num_processes)]
+            client.key_value_set(f"{GROUP_KEY}/all", json.dumps(_group_of(every)))
+        agreed = json.loads(client.blocking_key_value_get(f"{GROUP_KEY}/all", int(timeout_s * 1000)))
+    else:
+        agreed = _group_of([mine])
+    _before[:] = [agreed["before"]] if agreed["before"] else []
+    with contextlib.suppress(OSError):  # (every process of a node writes the same: the last rename stands)
+        os.makedirs(base, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(agreed["now"], f)
+        os.replace(tmp, path)
+
+
+def _group_of(every: list[dict[str, Any]]) -> dict[str, Any]:
+    """The group of the processes ``every`` (their nodes, devices and what each node noted): the one noted last
+    before it, and its own."""
+    noted = [e["noted"] for e in every if isinstance(e.get("noted"), dict)]
+    before = max(noted, key=lambda g: float(g.get("at", 0)), default=None)
+    counts = [c for e in every if isinstance(c := e.get("devices"), int)]
+    now = {"processes": len(every), "nodes": [e["node"] for e in every], "at": time.time(),
+           "devices": sum(counts) if len(counts) == len(every) else None}
+    return {"before": before, "now": now}
+
+
+def group_before() -> dict[str, Any] | None:
+    """The group that last ran on this job's snapshot directory before it joined (``processes``, ``devices``:
+    ``None`` when unknown, ``nodes``), or ``None``."""
+    return _before[0] if _before else None
+
+
 def restart_line(what: str, where: str, step: int, facts: dict[str, Any], devices: int, processes: int,
                  nodes: Sequence[str]) -> str:
     """A restart in one line: ``what`` (``"fit 2"``, ``"loop"``) continues on the job as it is now (``processes``
-    processes on ``devices``, the node of each in ``nodes``) from ``where``; the job before (``facts["group"]``:
-    its ``processes``, ``devices`` and ``nodes``), which processes it lost (told by ``mirrorax launch``:
+    processes on ``devices``, the node of each in ``nodes``) from ``where``; the job before (the group noted before
+    this one joined, :func:`group_before`, else ``facts["group"]``: the group that took the snapshot; its
+    ``processes``, ``devices`` and ``nodes``), which processes it lost (told by ``mirrorax launch``:
     ``MIRRORAX_ELASTIC_LOST``; else the processes whose node left), the steps lost (from step ``step`` back from
     ``facts["reached"]``)."""
     n = processes
     parts = [f"mirrorax: elastic restart: {what} continues on {n} process{'es' if n != 1 else ''} ({devices} devices) "
              f"from {where}"]
-    before, lost = facts.get("group") or {}, os.environ.get(LOST_ENV, "")
+    taken = facts.get("group") or {}
+    before, lost = group_before() or taken, os.environ.get(LOST_ENV, "")
     if before:
         was = int(before.get("processes", 0))
-        parts.append(f"the job had {was} process{'es' if was != 1 else ''} ({before.get('devices', '?')} devices)")
+        had = before.get("devices")
+        if had is None and taken.get("processes") == was and taken.get("nodes") == before.get("nodes"):
+            had = taken.get("devices")  # the snapshot's group is that group: its devices
+        parts.append(f"the job had {was} process{'es' if was != 1 else ''}"
+                     + (f" ({had} devices)" if had is not None else ""))
         here = set(nodes)
         gone = [p for p, node in enumerate(before.get("nodes", [])) if node not in here]
         if not lost and gone:
