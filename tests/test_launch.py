@@ -187,6 +187,61 @@ def test_a_cpp_stack_trace_stays_out_of_the_report():
     assert out.count("[rank 1]     @     0x7f8edc04") == 30  # still streamed as it came
 
 
+_TRAINS = """
+    import os, sys, time
+    rank, attempt = os.environ["MIRRORAX_PROCESS_ID"], os.environ["MIRRORAX_RESTART"]
+    print("stood by" if os.environ.get("MIRRORAX_STOOD_BY") else "fresh", "in attempt", attempt, flush=True)
+    progress = os.path.join(os.environ["MIRRORAX_PROGRESS_DIR"], "rank" + rank)
+    for beats, phase in ((1, "input"), (9, "step")):  # as fit's loop reports it: this process trains
+        with open(progress, "w") as f:
+            f.write(f"{beats} {phase}\\n")
+        time.sleep(0.7)
+    if attempt == "0":
+        time.sleep(2.0)  # the launcher starts the next attempt's processes, which import and wait
+        sys.exit(3 if rank == "1" else 0)
+    """
+
+
+@pytest.mark.parametrize("standby", ["", "0"])
+def test_a_restart_starts_on_processes_that_stood_by(standby):
+    """Issue 57: once a group trains, the launcher starts the next attempt's processes, which import and wait
+    (mirrorax.cluster.standby): the restarted group runs on them; MIRRORAX_STANDBY=0 starts it afresh."""
+    out = io.StringIO()
+    code = launch_lib.launch(_child(_TRAINS), 2, max_restarts=1, env=clean_env(MIRRORAX_STANDBY=standby), out=out)
+    said = out.getvalue()
+    assert code == 0 and "rank 1 failed (exit code 3)" in said, said
+    for rank in (0, 1):
+        assert f"[rank {rank}] fresh in attempt 0" in said, said
+        assert f"[rank {rank}] {'fresh' if standby else 'stood by'} in attempt 1" in said, said
+
+
+def test_a_standby_process_runs_the_command_as_python_would(tmp_path):
+    """The standby's own side: it imports, waits for its place, and runs a script with its arguments, __main__,
+    sys.path and the variables of its place; a JAX option the script sets before JAX's backend starts applies,
+    as in a fresh interpreter; without a place (the launch ended) it leaves quietly."""
+    import json
+
+    from mirrorax.cluster import standby
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        os.environ["JAX_ENABLE_X64"] = "1"  # before the backend starts: a fresh interpreter would read it
+        import jax.numpy as jnp
+        print(__name__, sys.argv, sys.path[0] == os.path.dirname(os.path.abspath(__file__)),
+              os.environ["MIRRORAX_PROCESS_ID"], os.environ["MIRRORAX_STOOD_BY"], jnp.zeros(1).dtype, flush=True)
+        """))
+    cmd = standby.command(["python", str(script), "--epochs", "3"])
+    assert cmd is not None and standby.command(["python", "-X", "dev", "t.py"]) is None
+    run = subprocess.run(python(*cmd[1:]), input=json.dumps({"MIRRORAX_PROCESS_ID": "2"}) + "\n", env=clean_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().splitlines()[-1] == (
+        f"__main__ [{str(script)!r}, '--epochs', '3'] True 2 1 float64"), run.stdout
+    idle = subprocess.run(python(*cmd[1:]), input="", env=clean_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert idle.returncode == 0 and idle.stdout == "", idle.stdout
+
+
 def test_max_restarts_restarts_the_whole_group_on_a_fresh_port():
     code, out, _ = _launch(_child("""
         import os, sys

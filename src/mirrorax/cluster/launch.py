@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import json
 import os
 import re
 import shutil
@@ -38,6 +39,7 @@ import time
 from collections.abc import Mapping, Sequence, Set
 from typing import IO, Any
 
+import mirrorax.cluster.standby as _standby
 import mirrorax.cluster.verdict as verdict
 import mirrorax.cluster.watchdog as _watchdog
 from mirrorax._checks import check_int
@@ -58,6 +60,9 @@ WATCHDOG_SECONDS = 90.0
 EXIT_SETTLE_SECONDS = 5.0
 #: The most processes ``mirrorax launch`` starts on one machine.
 MAX_NPROCS = 1024
+#: After a failure that the group restarts from, how long the others have after SIGTERM before SIGKILL: a survivor
+#: waits in a collective for the lost peer (its handlers cannot run), and a restarted group resumes from a snapshot.
+RESTART_GRACE_SECONDS = 0.5
 #: The launcher's exit status when its watchdog ended a stuck group (as ``timeout``'s).
 WATCHDOG_EXIT_CODE = 124
 # Lines of a C++ stack trace (absl's "Check failure stack trace"): kept out of the report's tail.
@@ -213,6 +218,7 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
         with _forward_signals(group):
             for attempt in range(max_restarts + 1):
                 group.nprocs = len(restarts.slots)
+                group.restarts_left = attempt < max_restarts
                 code = group.run(port if port is not None else free_port(), attempt)
                 if code == 0 or group.interrupted:
                     return code
@@ -231,6 +237,7 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
             group.say(f"stopped: {why}; exit status {code}.{resume}")
         return code
     finally:
+        group.close()
         restarts.close()
 
 
@@ -253,6 +260,11 @@ class _Group:
         self.failures: list[tuple[int, str, int | None]] = []
         self.failure_timeout, self.term_grace, self.out = failure_timeout, term_grace, out
         self.grace = min(2.0, failure_timeout / 4)
+        self.restarts_left = False  # a failure of this attempt is restarted from: the others are stopped sooner
+        # With restarts, processes that stand by for the next attempt, started once a group trains.
+        self.standby = _standby.command(cmd) if restarts is not None and restarts.max_restarts and \
+            _standby.enabled(env) else None
+        self.spares: list[subprocess.Popen[bytes]] = []
         self.verbose = verbose(env)
         self.children: list[subprocess.Popen[bytes]] = []
         self.interrupted: int | None = None
@@ -268,16 +280,13 @@ class _Group:
             self.out.write(f"mirrorax launch: {message}\n")
             self.out.flush()
 
-    def child_env(self, rank: int, port: int, attempt: int) -> dict[str, str]:
+    def base_env(self) -> dict[str, str]:
+        """What every process of every attempt is given (a standby process starts with it)."""
         env = dict(self.env)
-        env.update(MIRRORAX_COORDINATOR=f"127.0.0.1:{port}", MIRRORAX_NUM_PROCESSES=str(self.nprocs),
-                   MIRRORAX_PROCESS_ID=str(rank), MIRRORAX_RESTART=str(attempt), PYTHONUNBUFFERED="1",
-                   MIRRORAX_LAUNCHED="1")  # the launcher filters the output: the child need not
-        if self.restarts is not None:  # its slot, and what the last attempt lost
-            env.update(self.restarts.env(rank))
+        env.update(PYTHONUNBUFFERED="1", MIRRORAX_LAUNCHED="1")  # the launcher filters the output: the child need not
         env.setdefault("MIRRORAX_HEARTBEAT_TIMEOUT", str(max(2, int(self.failure_timeout // 2))))
-        # Progress for the watchdog; faulthandler prints the Python stack of a rank it sends SIGABRT.
-        env.update({_watchdog.PROGRESS_DIR_ENV: self.progress_dir, _watchdog.LAUNCHER_PID_ENV: str(os.getpid())})
+        # The watchdog's launcher; faulthandler prints the Python stack of a rank it sends SIGABRT.
+        env[_watchdog.LAUNCHER_PID_ENV] = str(os.getpid())
         env.setdefault("PYTHONFAULTHANDLER", "1")
         if self.watchdog:
             env.setdefault("MIRRORAX_INIT_TIMEOUT", str(int(self.watchdog) + 30))
@@ -285,6 +294,50 @@ class _Group:
             env.update(MIRRORAX_CPU_DEVICES=str(self.cpu_devices), JAX_NUM_CPU_DEVICES=str(self.cpu_devices),
                        JAX_PLATFORMS="cpu")
         return env
+
+    def place(self, rank: int, port: int, attempt: int) -> dict[str, str]:
+        """What the process of ``rank`` is told of its place in this attempt's group."""
+        place = dict(MIRRORAX_COORDINATOR=f"127.0.0.1:{port}", MIRRORAX_NUM_PROCESSES=str(self.nprocs),
+                     MIRRORAX_PROCESS_ID=str(rank), MIRRORAX_RESTART=str(attempt))
+        if self.restarts is not None:  # its slot, and what the last attempt lost
+            place.update(self.restarts.env(rank))
+        place[_watchdog.PROGRESS_DIR_ENV] = self.progress_dir  # progress for the watchdog
+        return place
+
+    def child_env(self, rank: int, port: int, attempt: int) -> dict[str, str]:
+        return {**self.base_env(), **self.place(rank, port, attempt)}
+
+    def adopt(self, spares: list[subprocess.Popen[bytes]], rank: int, port: int, attempt: int
+              ) -> subprocess.Popen[bytes] | None:
+        """A standby process of ``spares`` given its place as ``rank`` (one that died is ended), or ``None``."""
+        while spares:
+            spare = spares.pop(0)
+            if spare.poll() is None and spare.stdin is not None:
+                try:
+                    spare.stdin.write(json.dumps(self.place(rank, port, attempt)).encode() + b"\n")
+                    spare.stdin.close()
+                    return spare
+                except OSError:  # it died just now
+                    pass
+            _end(spare)
+        return None
+
+    def stand_by(self, count: int) -> None:
+        """Starts ``count`` standby processes for the next attempt (:mod:`mirrorax.cluster.standby`)."""
+        assert self.standby is not None
+        for _ in range(count):
+            try:
+                self.spares.append(subprocess.Popen(
+                    _die_with(os.getpid(), self.standby), env=self.base_env(), stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, stdin=subprocess.PIPE, start_new_session=True))
+            except OSError:  # the next attempt starts its processes afresh
+                break
+
+    def close(self) -> None:
+        """Ends the standby processes nobody needs (the launch ends)."""
+        spares, self.spares = self.spares, []
+        for spare in spares:
+            _end(spare)
 
     def run(self, port: int, attempt: int) -> int:
         self.progress_dir = tempfile.mkdtemp(prefix="mirrorax-progress-")
@@ -303,12 +356,13 @@ class _Group:
         if shutil.which(program) is None:  # the children exec it through a small starter: check it here
             why = "Permission denied" if os.path.exists(program) else "No such file or directory"
             raise _cannot_run(program, why)
+        spares, self.spares = self.spares, []
         for rank in range(self.nprocs):
             try:
                 # Each child in its own session (its group is stopped as one), ended with the launcher.
-                child = subprocess.Popen(_die_with(os.getpid(), self.cmd), env=self.child_env(rank, port, attempt),
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+                child = self.adopt(spares, rank, port, attempt) or subprocess.Popen(
+                    _die_with(os.getpid(), self.cmd), env=self.child_env(rank, port, attempt), stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
             except OSError as e:
                 self.stop_all()
                 raise _cannot_run(program, e.strerror or str(e)) from None
@@ -319,6 +373,8 @@ class _Group:
         failed: tuple[int, int] | None = None
         stuck: tuple[int, str] | None = None
         progress = _Progress(self.progress_dir, self.nprocs, self.watchdog)
+        for spare in spares:  # (more than this group needs)
+            _end(spare)
         while failed is None and self.interrupted is None and stuck is None:
             codes = [c.poll() for c in self.children]
             failed = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
@@ -326,6 +382,8 @@ class _Group:
                 break
             if failed is None and self.watchdog:
                 stuck = progress.check(codes)
+            if self.standby is not None and self.restarts_left and not self.spares and progress.training():
+                self.stand_by(len(self.restarts.slots) if self.restarts is not None else self.nprocs)
             time.sleep(0.05)
         if self.interrupted == signal.SIGTERM:
             return self.terminate(readers, tails)
@@ -491,18 +549,24 @@ class _Group:
     def stop_all(self) -> list[int | None]:
         """Stops every live child's process group: SIGINT after Ctrl-C (a chance to clean up), SIGTERM
         after a failure, then SIGKILL after the grace period (JAX's preemption notifier catches SIGTERM,
-        and a process blocked in a collective cannot run Python handlers). Returns each child's status just
-        before the SIGKILL (``None``: still running)."""
+        and a process blocked in a collective cannot run Python handlers; :data:`RESTART_GRACE_SECONDS` when the
+        group is restarted). Returns each child's status just before the SIGKILL (``None``: still running)."""
         live = [c for c in self.children if c.poll() is None]
         first = signal.SIGINT if self.interrupted else signal.SIGTERM
         for child in live:
             _signal_group(child, first)
-        self.wait_for(live, INTERRUPT_GRACE_SECONDS if self.interrupted else self.grace)
+        grace = min(self.grace, RESTART_GRACE_SECONDS) if self.restarts_left else self.grace
+        self.wait_for(live, INTERRUPT_GRACE_SECONDS if self.interrupted else grace)
         before = [c.poll() for c in self.children]
         for child in self.children:
             _signal_group(child, signal.SIGKILL)  # also reaps grandchildren left in the group
             child.wait()
         return before
+
+
+# The phases of fit's training loop, and the beats of one step there (input, step, hooks: mirrorax.fit.loop).
+_LOOP = frozenset({_watchdog.INPUT, _watchdog.STEP, _watchdog.HOOKS})
+_STEP_BEATS = 6
 
 
 class _Progress:
@@ -524,6 +588,9 @@ class _Progress:
         self.changed = [now] * nprocs
         self.left: dict[int, float] = {}
         self.bound, self.next = bound, now
+        self.in_loop: dict[int, int] = {}  # each rank's beat count when first seen in its training loop
+        self.trained: set[int] = set()  # the ranks seen training
+        self.next_training = now
 
     def check(self, codes: Sequence[int | None]) -> tuple[int, str] | None:
         now = time.monotonic()
@@ -555,6 +622,21 @@ class _Progress:
                           f"{_watchdog.describe(self.phase(rank))}, and the others waited for it "
                           f"(--watchdog {self.bound:g})")
         return None
+
+    def training(self) -> bool:
+        """Whether every rank trains: seen in its training loop (its input, a step, its hooks) a step's beats after
+        it was first seen there, past its first step's compile."""
+        now = time.monotonic()
+        if now >= self.next_training:
+            self.next_training = now + 0.5
+            for rank, path in enumerate(self.paths):
+                got = _watchdog.read(path)
+                if got is None or got[1] not in _LOOP:
+                    continue
+                first = self.in_loop.setdefault(rank, got[0])
+                if got[0] >= first + _STEP_BEATS:
+                    self.trained.add(rank)
+        return len(self.trained) == len(self.paths)
 
     def phase(self, rank: int) -> str | None:
         seen = self.seen[rank]
@@ -609,6 +691,12 @@ def _state(pid: int) -> str:
             return f.read().rpartition(")")[2].split()[0]  # after "pid (comm)": comm may hold spaces
     except (OSError, IndexError):
         return ""
+
+
+def _end(child: subprocess.Popen[bytes]) -> None:
+    """Kills ``child``'s process group and reaps it."""
+    _signal_group(child, signal.SIGKILL)
+    child.wait()
 
 
 def _signal_group(child: subprocess.Popen[bytes], sig: signal.Signals) -> None:
