@@ -39,8 +39,8 @@ from collections.abc import Callable
 from typing import Any
 
 from mirrorax.cluster.discovery import ClusterInfo, coordination_client, make_info
-from mirrorax.cluster.ray_wait import DEFAULT_DEADLINE_S, BelowMinimumWorkers, WaitForWorkers
-from mirrorax.cluster.restarts import DIR_ENV, SECONDS_ENV, STEPS_ENV, group_file, node_name
+from mirrorax.cluster.ray_wait import DEFAULT_DEADLINE_S, BelowMinimumWorkers, WaitForWorkers, room, trimmed
+from mirrorax.cluster.restarts import DIR_ENV, SECONDS_ENV, STEPS_ENV, compile_cache, group_file, node_name
 
 # JaxTrainer is made on first use (module __getattr__): defining it imports Ray.
 __all__ = ["job_from_ray", "checkpoint_dir", "in_ray_worker", "JaxTrainer", "SNAPSHOT_ROOT",  # noqa: F822
@@ -147,6 +147,7 @@ def _remove_snapshots(rank: int) -> None:
     node = node_name()
     if _cleaner(rank, node):
         shutil.rmtree(os.path.join(base, node), ignore_errors=True)
+        shutil.rmtree(os.path.join(base, f"{node}.xla"), ignore_errors=True)
         with contextlib.suppress(OSError):
             os.remove(group_file(base, node))
 
@@ -168,13 +169,26 @@ def _cleaner(rank: int, node: str) -> bool:
     return node not in others
 
 
+# The JAX options a worker is given through its environment, and their types.
+_JAX_OPTIONS: dict[str, Callable[[str], Any]] = {
+    "JAX_PLATFORMS": str, "JAX_COMPILATION_CACHE_DIR": str, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": float,
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": int}
+
+
 def _wrapped(fn: Callable[..., Any], env: dict[str, str]) -> Callable[..., Any]:
     """``fn`` run with ``env`` set first, and the run's snapshots removed from every node when it succeeded."""
 
     def train_loop_per_worker(*config: Any) -> Any:
         os.environ.update(env)
-        if "jax" in sys.modules and "JAX_PLATFORMS" in env:  # imported already: its platforms are read from config
-            sys.modules["jax"].config.update("jax_platforms", env["JAX_PLATFORMS"])
+        ctx = _context()
+        if ctx is not None:  # this run's snapshots, and beside them the node's compilation cache
+            os.environ.setdefault(DIR_ENV, os.path.join(SNAPSHOT_ROOT, _safe(ctx.get_experiment_name())))
+            compile_cache(os.environ, os.environ[DIR_ENV], node_name())
+        jax = sys.modules.get("jax")
+        if jax is not None:  # imported already: its options are read from its config, not the environment
+            for var, kind in _JAX_OPTIONS.items():
+                if var in os.environ:
+                    jax.config.update(var.lower(), kind(os.environ[var]))
         result = fn(*config)
         train = _ray("ray.train")
         train.collective.barrier()  # every worker is done with them
@@ -195,6 +209,12 @@ def _per_worker(scaling: Any) -> dict[str, float]:
     return per
 
 
+def _say(line: str | None) -> None:
+    if line:
+        sys.stdout.write(f"{line}\n")
+        sys.stdout.flush()
+
+
 @functools.cache
 def _trainer_class() -> type:
     RayJaxTrainer = _ray("ray.train.v2.jax").JaxTrainer  # noqa: N806 - a class
@@ -202,16 +222,24 @@ def _trainer_class() -> type:
 
     class WaitCallback(ControllerCallback):  # type: ignore[misc, valid-type]
         """On Ray Train's controller: its state at every update, to :class:`~mirrorax.cluster.ray_wait.WaitForWorkers`
-        (a line it has to say goes to the controller's output, which the driver shows)."""
+        (a line it has to say goes to the controller's output, which the driver shows), and each group it starts
+        trimmed to the live nodes' room (:func:`~mirrorax.cluster.ray_wait.trimmed`)."""
 
         def __init__(self, wait: WaitForWorkers) -> None:
             self.wait = wait
 
         def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
-            line = self.wait.observe(type(current_state).__name__, _ray("ray").nodes, time.monotonic())
-            if line:
-                sys.stdout.write(f"{line}\n")
-                sys.stdout.flush()
+            _say(self.wait.observe(type(current_state).__name__, _ray("ray").nodes, time.monotonic()))
+
+        def before_controller_execute_resize_decision(self, resize_decision: Any) -> None:
+            wait = self.wait
+            live = room(_ray("ray").nodes(), wait.per_worker, wait.max_workers)
+            workers = trimmed(resize_decision.num_workers, wait.min_workers, live)
+            if workers != resize_decision.num_workers:  # Ray's view still counts a lost node
+                _say(f"mirrorax: starting {workers} Ray Train workers, not {resize_decision.num_workers}: the "
+                     f"cluster's live nodes have room for {live} (Ray's view of its resources still counts a lost "
+                     "node).")
+                resize_decision.num_workers = workers
 
     class JaxTrainer(RayJaxTrainer):  # type: ignore[misc, valid-type]
         """Ray Train's ``JaxTrainer`` for a mirrorax program: every worker one JAX process of one job.
