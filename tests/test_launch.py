@@ -242,6 +242,30 @@ def test_a_standby_process_runs_the_command_as_python_would(tmp_path):
     assert idle.returncode == 0 and idle.stdout == "", idle.stdout
 
 
+def test_processes_holding_different_values_of_a_replicated_state_are_told_which():
+    """check_replicas on 2 processes (its checksums summed on the host): equal values pass; a value that
+    differs on process 1 is named on every process."""
+    code, out, _ = _launch(_child("""
+        import numpy as np
+        import mirrorax as mx
+        from mirrorax.cluster import consistency
+        import jax
+        s = mx.MirroredStrategy()
+        ones = np.ones((3, 4), np.float32)
+        same = {"w": s.replicate(ones), "b": s.replicate(np.arange(5, dtype=np.int32))}
+        consistency.check_replicas(same)
+        local = ones + jax.process_index()  # process 1's copy differs: what a broadcast must prevent
+        sharding = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())
+        differ = {"w": jax.make_array_from_single_device_arrays((3, 4), sharding, [
+            jax.device_put(local, d) for d in jax.local_devices()]), "b": same["b"]}
+        try:
+            consistency.check_replicas(differ)
+        except consistency.ReplicaMismatchError as e:
+            print("REFUSED", str(e).split(":")[0], flush=True)
+        """), 2, cpu_devices_per_proc=2)
+    assert code == 0 and out.count("REFUSED The training state differs between processes") == 2, out
+
+
 def test_max_restarts_restarts_the_whole_group_on_a_fresh_port():
     code, out, _ = _launch(_child("""
         import os, sys
