@@ -180,6 +180,8 @@ def steps_callback(phase: str, per_epoch: int = STEPS_PER_EPOCH):
     def batch_end(b: int, logs=None) -> None:
         if first[0]:
             first[0] = False
+            if os.environ.get("EJ_TIMES") and logs:  # the step done on every process, not only dispatched
+                float(next(iter(logs.values())))
             stamp("first_step")
         at_step(phase, epoch[0] * per_epoch + b + 1)
 
@@ -298,7 +300,7 @@ PHASES = {"fit": phase_fit, "trainer": phase_trainer, "loop": phase_loop, "cnn":
 
 def main() -> None:
     stamp("start", _start_time())
-    stamp("script")  # (a standby process started long before: its script starts now)
+    stamp("script" if not os.environ.get("MIRRORAX_STOOD_BY") else "script(stood-by)")  # (a standby started before)
     import jax
     import keras  # noqa: F401  (every phase uses it: imported here, the milestones tell the imports from the join)
     import numpy as np
