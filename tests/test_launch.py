@@ -266,6 +266,27 @@ def test_processes_holding_different_values_of_a_replicated_state_are_told_which
     assert code == 0 and out.count("REFUSED The training state differs between processes") == 2, out
 
 
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_job_that_may_restart_gets_a_compilation_cache_beside_its_snapshots(restarts, tmp_path):
+    """Issue 57: with restarts, JAX's persistent compilation cache is on for the children, in the launch's
+    snapshot directory (a restarted process loads what the one before compiled); a cache set already is kept."""
+    show = _child("""
+        import os
+        print("CACHE", os.environ.get("JAX_COMPILATION_CACHE_DIR"), os.environ.get("MIRRORAX_SNAPSHOT_DIR"),
+              os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"))""")
+    env = {k: v for k, v in clean_env().items() if not k.startswith(("JAX_COMPILATION", "JAX_PERSISTENT"))}
+    out = io.StringIO()
+    assert launch_lib.launch(show, 1, max_restarts=restarts, env=env, out=out) == 0  # (not the suite's own cache)
+    cache, snapshots, seconds = next(x for x in out.getvalue().splitlines() if x.startswith("CACHE")).split()[1:]
+    if restarts:
+        assert cache.startswith(snapshots + os.sep) and cache.endswith(".xla") and seconds == "0", out.getvalue()
+    else:
+        assert (cache, snapshots) == ("None", "None"), out.getvalue()
+    out = io.StringIO()
+    launch_lib.launch(show, 1, max_restarts=1, env=dict(env, JAX_COMPILATION_CACHE_DIR=str(tmp_path)), out=out)
+    assert f"CACHE {tmp_path} " in out.getvalue(), out.getvalue()
+
+
 def test_max_restarts_restarts_the_whole_group_on_a_fresh_port():
     code, out, _ = _launch(_child("""
         import os, sys
