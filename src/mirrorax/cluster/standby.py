@@ -27,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["command", "enabled", "main", "PRELOAD_ENV", "STANDBY_ENV", "STOOD_BY_ENV"]
+__all__ = ["command", "enabled", "main", "run_command", "PRELOAD_ENV", "STANDBY_ENV", "STOOD_BY_ENV"]
 
 PRELOAD_ENV = "MIRRORAX_STANDBY_PRELOAD"  # more modules a standby process imports (comma-separated)
 STANDBY_ENV = "MIRRORAX_STANDBY"  # "0": no standby processes
@@ -79,7 +79,7 @@ def main(spec: str) -> None:
     os.environ.update(json.loads(line))
     os.environ[STOOD_BY_ENV] = "1"  # (for the script to tell, and a test)
     _follow_the_environment(command)
-    _run(command["args"])
+    run_command(command["args"])
 
 
 def _follow_the_environment(command: dict[str, Any]) -> None:
@@ -120,14 +120,16 @@ def _parse(text: str, now: Any) -> Any:
     return text
 
 
-def _run(args: list[str]) -> None:
-    """Runs ``python ARGS`` in this process: a script, ``-m module`` or ``-c code``."""
+def run_command(args: Sequence[str]) -> None:
+    """Runs ``python ARGS`` in this process, as the interpreter would: a script, ``-m module`` or ``-c code``
+    (``sys.argv``, ``sys.path[0]`` and ``__main__`` as it sets them)."""
     import runpy
     import types
 
     if args[0] == "-m":
         sys.argv = [args[1], *args[2:]]
         sys.path[0] = os.getcwd()
+        sys.modules.pop(args[1], None)  # imported already (a preloaded module): run afresh, as __main__
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
     elif args[0] == "-c":
         sys.argv = ["-c", *args[2:]]
