@@ -189,7 +189,10 @@ def main() -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
-        shutil.rmtree(TEMP, ignore_errors=True)
+        if os.environ.get("RE_KEEP_LOGS"):  # (Ray's logs, to see where a restart's time went)
+            print("LOGS", TEMP, flush=True)
+        else:
+            shutil.rmtree(TEMP, ignore_errors=True)
 
 
 def _fit(trainer) -> object:

@@ -5,10 +5,13 @@ Each child gets ``MIRRORAX_COORDINATOR=127.0.0.1:<free port>``, ``MIRRORAX_NUM_P
 ``--cpu-devices-per-proc K`` it also gets K simulated CPU devices. Output is streamed with a
 ``[rank R]`` prefix (gloo's "[Gloo] Rank R is connected to ..." lines are dropped unless
 ``MIRRORAX_VERBOSE_COLLECTIVES=1``). When a child fails (non-zero exit or a signal) the launcher stops
-the others (SIGTERM to each child's process group, SIGKILL after a grace period), prints which rank
-failed and the last lines it wrote, and returns non-zero; ``--max-restarts`` restarts the whole group
-instead, and ``--min-nprocs`` leaves out a process that keeps failing (:mod:`mirrorax.cluster.restarts`): the
-restarted group resumes from the newest snapshot (:mod:`mirrorax.checkpoint.snapshot`) on the processes left.
+the others (SIGTERM to each child's process group, SIGKILL after a grace period), prints which ranks
+failed first (:mod:`mirrorax.cluster.verdict`: never a survivor of a lost peer) and the last lines they wrote,
+and returns non-zero; ``--max-restarts`` restarts the whole group instead, and ``--min-nprocs`` leaves out a
+process that keeps failing (:mod:`mirrorax.cluster.restarts`): the restarted group resumes from the newest
+snapshot (:mod:`mirrorax.checkpoint.snapshot`) on the processes left, on processes that stood by, imported
+(:mod:`mirrorax.cluster.standby`), with JAX's compilation cache on. A job that stops unfinished says why in
+its last line.
 SIGTERM to the launcher (preemption) is forwarded to every child, which then has ``--grace`` seconds to
 save and exit (a second SIGTERM changes nothing); Ctrl-C sends SIGINT. A watchdog reads each
 child's progress (:mod:`mirrorax.cluster.watchdog`): no progress for ``--watchdog`` seconds ends the group,
