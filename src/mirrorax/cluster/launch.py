@@ -60,7 +60,7 @@ TERM_GRACE_SECONDS = 30.0
 #: The default of ``--watchdog``: seconds a group may go without any rank making progress.
 WATCHDOG_SECONDS = 90.0
 #: How long the others may wait in a step for a rank that exited (or is exiting) before the group ends.
-EXIT_SETTLE_SECONDS = 5.0
+EXIT_SETTLE_SECONDS = _watchdog.EXIT_SETTLE_SECONDS
 #: The most processes ``mirrorax launch`` starts on one machine.
 MAX_NPROCS = 1024
 #: After a failure that the group restarts from, how long the others have after SIGTERM before SIGKILL: a survivor
@@ -375,7 +375,7 @@ class _Group:
             readers.append(reader)
         failed: tuple[int, int] | None = None
         stuck: tuple[int, str] | None = None
-        progress = _Progress(self.progress_dir, self.nprocs, self.watchdog)
+        progress = _watchdog.Progress(self.progress_dir, self.nprocs, self.watchdog)
         for spare in spares:  # (more than this group needs)
             _end(spare)
         while failed is None and self.interrupted is None and stuck is None:
@@ -565,89 +565,6 @@ class _Group:
             _signal_group(child, signal.SIGKILL)  # also reaps grandchildren left in the group
             child.wait()
         return before
-
-
-# The phases of fit's training loop, and the beats of one step there (input, step, hooks: mirrorax.fit.loop).
-_LOOP = frozenset({_watchdog.INPUT, _watchdog.STEP, _watchdog.HOOKS})
-_STEP_BEATS = 6
-
-
-class _Progress:
-    """The watchdog: reads each rank's progress file (:mod:`mirrorax.cluster.watchdog`) and says which rank holds
-    the group up, if one does.
-
-    Two verdicts. *Left*: a rank exited (status 0: a non-zero one is a failure the launcher sees at once)
-    or is exiting while another still waits in a watched phase, silent for ``EXIT_SETTLE_SECONDS``: the one
-    that left first. *Stuck*: no rank moved for ``bound`` seconds and one waits in a watched phase: the rank
-    furthest behind (fewest beats; on a tie one not waiting in a step), since the others wait for it in a
-    collective. Phases that legitimately take long (compiling, the script's own code outside fit) are not
-    watched: a group in which every rank is there, or in which one rank compiles, is never stuck.
-    """
-
-    def __init__(self, directory: str, nprocs: int, bound: float) -> None:
-        now = time.monotonic()
-        self.paths = [os.path.join(directory, f"rank{r}") for r in range(nprocs)]
-        self.seen: list[tuple[int, str] | None] = [None] * nprocs
-        self.changed = [now] * nprocs
-        self.left: dict[int, float] = {}
-        self.bound, self.next = bound, now
-        self.in_loop: dict[int, int] = {}  # each rank's beat count when first seen in its training loop
-        self.trained: set[int] = set()  # the ranks seen training
-        self.next_training = now
-
-    def check(self, codes: Sequence[int | None]) -> tuple[int, str] | None:
-        now = time.monotonic()
-        if now < self.next:
-            return None
-        self.next = now + 0.25
-        for rank, path in enumerate(self.paths):
-            got = _watchdog.read(path)
-            if got is not None and got != self.seen[rank]:
-                self.seen[rank], self.changed[rank] = got, now
-            if (codes[rank] is not None or self.phase(rank) == _watchdog.EXITING) and rank not in self.left:
-                self.left[rank] = now
-        live = [r for r, c in enumerate(codes) if c is None]
-        settle = min(self.bound, EXIT_SETTLE_SECONDS)
-        waiting = [r for r in live if self.phase(r) in _watchdog.WATCHED and now - self.changed[r] >= settle]
-        gone = sorted((t, r) for r, t in self.left.items() if now - t >= settle and r not in waiting)
-        if gone and waiting:
-            rank = gone[0][1]
-            others = ", ".join(str(r) for r in waiting)
-            how = (f"exited (status {codes[rank]})" if codes[rank] is not None else
-                   "is exiting (its script ended or called sys.exit)")
-            return rank, (f"{how} while rank(s) {others} still waited for it in a step (for "
-                          f"{now - gone[0][0]:.0f} s)")
-        if live and all(now - self.changed[r] >= self.bound for r in live) and \
-                any(self.phase(r) in _watchdog.WATCHED for r in live) and \
-                not any(self.phase(r) in _watchdog.ENDS_BY_ITSELF for r in live):  # compiling, a checkpoint
-            rank = min(live, key=lambda r: (self.count(r), self.phase(r) in _watchdog.WAITING, r))
-            return rank, (f"made no progress for {now - self.changed[rank]:.0f} s: it "
-                          f"{_watchdog.describe(self.phase(rank))}, and the others waited for it "
-                          f"(--watchdog {self.bound:g})")
-        return None
-
-    def training(self) -> bool:
-        """Whether every rank trains: seen in its training loop (its input, a step, its hooks) a step's beats after
-        it was first seen there, past its first step's compile."""
-        now = time.monotonic()
-        if now >= self.next_training:
-            self.next_training = now + 0.5
-            for rank, path in enumerate(self.paths):
-                got = _watchdog.read(path)
-                if got is None or got[1] not in _LOOP:
-                    continue
-                first = self.in_loop.setdefault(rank, got[0])
-                if got[0] >= first + _STEP_BEATS:
-                    self.trained.add(rank)
-        return len(self.trained) == len(self.paths)
-
-    def phase(self, rank: int) -> str | None:
-        seen = self.seen[rank]
-        return None if seen is None else seen[1]
-
-    def count(self, rank: int) -> int:
-        seen = self.seen[rank]
-        return -1 if seen is None else seen[0]
 
 
 def _cannot_run(program: str, why: str) -> ValueError:
