@@ -13,12 +13,12 @@ batch 256, Adam, ``model.fit`` under the scope; 4 processes x 2 CPU devices, a s
 processes print the wall-clock time of each milestone of their start (``EJ_TIMES``) and of every step:
 
 * ``launch``: ``mirrorax launch --nprocs 4 --min-nprocs 2``; process 1 SIGKILLs itself at step 160 (the group
-  restarts with 4) and again at step 240 (it is left out: the group restarts with 3).
+  restarts with 4) and again at step 280 (it is left out: the group restarts with 3).
 * ``ray``: ``tests/jobs/ray_elastic.py``'s cluster of simulated nodes; the worker of rank 2 is SIGKILLed at step
   160 and its node removed (the group goes on with 3); at step 200 of the smaller group a node is added (Ray's
   resize, every 2 s here, grows the group to 4).
 
-The fit has 32 epochs of 8 steps: a loss comes once the group has trained for a while (under ``mirrorax
+The fit has 40 epochs of 8 steps: a loss comes once the group has trained for a while (under ``mirrorax
 launch``, its standby processes have imported what they import: on 2 cores busy with 4 training processes,
 about 20 s). A restart ends when its first step is done on
 every process (each reads the step's loss).
@@ -49,7 +49,7 @@ PHASES = ("noticed, new processes started", "imports", "join", "compile", "resto
 
 def _env(out: str, extra: dict[str, str]) -> dict[str, str]:
     path = os.pathsep.join([os.path.join(REPO, "src"), os.path.join(REPO, "tests")])
-    env = dict(os.environ, EJ_OUT=out, EJ_PHASES="cnn", EJ_CNN_EPOCHS="32", EJ_TIMES="1", MIRRORAX_SNAPSHOT_STEPS="3",
+    env = dict(os.environ, EJ_OUT=out, EJ_PHASES="cnn", EJ_CNN_EPOCHS="40", EJ_TIMES="1", MIRRORAX_SNAPSHOT_STEPS="3",
                KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", PYTHONPATH=path)
     env.update(extra)
     return env
@@ -104,7 +104,7 @@ def launch(extra: dict[str, str]) -> list[tuple[str, list[float], float]]:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "mirrorax.cluster.launch", "--nprocs", "4", "--min-nprocs", "2",
                "--cpu-devices-per-proc", "2", "--", sys.executable, JOB]
-        lines = _stamped(cmd, _env(out, {"EJ_EVENTS": "kill:cnn:160:slot1:4,kill:cnn:240:slot1:4", **extra}))
+        lines = _stamped(cmd, _env(out, {"EJ_EVENTS": "kill:cnn:160:slot1:4,kill:cnn:280:slot1:4", **extra}))
     kills = dict.fromkeys(m.groups() for _, x in lines if (m := re.search(r"^\[rank \d+\] KILL cnn (\d+) ([\d.]+)", x)))
     rows = []
     for step, at in kills:
