@@ -478,29 +478,33 @@ def test_below_the_minimum_a_run_that_trained_says_what_it_waits_for_and_ends_at
         ray_wait.WaitForWorkers(3, 4, {"CPU": 1.0}, deadline_s=0)
 
 
-def test_ray_starts_the_group_the_live_nodes_hold(monkeypatch, tmp_path, capsys):
-    """Issue 57: Ray's elastic policy decided on 4 workers from a view that still counted a lost node, then
-    waited its start timeout (10 s in the tests, 60 by default) before it tried 3. The trainer's controller
-    callback trims the group to the room the live nodes have, never below the minimum."""
+def test_ray_counts_the_workers_the_live_nodes_hold(monkeypatch, tmp_path, capsys):
+    """Issue 57: Ray's elastic policy counted the workers from a view that still counted a node just lost: it
+    started a group of the old size and waited its start timeout (10 s in the tests, 60 by default), and ended a
+    running group of the right size to "grow" onto the lost node. The trainer's policy counts the live nodes'."""
     pytest.importorskip("ray.train", reason='Ray Train is not installed (pip install "mirrorax[ray]")')
-    import types
-
     import ray
     from ray.train import RunConfig, ScalingConfig
+    from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
 
-    from mirrorax.cluster import ray_train, ray_wait
+    from mirrorax.cluster import ray_train
 
-    assert (ray_wait.trimmed(4, 2, 3), ray_wait.trimmed(4, 2, 1), ray_wait.trimmed(3, 2, 4)) == (3, 2, 3)
+    scaling = ScalingConfig(num_workers=(2, 4), resources_per_worker={"w": 1})
     trainer = ray_train.JaxTrainer(lambda config: None, run_config=RunConfig(name="t", storage_path=str(tmp_path)),
-                                   scaling_config=ScalingConfig(num_workers=(2, 4), resources_per_worker={"w": 1}))
-    callback = trainer.run_config.callbacks[-1]
-    nodes = [{"Alive": True, "Resources": {"w": 1.0}}] * 3 + [{"Alive": False, "Resources": {"w": 1.0}}]
-    monkeypatch.setattr(ray, "nodes", lambda: nodes)
-    decision = types.SimpleNamespace(num_workers=4)
-    callback.before_controller_execute_resize_decision(decision)
-    assert decision.num_workers == 3
-    assert "mirrorax: starting 3 Ray Train workers, not 4: the cluster's live nodes have room for 3" in \
-        capsys.readouterr().out
+                                   scaling_config=scaling)
+    given = {}
+    monkeypatch.setattr(type(trainer).__mro__[1], "_initialize_and_run_controller",
+                        lambda self, **kwargs: given.update(kwargs))
+    trainer._initialize_and_run_controller(scaling_policy=ElasticScalingPolicy(scaling), other=1)
+    policy = given["scaling_policy"]
+    assert isinstance(policy, ElasticScalingPolicy) and type(policy) is not ElasticScalingPolicy and given["other"] == 1
+    reserved = {f"node{i}": {"w": 1.0} for i in range(4)}  # Ray's view: 4 nodes
+    live = [{"Alive": True, "Resources": {"w": 1.0}}] * 3 + [{"Alive": False, "Resources": {"w": 1.0}}]
+    monkeypatch.setattr(ray, "nodes", lambda: live)
+    assert policy._count_possible_workers(reserved) == 3
+    assert "counts 4 workers; its live nodes hold 3" in capsys.readouterr().out
+    monkeypatch.setattr(ray, "nodes", lambda: live[:3] + [{"Alive": True, "Resources": {"w": 1.0}}])  # it came back
+    assert policy._count_possible_workers(reserved) == 4
 
 
 def test_each_node_is_cleaned_by_its_first_worker_whatever_its_address(monkeypatch):

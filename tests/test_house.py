@@ -281,7 +281,11 @@ NOT_KERAS = {("mirrorax.cluster.failure", "os._exit"), ("mirrorax.cluster.discov
              ("mirrorax.keras.fit", "object.__setattr__(model, '_mirrorax_trainer')"),
              ("mirrorax.checkpoint.orbax_quirks", "getattr(threading, '_register_atexit')"),
              ("mirrorax.cluster.discovery",
-              "getattr(getattr(private_jax('clusters'), 'ClusterEnv', None), '_cluster_types')")}
+              "getattr(getattr(private_jax('clusters'), 'ClusterEnv', None), '_cluster_types')"),
+             # Ray Train's elastic policy counting only the live nodes' workers, and set in its controller: the
+             # two methods of Ray's own classes that a subclass overrides (mirrorax.cluster.ray_train)
+             ("mirrorax.cluster.ray_train", "super()._count_possible_workers"),
+             ("mirrorax.cluster.ray_train", "super()._initialize_and_run_controller")}
 
 
 def private_reaches(name: str, text: str) -> list[str]:

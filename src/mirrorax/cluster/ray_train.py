@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mirrorax.cluster.discovery import ClusterInfo, coordination_client, make_info
-from mirrorax.cluster.ray_wait import DEFAULT_DEADLINE_S, BelowMinimumWorkers, WaitForWorkers, room, trimmed
+from mirrorax.cluster.ray_wait import DEFAULT_DEADLINE_S, BelowMinimumWorkers, WaitForWorkers, room
 from mirrorax.cluster.restarts import DIR_ENV, SECONDS_ENV, STEPS_ENV, compile_cache, group_file, node_name
 
 # JaxTrainer is made on first use (module __getattr__): defining it imports Ray.
@@ -219,11 +219,11 @@ def _say(line: str | None) -> None:
 def _trainer_class() -> type:
     RayJaxTrainer = _ray("ray.train.v2.jax").JaxTrainer  # noqa: N806 - a class
     ControllerCallback = _ray("ray.train.v2._internal.execution.callback").ControllerCallback  # noqa: N806
+    ElasticScalingPolicy = _ray("ray.train.v2._internal.execution.scaling_policy.elastic").ElasticScalingPolicy  # noqa: N806
 
     class WaitCallback(ControllerCallback):  # type: ignore[misc, valid-type]
         """On Ray Train's controller: its state at every update, to :class:`~mirrorax.cluster.ray_wait.WaitForWorkers`
-        (a line it has to say goes to the controller's output, which the driver shows), and each group it starts
-        trimmed to the live nodes' room (:func:`~mirrorax.cluster.ray_wait.trimmed`)."""
+        (a line it has to say goes to the controller's output, which the driver shows)."""
 
         def __init__(self, wait: WaitForWorkers) -> None:
             self.wait = wait
@@ -231,15 +231,24 @@ def _trainer_class() -> type:
         def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
             _say(self.wait.observe(type(current_state).__name__, _ray("ray").nodes, time.monotonic()))
 
-        def before_controller_execute_resize_decision(self, resize_decision: Any) -> None:
-            wait = self.wait
-            live = room(_ray("ray").nodes(), wait.per_worker, wait.max_workers)
-            workers = trimmed(resize_decision.num_workers, wait.min_workers, live)
-            if workers != resize_decision.num_workers:  # Ray's view still counts a lost node
-                _say(f"mirrorax: starting {workers} Ray Train workers, not {resize_decision.num_workers}: the "
-                     f"cluster's live nodes have room for {live} (Ray's view of its resources still counts a lost "
-                     "node).")
-                resize_decision.num_workers = workers
+
+
+    class LiveNodesPolicy(ElasticScalingPolicy):  # type: ignore[misc, valid-type]
+        """Ray's elastic policy, counting the workers the live nodes hold: Ray reads the cluster's resources from
+        a view that still counts a node just lost, for seconds. With it, a group of the old size was started and
+        waited for its start timeout (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``, 60 s), and a running group of the
+        right size was ended to "grow" onto the lost node."""
+
+        said = -1
+
+        def _count_possible_workers(self, reserved_resources: Any) -> int:
+            counted = super()._count_possible_workers(reserved_resources)
+            live = room(_ray("ray").nodes(), _per_worker(self.scaling_config), self.scaling_config.max_workers)
+            if live < counted and live != self.said:
+                _say(f"mirrorax: Ray Train's view of the cluster counts {counted} workers; its live nodes hold {live}: "
+                     f"{live} it is (a node was lost).")
+            self.said = live if live < counted else -1
+            return min(counted, live)
 
     class JaxTrainer(RayJaxTrainer):  # type: ignore[misc, valid-type]
         """Ray Train's ``JaxTrainer`` for a mirrorax program: every worker one JAX process of one job.
@@ -280,6 +289,12 @@ def _trainer_class() -> type:
             run = kwargs.get("run_config") or train.RunConfig()
             kwargs["run_config"] = dataclasses.replace(run, callbacks=[*(run.callbacks or []), WaitCallback(wait)])
             super().__init__(_wrapped(train_loop_per_worker, env), **kwargs)
+
+        def _initialize_and_run_controller(self, **kwargs: Any) -> Any:
+            policy: Any = kwargs.get("scaling_policy")
+            if type(policy) is ElasticScalingPolicy:  # counting the live nodes' workers
+                kwargs["scaling_policy"] = LiveNodesPolicy(policy.scaling_config)
+            return super()._initialize_and_run_controller(**kwargs)
 
         def fit(self) -> Any:
             """Ray's ``fit``; a run that ended below its minimum of workers raises :class:`BelowMinimumWorkers`."""

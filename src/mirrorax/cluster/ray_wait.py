@@ -10,8 +10,8 @@ whose message says how to resume. Nothing is removed: each node's snapshots and 
 the rerun. Before the run's first group has started, the wait is said but not bounded (a cluster's
 autoscaler may take minutes to add nodes).
 
-The same callback trims a group Ray is about to start to the room the live nodes have (:func:`trimmed`): Ray's
-own view of the cluster lags a lost node by seconds, and a group of the old size waits for its start timeout.
+``mirrorax.cluster.ray_train`` also counts the workers Ray may start with :func:`room`: Ray's own view of the
+cluster lags a lost node by seconds.
 
 Pure: the callback passes the state's name, a way to read the cluster's nodes (``ray.nodes()``) and the time.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["BelowMinimumWorkers", "WaitForWorkers", "room", "trimmed", "DEFAULT_DEADLINE_S", "CHECK_SECONDS"]
+__all__ = ["BelowMinimumWorkers", "WaitForWorkers", "room", "DEFAULT_DEADLINE_S", "CHECK_SECONDS"]
 
 #: How long a run that lost workers waits below its minimum before it ends (``JaxTrainer(wait_for_workers_s=)``).
 DEFAULT_DEADLINE_S = 300.0
@@ -53,19 +53,6 @@ def room(nodes: Sequence[Mapping[str, Any]], per_worker: Mapping[str, float], ma
         fits = [have.get(name, 0.0) // need for name, need in per_worker.items() if need > 0]
         total += int(min(fits)) if fits else max_workers
     return min(total, max_workers)
-
-
-def trimmed(asked: int, min_workers: int, live_room: int) -> int:
-    """The workers to start when Ray decided on ``asked`` but the live nodes have room for ``live_room``: Ray's
-    elastic policy reads the cluster's resources from a view refreshed every few seconds, which still counts a node
-    just lost, and a group of the old size then waits for its start timeout (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``,
-    60 s) before Ray tries the size it can place. Never below ``min_workers`` (Ray waits for room then).
-
-    Example:
-      >>> trimmed(4, 2, 3)
-      3
-    """
-    return max(min_workers, min(asked, live_room))
 
 
 class WaitForWorkers:
