@@ -21,11 +21,14 @@ The systems, on the same model, data, optimizer and global batch (``benchmarks/w
 * ``guide_api``: the keras.io guide's loop on ``strategy.jit`` (``benchmarks/peers/guide_api.py``);
 * ``keras_fit``: plain Keras ``model.fit`` (no strategy).
 
-How it measures. The small workloads (``mlp``, ``cnn``, ``transformer``) run every system in ONE process
-per workload, alternating chunks in ABBA order over the rounds (the ratio to the hand loop is the median of
-the per-round ratios, so drift hits all alike); a chunk is one ``fit`` call (one ``steps(n)`` call of a hand
-loop) of the workload's steps, its set-up included. The language model ``lm`` runs each system in a process
-of its own, so that the device's peak memory (``memory_stats()["peak_bytes_in_use"]``) is that system's.
+How it measures. Every system runs in a process of its own: a system sharing a process with others slows
+the hand loop (the bf16 transformer's ran 8,349-8,877 samples/s beside mirrorax's systems and 9,475-9,717
+alone), which flattered mirrorax. The small workloads (``mlp``, ``cnn``, ``transformer``) run
+``--process-rounds`` rounds (default 3) of a process per system, the processes alternating in ABBA order;
+the ratio to the hand loop is the median over the rounds of the two systems' rates in that round, so drift
+hits both alike. A process times ``rounds`` chunks; a chunk is one ``fit`` call (one ``steps(n)`` call of a
+hand loop) of the workload's steps, its set-up included. The language model ``lm`` runs each system once,
+so that the device's peak memory (``memory_stats()["peak_bytes_in_use"]``) is that system's.
 Every process first runs a tiny Keras ``fit`` and a tiny mirrorax ``fit`` (the one-time costs of a process:
 imports, JAX's and Keras's first programs), then each system's **time to first step**: its first call of
 one step, from the call to the step's state being ready (the step's trace and compile included; the table
@@ -33,9 +36,8 @@ also gives, as medians over the timed builds, the XLA compile's share, which is 
 varies up to 2x between builds of one program on a TPU, and the trace and lowering's, which is the
 host's Python work and what a system controls), then a warm-up call, then the timed chunks. On a TPU the
 first large program a process compiles takes ~1.5 s longer (the CNN: 4.7 s first, 3.2 s last in one
-order; the same in reverse), so where the systems share a process (mlp, cnn) each is built and timed
-``first_rounds`` times, forward and reverse order in turn, after an untimed first step of the hand loop;
-the median is shown.
+order; the same in reverse), so on mlp and cnn each process builds and times its system ``first_rounds``
+times after an untimed first step of the hand loop; the median is shown.
 MFU: model FLOPs per sample (``workloads.flops_per_sample``: ``6 x
 params`` per token plus attention) times samples/s over the device's dense bf16 peak (``--peak-tflops``;
 known: TPU v5e 197, v4 275, v5p 459, v6e 918, H100/H200 989 TFLOP/s). ``mx.plan`` is called after each
@@ -225,8 +227,9 @@ class _Compiles:
         jax.monitoring.unregister_event_listener(self._event)
 
 
-def child(workload: str, systems: list[str], plan: Plan, out_path: str) -> None:
-    """Measures ``systems`` on ``workload`` in this process; appends one JSON line per system to ``out_path``."""
+def child(workload: str, systems: list[str], plan: Plan, out_path: str, process_round: int = 0) -> None:
+    """Measures ``systems`` on ``workload`` in this process; appends one JSON line per system to ``out_path``
+    (``process_round``: which of the parent's rounds of processes this one is)."""
     import jax
     import keras
 
@@ -263,7 +266,8 @@ def child(workload: str, systems: list[str], plan: Plan, out_path: str) -> None:
         t0 = time.perf_counter()
         runners[s].call(plan.warmup)
         params = int(runners[s].model.count_params())
-        results[s] = {"system": s, "workload": workload, "first_step_s": first, "first_steps_s": firsts[s],
+        results[s] = {"system": s, "workload": workload, "process_round": process_round,
+                      "first_step_s": first, "first_steps_s": firsts[s],
                       "warmup_s": time.perf_counter() - t0, "chunk_s": [], "steps": plan.steps, "batch": wl.batch,
                       "bf16": plan.bf16, "num_params": params, "seq_len": wl.seq_len,
                       "flops_per_sample": workloads.flops_per_sample(wl, params), "device_kind": devices[0].device_kind,
@@ -296,30 +300,39 @@ def child(workload: str, systems: list[str], plan: Plan, out_path: str) -> None:
 
 # -- the table (in the parent) ---------------------------------------------------------------------------
 def summarize(rows: list[dict[str, Any]], peak_tflops: float | None) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per workload and system: samples/s (median chunk), tokens/s, the ratio to the hand loop, MFU, peak
-    device memory and time to first step."""
+    """Per workload and system: samples/s (the median chunk of all its processes), tokens/s, the ratio to the
+    hand loop (the median over the rounds of processes of the two rates of each round: drift hits both alike),
+    MFU, peak device memory and time to first step (medians over its processes)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
-    by = {(r["workload"], r["system"]): r for r in rows}
-    for (w, s), r in by.items():
-        rates = [r["steps"] * r["batch"] / t for t in r["chunk_s"]]
+    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault((r["workload"], r["system"]), []).append(r)
+
+    def rate_of(run: dict[str, Any]) -> float:
+        return statistics.median(run["steps"] * run["batch"] / t for t in run["chunk_s"]) if run["chunk_s"] \
+            else float("nan")
+
+    for (w, s), runs in by.items():
+        r = runs[-1]
+        rates = [r_["steps"] * r_["batch"] / t for r_ in runs for t in r_["chunk_s"]]
         rate = statistics.median(rates) if rates else float("nan")
-        hand = by.get((w, "jax"))
-        ratio = None
-        if hand is not None and hand["chunk_s"] and r["chunk_s"]:
-            if len(hand["chunk_s"]) == len(r["chunk_s"]) and not PLANS.get(w, Plan(1)).alone:
-                ratio = statistics.median(h / t for h, t in zip(hand["chunk_s"], r["chunk_s"]))  # per round
-            else:
-                ratio = rate / statistics.median(hand["steps"] * hand["batch"] / t for t in hand["chunk_s"])
+        hand = {run.get("process_round", 0): run for run in by.get((w, "jax"), [])}
+        pairs = [(rate_of(run), rate_of(hand[run.get("process_round", 0)])) for run in runs
+                 if run.get("process_round", 0) in hand]
+        ratio = statistics.median(a / b for a, b in pairs) if pairs else None
         peak = peak_tflops or PEAK_TFLOPS.get(r.get("device_kind", ""))
         flops = r["flops_per_sample"] * rate
+        compiles = [run.get("plan_compiles") for run in runs if run.get("plan_compiles") is not None]
         out.setdefault(w, {})[s] = {
             "samples_per_s": rate, "tokens_per_s": rate * r["seq_len"] if r["seq_len"] else None,
             "ratio_to_hand": ratio, "mfu": flops / (peak * 1e12) if peak else None,
             "device_peak_mib": r["device_peak_bytes"] / 2**20 if r.get("device_peak_bytes") else None,
-            "first_step_s": r["first_step_s"], "plan_compiles": r.get("plan_compiles"),
-            "first_compile_s": r.get("first_compile_s", (r.get("first_step_breakdown") or {}).get("compile_s")),
-            "first_trace_s": r.get("first_trace_s"),
-            "step_ms": 1e3 / (rate / r["batch"]) if rate else None}
+            "first_step_s": statistics.median(run["first_step_s"] for run in runs),
+            "plan_compiles": max(compiles) if compiles else None,
+            "first_compile_s": statistics.median(run.get("first_compile_s", (run.get("first_step_breakdown") or {})
+                                                         .get("compile_s")) or 0.0 for run in runs),
+            "first_trace_s": statistics.median(run.get("first_trace_s") or 0.0 for run in runs),
+            "processes": len(runs), "step_ms": 1e3 / (rate / r["batch"]) if rate else None}
     return out
 
 
@@ -357,7 +370,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="fresh builds per system whose first step is timed (default: mlp, cnn 4; others 1)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak (default: known)")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per process (default 420)")
+    p.add_argument("--process-rounds", type=int, default=3,
+                   help="processes per system on the small workloads, alternating (default 3); the LM: one each")
     p.add_argument("--cpu-smoke", action="store_true", help="1 CPU device, tiny sizes: checks the path only")
+    p.add_argument("--process-round", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -377,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             plan = dataclasses.replace(plan, rounds=args.rounds)
         if args.first_rounds and not plan.alone:
             plan = dataclasses.replace(plan, first_rounds=args.first_rounds)
-        child(args.child, systems, plan, args.child_out)
+        child(args.child, systems, plan, args.child_out, args.process_round)
         return 0
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
     out = args.out or os.path.join(REPO, "benchmarks", "results", f"accelerator-{stamp}")
@@ -390,10 +406,15 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     command = "python -m benchmarks.accelerator " + " ".join(argv if argv is not None else sys.argv[1:])
     for w in names:
-        groups = [[s] for s in systems] if plans[w].alone else [systems]
-        for group in groups:
+        # A process per system: a system sharing a process slows the hand loop (the bf16 transformer's ran
+        # 8,349-8,877 samples/s beside mirrorax's systems, 9,475-9,717 alone). The small workloads run
+        # ``--process-rounds`` rounds of them, alternating; the LM one each (its peak memory is the process's).
+        rounds = 1 if plans[w].alone else max(1, args.process_rounds)
+        groups = [(r, [s]) for r in range(rounds) for s in (systems if r % 2 == 0 else systems[::-1])]
+        for process_round, group in groups:
             cmd = [sys.executable, "-m", "benchmarks.accelerator", "--child", w, "--systems", ",".join(group),
-                   "--child-out", raw] + (["--rounds", str(args.rounds)] if args.rounds else []) + \
+                   "--child-out", raw, "--process-round", str(process_round)] + \
+                  (["--rounds", str(args.rounds)] if args.rounds else []) + \
                   (["--first-rounds", str(args.first_rounds)] if args.first_rounds else []) + \
                   (["--cpu-smoke"] if args.cpu_smoke else [])
             t0 = time.monotonic()
@@ -417,8 +438,9 @@ def main(argv: list[str] | None = None) -> int:
         if not names:  # (the NNX table alone)
             with open(os.path.join(out, "results.md"), "w") as f:
                 f.write(f"{stamp}, `{command}`\n")
-        nnx_args = (["--workloads", "guide", "--batches", "8", "--steps", "3", "--rounds", "2"] if args.cpu_smoke
-                    else ["--workloads", "cnn,transformer", "--batches", "32,256"])
+        nnx_args = (["--workloads", "guide", "--batches", "8", "--steps", "3", "--rounds", "2", "--process-rounds", "1"]
+                    if args.cpu_smoke else ["--workloads", "cnn,transformer", "--batches", "32,256", "--steps", "1000",
+                                            "--rounds", "3", "--process-rounds", str(max(1, args.process_rounds))])
         cmd = [sys.executable, "-m", "benchmarks.nnx_loops", *nnx_args, "--out", os.path.join(out, "nnx.json")]
         t0 = time.monotonic()
         try:

@@ -11,8 +11,9 @@ metrics, step and RNG, 289 MiB, laid out as that mode lays them out. Each round,
 new values (new buffers, as a train step does) and waits for them, as the Trainer drains its window
 before a save; then
 
-* ``Checkpointer.save`` is called as the Trainer calls it (through ``resume.Saver``, with the fit's meta:
-  data position, run, history), and
+* ``Checkpointer.save`` is called as the Trainer calls it: through the fit's saving
+  (``mirrorax.fit.saving.Saving.save_due`` at an epoch's end: the step read from the state, the fit's record
+  made (data position, run, history), the durable tier's save), and
 * a bare ``orbax.checkpoint.CheckpointManager`` (async, ``max_to_keep=2``) saves the same state tree
   with ``args.Composite(state=args.StandardSave(state))``,
 
@@ -53,6 +54,8 @@ def _child(devices: int, modes: list[str], rounds: int, hidden: int, directory: 
     from mirrorax import zoo
     from mirrorax.checkpoint import resume
     from mirrorax.checkpoint.checkpointer import Checkpointer
+    from mirrorax.checkpoint.policy import SavePoint
+    from mirrorax.fit.saving import Saving
     from mirrorax.results import History
 
     rng = np.random.default_rng(0)
@@ -82,14 +85,14 @@ def _child(devices: int, modes: list[str], rounds: int, hidden: int, directory: 
         history = History()
         history.append(0, {"loss": 2.3, "accuracy": 0.1}, 1000.0)
         run = {"batch_size": 32, "shuffle": True, "seed": 0, "steps_per_epoch": None}
-        saver = resume.Saver(ckpt, 100, run, history, {"x": [[784], "float32"], "y": [[], "int32"]})
+        saving = Saving(resume.Record(run, history, {"x": [[784], "float32"], "y": [[], "int32"]}), ckpt, every=100)
         bare = ocp.CheckpointManager(os.path.join(where, "orbax"), options=ocp.CheckpointManagerOptions(
             max_to_keep=2, enable_async_checkpointing=True))
         step = int(np.asarray(jax.device_get(state["step"])))
 
-        def save_mirrorax(state: Any, _step: int, saver: Any = saver, ckpt: Any = ckpt) -> tuple[float, float]:
+        def save_mirrorax(state: Any, step: int, saving: Any = saving, ckpt: Any = ckpt) -> tuple[float, float]:
             t0 = time.perf_counter()
-            saver.save(state, 0, 1)
+            saving.save_due(SavePoint(step, epoch_end=True), state, 0, 1, lambda: None)
             blocked = time.perf_counter() - t0
             ckpt.wait()
             return blocked, time.perf_counter() - t0

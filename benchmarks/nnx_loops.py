@@ -6,17 +6,21 @@ and an MLP, Dropout, Adam), each at a global batch of 32 and 256, and the perfor
 model (``guide``: 2 -> 64 -> 3 with BatchNorm and Dropout, a mean squared error), fed host numpy batches as
 the tutorial does. The systems:
 
-* ``flax_split_merge``: Flax's performance guide's fastest loop: ``nnx.split`` once before the loop, a plain
-  ``jax.jit`` step over the state (``nnx.merge`` inside, ``nnx.state`` out), the state donated, ``nnx.update``
-  after the loop;
+* ``flax_split_merge``: Flax's fastest loop, as Flax's own benchmark writes it
+  (``benchmarks/nnx_simple_training.py``, its ``jax`` mode): ``nnx.split`` once before the loop,
+  ``@partial(jax.jit, donate_argnums=0)`` over ``train_step_jax(state, batch)`` with the ``graphdef`` closed
+  over (``nnx.merge`` inside, ``nnx.state`` out): the state donated, the batch given as the loader gives it;
 * ``nnx_jit``: the tutorial's ``@nnx.jit`` step on the objects;
 * ``strategy_jit``: the same step under ``@strategy.jit`` (``donate_argnums`` on the objects), over
   ``strategy.experimental_distribute_dataset`` of the same arrays;
 * ``trainer``: ``mx.Trainer(module, loss=..., optimizer=...).fit`` of the same module and optimizer.
 
 Each chunk is ``steps`` steps, ended when the state is ready (a Trainer chunk is one ``fit`` call, its set-up
-included); the systems alternate in ABBA order over the rounds, and each ratio to ``flax_split_merge`` is the
-median of the per-round ratios (drift on a shared host hits all alike).
+included). Each system runs in a process of its own (a system sharing a process with others slows Flax's
+loop: measured on the bf16 transformer, the hand loop ran 8,349-8,877 samples/s beside mirrorax's systems and
+9,475-9,717 alone), ``--process-rounds`` times, the processes alternating in ABBA order; each ratio to
+``flax_split_merge`` is the median over the process rounds of the two rates of that round (drift on a shared
+host hits both alike). ``--process-rounds 0`` times every system in one process, alternating chunks.
 
 Run: ``python -m benchmarks.nnx_loops --workloads guide`` (the CPU, 1 device: the guide's model, whose step is
 small enough that the loops' host work shows), or
@@ -30,6 +34,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from functools import partial
@@ -168,6 +173,23 @@ def squared_error(y: Any, y_pred: Any) -> Any:
     return ((y_pred - y) ** 2).mean(axis=-1)
 
 
+def flax_loop_step(graphdef: Any, train_step: Any) -> Any:
+    """Flax's fastest loop's step, as Flax's own benchmark writes it (``benchmarks/nnx_simple_training.py``,
+    google/flax, its ``jax`` mode): the ``graphdef`` closed over, the state donated, ``train_step(model,
+    optimizer, metrics, x, y)`` the step's body."""
+    import jax
+    from flax import nnx
+
+    @partial(jax.jit, donate_argnums=0)
+    def train_step_jax(state: Any, batch: Any) -> Any:
+        model, optimizer, metrics = nnx.merge(graphdef, state)
+        x, y = batch
+        train_step(model, optimizer, metrics, x, y)
+        return nnx.state((model, optimizer, metrics))
+
+    return train_step_jax
+
+
 class System:
     """One loop on one workload: ``call(n)`` trains ``n`` steps and returns when the state is ready."""
 
@@ -183,23 +205,18 @@ class System:
         steps_per_pass = len(x) // batch
         batches = [(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]) for i in range(steps_per_pass)]
         self._i = 0
-        if name == "flax_split_merge":
+        if name == "flax_split_merge":  # Flax's benchmarks/nnx_simple_training.py, its jax mode
             graphdef, state = nnx.split((model, optimizer, metrics))
-
-            @partial(jax.jit, donate_argnums=1)
-            def step(state: Any, x: Any, y: Any) -> Any:
-                model, optimizer, metrics = nnx.merge(graphdef, state)
-                loss = train_step(model, optimizer, metrics, x, y)
-                return loss, nnx.state((model, optimizer, metrics))
-
+            train_step_jax = flax_loop_step(graphdef, train_step)
             box = [state]
+            self.step, self.donated = train_step_jax, (0,)
+            self.example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (state, batches[0]))
 
             def call(n: int) -> None:
-                loss = None
                 for _ in range(n):
-                    xb, yb = batches[self._i % steps_per_pass]
+                    batch = batches[self._i % steps_per_pass]
                     self._i += 1
-                    loss, box[0] = step(box[0], xb, yb)
+                    box[0] = train_step_jax(box[0], batch)
                 jax.block_until_ready(box[0])
         elif name == "nnx_jit":
             step = nnx.jit(train_step, donate_argnums=(0, 1, 2))
@@ -275,30 +292,76 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def separate(workload: str, batch: int, systems: list[str], steps: int, rounds: int, process_rounds: int,
+             max_in_flight: int = 2) -> dict:
+    """Each system in a process of its own, ``process_rounds`` times, the processes alternating (ABBA): each
+    process builds its one system, warms it up and times ``rounds`` chunks of ``steps`` steps. A system's
+    steps/s is the median of all its chunks; its ratio to Flax's loop the median over the process rounds of its
+    rate over Flax's loop's in the same round (drift hits both alike)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    for r in range(process_rounds):
+        for system in systems if r % 2 == 0 else systems[::-1]:
+            cmd = [sys.executable, "-m", "benchmarks.nnx_loops", "--child", system, "--workloads", workload,
+                   "--batches", str(batch), "--steps", str(steps), "--rounds", str(rounds),
+                   "--max-in-flight", str(max_in_flight)]
+            proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
+            if proc.returncode != 0:
+                raise SystemExit(f"{system} failed (status {proc.returncode}):\n{proc.stderr[-3000:]}")
+            runs[system].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    rows = {}
+    base = runs.get("flax_split_merge")
+    for s in systems:
+        chunks = [t for run in runs[s] for t in run["systems"][s]["chunk_s"]]
+        rate = statistics.median(steps / t for t in chunks)
+        ratio = None if not base else statistics.median(
+            statistics.median(steps / t for t in mine["systems"][s]["chunk_s"])
+            / statistics.median(steps / t for t in theirs["systems"]["flax_split_merge"]["chunk_s"])
+            for mine, theirs in zip(runs[s], base))
+        rows[s] = {"steps_per_s": rate, "ratio": ratio, "chunk_s": chunks,
+                   "warmup_s": [run["systems"][s]["warmup_s"] for run in runs[s]]}
+    return {"workload": workload, "batch": batch, "steps": steps, "rounds": rounds, "process_rounds": process_rounds,
+            "max_in_flight": max_in_flight, "device_kind": runs[systems[0]][0]["device_kind"], "systems": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.nnx_loops", description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="guide", help="guide, cnn, transformer (comma-separated; default guide)")
     p.add_argument("--batches", default="32", help="global batches (comma-separated; default 32)")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--steps", type=int, default=200, help="steps per chunk (default 200)")
-    p.add_argument("--rounds", type=int, default=6, help="chunks per system (default 6)")
+    p.add_argument("--rounds", type=int, default=6, help="timed chunks per process (default 6)")
+    p.add_argument("--process-rounds", type=int, default=3,
+                   help="processes per system, alternating (default 3); 0: every system in this one process")
     p.add_argument("--max-in-flight", type=int, default=2, help="the strategy's dispatch window (default 2)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # (a worker: this one system)
     p.add_argument("--out", default=None, help="a JSON file for the results")
     args = p.parse_args(argv)
     os.environ.setdefault("KERAS_BACKEND", "jax")
-    import jax
-
-    devices = jax.devices()[:1]
     systems = [s for s in args.systems.split(",") if s]
+    if args.child:
+        import jax
+
+        w, b = args.workloads, int(args.batches)
+        print(json.dumps(measure(w, b, [args.child], args.steps, args.rounds, jax.devices()[:1], args.max_in_flight)))
+        return 0
     results = []
     for w in [w for w in args.workloads.split(",") if w]:
         for b in [int(b) for b in args.batches.split(",") if b]:
-            results.append(measure(w, b, systems, args.steps, args.rounds, devices, args.max_in_flight))
+            if args.process_rounds:
+                results.append(separate(w, b, systems, args.steps, args.rounds, args.process_rounds,
+                                        args.max_in_flight))
+            else:
+                import jax
+
+                results.append(measure(w, b, systems, args.steps, args.rounds, jax.devices()[:1], args.max_in_flight))
             print(markdown(results[-1:]), flush=True)
             if args.out:
                 with open(args.out, "w") as f:
                     json.dump(results, f, indent=1)
-    print(f"Device: {devices[0].device_kind}\n\n" + markdown(results))
+    print(f"Device: {results[0]['device_kind'] if results else '?'}\n\n" + markdown(results))
     return 0
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+
 import jax
 import keras
 import numpy as np
@@ -87,6 +90,17 @@ def train_step_args(trainer: mx.Trainer, x, y, batch_size: int = 24) -> tuple:
     finally:
         dispatch.StrategyFunction.flat_program = original
     return captured["args"]
+
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+def example(name: str):
+    """The program ``examples/<name>.py``, imported as a module of its own (its ``main`` then runs it)."""
+    spec = importlib.util.spec_from_file_location(f"mirrorax_example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def changed_lines(original: str, port: str) -> list[str]:
@@ -230,3 +244,33 @@ class Compiles:
 
     def __exit__(self, *exc):
         jax.monitoring.unregister_event_duration_listener(self._listen_duration)
+
+
+def flip_bit_after(path, text: bytes, at: int = 0) -> None:
+    """Flips the lowest bit of the byte ``at`` after the first ``text`` in the file ``path``: one bit of one field
+    of a record (``b'"batch_in_epoch":'`` -> its first digit)."""
+    raw = bytearray(open(path, "rb").read())
+    where = raw.index(text) + len(text) + at
+    raw[where] ^= 0x01
+    open(path, "wb").write(bytes(raw))
+
+
+def rewrite_snapshot_index(directory, change) -> None:
+    """A crafted snapshot index in ``directory`` (a snapshot's ``<step>/``): ``change(index)`` applied and its digest
+    written anew, so that only the index's own checks can refuse it."""
+    import hashlib
+    import json
+    import os
+
+    path = os.path.join(directory, "index.json")
+    with open(path) as f:
+        index = json.load(f)
+    change(index)
+    text = json.dumps(index).encode()
+    with open(path, "wb") as f:
+        f.write(text)
+    with open(os.path.join(directory, "digest.json")) as f:
+        digests = json.load(f)
+    digests["index.json"] = hashlib.sha256(text).hexdigest()
+    with open(os.path.join(directory, "digest.json"), "w") as f:
+        f.write(json.dumps(digests))

@@ -118,11 +118,12 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
 
 def test_accelerator_table_cpu_smoke(tmp_path):
     """``python -m benchmarks.accelerator --cpu-smoke``: the accelerator table's whole path on one CPU device
-    at tiny sizes: a shared process interleaving the systems (mlp), a process per system (the LM), every
-    figure of the table, and mx.plan after each mirrorax fit compiling nothing; the Flax NNX loops' table
-    (``benchmarks/nnx_loops.py``). The plumbing, not the speed."""
+    at tiny sizes: a process per system, in two alternating rounds (mlp: each ratio from the two rates of a
+    round) or once (the LM), every figure of the table, and mx.plan after each mirrorax fit compiling nothing;
+    the Flax NNX loops' table (``benchmarks/nnx_loops.py``). The plumbing, not the speed."""
     proc = subprocess.run(python("-m", "benchmarks.accelerator", "--cpu-smoke", "--workloads", "mlp,lm,nnx",
-                                 "--systems", "jax,mirrorax,keras_scope", "--peak-tflops", "1", "--out", str(tmp_path)),
+                                 "--systems", "jax,mirrorax,keras_scope", "--peak-tflops", "1", "--process-rounds",
+                                 "2", "--out", str(tmp_path)),
                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "results.json").read_text())
@@ -136,11 +137,14 @@ def test_accelerator_table_cpu_smoke(tmp_path):
             assert r["samples_per_s"] > 0 and r["first_step_s"] > 0 and r["mfu"] > 0 and r["ratio_to_hand"] > 0
             assert r["plan_compiles"] == (None if s == "jax" else 0), (w, s, r)
     assert all(r["tokens_per_s"] > 0 for r in summary["lm"].values())
-    # one process per system for the LM: each has its own peak (CPU devices keep none: absent here)
+    # one process per system for the LM: each has its own peak (CPU devices keep none: absent here); two
+    # rounds of a process per system for mlp, alternating
     runs = [r for r in result["runs"] if r["workload"] == "lm"]
     assert len(runs) == 3 and all(r["seq_len"] == 16 for r in runs)
-    # Each first step with its trace and compile; in the shared process (mlp) timed on fresh builds twice
-    # (both orders), the median shown.
+    mlp = [(r["process_round"], r["system"]) for r in result["runs"] if r["workload"] == "mlp"]
+    assert mlp == [(0, "jax"), (0, "mirrorax"), (0, "keras_scope"), (1, "keras_scope"), (1, "mirrorax"), (1, "jax")]
+    assert all(v["processes"] == 2 for v in summary["mlp"].values())
+    # Each first step with its trace and compile; on mlp timed on fresh builds twice, the median shown.
     for r in result["runs"]:
         firsts, b = r["first_steps_s"], r["first_step_breakdown"]
         assert len(firsts) == (2 if r["workload"] == "mlp" else 1), r
@@ -239,3 +243,66 @@ def test_snapshot_cost_prints_a_row_with_its_costs():
     row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("| 1 | None |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert float(cells[2]) > 0.5 and float(cells[5]) > 0 and float(cells[6]) > 0, row  # state MiB, save, writer
+
+
+def test_every_baseline_donates_what_its_source_donates():
+    """A baseline is written as its source writes it: Flax's fastest loop donates its state and never the batch
+    (the nnx_loops baseline once donated the batch: JAX warned, Flax's loop ran 25% slow, and mirrorax looked
+    1.25x faster than it), the keras.io loop its state, the guide's functional loop nothing. Checked on the
+    compiled steps' own record of their donated arguments."""
+    import jax
+
+    from benchmarks import host_proxy, nnx_loops
+
+    found = host_proxy.baselines()
+    x, y = nnx_loops.make_data("guide", 64)
+    system = nnx_loops.System("flax_split_merge", "guide", x, y, 32, jax.devices()[:1])
+    found["nnx_loops.flax_split_merge"] = (system.step, system.example, system.donated)
+    assert set(found) == {"flax_loop", "flax_functional", "keras_hand", "nnx_loops.flax_split_merge"}
+    for name, (step, example, donated) in found.items():
+        positional, _ = step.lower(*example).args_info
+        for i, arg in enumerate(positional):
+            flags = [leaf.donated for leaf in jax.tree.leaves(arg)]
+            if i in donated:
+                assert flags and all(flags), (name, i, "its state must be donated")
+            else:
+                assert not any(flags), (name, i, "only its state may be donated")
+
+
+@pytest.mark.timeout(600)
+def test_host_proxy_runs_each_system_in_its_own_process_against_its_baseline(tmp_path):
+    """``python -m benchmarks.host_proxy`` on a few steps: each door and its baseline (added when not named) run in
+    processes of their own, alternating, and the table gives each door's ratio and host time beyond its baseline.
+    The plumbing, not the speed."""
+    out = tmp_path / "proxy.json"
+    systems = "strategy_jit_donated,strategy_jit_functional,trainer"
+    cmd = [*python(), "-m", "benchmarks.host_proxy", "--systems", systems, "--steps", "20", "--warmup", "5",
+           "--repeats", "1", "--rounds", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert set(rows) == {"strategy_jit_donated", "strategy_jit_functional", "trainer", "flax_loop", "flax_functional"}
+    for name, row in rows.items():
+        assert len(row["runs"]) == 2 and row["steps_per_s"] > 0 and row["host_us"] > 0, name
+        assert (row["ratio"] is None) == (name in ("flax_loop", "flax_functional")), name
+    assert "| strategy_jit_functional | flax_functional |" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_step_phases_splits_a_steps_host_time_by_phase(tmp_path):
+    """``python -m benchmarks.step_phases``: each door's host time per step split into phases that add up to it;
+    the held objects' phase is the NNX door's alone, the window's wait is never negative. The plumbing, not the
+    speed."""
+    out = tmp_path / "phases.json"
+    proc = subprocess.run(python("-m", "benchmarks.step_phases", "--systems", "strategy_jit_donated,trainer", "--steps",
+                                 "30", "--warmup", "5", "--out", str(out)),
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["system"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"strategy_jit_donated", "trainer"}
+    for name, r in rows.items():
+        phases = r["phases"]
+        assert sum(phases.values()) == pytest.approx(r["us_per_step"]), name
+        assert phases["placement"] > 0 and phases["dispatch"] > 0 and phases["window wait"] >= 0, (name, phases)
+    assert rows["strategy_jit_donated"]["phases"]["held objects"] > 0 == rows["trainer"]["phases"]["held objects"]
+    assert "| strategy_jit_donated |" in proc.stdout

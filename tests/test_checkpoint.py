@@ -628,7 +628,7 @@ def test_a_value_orbax_cannot_write_is_refused_before_the_save_naming_it(tmp_pat
 def test_only_a_storage_fault_gets_storage_advice():
     import errno
 
-    from mirrorax.checkpoint.checkpointer import _storage_fault
+    from mirrorax.checkpoint.storage import storage_fault as _storage_fault
 
     assert _storage_fault(OSError(errno.ENOSPC, "No space left on device")) == "ENOSPC: No space left on device"
     tensorstore = ValueError('RESOURCE_EXHAUSTED: Failed to write 409429 bytes: No space left on device '

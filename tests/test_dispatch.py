@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mirrorax as mx
+from mirrorax.steps import dispatch
 from mirrorax.steps.dispatch import InFlight
 
 pytestmark = pytest.mark.multi_device
@@ -78,7 +79,7 @@ def test_program_pushed_by_its_loop_keeps_the_bound_and_on_done_order(monkeypatc
 
 def test_on_done_runs_once_per_entry_in_order(monkeypatch):
     waited: list[object] = []
-    monkeypatch.setattr(jax, "block_until_ready", lambda x: waited.append(x))
+    monkeypatch.setattr(dispatch, "wait", lambda x: waited.append(x))
     window = InFlight(3)
     calls: list[tuple[str, int]] = []
     for i in range(5):
@@ -93,7 +94,7 @@ def test_on_done_runs_once_per_entry_in_order(monkeypatch):
 
 
 def test_after_dispatch_runs_once_after_the_next_push(monkeypatch):
-    monkeypatch.setattr(jax, "block_until_ready", lambda x: None)
+    monkeypatch.setattr(dispatch, "wait", lambda x: None)
     window = InFlight(2)
     seen: list[int] = []
     window.after_dispatch(lambda: seen.append(window.pending))

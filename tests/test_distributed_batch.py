@@ -10,6 +10,7 @@ numpy's on the real rows.
 from __future__ import annotations
 
 import collections
+import functools
 import warnings
 
 import jax
@@ -130,11 +131,19 @@ def test_an_array_computed_outside_the_step_joins_its_batch_or_is_named():
     step = s.jit(stats)
     # beside a piece of its batch: the same rows and layout, so the same real rows
     check([step(x / 1, y) for x, y in s.experimental_distribute_dataset((X, Y), batch_size=BATCH)], "x / 1")
-    # alone: the step would see the padding, and says so
+    # alone, with its batch alive: the one padded batch of those rows is its batch, so the step gets the real
+    # rows (computed from the batch in the loop: x + 0, the transposed stack of jnp.array(batch).T)
+    mean = s.jit(lambda a: jnp.mean(a))
     (x, y), = list(s.experimental_distribute_dataset((X[:16], Y[:16]), batch_size=BATCH))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert float(mean(x + 0)) == pytest.approx(X[:16].mean())
+    # with two padded batches of those rows alive, whose it is cannot be told: the step would see the padding,
+    # and says so
+    (x2, y2), = list(s.experimental_distribute_dataset((X[16:32], Y[16:32]), batch_size=BATCH))
     with pytest.warns(mx.PaddingIgnoredWarning, match=r"received argument\[0\] with the rows of a padded batch.*"
                                                       r"no piece of that batch beside it"):
-        s.jit(lambda a: jnp.mean(a))(x + 0)
+        mean(x + 0)
 
 
 @pytest.mark.parametrize("run", [False, True])
@@ -144,7 +153,7 @@ def test_a_batch_given_whole_from_the_host_is_warned(run):
     fn = s.jit(lambda x, y: jnp.mean(x))
     call = (lambda: s.run(lambda x, y: jnp.sum(x), args=(x, y))) if run else (lambda: fn(x, y))
     effect = "times too large" if run else "no speed-up"
-    with pytest.warns(mx.ReplicatedBatchWarning, match=r"host arrays that look like a global batch \(argument 0 "
+    with pytest.warns(mx.ReplicatedBatchWarning, match=r"arrays that look like a global batch \(argument 0 "
                                                        rf"of shape \(16, 1\), argument 1 of shape \(16,\)\).*{effect}"):
         call()
     # a dict of host arrays too; a state and one constant array are no batch
@@ -154,6 +163,26 @@ def test_a_batch_given_whole_from_the_host_is_warned(run):
         warnings.simplefilter("error")
         s.jit(lambda state, c: state["w"] * c)({"w": np.ones((4, 1), np.float32), "b": np.ones(1, np.float32),
                                                 "scale": np.ones(4, np.float32)}, np.ones(4, np.float32))
+        # a square kernel and its bias in a pair are a state, not a batch
+        s.jit(lambda p: p[0] @ p[1])((jnp.ones((4, 4)), jnp.ones(4)))
+
+
+@pytest.mark.parametrize("form", ["jnp", "pair"])
+def test_a_jnp_batch_or_a_float_pair_given_whole_is_warned(form):
+    """A global batch made with ``jnp`` (the form Flax's guides write: replicated on the devices, not split) and
+    a float ``(X, Y)`` pair given as one argument are warned as numpy batches are (they trained with no warning,
+    each device on every row)."""
+    s = strategy(2)
+    x, y = X[:16].reshape(16, 1), Y[:16].astype(np.float32)
+    if form == "jnp":
+        call = functools.partial(s.jit(lambda x, y: jnp.mean(x * y)), jnp.asarray(x), jnp.asarray(y))
+        where = r"argument 0 of shape \(16, 1\), argument 1 of shape \(16,\)"
+    else:
+        call = functools.partial(s.jit(lambda b: jnp.mean(b[0] * b[1])), (x, y))
+        where = r"argument 0\[0\] of shape \(16, 1\), argument 0\[1\] of shape \(16,\)"
+    with pytest.warns(mx.ReplicatedBatchWarning, match=rf"look like a global batch \({where}\).*"
+                                                       r"experimental_distribute_dataset"):
+        call()
 
 
 def test_nnx_step_given_pieces():

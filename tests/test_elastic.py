@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -25,12 +26,12 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
-from helpers import flat_digits, strategy
+from helpers import flat_digits, flip_bit_after, rewrite_snapshot_index, strategy
 from jax.sharding import NamedSharding, PartitionSpec
 from jobs.procs import ROOT, SCRIPTS, clean_env, launcher, python
 
 import mirrorax as mx
-from mirrorax.checkpoint import snapshot
+from mirrorax.checkpoint import policy, snapshot
 from mirrorax.checkpoint import snapshot_io as _snapshot_io
 from mirrorax.cluster import restarts as _restarts
 from mirrorax.fit import elastic
@@ -98,27 +99,31 @@ def test_a_node_keeps_its_newest_snapshot_and_none_of_a_killed_writer(tmp_path):
         state = {"w": state["w"] + 1}
         snaps.maybe_save(step, state)
     snaps.wait()
-    assert os.listdir(snaps.directory) == ["6"]  # steps 2, 4, 6 taken; one kept
+    assert sorted(os.listdir(snaps.directory)) == ["4", "6"]  # steps 2, 4, 6 taken; the newest two kept
     os.makedirs(os.path.join(snaps.directory, "8.tmp-999"))  # a writer killed mid-write
     state = {"w": state["w"] + 1}
     snaps.maybe_save(8, state)
     snaps.wait()
-    assert os.listdir(snaps.directory) == ["8"]
+    assert sorted(os.listdir(snaps.directory)) == ["6", "8"]
     step, restored, _ = mx.Snapshots(tmp_path).restore_latest(_abstract(state))
     assert step == 8 and float(restored["w"][0]) == 8.0
 
 
-def test_a_damaged_snapshot_is_skipped_with_a_warning(tmp_path):
+def test_a_damaged_snapshot_is_skipped_with_a_warning_and_the_one_before_taken(tmp_path):
     state = {"w": strategy(2).replicate(np.arange(6, dtype=np.float32))}
     with mx.Snapshots(tmp_path) as snaps:
         snaps.save(3, state)
-    data = os.path.join(snaps.directory, "3", "state.bin")
-    raw = bytearray(open(data, "rb").read())
-    raw[-1] ^= 0x40  # a flipped bit in the last float
-    open(data, "wb").write(bytes(raw))
-    with pytest.warns(mx.SnapshotWarning, match="do not match their checksum"):
-        assert mx.Snapshots(tmp_path).restore_latest(_abstract(state)) is None
-    assert os.listdir(snaps.directory) == ["3.damaged"]
+        snaps.save(4, {"w": state["w"] + 1})
+    for step in (4, 3):
+        data = os.path.join(snaps.directory, str(step), "state.bin")
+        raw = bytearray(open(data, "rb").read())
+        raw[-1] ^= 0x40  # a flipped bit in the last float
+        open(data, "wb").write(bytes(raw))
+        with pytest.warns(mx.SnapshotWarning, match=f"/{step}: the bytes of 'w' do not match their checksum: skipped, "
+                                                    f"moved to .*/{step}.damaged"):
+            restored = mx.Snapshots(tmp_path).restore_latest(_abstract(state))
+        assert restored is None if step == 3 else restored[0] == 3
+    assert sorted(os.listdir(snaps.directory)) == ["3.damaged", "4.damaged"]
 
 
 def test_another_models_snapshot_is_refused(tmp_path):
@@ -145,11 +150,12 @@ def test_the_schedule_every_steps_and_by_the_clock(tmp_path, monkeypatch):
     resumed = mx.Snapshots(tmp_path, every_steps=3)  # resumed at step 10: the next multiple, not at once
     assert [s for s in (11, 12, 13) if resumed.due(s)] == [12]
     clock = [100.0]
-    monkeypatch.setattr(snapshot.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(policy.time, "monotonic", lambda: clock[0])
     timed = mx.Snapshots(tmp_path, every_seconds=30)
     state = {"w": strategy(1).replicate(np.zeros(2, np.float32))}
-    assert not timed.due(1) and timed.due(snapshot.FIRST_STEPS + 1)  # the first: a few steps in
+    assert not timed.due(1)
     clock[0] += 5.0  # 10 steps in 5 s: 2 steps a second, 60 steps to 30 s
+    assert timed.due(snapshot.FIRST_STEPS + 1)  # the first: a few steps in; the next planned from it
     timed.save(snapshot.FIRST_STEPS + 1, state)
     assert timed.next_step == snapshot.FIRST_STEPS + 1 + 60
     timed.wait()
@@ -205,14 +211,17 @@ def test_memory_and_threads_stay_flat_over_a_long_run_with_frequent_snapshots(tm
     assert threads1 == threads0, (threads0, threads1)
     assert py1 - py0 < 256 * 1024, f"Python memory grew {(py1 - py0) / 1024:.0f} KiB over 320 snapshots"
     assert rss1 - rss0 < 8, f"resident memory grew {rss1 - rss0:.1f} MiB over 320 snapshots"
-    fit_dir = os.path.join(tmp_path, _snapshot_io.node_name())
-    assert sorted(os.listdir(os.path.join(fit_dir, "fit1"))) == ["480"]
+    node_dir = os.path.join(tmp_path, _snapshot_io.node_name())
+    (fit1,) = [d for d in os.listdir(node_dir) if d.startswith("fit1-") and os.path.isdir(os.path.join(node_dir, d))]
+    assert sorted(os.listdir(os.path.join(node_dir, fit1))) == ["479", "480"]  # the job's folder: the newest two
 
 
-def _fit(n: int, tmp_path, monkeypatch, stop_at: int | None = None, keras_fit: bool = False):
+def _fit(n: int, tmp_path, monkeypatch, stop_at: int | None = None, keras_fit: bool = False,
+         learning_rate: float | None = None):
     """A Keras model (BatchNormalization, Dropout) fit for 3 epochs on 300 rows at batch 48 on ``n`` devices,
     snapshots every 3 steps in ``tmp_path``; ``stop_at``: a callback raises after that step (a lost process:
-    the snapshots stay); ``keras_fit``: the model's own fit (Keras's order), else mx.Trainer's."""
+    the snapshots stay); ``keras_fit``: the model's own fit (Keras's order), else mx.Trainer's;
+    ``learning_rate``: another than the model's (3e-3)."""
     import sys
 
     sys.path.insert(0, str(SCRIPTS))
@@ -226,6 +235,8 @@ def _fit(n: int, tmp_path, monkeypatch, stop_at: int | None = None, keras_fit: b
     s = strategy(n)
     with s.scope():
         model = elastic_job.keras_model()
+        if learning_rate is not None:
+            model.optimizer.learning_rate = learning_rate
 
     class Lost(Exception):
         pass
@@ -272,9 +283,76 @@ def test_a_fit_lost_mid_epoch_resumes_from_its_snapshot_on_another_device_count(
     assert epochs == ["2", "3"], said.out
     assert len(line) == 1 and line[0].startswith(
         "mirrorax: elastic restart: fit 1 continues on 1 process (6 devices) from snapshot step 9 (epoch 2, batch 2); "
-        "the job had 1 process (8 devices); "), line  # (the steps lost: as of the writer's last look, 0.2 s)
+        "the job had 1 process (8 devices); 2 steps lost (it had reached step 11)."), line  # exact: noted each step
     _assert_floor(resumed, reference)  # Keras's History too: the epochs before the loss are in it
     assert len(resumed[0]["loss"]) == 3
+
+
+@pytest.fixture(scope="module")
+def lost_at_11(tmp_path_factory):
+    """``mx.Trainer``'s uninterrupted fit on 8 devices, and the snapshots of one lost after step 11 (taken at steps
+    3, 6 and 9; the newest two kept)."""
+    root = tmp_path_factory.mktemp("lost_at_11")
+    with pytest.MonkeyPatch.context() as mp:
+        reference = _fit(8, root / "reference", mp)
+        assert _fit(8, root / "run", mp, stop_at=11) is None
+    return reference, root / "run"
+
+
+#: One bit of each field of snapshot 9's records (its position, its index: a shape, an offset, a checksum), and an
+#: index entry of dtype ``object`` written with a valid digest: each makes it damage.
+SNAPSHOT_EDITS = {
+    "position: batch_in_epoch": lambda d: flip_bit_after(d / "meta.json", b'"batch_in_epoch":'),
+    "position: epoch": lambda d: flip_bit_after(d / "meta.json", b'"epoch":'),
+    "index: shape": lambda d: flip_bit_after(d / "index.json", b'"shape":['),
+    "index: offset": lambda d: flip_bit_after(d / "index.json", b'"offset":'),
+    "index: crc32": lambda d: flip_bit_after(d / "index.json", b'"crc32":'),
+    "index: dtype object": lambda d: rewrite_snapshot_index(d, lambda i: i["leaves"][0].update(dtype="object")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("edit", SNAPSHOT_EDITS, ids=list(SNAPSHOT_EDITS))
+def test_a_damaged_snapshot_is_passed_over_for_the_one_before_with_the_uninterrupted_numbers(
+        tmp_path, monkeypatch, capfd, lost_at_11, edit):
+    """Issue 56: a fit restarted on a snapshot whose records were edited (one bit) or crafted takes the snapshot
+    before it, with one warning naming the damaged one, and ends with the uninterrupted run's numbers (a flipped
+    ``batch_in_epoch`` resumed at the wrong place: 95 steps instead of 96, weights 3.0e-2 away)."""
+    reference, lost = lost_at_11
+    run = tmp_path / "run"
+    shutil.copytree(lost, run)
+    node = run / _snapshot_io.node_name()
+    (fit1,) = [d for d in node.iterdir() if d.name.startswith("fit1-") and d.is_dir()]
+    assert sorted(p.name for p in fit1.iterdir()) == ["6", "9"]
+    SNAPSHOT_EDITS[edit](fit1 / "9")
+    capfd.readouterr()
+    with pytest.warns(mx.SnapshotWarning) as warned:
+        resumed = _fit(6, run, monkeypatch)
+    said = [str(w.message) for w in warned if issubclass(w.category, mx.SnapshotWarning)]
+    assert len(said) == 1 and f"{fit1}/9: " in said[0], said
+    assert said[0].endswith(f"skipped, moved to {fit1}/9.damaged; the snapshot before it is tried."), said
+    line = [x for x in capfd.readouterr().err.splitlines() if "elastic restart" in x]
+    # From the snapshot before, and the steps lost counted exactly: 11 were reached.
+    assert len(line) == 1 and "from snapshot step 6 (epoch 1, batch 6)" in line[0], line
+    assert line[0].endswith("5 steps lost (it had reached step 11)."), line
+    _assert_floor(resumed, reference)
+
+
+@pytest.mark.slow
+def test_two_jobs_sharing_a_snapshot_folder_never_mix(tmp_path, monkeypatch):
+    """Issue 56: two jobs with one MIRRORAX_SNAPSHOT_DIR, the same model, another learning rate. The second took the
+    first's final snapshot, trained 0 batches and returned the first's weights; now it trains as if alone, saying
+    which setting differs, and the first job's snapshots stay whole (run again, it passes through its own)."""
+    alone = _fit(8, tmp_path / "alone", monkeypatch, learning_rate=1e-2)
+    first = _fit(8, tmp_path / "shared", monkeypatch)
+    with pytest.warns(mx.SnapshotWarning, match=r"are not this job's and are ignored \(learning_rate: 0.003 in that "
+                                                r"job, 0.01 in this one\): fit1 starts afresh"):
+        second = _fit(8, tmp_path / "shared", monkeypatch, learning_rate=1e-2)
+    _assert_floor(second, alone)
+    assert np.max(np.abs(second[2][0] - first[2][0])) > 1e-2  # (not the first job's weights)
+    again = _fit(8, tmp_path / "shared", monkeypatch)
+    _assert_floor(again, first)
+    assert len([d for d in os.listdir(tmp_path / "shared" / _snapshot_io.node_name()) if d.endswith(".reached")]) == 2
 
 
 def test_the_restart_line_names_the_lost_and_the_steps_lost(monkeypatch):
@@ -539,6 +617,23 @@ def test_ray_train_without_ray_says_how_to_install_it(monkeypatch):
             ray_train.JaxTrainer  # noqa: B018
     finally:
         ray_train._trainer_class.cache_clear()
+
+
+def test_a_process_that_imported_ray_names_its_node_without_starting_ray(monkeypatch):
+    """A snapshot names its node; a process that imported ray without starting it (a notebook using Ray Data, a
+    test that imported ray.train) is not a Ray worker: its node is the host, and Ray is not asked. Ray's
+    get_runtime_context() would start a local Ray instance (CI caught one, forking the test's process)."""
+    import socket
+    import types
+
+    asked = []
+    ray = types.ModuleType("ray")
+    ray.is_initialized = lambda: False
+    ray.get_runtime_context = lambda: asked.append(1) or types.SimpleNamespace(get_node_id=lambda: "f" * 56)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    assert _restarts.node_name() == (socket.gethostname() or "localhost") and asked == []
+    ray.is_initialized = lambda: True  # in a Ray worker: the Ray node's id, so simulated nodes of one host differ
+    assert _restarts.node_name() == "ray-" + "f" * 16 and asked == [1]
 
 
 def test_launch_refuses_a_minimum_above_the_processes():

@@ -232,6 +232,7 @@ def test_a_full_disk_is_one_line_naming_the_step_and_the_newest_good_checkpoint(
         ckpt.save(2, jax.tree.map(lambda a: a + 1, big), {})
         with pytest.raises(CheckpointError) as err:
             ckpt.wait()
+        left = sorted(os.listdir(tmp_path))
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
         signal.signal(signal.SIGXFSZ, previous)
@@ -240,10 +241,55 @@ def test_a_full_disk_is_one_line_naming_the_step_and_the_newest_good_checkpoint(
     assert message.startswith("Checkpoint step 2 could not be written to ") and "\n" not in message
     assert "the newest good checkpoint is step 1" in message and "File too large" in message
     assert isinstance(err.value.cause, Exception) and err.value.__cause__ is None  # kept, not printed
+    assert left == [".mirrorax-lock", "1"], left  # the failed step's temporary directory is gone at once
     printed = capfd.readouterr()
     assert len((printed.out + printed.err).splitlines()) <= 2, printed.err[-3000:]
     with Checkpointer(tmp_path) as again:
         assert again.restore_latest(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), big))[0] == 1
+
+
+def test_a_small_file_written_on_a_full_disk_stays_whole_and_leaves_nothing(tmp_path):
+    """Issue 56: an index, a lock, TF's state file are written atomically: a write that fails part-way (here
+    past RLIMIT_FSIZE, as on a full disk) leaves the old file as it was and no temporary file."""
+    from mirrorax.checkpoint.storage import write_atomic
+
+    target = tmp_path / "index.json"
+    target.write_text('{"old": true}')
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limits[1]))
+        with pytest.raises(OSError):
+            write_atomic(str(target), b"x" * 65536)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
+    assert target.read_text() == '{"old": true}' and os.listdir(tmp_path) == ["index.json"]
+    write_atomic(str(target), b'{"new": true}')
+    assert target.read_text() == '{"new": true}' and os.listdir(tmp_path) == ["index.json"]
+
+
+def test_tfs_state_file_that_cannot_be_written_is_one_line_and_is_left_whole(tmp_path, monkeypatch):
+    keras = pytest.importorskip("keras")
+    from mirrorax.keras import checkpoint as keras_checkpoint
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    manager = mx.CheckpointManager(mx.Checkpoint(model=model), tmp_path, max_to_keep=2)
+    manager.save()
+    state_file = tmp_path / "checkpoint"
+    named = state_file.read_text()
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(keras_checkpoint, "write_atomic", full)
+    assert manager.save().endswith("/ckpt/2") and state_file.read_text() == named  # unchanged: not rewritten
+    other = mx.CheckpointManager(mx.Checkpoint(model=model), tmp_path, max_to_keep=2, checkpoint_name="other")
+    with pytest.raises(CheckpointError, match=r"^TF's checkpoint state file .*checkpoint could not be written: "
+                                              r"OSError: \[Errno 28\] No space left on device; it is as it was"):
+        other.save()
+    assert state_file.read_text() == named
+    mx.Checkpoint(model=model).wait()
 
 
 # -- 9: one run per directory ----------------------------------------------------------------------

@@ -51,7 +51,7 @@ def test_prepare_reads_fit_once_into_a_frozen_record():
         assert plan.stream.batches_per_pass == 2  # 40 rows in batches of 32: a full one and a short one
         assert plan.start == fit_plan.Start(1) and not plan.resumed and plan.first_epoch == 0
         assert [plan.validate(e) for e in range(3)] == [False, True, False]  # after the (1-based) 2nd epoch
-        assert plan.ckpt is None and plan.saver is None and plan.inputs is None
+        assert plan.saving.tiers == [] and plan.saving.checkpoint_dir is None and plan.inputs is None
         assert fit_plan.resume(plan, trainer.device_state) is plan  # no checkpoint_dir: nothing to resume
         with pytest.raises(dataclasses.FrozenInstanceError):
             plan.epochs = 5  # type: ignore[misc]
@@ -156,3 +156,42 @@ def test_train_on_batch_runs_on_fits_runner_and_raises_a_non_finite_loss_as_fit_
     grads = jax.grad(loss)({"w": w, "b": b})
     np.testing.assert_allclose(trainer.host_state().params["w"], w - 0.1 * grads["w"], rtol=1e-5, atol=1e-7)
     assert logs["loss"] == pytest.approx(float(loss({"w": w, "b": b})), rel=1e-5)
+
+
+def test_a_fits_saving_is_one_object_with_one_hook_for_both_tiers(tmp_path, monkeypatch):
+    """Issue 56: what a fit saves is one field of its record (it was three: the checkpointer, a saver, the
+    snapshots), and the loop has one saving hook for both tiers (it had four), which saves each tier on its
+    policy: here a checkpoint every 3 steps and at each epoch's end, a snapshot every 2 steps and at the end."""
+    from mirrorax.checkpoint import snapshot
+    from mirrorax.fit import elastic, epoch, saving
+    from mirrorax.fit.loop import Loop
+
+    fields = {f.name for f in dataclasses.fields(fit_plan.FitPlan)}
+    assert "saving" in fields and not fields & {"ckpt", "saver", "snapshots", "run"}
+    monkeypatch.setenv(snapshot.DIR_ENV, str(tmp_path / "snapshots"))
+    monkeypatch.setenv(snapshot.STEPS_ENV, "2")
+    monkeypatch.setattr(elastic, "_fits", __import__("itertools").count(1))
+    seen, saved = [], []
+    run = Loop.run
+
+    def spy(self, run_, batches, dispatch, hooks, **kwargs):
+        seen.append([type(h).__name__ for h in hooks])
+        return run(self, run_, batches, dispatch, hooks, **kwargs)
+
+    tier_save = saving.Tier.save
+
+    def record(self, point, state, meta, window):
+        saved.append((self.kind, point.step, meta["epoch"], meta["batch_in_epoch"]))
+        tier_save(self, point, state, meta, window)
+
+    monkeypatch.setattr(Loop, "run", spy)
+    monkeypatch.setattr(saving.Tier, "save", record)
+    trainer, (x, y) = _trainer(), _data()
+    trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, checkpoint_dir=tmp_path / "ckpt",
+                checkpoint_every=3)  # 5 steps an epoch
+    assert seen == [["SavingHook", "BatchCallbacks", "HaltWatch", "ProgressHook"]] * 2
+    assert not [n for n in dir(epoch) if n in ("PreemptionStop", "PeriodicSave")]
+    assert saved == [("snapshot", 2, 0, 2), ("checkpoint", 3, 0, 3), ("snapshot", 4, 0, 4),
+                     ("checkpoint", 5, 1, 0),  # the epoch end (no multiple of 2 passed: no snapshot)
+                     ("checkpoint", 6, 1, 1), ("snapshot", 6, 1, 1), ("snapshot", 8, 1, 3), ("checkpoint", 9, 1, 4),
+                     ("checkpoint", 10, 2, 0), ("snapshot", 10, 2, 0)]  # the end (the fit end adds none: saved)

@@ -20,15 +20,16 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "src" / "mirrorax"
 
 #: Bottom floor first. A module may import modules of its own floor (no circle) or of a floor below.
 FLOORS: list[tuple[str, ...]] = [
-    ("_checks", "_host", "_version", "front_end", "steps", "steps.first_call", "steps.distributed_batch",
-     "cluster.output",
+    ("_checks", "_host", "_version", "front_end", "steps", "steps.first_call", "steps.binding",
+     "steps.distributed_batch", "cluster.output",
      "cluster.discovery", "cluster.watchdog", "cluster.failure", "cluster.preemption", "cluster.verdict",
      "cluster.ray_wait", "integrity",
      "checkpoint.integrity_item", "checkpoint.orbax_quirks", "checkpoint.dir_lock", "checkpoint.snapshot_io",
+     "checkpoint.errors", "checkpoint.storage", "checkpoint.stored", "checkpoint.record", "checkpoint.policy",
      "cluster.restarts", "keras", "keras._internals", "keras.callbacks", "keras.env", "steps.replica", "batch_sums",
      "results", "train_state", "as_made", "fit", "fit.hooks", "fit.progress", "fit.cache", "traffic"),
     ("cluster.ray_train", "cluster.join", "cluster", "cluster.standby", "cluster.launch", "cluster.resolver",
-     "checkpoint.job"),
+     "checkpoint.job", "checkpoint.reader"),
     ("cluster.consistency", "checkpoint.snapshot"),
     ("mesh",),
     ("steps.dispatch", "steps.padding", "keras.masking", "steps.split_merge", "steps.held", "steps.stateful",
@@ -45,7 +46,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("fit.device_state",),
     ("checkpoint.checkpointer", "checkpoint", "keras.checkpoint"),
     ("checkpoint.resume",),
-    ("fit.epoch", "fit.elastic"),
+    ("fit.epoch", "fit.elastic", "fit.saving"),
     ("fit.planner", "fit.fit_plan", "fit.loop"),
     ("trainer",),
     ("keras.fit",),

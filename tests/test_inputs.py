@@ -320,3 +320,27 @@ def test_tensors_frames_and_jax_arrays_are_arrays_as_keras_reads_them():
         make_source(tf.ragged.constant([[1.0, 2.0], [3.0]]))
     with pytest.raises(TypeError, match=r"x\['s'\] is a tf.SparseTensor .*tf.sparse.to_dense"):
         make_source({"s": tf.sparse.from_dense(x)})
+
+
+@pytest.mark.multi_device
+def test_rows_placer_places_as_device_put_does_on_every_kind_of_layout():
+    """``RowsPlacer`` (the batches' transfer, worked out once per signature) gives ``jax.device_put``'s arrays on
+    a 2 x 4 mesh: split over both axes, over one (each slice held by two devices: a host buffer sent twice, which
+    this jaxlib's copy-until-done transfer refused with 'bad_function_call'), and replicated."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from mirrorax.inputs.placement import RowsPlacer
+
+    mesh = jax.make_mesh((2, 4), ("host", "batch"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x = np.arange(16, dtype=np.float32).reshape(8, 2)
+    labels = np.arange(8, dtype=np.int32)
+    for spec in (P(("host", "batch")), P("batch"), P("host"), P()):
+        sharding = NamedSharding(mesh, spec)
+        got = RowsPlacer([(x.shape, x.dtype), (labels.shape, labels.dtype)], sharding)([x, labels])
+        for a, want in zip(got, (x, labels)):
+            assert a.sharding == sharding and a.dtype == want.dtype
+            np.testing.assert_array_equal(np.asarray(a), want)
+            for shard in a.addressable_shards:  # each device holds its own rows
+                np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])

@@ -11,6 +11,7 @@ import pytest
 from helpers import assert_weights_close, cnn, dense, digits, flat_digits, strategy
 
 import mirrorax as mx
+from mirrorax.steps import dispatch
 from mirrorax.steps.dispatch import InFlight
 
 pytestmark = pytest.mark.multi_device
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.multi_device
 
 def test_in_flight_window_waits_for_the_previous_step(monkeypatch):
     waited = []
-    monkeypatch.setattr(jax, "block_until_ready", lambda x: waited.append(x))
+    monkeypatch.setattr(dispatch, "wait", lambda x: waited.append(x))
     window = InFlight(depth=2)
     for i in range(5):
         window.push(i)

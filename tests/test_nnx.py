@@ -25,7 +25,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import changed_lines, strategy
+from helpers import changed_lines, example, strategy
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -477,12 +477,6 @@ def test_an_annotation_the_mesh_cannot_take_is_named():
 
 
 # -- Flax's MNIST tutorial, ported (examples/flax_nnx_mnist.py) ---------------------------------------------
-def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"mirrorax_example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_mnist_port_changes_at_most_5_lines():
     original, port = (EXAMPLES / "flax_nnx_mnist_original.py").read_text(), (EXAMPLES / "flax_nnx_mnist.py").read_text()
@@ -503,8 +497,8 @@ def test_mnist_port_equals_one_device():
     parameter Adam moves on rounding alone: conv2's bias, which BatchNorm cancels (its gradient is 0 up to
     rounding, and Adam steps by ``lr`` whatever the gradient's size: 0.03 apart after 7 steps), and the running
     mean BatchNorm keeps of it, which evaluation reads (test loss 6.006 against 6.036)."""
-    original = _example("flax_nnx_mnist_original").main(**MNIST_SIZES)
-    port = _example("flax_nnx_mnist")
+    original = example("flax_nnx_mnist_original").main(**MNIST_SIZES)
+    port = example("flax_nnx_mnist")
     one = port.main(devices=jax.devices()[:1], **MNIST_SIZES)
     many = port.main(devices=jax.devices()[:3], **MNIST_SIZES)
     for a, b in zip(original["weights"], one["weights"]):
@@ -558,7 +552,7 @@ def test_scale_up_port_splits_as_annotated_with_one_devices_numbers():
     each weight by about ``lr`` whatever its gradient's size, so a 1e-7 change of the input moves the weights
     by 4.3e-5 on 1 device (2x4 against 1x1: 5.1e-5, and the same for Flax's own ``nnx.jit``, which the port
     equals bitwise on either mesh); the losses agree within 6e-8 and the Adam moments within 1e-8."""
-    port = _example("flax_scale_up")
+    port = example("flax_scale_up")
     many = port.main()
     one = port.main(mesh_shape=(1, 1), devices=jax.devices()[:1])
     layers, opt = many["model"].layers, many["optimizer"]
@@ -591,7 +585,7 @@ def test_scale_up_port_splits_as_annotated_with_one_devices_numbers():
         for key, value in _named(own).items():
             np.testing.assert_array_equal(_named(port_run)[key], value, err_msg=key)
     # the guide's own @jax.jit keeps the model it returns but not the optimizer: Adam restarts every step
-    guide = _example("flax_scale_up_original").main(mesh_shape=(1, 1), devices=jax.devices()[:1])
+    guide = example("flax_scale_up_original").main(mesh_shape=(1, 1), devices=jax.devices()[:1])
     assert int(guide["optimizer"].step[...]) == 0 and guide["losses"][:2] == one["losses"][:2]
     assert guide["losses"][2] > one["losses"][2] + 1e-3
 
@@ -610,8 +604,8 @@ PERF_LOOPS = ("nnx_jit", "cached_partial", "functional")
 
 def _perf_guide(n: int | None) -> dict:
     if n is None:
-        return _example("flax_performance_original").main()
-    return _example("flax_performance").main(devices=jax.devices()[:n])
+        return example("flax_performance_original").main()
+    return example("flax_performance").main(devices=jax.devices()[:n])
 
 
 @pytest.mark.parametrize("n", [1, 3, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
@@ -655,8 +649,8 @@ def test_vae_port_equals_the_original(n):
     ``nnx.Rngs`` stream the encoder holds, batches of 64 rows: padded on 3 devices) on ``n`` devices against
     the original on one: on 1 device bitwise; on several, the losses to 1e-5 (measured 1.7e-7), the weights to
     1e-5 (<= 3.6e-6, Adam), the reconstructions and samples to 1e-5 (<= 1.1e-6)."""
-    want = _example("flax_vae_original").main(**VAE_SIZES)
-    got = _example("flax_vae").main(devices=jax.devices()[:n], **VAE_SIZES)
+    want = example("flax_vae_original").main(**VAE_SIZES)
+    got = example("flax_vae").main(devices=jax.devices()[:n], **VAE_SIZES)
     if n == 1:
         assert got["losses"] == want["losses"]
     np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)

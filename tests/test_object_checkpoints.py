@@ -136,3 +136,46 @@ def test_a_long_run_saving_every_step_keeps_its_threads_and_memory(tmp_path):
         assert s["python"] == first["python"], (s["save"], s["python"], first["python"])
         assert others(s) <= others(first) + 1, (s["save"], s["threads"], first["threads"])
         assert s["threads"].get("ts_pool_worker", 0) <= 32, s["threads"]
+
+
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_managers_save_leaves_tfs_lookup_right_and_nothing_temporary(tmp_path):
+    """Issue 56: a real full disk (a 4 MiB tmpfs in a mount namespace of the test's own) under the manager's
+    last save: one line, exit status 1, TF's state file whole, no temporary directory, and after space is
+    freed ``tf.train.latest_checkpoint`` leads to checkpoint 2."""
+    if not _unshare_works():
+        pytest.skip("needs a mount namespace (unshare -rm) to mount a small tmpfs; none here")
+    from jobs.procs import SCRIPTS, clean_env
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    job = str(SCRIPTS / "full_disk.py")
+    run = mount / "run"
+    script = (f"mount -t tmpfs -o size=4m tmpfs {mount} || exit 90\n"
+              f"{sys.executable} {job} save {run} 2>{tmp_path / 'err.txt'}; echo \"RC $?\"\n"
+              f"ls -la {run} > {tmp_path / 'listing.txt'}; cp {run}/checkpoint {tmp_path}/state_file\n"
+              f"{sys.executable} {job} check {run}\n")
+    out = subprocess.run(["unshare", "-rm", "bash", "-c", script], capture_output=True, text=True, timeout=600,
+                         env=clean_env())
+    assert out.returncode == 0 and "RC 1\n" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "FILLED No space left on device" in out.stdout, out.stdout
+    err = (tmp_path / "err.txt").read_text()
+    lines = [line for line in err.splitlines() if line.strip()]
+    # The save's one line, and nothing before it: no traceback (ours, Orbax's threads'), no OSError.
+    assert len(lines) == 1 and lines[0].startswith("mirrorax: CheckpointError: Checkpoint step 3 could not be "
+                                                   "written to "), err[-3000:]
+    assert "No space left on device" in lines[0] and "the newest good checkpoint is step 2" in lines[0]
+    assert (tmp_path / "state_file").read_text() == ('model_checkpoint_path: "ckpt"\n'
+                                                    'all_model_checkpoint_paths: "ckpt"\n')
+    said = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line[:6] in ("LATEST", "RESTOR", "FILES "))
+    assert said["LATEST"] == f"{run}/ckpt" and said["RESTORED"] == "2", out.stdout
+    files = said["FILES"].split()
+    assert "ckpt/2" in files and "ckpt/1" in files and "ckpt/3" not in files, files
+    assert not [f for f in files if "tmp" in f], files  # no <step>.orbax-checkpoint-tmp*, no .checkpoint.tmp-*

@@ -34,6 +34,7 @@ from mirrorax.inputs.distributed import DistributedDataset
 from mirrorax.inputs.iterables import PerProcessDataset
 from mirrorax.inputs.source import InputContext
 from mirrorax.mesh import BatchMesh, ShardMode, check_shard
+from mirrorax.steps.binding import JitFunction
 from mirrorax.steps.dispatch import InFlight, OutShardings, check_out_shardings
 from mirrorax.steps.replica import ReduceOp, RowValues, leaves_with_rows, resolve_op
 from mirrorax.steps.stateful import StatefulFunction, check_not_tf_function
@@ -197,7 +198,9 @@ class MirroredStrategy(BatchMesh):
     distribute_dataset = experimental_distribute_dataset
 
     def jit(self, fn: Callable[..., Any] | None = None, *, donate_argnums: int | Sequence[int] = (),
-            out_shardings: OutShardings = None, stateful: bool = True) -> Any:
+            donate_argnames: str | Sequence[str] | None = None, static_argnums: int | Sequence[int] = (),
+            static_argnames: str | Sequence[str] | None = None, out_shardings: OutShardings = None,
+            stateful: bool = True) -> Any:
         """``fn`` compiled for the global view on this strategy's devices; usable as a decorator.
 
         ``fn`` sees whole global batches; XLA partitions it over the batch axis and inserts the
@@ -211,9 +214,18 @@ class MirroredStrategy(BatchMesh):
         value see the real rows only; one program per row count). An output with one row per example
         then holds those rows only (replicated); :meth:`gather` gives them once.
 
+        A drop-in for ``@jax.jit`` and ``@nnx.jit`` where they stand: on a function or a method (``self``, e.g. a
+        Flax NNX module, bound first), called with positional and keyword arguments, with static and donated
+        arguments named by position or by name (:class:`mirrorax.steps.binding.JitFunction`).
+
         Args:
           fn: the step, e.g. ``step(state, batch) -> (state, loss)``.
           donate_argnums: arguments whose buffers the call may reuse (the state: no copy per step).
+          donate_argnames: the same, by parameter name (``jax.jit``'s: either names the argument however it is
+            passed).
+          static_argnums: arguments that are Python values the program is specialised on (hashable; one program
+            per distinct value), as ``jax.jit``'s.
+          static_argnames: the same, by parameter name.
           out_shardings: where the outputs live. ``None``: an output shaped like an argument keeps that
             argument's layout, batch-shaped outputs stay split, the rest is replicated (found by tracing
             ``fn`` once more per signature). Else a ``jax.sharding.Sharding`` or a pytree of them (a prefix
@@ -230,7 +242,8 @@ class MirroredStrategy(BatchMesh):
             explicit.
 
         Returns:
-          A :class:`mirrorax.steps.stateful.StatefulFunction`: call it like ``fn``; ``.program(*args)`` gives the
+          A :class:`mirrorax.steps.binding.JitFunction` over a
+          :class:`mirrorax.steps.stateful.StatefulFunction`: call it like ``fn``; ``.program(*args)`` gives the
           compiled program of one signature (of a step that changes no object in place) for a loop that
           pushes into :attr:`in_flight` itself; ``.lower(*args)`` gives ``jax.jit``'s lowering.
 
@@ -249,9 +262,13 @@ class MirroredStrategy(BatchMesh):
         """
         check_out_shardings(out_shardings)
 
-        def make(f: Callable[..., Any]) -> StatefulFunction:
-            return StatefulFunction(self, self._window, f, donate_argnums=donate_argnums,
-                                    out_shardings=out_shardings, objects=stateful)
+        def step(f: Callable[..., Any], donated: tuple[int, ...]) -> StatefulFunction:
+            return StatefulFunction(self, self._window, f, donate_argnums=donated, out_shardings=out_shardings,
+                                    objects=stateful)
+
+        def make(f: Callable[..., Any]) -> JitFunction:
+            return JitFunction(f, step, donate_argnums=donate_argnums, donate_argnames=donate_argnames,
+                               static_argnums=static_argnums, static_argnames=static_argnames)
 
         return make if fn is None else make(fn)
 

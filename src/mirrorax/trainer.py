@@ -269,19 +269,14 @@ class Trainer:
         training_logs: dict[str, float] = {}
         try:
             training_logs = self.loop.fit(fit_plan.resume(plan, self.device_state))
-            if plan.snapshots is not None:  # the fit is done: a restarted script passes through it
-                live = self.device_state.live
-                plan.snapshots.finish(live, int(live.host_counters()["step"]), plan.epochs)
+            plan.saving.finish(self.device_state.live, plan.epochs)  # (a restarted script passes through this fit)
         except preemption.Preempted as stop:
             stopped = stop
         finally:
             try:
-                if plan.snapshots is not None:
-                    plan.snapshots.snapshots.wait()
                 self.device_state.write_back()
                 self._finalize_optimizer(args.epochs)
-                if plan.ckpt is not None:
-                    plan.ckpt.close()
+                plan.saving.close()  # the snapshots and checkpoints on disk, the directory's lock released
             finally:
                 # Only now: a second SIGTERM while the checkpoint is written must not end the process.
                 plan.watch.close()

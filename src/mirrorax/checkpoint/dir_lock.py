@@ -2,15 +2,17 @@
 
 Two runs writing one directory corrupt each other's steps (Orbax renames, deletes for ``keep``, and
 both number their steps the same way). The writer holds ``<directory>/.mirrorax-lock``, a JSON record
-``{"host": ..., "pid": ..., "since": ...}`` created atomically (``O_CREAT | O_EXCL``); a second run is
-refused at the start with the owner's host and pid. A lock whose owner is a dead process of this host
-(a run killed with ``kill -9``, a crashed machine's reboot) is taken over with a warning. A lock of
-another host cannot be checked from here: the error says to delete the file if that run is over.
+``{"host": ..., "pid": ..., "since": ...}`` created whole and atomically (a temporary file linked to its
+place, which fails if the lock exists); a second run is refused at the start with the owner's host and pid.
+A lock whose owner is a dead process of this host (a run killed with ``kill -9``, a crashed machine's
+reboot) is taken over with a warning. A lock of another host cannot be checked from here: the error says
+to delete the file if that run is over.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import errno
 import json
@@ -18,7 +20,7 @@ import os
 import socket
 import threading
 
-__all__ = ["LOCK_NAME", "DirectoryLocked", "acquire", "release"]
+__all__ = ["LOCK_NAME", "DirectoryLocked", "acquire", "release", "alive"]
 
 LOCK_NAME = ".mirrorax-lock"
 
@@ -30,7 +32,8 @@ class DirectoryLocked(RuntimeError):
     """The directory is locked by another live run (the message names its host and pid)."""
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host is running (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -50,15 +53,38 @@ def _read(path: str) -> dict[str, object]:
 
 
 def _create(path: str) -> bool:
-    """Creates the lock file for this process; ``False`` if it exists."""
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
+    """Creates the lock file for this process, whole at once; ``False`` if it exists.
+
+    The record is written to a temporary file first and linked to ``path`` (``link`` fails if ``path``
+    exists), so the lock never exists without its owner: a crash between creating and writing it would
+    leave an empty lock that names no one and refuses every later run. (Where links are not supported,
+    ``O_CREAT | O_EXCL``, then the write.)
+    """
     stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    with os.fdopen(fd, "w") as fh:
-        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "since": stamp}, fh)
-    return True
+    record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": stamp}).encode()
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(record)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                raise
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(record)
+        return True
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
 
 
 def acquire(directory: str) -> str | None:
@@ -87,7 +113,7 @@ def acquire(directory: str) -> str | None:
             if here and pid == os.getpid():  # left by this process (a Checkpointer never closed)
                 _held[path] = 1
                 return None
-            if here and isinstance(pid, int) and not _alive(pid):
+            if here and isinstance(pid, int) and not alive(pid):
                 try:
                     os.remove(path)
                 except FileNotFoundError:

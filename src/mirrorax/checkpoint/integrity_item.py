@@ -13,7 +13,6 @@ holding NaN or Inf fails its commit with :class:`NonFiniteState`, so Orbax never
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from typing import Any
 
@@ -21,21 +20,15 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from mirrorax.checkpoint.record import meta_digest
 from mirrorax.integrity import HostDigest
 
 __all__ = ["FORMAT_VERSION", "IntegrityHandler", "IntegrityRestore", "IntegritySave", "NonFiniteState",
-           "meta_digest"]
+           "meta_digest"]  # (meta_digest: mirrorax.checkpoint.record's, the digest both tiers write)
 
 # 1: checksums of the arrays. 2: also the SHA-256 of the meta record. A reader takes every format up to
 # its own and refuses a newer one (written by a newer mirrorax) rather than calling it damaged.
 FORMAT_VERSION = 2
-
-
-def meta_digest(meta: Any) -> str:
-    """SHA-256 (hex) of a JSON record in a canonical form: the same for the record written and the
-    record read back (sorted keys, no spaces; Python's JSON floats round-trip exactly)."""
-    text = json.dumps(meta, sort_keys=True, separators=(",", ":"), allow_nan=True)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 class NonFiniteState(Exception):

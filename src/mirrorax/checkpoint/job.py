@@ -25,11 +25,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from mirrorax.checkpoint.dir_lock import DirectoryLocked, acquire
+from mirrorax.checkpoint.errors import CheckpointError
+from mirrorax.checkpoint.storage import check_writable, short
 from mirrorax.cluster.join import coordination_client
 from mirrorax.cluster.watchdog import waiting_for_peers
 
-__all__ = ["AGREE_SECONDS", "from_process_0", "process_0_directory", "savable", "restorable", "placed_like",
-           "use_distributed_barriers"]
+__all__ = ["AGREE_SECONDS", "from_process_0", "process_0_directory", "claim_directory", "savable", "restorable",
+           "placed_like", "use_distributed_barriers"]
 
 PyTree = Any
 
@@ -82,6 +85,43 @@ def process_0_directory(directory: str, verdict: dict[str, Any] | None = None) -
               f"{chief}: every process writes the one checkpoint into process 0's (as TF's chief writes it), "
               f"and nothing is written to {directory}.", file=sys.stderr, flush=True)
     return chief, dict(said["verdict"])
+
+
+def claim_directory(directory: str) -> tuple[str, bool]:
+    """Proves a checkpoint directory writable and takes its lock, for the job: process 0 does both and tells
+    the others its directory (the job's checkpoint, whatever directory they named) and whether it took the
+    lock; a refusal is raised on every process, before any collective. Returns the job's directory and
+    whether this process holds its lock.
+
+    Raises:
+      CheckpointError: the directory is not writable, or another live run holds it.
+    """
+    refusal: str | None = None
+    failure: BaseException | None = None
+    locked = False
+    if jax.process_index() == 0:
+        try:
+            check_writable(directory)
+            message = acquire(directory)
+        except (CheckpointError, DirectoryLocked) as exc:
+            refusal, failure = str(exc), exc
+        except OSError as exc:  # the lock's own write (a disk that filled up since the probe)
+            refusal = (f"Cannot take the lock of checkpoint directory {directory}: {short(exc)}. Free space on "
+                       "that file system (or fix its permissions) and run again.")
+        else:
+            locked = True
+            if message:
+                print(f"mirrorax: {message}", file=sys.stderr, flush=True)
+    if jax.process_count() > 1:
+        directory, verdict = process_0_directory(directory, {"refusal": refusal})
+        refusal = verdict.get("refusal")
+        if refusal is None and jax.process_index() != 0:
+            check_writable(directory)  # this process writes its shards there too
+    if isinstance(failure, CheckpointError):
+        raise failure
+    if refusal is not None:
+        raise CheckpointError(refusal)
+    return directory, locked
 
 
 def _host_local(a: Any) -> bool:

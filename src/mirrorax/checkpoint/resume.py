@@ -1,4 +1,4 @@
-"""What ``fit`` keeps in a checkpoint besides the state, and how it resumes from one.
+"""What ``fit`` keeps beside its state in either tier (a checkpoint, a snapshot), and how it resumes from it.
 
 ``meta`` holds the data position (epoch, batch within the epoch: global batches, so it means the same
 examples on any device count), the run's data settings, the history so far, and the shapes of one
@@ -24,12 +24,14 @@ import numpy as np
 
 from mirrorax._host import host_value
 from mirrorax._version import __version__
+from mirrorax.checkpoint.errors import CheckpointError, CheckpointWarning
+from mirrorax.checkpoint.record import position_wrong
 from mirrorax.inputs.batch import Batch
 from mirrorax.inputs.position import InputState, UnsafeInputState, check_loadable
 from mirrorax.integrity import path_str
 from mirrorax.train_state import TrainState
 
-__all__ = ["Saver", "Resumed", "resume", "sample_spec", "sample_from_spec", "check_every", "hyperparameters"]
+__all__ = ["Record", "Resumed", "resume", "accept", "sample_spec", "sample_from_spec", "hyperparameters"]
 
 _HYPERPARAMETERS = ("learning_rate",)  # scalar optimizer variables a user sets, by the end of their path
 
@@ -37,28 +39,37 @@ PyTree = Any
 
 
 class Resumed(NamedTuple):
-    """Where a resumed fit starts: the state, the data position, and the input's own saved state."""
+    """Where a resumed fit starts: the state, the data position, the input's own saved state, and the data
+    order's (a snapshot's: what Keras's order draws the resumed pass from)."""
 
     state: TrainState
     epoch: int
     batch_in_epoch: int
     step: int
     input_state: dict[str, Any] | None
+    order_state: dict[str, Any] | None = None
 
 
 def resume(ckpt: Any, abstract_state: Any, run: dict[str, Any], history: Any) -> Resumed | None:
-    """Restores the newest good checkpoint if there is one, as a :class:`Resumed`.
-
-    Refuses (``CheckpointError``) a checkpoint of a run whose global batch, shuffle, seed or
-    steps_per_epoch differ: those decide which examples each step sees.
-    """
-    from mirrorax.checkpoint.checkpointer import CheckpointError
-
-    restored = ckpt.restore_latest(abstract_state)
+    """Restores the newest good checkpoint of ``ckpt`` (a :class:`mirrorax.Checkpointer`) if there is one, its
+    record verified (:func:`~mirrorax.checkpoint.record.position_wrong`: one that does not say consistently where it
+    stopped is damaged, skipped), and accepts it (:func:`accept`)."""
+    restored = ckpt.restore_latest(abstract_state, verify=position_wrong)
     if restored is None:
         return None
     step, state, meta = restored
-    where = f"Checkpoint step {step} in {ckpt.directory}"
+    return accept(step, state, meta, f"Checkpoint step {step} in {ckpt.directory}", run, history)
+
+
+def accept(step: int, state: TrainState, meta: dict[str, Any], where: str, run: dict[str, Any], history: Any
+           ) -> Resumed:
+    """A verified record of either tier (``where``: its words, ``"Checkpoint step 40 in ..."``) as a
+    :class:`Resumed`, its history restored into ``history``.
+
+    Refuses (``CheckpointError``) a record of a run whose global batch, shuffle, seed or steps_per_epoch
+    differ (those decide which examples each step sees), one of an older mirrorax without the run's settings,
+    and an input state that cannot be loaded safely.
+    """
     saved = meta.get("run")
     if not isinstance(saved, dict):
         raise CheckpointError(
@@ -66,12 +77,6 @@ def resume(ckpt: Any, abstract_state: Any, run: dict[str, Any], history: Any) ->
             "meta record has no run settings: batch size, shuffle, seed). This mirrorax cannot tell where "
             "in the data it stopped. Resume with the mirrorax that wrote it, or start fresh in a new "
             "checkpoint_dir (Trainer.load still reads its weights).")
-    position = (meta.get("epoch"), meta.get("batch_in_epoch"), meta.get("step", step))
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in position) or position[2] != step:
-        raise CheckpointError(
-            f"{where} does not say consistently where it stopped (epoch {position[0]!r}, batch_in_epoch "
-            f"{position[1]!r}, step {position[2]!r}). Resume from another checkpoint (move this step away) "
-            "or start fresh.")
     input_state = meta.get("input_state")
     if isinstance(input_state, dict):
         try:
@@ -80,18 +85,19 @@ def resume(ckpt: Any, abstract_state: Any, run: dict[str, Any], history: Any) ->
             raise CheckpointError(f"{where} cannot be resumed safely: {exc}.") from None
     if saved.get("batch_size") != run["batch_size"]:
         raise CheckpointError(
-            f"The checkpoint in {ckpt.directory} was written with global batch_size={saved.get('batch_size')}; "
-            f"this run asks for batch_size={run['batch_size']}. Resuming with another global batch would "
-            "change the result: pass the same batch_size (any device count works), or a fresh checkpoint_dir.")
+            f"{where} was written with global batch_size={saved.get('batch_size')}; this run asks for "
+            f"batch_size={run['batch_size']}. Resuming with another global batch would change the result: pass "
+            "the same batch_size (any device count works), or a fresh checkpoint_dir.")
     for key in ("shuffle", "seed", "steps_per_epoch"):
         if saved.get(key) != run[key]:
             raise CheckpointError(
-                f"The checkpoint in {ckpt.directory} was written with {key}={saved.get(key)!r}; this run "
-                f"asks for {key}={run[key]!r}, which would change the data order. Pass the same value, or a "
-                "fresh checkpoint_dir.")
+                f"{where} was written with {key}={saved.get(key)!r}; this run asks for {key}={run[key]!r}, which "
+                "would change the data order. Pass the same value, or a fresh checkpoint_dir.")
     state = _reconcile_hyperparameters(state, run.get("hyperparameters") or {}, saved.get("hyperparameters"), where)
     history.restore(meta.get("history", {}))
-    return Resumed(state, int(meta["epoch"]), int(meta["batch_in_epoch"]), int(step), input_state)
+    order = meta.get("order_state")
+    return Resumed(state, int(meta["epoch"]), int(meta["batch_in_epoch"]), int(step), input_state,
+                   order if isinstance(order, dict) else None)
 
 
 def hyperparameters(state: TrainState | None) -> dict[str, float]:
@@ -139,39 +145,38 @@ def _reconcile_hyperparameters(state: TrainState, configured: dict[str, float], 
 
 
 def _say(message: str) -> None:
-    from mirrorax.checkpoint.checkpointer import CheckpointWarning
-
     if jax.process_index() == 0:
         warnings.warn(message, CheckpointWarning, stacklevel=4)
 
 
-class Saver:
-    """Writes checkpoints of a fit: when due, with the data position and history in ``meta``."""
+class Record:
+    """The record a fit keeps beside its state in both tiers (a checkpoint's ``meta``, a snapshot's): where in
+    the data (``step``, ``epoch``, ``batch_in_epoch``: global batches, and the input's own position), the run's
+    settings, the history so far, one input row's shapes, the mirrorax that wrote it.
 
-    def __init__(self, ckpt: Any, every: int | None, run: dict[str, Any], history: Any,
-                 spec: dict[str, Any], inputs: InputState | None = None) -> None:
-        self.ckpt, self.every, self.run, self.history, self.spec = ckpt, every, run, history, spec
-        self.inputs = inputs
+    Args:
+      run: the run's settings a resume must find the same (global batch, shuffle, seed, steps per epoch; the
+        optimizer's hyperparameters as configured).
+      history: the fit's :class:`mirrorax.History`.
+      spec: :func:`sample_spec` of the fit's input.
+      inputs: the input's own position (``None``: found by index, or replayed).
+    """
 
-    def due(self, before: int, after: int) -> bool:
-        """True when a step-count checkpoint falls in steps ``(before, after]``."""
-        if not self.every:
-            return False
-        return after // self.every > before // self.every
+    def __init__(self, run: dict[str, Any], history: Any, spec: dict[str, Any], inputs: InputState | None = None
+                 ) -> None:
+        self.run, self.history, self.spec, self.inputs = run, history, spec, inputs
 
-    def save(self, state: TrainState, epoch: int, batch_in_epoch: int) -> None:
-        step = int(state.host_counters()["step"])
-        self.ckpt.save(step, state, self.meta(step, epoch, batch_in_epoch))
-
-    def meta(self, step: int, epoch: int, batch_in_epoch: int) -> dict[str, Any]:
-        """The record kept beside the state of ``step`` (a checkpoint's, a snapshot's): where in the data."""
+    def meta(self, step: int, epoch: int, batch_in_epoch: int, order: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The record of ``step``, at batch ``batch_in_epoch`` of ``epoch``; ``order``: the data order's state (a
+        snapshot keeps it, for Keras's order)."""
         meta = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "run": self.run,
-                "history": self.history.as_dict(), "sample_spec": self.spec,
-                "mirrorax_version": __version__}
+                "history": self.history.as_dict(), "sample_spec": self.spec, "mirrorax_version": __version__}
         if batch_in_epoch and self.inputs is not None:
             position = self.inputs.state_at(batch_in_epoch)
             if position is not None:
                 meta["input_state"] = position
+        if order is not None:
+            meta["order_state"] = order
         return meta
 
 
@@ -195,11 +200,3 @@ def sample_from_spec(spec: dict[str, Any]) -> Batch:
         return type(t)(zeros(v) for v in t)
 
     return Batch(zeros(spec["x"]), zeros(spec["y"]), np.ones(2, np.float32), np.ones(2, np.float32))
-
-
-def check_every(every: Any) -> int | None:
-    if every == "epoch":
-        return None
-    if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every < 1:
-        raise ValueError(f"checkpoint_every must be 'epoch' or a number of steps >= 1; received {every!r}.")
-    return int(every)

@@ -11,26 +11,29 @@ What a snapshot costs the step: a copy of the state on the first local device, d
 for the step, and for a state split over the devices (``shard=``) one all-gather, so that every node holds
 every shard and any set of survivors holds the whole state. The copy to the host and the write run on one
 writer thread per process, off the step's path (:mod:`mirrorax.checkpoint.snapshot_io`). The node's lowest process
-writes; a node keeps its newest complete snapshot per name, so memory and disk stay flat however long the
-run.
+writes; a node keeps its two newest complete snapshots per name, so memory and disk stay flat however long
+the run. Each job's snapshots have a folder of their own (``<name>-<digest of the job>``): a job never
+restores another's.
 
-Every process decides the same steps: every ``MIRRORAX_SNAPSHOT_STEPS`` steps, or, by the clock, process
-0 measures its steps per second at each snapshot and tells the others the next snapshot's step through
-JAX's coordination service (one key per snapshot, read at the snapshot: nothing per step).
+Every process decides the same steps (:mod:`mirrorax.checkpoint.policy`): every ``MIRRORAX_SNAPSHOT_STEPS``
+steps, or, by the clock, process 0 measures its steps per second at each snapshot and tells the others the
+next snapshot's step through JAX's coordination service (one key per snapshot, read at the snapshot:
+nothing per step).
 
 Restoring (:meth:`Snapshots.restore_latest`, every process together): each process reads its node's newest
-complete snapshot (checksummed), the processes agree on the newest step any node holds, and the processes
-that hold it use their own copy while the others receive it from the lowest holder (one collective). The
-state is then placed in the new job's layout: any process and device count.
+complete snapshot that verifies (its records against their digest, its arrays against their checksums: a
+damaged one is moved aside, with a warning, and the one before it taken), the processes agree on the newest
+step any node holds, and the processes that hold it use their own copy while the others receive it from the
+lowest holder (one collective). The state is then placed in the new job's layout: any process and device
+count.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import itertools
 import json
 import os
-import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -39,7 +42,10 @@ import jax
 import numpy as np
 
 from mirrorax.checkpoint import snapshot_io as io
-from mirrorax.checkpoint.snapshot_io import DIR_ENV, LOST_ENV, SECONDS_ENV, STEPS_ENV, SnapshotError, node_name
+from mirrorax.checkpoint.errors import SnapshotError, SnapshotWarning
+from mirrorax.checkpoint.policy import FIRST_STEPS, EveryNSeconds, EveryNSteps, SavePoint, SavePolicy
+from mirrorax.checkpoint.record import Verify, job_differs
+from mirrorax.checkpoint.snapshot_io import DIR_ENV, LOST_ENV, SECONDS_ENV, STEPS_ENV, node_name
 from mirrorax.cluster.consistency import broadcast_from
 from mirrorax.cluster.join import coordination_client
 from mirrorax.cluster.preemption import announce
@@ -47,19 +53,13 @@ from mirrorax.cluster.restarts import restart_line
 from mirrorax.cluster.watchdog import in_checkpoint, waiting_for_peers
 
 __all__ = ["Snapshots", "SnapshotError", "SnapshotWarning", "DIR_ENV", "SECONDS_ENV", "STEPS_ENV", "LOST_ENV",
-           "DEFAULT_SECONDS", "node_name", "configured", "nodes", "group", "restart_line"]
+           "DEFAULT_SECONDS", "FIRST_STEPS", "node_name", "configured", "nodes", "group", "restart_line"]
 
 #: Seconds between snapshots unless ``MIRRORAX_SNAPSHOT_SECONDS`` or ``MIRRORAX_SNAPSHOT_STEPS`` says.
 DEFAULT_SECONDS = 30.0
-#: By the clock, the first snapshot comes this many steps after the first step (nothing is measured yet).
-FIRST_STEPS = 10
 AGREE_SECONDS = 600  # how long a process waits for the others at a snapshot or a restore
 
 PyTree = Any
-
-
-class SnapshotWarning(UserWarning):
-    """A snapshot was damaged (skipped) or could not be written; training goes on."""
 
 
 def configured() -> bool:
@@ -138,6 +138,11 @@ class Snapshots:
     Every process of a job calls :meth:`restore_latest`, :meth:`latest_step`, :meth:`maybe_save` and
     :meth:`save` at the same steps, as for :class:`mirrorax.Checkpointer`.
 
+    A snapshot is read back only when verified whole (its records against their digest, number dtypes only,
+    its arrays against their checksums, and ``verify``): one that is not is skipped with one
+    :class:`SnapshotWarning` naming it, moved aside (``<step>.damaged``), and the node's snapshot before it
+    is taken.
+
     Args:
       directory: where the snapshots go (each node in a subdirectory of its own); default
         ``MIRRORAX_SNAPSHOT_DIR``. Without one, snapshots are off: :meth:`maybe_save` does nothing and
@@ -146,9 +151,15 @@ class Snapshots:
         process and after a restart.
       every_seconds: seconds between snapshots (default ``MIRRORAX_SNAPSHOT_SECONDS``, else 30).
       every_steps: a snapshot at each step that is a multiple of this instead (``MIRRORAX_SNAPSHOT_STEPS``).
+      job: what defines the job that takes them (JSON: its settings, e.g. ``{"learning_rate": 0.1}``), the same
+        on every process and after a restart. Each job keeps its snapshots apart (``<name>-<digest>``) and
+        never restores another's: finding only another job's, it starts afresh, with a
+        :class:`SnapshotWarning` naming the setting that differs. ``None``: the snapshots are the run
+        ``name``'s, whoever takes them.
+      keep: the complete snapshots a node keeps (>= 1; 2: a damaged newest falls back to the one before).
 
     Raises:
-      ValueError: ``every_steps`` < 1 or ``every_seconds`` <= 0 (or such a variable).
+      ValueError: ``every_steps`` < 1, ``every_seconds`` <= 0 (or such a variable), ``keep`` < 1.
 
     Example:
       >>> snapshots = mx.Snapshots("/dev/shm/run1", every_steps=50)
@@ -161,10 +172,14 @@ class Snapshots:
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, name: str = "loop",
-                 every_seconds: float | None = None, every_steps: int | None = None) -> None:
+                 every_seconds: float | None = None, every_steps: int | None = None,
+                 job: dict[str, Any] | None = None, keep: int = 2) -> None:
         self.base = os.fspath(directory) if directory is not None else (os.environ.get(DIR_ENV) or None)
         self.enabled = self.base is not None
+        if self.base is not None:
+            io.claim_launch_dir(self.base)  # (a launch's folder marked; those of killed launchers removed)
         self.name = str(name)
+        self.job = None if job is None else json.loads(json.dumps(job))
         self.every_steps = every_steps if every_steps is not None else _env_number(STEPS_ENV, int)
         self.every_seconds = every_seconds if every_seconds is not None else (
             _env_number(SECONDS_ENV, float) or DEFAULT_SECONDS)
@@ -172,46 +187,45 @@ class Snapshots:
             raise ValueError(f"Snapshots need every_steps >= 1 or every_seconds > 0; received every_steps="
                              f"{self.every_steps!r}, every_seconds={self.every_seconds!r}. Pass e.g. every_steps=100 "
                              "or every_seconds=30.")
-        self.next_step: int | None = None  # by the clock: the next snapshot's step (agreed)
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"Snapshots keep at least 1 snapshot per node; received keep={keep!r}. Pass e.g. keep=2.")
+        self.keep = keep
+        #: When a snapshot is due: every ``every_steps`` steps, or every ``every_seconds`` by the clock (process 0's
+        #: rate, agreed through the coordination service).
+        self.policy: SavePolicy = EveryNSteps(int(self.every_steps)) if self.every_steps is not None else \
+            EveryNSeconds(self.every_seconds, agree=lambda step: int(_from(0, _key(self.name, "next"), step)))
         self.last_step: int | None = None
-        self._clock: tuple[int, float] | None = None  # (step, time) of the last snapshot: the rate
         self._writer_here: bool | None = None  # whether this process writes its node's snapshots (asked once)
-        self._seen = -1  # the newest step given to due(): a snapshot is due when a multiple of every_steps is passed
+        self._reached: io.Reached | None = None
         self._loaded: tuple[int, dict[str, np.ndarray], dict[str, Any], dict[str, Any]] | None = None
         self.failure: BaseException | None = None  # the first write of these that failed (on the writer thread)
         self._said = False
+        self._said_others = False
         self.last_held: dict[str, Any] = {}  # what held() agreed last (the newest step, who holds it, reached)
         self.say = True  # restore_latest says the restart on stderr (fit says its own, with the epoch)
 
-    @property
+    @functools.cached_property
     def directory(self) -> str:
-        """This node's directory of these snapshots."""
-        return os.path.join(self.base or "", node_name(), self.name)
+        """This node's directory of these snapshots (``<base>/<node>/<name>``, ``-<digest of job>`` added)."""
+        key = io.job_key(self.job)
+        return os.path.join(self.base or "", node_name(), f"{self.name}-{key}" if key else self.name)
+
+    @property
+    def next_step(self) -> int | None:
+        """By the clock: the next snapshot's step (agreed by every process; ``None`` before the first ask)."""
+        return getattr(self.policy, "next_step", None)
 
     # -- when -------------------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        """Whether a snapshot is due after step ``step`` (the same answer on every process)."""
+        """Whether a snapshot is due after step ``step`` (the same answer on every process). A yes is the decision:
+        the caller takes it now (:meth:`save`), and by the clock the next one is planned from here."""
         if not self.enabled or step == self.last_step:
             return False
-        if self.every_steps is not None:  # (k steps per dispatch may step over the multiple itself)
-            seen, self._seen = self._seen, step
-            k = self.every_steps
-            return step % k == 0 if seen < 0 else step // k > seen // k
-        if self.next_step is None:
-            self.next_step, self._clock = step + FIRST_STEPS, (step, time.monotonic())
-        return step >= self.next_step
-
-    def _plan_next(self, step: int) -> None:
-        """By the clock: the next snapshot's step, from process 0's steps per second since the last one."""
-        if self.every_steps is not None:
-            return
-        now = time.monotonic()
-        last_step, last_time = self._clock or (step, now)
-        interval = int(min(max(round((step - last_step) / max(now - last_time, 1e-6) * self.every_seconds), 1), 10**9))
-        self._clock = (step, now)
-        # (One key of a few bytes per snapshot, kept: a process may read it late, and a day of 30 s snapshots is
-        # 3 KB of the coordination service's store.)
-        self.next_step = int(_from(0, _key(self.name, "next"), step + interval))
+        point = SavePoint(step)
+        if not self.policy.should_save(point):
+            return False
+        self.policy.saved(point)
+        return True
 
     # -- taking one ---------------------------------------------------------------------------------------------
     def maybe_save(self, step: int, state: PyTree, meta: dict[str, Any] | None = None, *, window: Any = None
@@ -224,12 +238,20 @@ class Snapshots:
         return False
 
     def reached(self, step: int) -> None:
-        """Notes that the job reached step ``step`` (one dict store; the writer thread writes it now and then),
-        so that a restart can say how many steps it lost."""
+        """Notes that the job reached step ``step``, so that a restart says exactly how many steps it lost: a
+        store into a small file mapped into memory (no system call; it outlives a killed process)."""
         if self._writer_here is None:
             self._writer_here = self.enabled and _writes()
-        if self._writer_here:
-            io.writer().reached[self.name] = (f"{self.directory}.reached", step)
+        if not self._writer_here:
+            return
+        if self._reached is None:
+            try:
+                os.makedirs(os.path.dirname(self.directory), exist_ok=True)
+                self._reached = io.Reached(f"{self.directory}.reached")
+            except OSError:
+                self._writer_here = False  # (a directory that cannot be written: the snapshots say it)
+                return
+        self._reached.note(step)
 
     def save(self, step: int, state: PyTree, meta: dict[str, Any] | None = None, *, window: Any = None) -> None:
         """Takes a snapshot of ``state`` (a pytree of ``jax.Array``) after step ``step`` now: a copy on the
@@ -254,11 +276,11 @@ class Snapshots:
                      for (p, a), c in zip(named, copies)]
             # The record as it is now (the caller goes on changing its lists), and JSON: said here, not later.
             devices = max((len(a.sharding.device_set) for _, a in named), default=0)
-            record = {"step": step, "meta": json.loads(json.dumps(meta or {})), "group": group(devices)}
-            directory = self.directory
-            io.writer().submit(lambda: self._write(directory, step, copies, index, record))
+            record = {"step": step, "meta": json.loads(json.dumps(meta or {})), "group": group(devices),
+                      "job": self.job}
+            directory, keep = self.directory, self.keep
+            io.writer().submit(lambda: self._write(directory, step, copies, index, record, keep))
         self.last_step = step
-        self._plan_next(step)
 
     def wait(self) -> None:
         """Waits until every snapshot taken is written (a failed write is a warning, not an error)."""
@@ -294,47 +316,56 @@ class Snapshots:
                           stacklevel=3)
 
     # -- restoring -----------------------------------------------------------------------------------------------
-    def held(self) -> dict[str, Any]:
+    def held(self, verify: Verify | None = None) -> dict[str, Any]:
         """What the nodes hold, agreed by every process (every process calls it together): ``step`` (the newest
-        snapshot any node holds, ``None``: none), ``holders`` (the processes whose node holds it) and
-        ``reached`` (the newest step the job that took it reached, ``-1``: unknown)."""
-        local = self._newest_here()
+        good snapshot any node holds, ``None``: none), ``holders`` (the processes whose node holds it) and
+        ``reached`` (the newest step the job that took it reached, ``-1``: unknown). ``verify``: the record's
+        own check (see :meth:`restore_latest`)."""
+        local = self._newest_here(verify, _writes())
         mine = {"step": -1 if local is None else local, "reached": self._reached_here()}
         every = _everyone(_key(self.name, "held"), mine)
         newest = max(e["step"] for e in every)
         self.last_held = {"step": None if newest < 0 else newest, "reached": max(e["reached"] for e in every),
                           "holders": [p for p, e in enumerate(every) if e["step"] == newest]}
+        if newest < 0 and self.job is not None and jax.process_index() == 0 and not self._said_others:
+            self._said_others = True
+            self._say_other_jobs()
         return self.last_held
 
-    def latest_step(self) -> int | None:
-        """The newest step any node holds a snapshot of (every process calls it together)."""
+    def latest_step(self, verify: Verify | None = None) -> int | None:
+        """The newest step any node holds a good snapshot of (every process calls it together)."""
         if not self.enabled:
             return None
-        step = self.held()["step"]
-        self._loaded = None  # (read to check it: not kept, a restore reads it again)
-        return step
+        return self.held(verify)["step"]
 
-    def restore_latest(self, abstract_state: PyTree) -> tuple[int, PyTree, dict[str, Any]] | None:
-        """``(step, state, meta)`` of the newest snapshot any node holds, placed as ``abstract_state`` (a tree of
-        ``jax.ShapeDtypeStruct`` with this run's shardings) says; ``None`` when there is none. Every process
+    def restore_latest(self, abstract_state: PyTree, verify: Verify | None = None
+                       ) -> tuple[int, PyTree, dict[str, Any]] | None:
+        """``(step, state, meta)`` of the newest good snapshot any node holds, placed as ``abstract_state`` (a tree
+        of ``jax.ShapeDtypeStruct`` with this run's shardings) says; ``None`` when there is none. Every process
         calls it together. ``meta`` is the dict given to :meth:`save`, with ``"group"`` (the job that took the
         snapshot: its processes, devices and nodes) and ``"reached"`` (the newest step that job reached).
+
+        Args:
+          abstract_state: the state's tree of ``jax.ShapeDtypeStruct`` with this run's shardings.
+          verify: the record's own check, ``verify(meta, step)``: ``None`` when the ``meta`` given to
+            :meth:`save` (verified against its digest already) is one to resume from, else the sentence saying
+            what is wrong (a snapshot it refuses is damaged: skipped, moved aside, the one before taken).
 
         Raises:
           SnapshotError: the snapshot holds another model's state (a variable's path, shape or dtype).
         """
         if not self.enabled:
             return None
-        held = self.held()
+        held = self.held(verify)
         step = held["step"]
         if step is None:
             return None
         named, treedef = io.named_leaves(abstract_state)
         source = held["holders"][0]
         if len(held["holders"]) == jax.process_count():  # every node holds it: no transfer
-            arrays, impls, record = self._checked(step, named)
+            arrays, impls, record = self._checked(step, named, verify)
         else:
-            mine = self._checked(step, named) if jax.process_index() == source else None
+            mine = self._checked(step, named, verify) if jax.process_index() == source else None
             with waiting_for_peers():
                 arrays = broadcast_from(mine[0] if mine is not None else
                                         {p: np.zeros(*io.stored_like(a)) for p, a in named}, source)
@@ -351,14 +382,13 @@ class Snapshots:
             announce(line, jax.process_index() == 0)
         return step, jax.tree.unflatten(treedef, leaves), meta
 
-    def _checked(self, step: int, named: list[tuple[str, Any]]
+    def _checked(self, step: int, named: list[tuple[str, Any]], verify: Verify | None
                  ) -> tuple[dict[str, np.ndarray], dict[str, str | None], dict[str, Any]]:
         """Snapshot ``step`` of this node (read once), checked against the model's variables."""
         if self._loaded is not None and self._loaded[0] == step:
             arrays, entries, record = self._loaded[1:]
         else:
-            with in_checkpoint():
-                arrays, entries, record = io.read(self.directory, step)
+            arrays, entries, record = self._read(step, verify)
         for path, a in named:
             entry = entries.get(path)
             shape, dtype = io.stored_like(a)
@@ -374,31 +404,50 @@ class Snapshots:
                                 f"model does not have. Build the same model, or delete {self.base} to start afresh.")
         return arrays, {p: e.get("key_impl") for p, e in entries.items()}, record
 
-    def _newest_here(self) -> int | None:
-        """This node's newest complete snapshot that reads back whole (kept for the restore; a damaged one is
-        moved aside with a warning)."""
+    def _read(self, step: int, verify: Verify | None
+              ) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]], dict[str, Any]]:
+        """Snapshot ``step`` of this node, verified (:func:`mirrorax.checkpoint.snapshot_io.read`), and of this job:
+        the folder is the job's own, so a record that names another was copied in (damage, as any other)."""
+        with in_checkpoint():
+            arrays, entries, record = io.read(self.directory, step, verify)
+        if self.job is not None and record.get("job") != self.job:
+            raise SnapshotError(f"snapshot {self.directory}/{step}: it names another job "
+                                f"({job_differs(record.get('job') or {}, self.job)})")
+        return arrays, entries, record
+
+    def _newest_here(self, verify: Verify | None, writer: bool) -> int | None:
+        """This node's newest complete snapshot that reads back whole and verified (kept for the restore); each
+        damaged one on the way is skipped and the one before it tried; the node's writer (``writer``) says it in
+        one warning and moves it aside (the node's other processes skip it too)."""
         for step in io.complete_steps(self.directory):
             if self._loaded is not None and self._loaded[0] == step:
                 return step
+            self._loaded = None
             try:
-                with in_checkpoint():
-                    arrays, entries, record = io.read(self.directory, step)
+                arrays, entries, record = self._read(step, verify)
             except SnapshotError as damaged:
-                warnings.warn(f"{damaged}: skipped, moved to {self.directory}/{step}.damaged.", SnapshotWarning,
-                              stacklevel=4)
-                with contextlib.suppress(OSError):
-                    os.replace(os.path.join(self.directory, str(step)), os.path.join(self.directory, f"{step}.damaged"))
+                if writer:
+                    target = io.move_aside(self.directory, step)
+                    warnings.warn(f"{damaged}: skipped, moved to {target}; the snapshot before it is tried.",
+                                  SnapshotWarning, stacklevel=4)
                 continue
             self._loaded = (step, arrays, entries, record)
             return step
+        self._loaded = None
         return None
 
     def _reached_here(self) -> int:
-        try:
-            with open(f"{self.directory}.reached") as f:
-                return int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            return -1
+        return io.Reached.read(f"{self.directory}.reached")
+
+    def _say_other_jobs(self) -> None:
+        """These snapshots' job holds none here: says so once for each other job's snapshots found beside them
+        (another job with the same MIRRORAX_SNAPSHOT_DIR), naming the setting that differs."""
+        assert self.job is not None
+        for where, job in io.other_jobs(os.path.dirname(self.directory), self.name, self.directory):
+            differs = job_differs(job, self.job) if job else "it names no job (an older mirrorax)"
+            warnings.warn(f"Snapshots of another job in {where} are not this job's and are ignored ({differs}): "
+                          f"{self.name} starts afresh. Its snapshots go to {self.directory}; give each job its own "
+                          "MIRRORAX_SNAPSHOT_DIR to keep them apart by name.", SnapshotWarning, stacklevel=5)
 
 
 def _env_number(name: str, kind: type) -> Any:

@@ -47,7 +47,9 @@ def node_name() -> str:
     """This node's name: the Ray node's id in a Ray worker (simulated nodes of one host differ), else the host
     name. Each node keeps its own snapshots, so the survivors of a lost node hold theirs."""
     ray = sys.modules.get("ray")
-    if ray is not None:
+    # Only a process Ray started (or joined) asks: Ray's get_runtime_context() starts a local Ray instance in
+    # any other process that imported ray (a notebook using Ray Data), a cluster nobody asked for.
+    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
         with contextlib.suppress(Exception):  # not in a Ray worker: the host
             node = ray.get_runtime_context().get_node_id()
             if node:

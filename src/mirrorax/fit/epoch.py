@@ -8,9 +8,9 @@ strategy's window, then ask each hook in turn what the step means for it, in the
 * :class:`EvalBatchCallbacks`, :class:`PredictBatchCallbacks`: the same for ``evaluate`` and ``predict``;
 * :class:`HaltWatch`: a glance, twice a second, at a finished step's sticky "training froze" flag (a
   non-finite step under ``on_nonfinite="raise"``, a label outside the classes);
-* :class:`PreemptionStop`: on SIGTERM, the same step on every process: checkpoint and stop;
-* :class:`PeriodicSave`: the checkpoint every ``checkpoint_every`` steps;
-* :class:`ProgressHook`: the progress line.
+* :class:`ProgressHook`: the progress line;
+* the fit's saving hook (:class:`mirrorax.fit.saving.SavingHook`): the step reached noted, what each tier
+  saves, and on SIGTERM (the same step on every process) a checkpoint and the stop.
 
 A hook sees the loop's :class:`EpochRun` (the state after the step, the window of steps in flight, the
 counts) and returns ``None`` to go on or an :class:`Outcome` that ends the loop. Hooks that need the
@@ -27,14 +27,12 @@ from typing import TYPE_CHECKING, Any
 from mirrorax.steps.dispatch import InFlight
 
 if TYPE_CHECKING:
-    from mirrorax.checkpoint import resume as resume_lib
-    from mirrorax.cluster import preemption
     from mirrorax.fit.functions import StepFunctions
     from mirrorax.fit.hooks import Callbacks
     from mirrorax.fit.progress import Progress
 
 __all__ = ["Outcome", "EpochRun", "EpochHook", "BatchCallbacks", "EvalBatchCallbacks", "PredictBatchCallbacks",
-           "HaltWatch", "PreemptionStop", "PeriodicSave", "ProgressHook"]
+           "HaltWatch", "ProgressHook", "frozen"]
 
 PyTree = Any
 
@@ -239,47 +237,11 @@ class HaltWatch(EpochHook):
         return Outcome.HALT if self.halted(done) else None
 
 
-def _frozen(run: EpochRun, steps: StepFunctions) -> bool:
-    """With every step done: whether training froze (a non-finite step under "raise", or a bad label)."""
-    return bool(steps.on_nonfinite == "raise" and int(run.state.host_counters()["skipped"])) or \
-        steps.labels_halted(run.state)
-
-
-class PreemptionStop(EpochHook):
-    """On SIGTERM (seen by every process at the same step): checkpoint here and stop. At the epoch's last
-    batch the epoch ends normally instead, and ``fit`` stops after its epoch-end checkpoint."""
-
-    def __init__(self, watch: preemption.Watch, saver: resume_lib.Saver | None, steps: StepFunctions,
-                 epoch: int) -> None:
-        self.watch, self.saver, self.steps, self.epoch = watch, saver, steps, epoch
-
-    def after_step(self, run: EpochRun) -> Outcome | None:
-        if not (self.watch.reached() and run.mid_epoch):
-            return None
-        run.window.drain()
-        if self.steps.on_nonfinite == "raise" and int(run.state.host_counters()["skipped"]):
-            return Outcome.HALT  # the frozen step is the error to report, not the preemption
-        if self.saver is not None:
-            self.saver.save(run.state, self.epoch, run.in_epoch)
-        return Outcome.PREEMPT
-
-
-class PeriodicSave(EpochHook):
-    """The checkpoint every ``checkpoint_every`` steps (the epoch-end one is ``fit``'s), never of a frozen
-    state."""
-
-    def __init__(self, saver: resume_lib.Saver, steps: StepFunctions, epoch: int) -> None:
-        self.saver, self.steps, self.epoch = saver, steps, epoch
-
-    def after_step(self, run: EpochRun) -> Outcome | None:
-        if not (self.saver.due(run.first_step + run.before, run.first_step + run.steps)
-                and (run.total is None or run.in_epoch < run.total)):
-            return None
-        run.window.drain()
-        if _frozen(run, self.steps):
-            return Outcome.HALT
-        self.saver.save(run.state, self.epoch, run.in_epoch)
-        return None
+def frozen(state: PyTree, steps: StepFunctions) -> bool:
+    """With every step done: whether training froze (a non-finite step under "raise", or a bad label): a state
+    never to save."""
+    return bool(steps.on_nonfinite == "raise" and int(state.host_counters()["skipped"])) or \
+        steps.labels_halted(state)
 
 
 class ProgressHook(EpochHook):

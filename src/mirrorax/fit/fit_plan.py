@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import IO, TYPE_CHECKING, Any, Literal
+from typing import IO, Any, Literal
 
 from mirrorax._checks import check_int
 from mirrorax.checkpoint import resume as resume_lib
 from mirrorax.checkpoint import snapshot
 from mirrorax.cluster import consistency, preemption
-from mirrorax.fit import planner
+from mirrorax.fit import elastic, planner
 from mirrorax.fit.device_state import DeviceState
-from mirrorax.fit.elastic import FitSnapshots
 from mirrorax.fit.functions import StepFunctions
 from mirrorax.fit.hooks import Callbacks
 from mirrorax.fit.progress import resolve_verbose
+from mirrorax.fit.saving import Saving, check_every
 from mirrorax.inputs.arrays import ArraySource
 from mirrorax.inputs.checks import check_batch_size
 from mirrorax.inputs.make import is_array_tree, is_source, make_source, validation_source
@@ -32,9 +32,6 @@ from mirrorax.inputs.reading import FitReading
 from mirrorax.inputs.source import Source
 from mirrorax.inputs.streams import Stream
 from mirrorax.results import History
-
-if TYPE_CHECKING:
-    from mirrorax.checkpoint.checkpointer import Checkpointer
 
 __all__ = ["FitArgs", "FitPlan", "PassPlan", "Start", "pass_source", "prepare", "prepare_pass", "resume"]
 
@@ -89,12 +86,11 @@ class FitPlan:
       hooks: the user's callbacks, driven as Keras's fit drives them.
       watch: SIGTERM / Ctrl-C, watched from the start of ``prepare`` to the end of fit.
       history: the fit's history (a resumed run's earlier epochs restored into it).
-      ckpt: the checkpoint directory (``None``: no ``checkpoint_dir``); ``saver`` writes to it.
-      run: what a checkpoint records of the run and a resume must find the same (batch, order, seed).
+      saving: what the fit saves, where and when (:class:`mirrorax.fit.saving.Saving`: the checkpoints of
+        ``checkpoint_dir``, the snapshots of an elastic job, the record kept with them, and the resume).
       inputs: the input's own position, kept in checkpoints (``None``: found by index, or replayed).
       start: where the epochs start (:func:`resume` and Keras's ``BackupAndRestore`` move it).
       resumed: whether ``start`` is a checkpoint's (or a snapshot's).
-      snapshots: the fit's snapshots (``MIRRORAX_SNAPSHOT_DIR``: an elastic job), ``None`` without.
       epochs, steps_per_epoch, batch_size: as given to fit (``batch_size`` resolved).
       validation_batch_size, validation_steps: the validation's batch and batches; ``validate(epoch)``:
         whether epoch ``epoch`` (0-based) ends with a validation.
@@ -109,9 +105,7 @@ class FitPlan:
     hooks: Callbacks
     watch: preemption.Watch
     history: History
-    ckpt: Checkpointer | None
-    saver: resume_lib.Saver | None
-    run: dict[str, Any]
+    saving: Saving
     inputs: InputState | None
     start: Start
     epochs: int
@@ -124,7 +118,6 @@ class FitPlan:
     out: IO[str]
     reading: FitReading
     resumed: bool = False
-    snapshots: FitSnapshots | None = None
 
     @property
     def first_epoch(self) -> int:
@@ -166,6 +159,8 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, args: FitArgs
     ready = False
     source: Source | None = None
     val: Source | None = None
+    saving: Saving | None = None
+    checkpoints: Any = None
     try:
         check_int("epochs", args.epochs, low=0)
         check_int("initial_epoch", args.initial_epoch, low=0)
@@ -174,7 +169,7 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, args: FitArgs
             check_int("steps_per_epoch", args.steps_per_epoch)
         if args.validation_batch_size is not None:
             check_batch_size(args.validation_batch_size)
-        every = resume_lib.check_every(args.checkpoint_every)
+        every = check_every(args.checkpoint_every)
         # The input read as every call reads its input (large arrays scanned for NaN/inf on a thread, joined
         # below before anything changes).
         one = prepare_pass(adapter, model, strategy.process_count, "fit", args.x, args.y, args.sample_weight,
@@ -183,11 +178,7 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, args: FitArgs
         val = validation_source(args.validation_data, float_dtype=adapter.float_dtype,
                                 check_finite=refuse_nonfinite, targets=adapter.needs_targets("evaluate"),
                                 scan_in_background=True)
-        ckpt = None
-        if args.checkpoint_dir is not None:
-            from mirrorax.checkpoint.checkpointer import Checkpointer
-
-            ckpt = Checkpointer(args.checkpoint_dir, keep=args.keep_checkpoints)
+        checkpoints = Saving.open_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
         callbacks = args.callbacks
         if callbacks is not None and not isinstance(callbacks, (list, tuple)) and \
                 type(callbacks).__name__ != "CallbackList":  # (Keras's fit under a scope passes its own list)
@@ -217,14 +208,18 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, args: FitArgs
         shuffle = "batch" if args.shuffle == "batch" else bool(args.shuffle)
         run: dict[str, Any] = {"batch_size": batch_size, "shuffle": shuffle, "seed": int(args.seed),
                                "steps_per_epoch": args.steps_per_epoch}
-        if ckpt is not None:  # as configured now, before a resume or a callback changes them
-            run["hyperparameters"] = resume_lib.hyperparameters(device.value)
-        elastic = snapshot.configured()  # an elastic job: a restart resumes from a snapshot, as from a checkpoint
-        inputs = None if ckpt is None and not elastic else source.track_position(strategy.process_count)
-        saver = None if ckpt is None else resume_lib.Saver(
-            ckpt, every, run, history, resume_lib.sample_spec(sample), inputs=inputs)
-        snapshots = FitSnapshots.start(saver or resume_lib.Saver(
-            None, None, run, history, resume_lib.sample_spec(sample), inputs=inputs))
+        configured = resume_lib.hyperparameters(device.value)  # as now, before a resume or a callback changes them
+        if args.checkpoint_dir is not None:
+            run["hyperparameters"] = configured
+        # An elastic job's restart resumes from a snapshot, as from a checkpoint: the input's position is kept too.
+        saved = args.checkpoint_dir is not None or snapshot.configured()
+        inputs = source.track_position(strategy.process_count) if saved else None
+        spec = resume_lib.sample_spec(sample)
+        saving = Saving.open(
+            resume_lib.Record(run, history, spec, inputs), checkpoints, every=every,
+            job=lambda directory: elastic.job_identity(run=run, state=device.value, hyperparameters=configured,
+                                                       model=model, source=source, spec=spec,
+                                                       checkpoint_dir=directory))
         _wait_checked(source, val)  # the join: nothing of the model, the state or the callbacks changed yet
         ready = True
     except Exception:
@@ -233,12 +228,15 @@ def prepare(device: DeviceState, steps: StepFunctions, model: Any, args: FitArgs
     finally:
         if not ready:
             watch.close()
+            if saving is not None:
+                saving.close()  # its lock released: the same call again may take the directory
+            elif checkpoints is not None:
+                checkpoints.close()  # (Saving.open closes it when it fails)
     return FitPlan(source=source, validation=val, stream=stream, hooks=hooks, watch=watch, history=history,
-                   ckpt=ckpt, saver=saver, run=run, inputs=inputs, start=Start(args.initial_epoch),
+                   saving=saving, inputs=inputs, start=Start(args.initial_epoch),
                    epochs=args.epochs, steps_per_epoch=args.steps_per_epoch, batch_size=batch_size,
                    validation_batch_size=args.validation_batch_size or batch_size,
-                   validation_steps=args.validation_steps, validate=validate, mode=mode, out=out, reading=reading,
-                   snapshots=snapshots)
+                   validation_steps=args.validation_steps, validate=validate, mode=mode, out=out, reading=reading)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,32 +310,25 @@ def prepare_pass(adapter: Any, model: Any, process_count: int, kind: PassKind, x
 
 
 def resume(plan: FitPlan, device: DeviceState) -> FitPlan:
-    """``plan`` started where the newest good checkpoint of its directory stopped, that checkpoint's
-    state placed on ``device`` and its history restored into ``plan.history``; ``plan`` itself when there
-    is no checkpoint directory or nothing in it.
+    """``plan`` started where the newest good record of its saving stopped (a checkpoint of its directory, or an
+    elastic job's snapshot), that record's state placed on ``device`` and its history restored into
+    ``plan.history``; ``plan`` itself when there is nothing to resume from.
 
     Raises:
-      CheckpointError: the checkpoint belongs to a run with another global batch, order or seed.
+      CheckpointError: the record belongs to a run with another global batch, order or seed.
       CheckpointMismatchError: it belongs to a different model.
     """
-    source = plan.ckpt if plan.snapshots is None else plan.snapshots.source(plan.ckpt)
-    if source is None:
+    found = plan.saving.resume(device.abstract(), plan.history)
+    if found is None:
         return plan
-    resumed = resume_lib.resume(source, device.abstract(), plan.run, plan.history)
-    if resumed is None:
-        return plan
+    resumed, kind, where = found
     device.value = resumed.state
-    kind = "checkpoint" if source is plan.ckpt else "snapshot"
     if plan.mode:
-        plan.out.write(f"Resumed from {kind} step {resumed.step} in {source.directory} "
+        plan.out.write(f"Resumed from {kind} step {resumed.step} in {where} "
                        f"(epoch {resumed.epoch + 1}, batch {resumed.batch_in_epoch}).\n")
-    if plan.snapshots is not None:
-        devices = len(resumed.state.counters.sharding.device_set)
-        plan.snapshots.said(resumed.step, resumed.epoch, resumed.batch_in_epoch, kind, resumed.epoch >= plan.epochs,
-                            devices)
-        order = plan.snapshots.snapshots.last_held.get("meta", {}).get("order_state") if kind == "snapshot" else None
-        if order is not None and plan.reading.order is not None:  # the order of the pass resumed in, drawn again
-            plan.reading.order.restore(order)
+    plan.saving.say_restart(resumed, kind, plan.epochs, len(resumed.state.counters.sharding.device_set))
+    if resumed.order_state is not None and plan.reading.order is not None:  # the resumed pass's order, drawn again
+        plan.reading.order.restore(resumed.order_state)
     # A resumed fit's data order counts its passes from where the interrupted fit counted them.
     start = Start(resumed.epoch, resumed.batch_in_epoch, resumed.input_state, first_epoch=plan.start.epoch)
     return dataclasses.replace(plan, start=start, resumed=True)

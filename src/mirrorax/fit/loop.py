@@ -12,6 +12,7 @@ host only where a hook or the end of the loop needs them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -170,12 +171,8 @@ class Loop:
             plan.history.append(epoch, logs, sps)
             if consistency.debug_checks():
                 consistency.check_replicas(device.value)
-            if plan.saver is not None:
-                plan.saver.save(device.live, epoch + 1, 0)
-            if plan.snapshots is not None:
-                following = plan.stream.epoch_span(epoch + 1 - plan.first_epoch, plan.steps_per_epoch)[0]
-                plan.snapshots.at_epoch_end(device.live, int(device.live.host_counters()["step"]), epoch + 1,
-                                            plan.stream.order_state(following))
+            following = plan.stream.epoch_span(epoch + 1 - plan.first_epoch, plan.steps_per_epoch)[0]
+            plan.saving.epoch_end(device.live, epoch + 1, functools.partial(plan.stream.order_state, following))
             hooks.call("on_epoch_end", epoch, logs)
             training_logs = logs
             device.adopt_callback_changes()
@@ -184,16 +181,16 @@ class Loop:
             # One more look per epoch (the same on every process): a SIGTERM during the epoch's last
             # batch or its validation stops here, after the epoch-end checkpoint.
             if plan.watch.reached():
-                raise preempted(device.value, plan.ckpt, epoch + 1, 0)
+                raise preempted(device.value, plan.saving.checkpoint_dir, epoch + 1, 0)
         return training_logs
 
     def epoch(self, plan: FitPlan, epoch: int, start_batch: int = 0) -> tuple[dict[str, float], Progress, int, int]:
         """Epoch ``epoch`` of ``plan`` from its batch ``start_batch`` (non-zero: resumed mid-epoch): its logs,
         its progress line, the steps and the examples it trained on.
 
-        The loop's hooks: batch callbacks, the halt watch, preemption, periodic saves, progress
-        (:mod:`mirrorax.fit.epoch`)."""
-        stream, saver, hooks = plan.stream, plan.saver, plan.hooks
+        The loop's hooks: the fit's saving (the step reached, the saves due, preemption), batch callbacks, the
+        halt watch, progress (:mod:`mirrorax.fit.epoch`)."""
+        stream, hooks = plan.stream, plan.hooks
         position, steps_per_epoch = stream.epoch_span(epoch - plan.first_epoch, plan.steps_per_epoch)
         positioned = plan.inputs is not None
         if plan.inputs is not None and start_batch:
@@ -213,17 +210,13 @@ class Loop:
         run = epoch_lib.EpochRun(state, self.strategy.in_flight, start_batch, int(state.host_counters()["step"]), total)
         progress = Progress(plan.mode, total, epoch + 1, plan.epochs,
                             lambda: self.adapter.metric_results(host_tree(run.state.metrics)), stream=plan.out)
-        reached, snapshot = (None, None) if plan.snapshots is None else plan.snapshots.hooks(
-            epoch, lambda batch: stream.order_state(position + batch))
-        loop_hooks: list[epoch_lib.EpochHook] = [h for h in (
-            reached,
+        loop_hooks: list[epoch_lib.EpochHook] = [
+            plan.saving.hook(epoch, lambda batch: stream.order_state(position + batch), preempted=plan.watch.reached,
+                             frozen=lambda state: epoch_lib.frozen(state, steps)),
             epoch_lib.BatchCallbacks(hooks, self.steps_per_execution, self._train_batch_end(hooks), self.model,
                                      steps.batch_logs),
             epoch_lib.HaltWatch(steps.halted),
-            epoch_lib.PreemptionStop(plan.watch, saver, steps, epoch),
-            None if saver is None else epoch_lib.PeriodicSave(saver, steps, epoch),
-            snapshot,
-            epoch_lib.ProgressHook(progress)) if h is not None]
+            epoch_lib.ProgressHook(progress)]
 
         def placed() -> Iterator[tuple[int, Batch]]:
             # The epoch's first batch is read here, on this thread (not the prefetcher's): Keras's fit
@@ -240,7 +233,7 @@ class Loop:
             progress.stop()
             if outcome is epoch_lib.Outcome.PREEMPT:
                 device.value = run.state
-                raise preempted(run.state, None if saver is None else saver.ckpt, epoch, run.in_epoch)
+                raise preempted(run.state, plan.saving.checkpoint_dir, epoch, run.in_epoch)
         finally:
             self.adapter.conceal()
             device.value = run.state
@@ -462,19 +455,19 @@ class Loop:
         return jax.tree.map(lambda *a: np.concatenate(a), *outputs)
 
 
-def preempted(state: TrainState | None, ckpt: Any, epoch: int, batch: int) -> preemption.Preempted:
-    """The stop of every process on SIGTERM, once the checkpoint (if any) is started."""
+def preempted(state: TrainState | None, checkpoint_dir: str | None, epoch: int, batch: int) -> preemption.Preempted:
+    """The stop of every process on SIGTERM, once the checkpoint (if any: ``checkpoint_dir``) is started."""
     step = int(state.host_counters()["step"]) if state is not None else 0
     code = preemption.PREEMPTED_EXIT_CODE
-    if ckpt is not None:
+    if checkpoint_dir is not None:
         message = (f"mirrorax: preempted (SIGTERM): saved checkpoint step {step} (epoch {epoch + 1}, batch "
-                   f"{batch}) in {ckpt.directory}; exiting with status {code}. Run the same command again "
+                   f"{batch}) in {checkpoint_dir}; exiting with status {code}. Run the same command again "
                    "to resume from it.")
     else:
         message = (f"mirrorax: preempted (SIGTERM) at step {step}: no checkpoint_dir, so the work since fit "
                    f"started is lost; exiting with status {code}. Pass fit(checkpoint_dir=...) to save on "
                    "SIGTERM and resume from there.")
-    return preemption.Preempted(message, step=step, checkpoint_dir=None if ckpt is None else ckpt.directory)
+    return preemption.Preempted(message, step=step, checkpoint_dir=checkpoint_dir)
 
 
 def _joined(outputs: list[Any]) -> Any:

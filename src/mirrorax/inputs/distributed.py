@@ -38,7 +38,7 @@ import numpy as np
 from mirrorax.inputs.arrays import ArraySource
 from mirrorax.inputs.batch import Batch, padded_batch_size, take_rows
 from mirrorax.inputs.iterables import PerProcessDataset, agreed_items, empty_like, padding_index, per_process_pipeline
-from mirrorax.inputs.placement import cached_put, is_shared, put_rows, shared_constant
+from mirrorax.inputs.placement import RowsPlacer, cached_put, is_shared, put_rows, shared_constant
 from mirrorax.steps.distributed_batch import DistributedBatch, remember_pieces
 
 if TYPE_CHECKING:
@@ -78,6 +78,45 @@ def _rows(tree: PyTree, what: str) -> int:
     return next(iter(lengths.values()))
 
 
+class _Full:
+    """The signature of an iterable's full batches on one process (its tree, each leaf's shape and dtype), once
+    one such batch was seen: a later item of that signature needs no check, cut, copy or padding, and is placed
+    by a :class:`~mirrorax.inputs.placement.RowsPlacer` (a loop of small steps pays the transfer alone)."""
+
+    __slots__ = ("treedef", "specs", "rows", "leaf", "record", "_mesh", "_host", "_placed")
+
+    def __init__(self, treedef: Any, leaves: list[np.ndarray], rows: int, mesh: BatchMesh, mask: np.ndarray,
+                 num_real: np.ndarray) -> None:
+        self.treedef, self.rows, self._mesh = treedef, rows, mesh
+        self.specs = [(a.shape, a.dtype) for a in leaves]
+        self.leaf = jax.tree_util.treedef_is_leaf(treedef)
+        self._host = (mask, num_real)  # (shared constants: placed once, at the first placement)
+        self._placed: tuple[RowsPlacer, jax.Array, jax.Array] | None = None
+        self.record: Any = None  # (what the pieces of its batches share: one record for them all)
+
+    def match(self, item: Any) -> list[np.ndarray] | None:
+        """``item``'s leaves if it has this signature, else ``None``."""
+        leaves, treedef = jax.tree.flatten(item)
+        if treedef != self.treedef:
+            return None
+        for a, (shape, dtype) in zip(leaves, self.specs):
+            if type(a) is not np.ndarray or a.shape != shape or a.dtype != dtype:
+                return None
+        return leaves
+
+    def place(self, leaves: list[np.ndarray]) -> DistributedBatch:
+        """The batch of ``leaves`` (a :meth:`match`) on the devices."""
+        if self._placed is None:
+            s, (mask, num_real) = self._mesh, self._host
+            self._placed = (RowsPlacer([(shape, jax.dtypes.canonicalize_dtype(dtype)) for shape, dtype in self.specs],
+                                       s.batch_sharding),
+                            cached_put(mask, s.batch_sharding, lambda a: put_rows([a], s.batch_sharding, 1)[0]),
+                            cached_put(num_real, s.replicated, lambda a: s.place(a, s.replicated)))
+        placer, placed_mask, placed_count = self._placed
+        data = placer([a if a.dtype == d else a.astype(d) for a, d in zip(leaves, placer.dtypes)])
+        return DistributedBatch(self.treedef.unflatten(data), placed_mask, placed_count, False, self.rows)
+
+
 class DistributedDataset:
     """Global batches of ``data`` on a mesh (see :meth:`MirroredStrategy.experimental_distribute_dataset`).
 
@@ -110,6 +149,7 @@ class DistributedDataset:
         data = data if pipeline is None else pipeline
         self._per_process = pipeline is not None
         self._source: ArraySource | None = None
+        self._full: _Full | None = None  # an iterable's full batches' signature (one process)
         if _is_arrays(data):
             if batch_size is None:
                 raise ValueError("batch_size is required when data holds arrays: it is the global batch "
@@ -187,9 +227,14 @@ class DistributedDataset:
         template: Batch | None = None
         ones: np.ndarray | None = None
         counts: dict[int, np.ndarray] = {}  # the shared count of each batch size seen (a lookup per batch)
+        fast = s.process_count == 1
         for index, item in enumerate(agreed_items(iter(self._iterable), s, self._per_process)):  # type: ignore[arg-type]
             if item is None:
                 yield empty_like(template, "pass")
+                continue
+            full = self._full
+            if full is not None and (leaves := full.match(item)) is not None:
+                yield leaves  # type: ignore[misc]  # (placed by _place's fast path)
                 continue
             rows = _tree(item, f"batch {index}")
             n = _rows(rows, f"batch {index}")
@@ -216,15 +261,38 @@ class DistributedDataset:
             count = counts.get(n) if known else None
             if known and count is None:
                 count = counts[n] = shared_constant(np.float32(n))
+            if fast and mask is ones and n == padded and count is not None:
+                leaves, treedef = jax.tree.flatten(item)
+                if all(type(a) is np.ndarray for a in leaves):  # (tensors of other libraries: converted each time)
+                    self._full = _Full(treedef, leaves, n, s, mask, count)
             template = Batch(take_rows(rows, idx), None, mask, mask, count, n if known else None)
             yield template
 
     # -- placement ---------------------------------------------------------------------------------
-    def _place(self, host: Batch) -> DistributedBatch:
+    def _place(self, host: Batch | list[np.ndarray]) -> DistributedBatch:
         s = self._mesh
+        if type(host) is list:  # a full batch of the signature _Full holds: its leaves
+            signature = self._full
+            assert signature is not None
+            batch = signature.place(host)
+            signature.record = remember_pieces(batch, signature.record)
+            return batch.data if signature.leaf else batch
+        assert isinstance(host, Batch)
         sharding = s.batch_sharding
         leaves, treedef = jax.tree.flatten(host.x)
         full = is_shared(host.mask)
+        count = host.num_real
+        if full and s.process_count == 1 and count is not None and isinstance(host.rows, int):
+            # (an array source's full batches: views of one signature, placed as an iterable's are)
+            known = self._full
+            if known is None or known.match(host.x) is None:
+                if not all(type(a) is np.ndarray and a.dtype == jax.dtypes.canonicalize_dtype(a.dtype)
+                           for a in leaves):
+                    known = None
+                else:
+                    known = self._full = _Full(treedef, leaves, host.rows, s, host.mask, np.asarray(count))
+            if known is not None:
+                return self._place(leaves)
         if full:  # a full batch: its mask was placed once
             placed = put_rows(leaves, sharding, s.process_count)
             mask = cached_put(host.mask, sharding, self._put_rows)

@@ -17,7 +17,7 @@ from mirrorax.inputs.batch import Batch
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh
 
-__all__ = ["shared_constant", "is_shared", "cached_put", "put_rows", "to_global"]
+__all__ = ["shared_constant", "is_shared", "cached_put", "put_rows", "to_global", "RowsPlacer"]
 
 
 # Full, unweighted batches all carry the same ones (weights, mask) and the same count: one read-only
@@ -59,10 +59,35 @@ def cached_put(a: np.ndarray, sharding: Any, put: Any) -> jax.Array:
 
 
 try:  # the transfer jax.device_put ends in, without its per-call Python (trees, avals, options)
+    from jax._src.core import ShapedArray as _ShapedArray
     from jax._src.dispatch import ArrayCopySemantics as _CopySemantics
     from jax._src.interpreters.pxla import shard_args as _shard_args
+    from jax._src.lib import xla_client as _xc
 except ImportError:  # pragma: no cover - another JAX: device_put below
     _shard_args = None
+    _xc = None  # type: ignore[assignment]
+
+
+def _transfer() -> Any:
+    """``put(aval, sharding, shards, devices)``: JAX's own transfer of host shards into one global array, the
+    host buffer read until the copy completes. JAX's default lets the CPU client alias a host array instead
+    (zero copy), and a step's program then ran 13-18% slower on its inputs than on copies (measured on the
+    CPU proxy, benchmarks/host_proxy.py): what an accelerator does anyway (a host-to-device copy) is asked
+    here on every platform. ``None`` on a JAX without it (put_rows' other paths then)."""
+    put = getattr(_xc, "batched_device_put", None)
+    semantics = getattr(getattr(_xc, "HostBufferSemantics", None), "IMMUTABLE_UNTIL_TRANSFER_COMPLETES", None)
+    if put is None or semantics is None:  # pragma: no cover - another jaxlib
+        return None
+
+    def transfer(aval: Any, sharding: Any, shards: list[Any], devices: list[Any], copy: bool = True) -> Any:
+        if not copy:  # (JAX's default)
+            return put(aval, sharding, shards, devices, True)
+        return put(aval, sharding, shards, devices, True, False, semantics)
+
+    return transfer
+
+
+_batched_put = _transfer()
 
 
 def put_rows(leaves: list[Any], sharding: Any, process_count: int, axis: int = 0) -> list[jax.Array]:
@@ -71,13 +96,21 @@ def put_rows(leaves: list[Any], sharding: Any, process_count: int, axis: int = 0
 
     Called for every batch, on the thread that dispatches the steps: on a small host its time is time
     the devices' compute threads lose. On one process, ``jax.device_put`` spends about 200 us of host
-    time per small batch in Python before the transfer itself; its transfer, ``shard_args``, alone does the
-    same placement.
+    time per small batch in Python before the transfer itself; a :class:`RowsPlacer` per signature (kept
+    here) does the same placement with the transfer alone.
     """
     n = len(leaves)
     if process_count > 1:
         return [jax.make_array_from_process_local_data(
             sharding, a, a.shape[:axis] + (a.shape[axis] * process_count,) + a.shape[axis + 1:]) for a in leaves]
+    if _batched_put is not None and all(type(a) is np.ndarray for a in leaves):
+        key = (sharding, *((a.shape, a.dtype) for a in leaves))
+        placer = _PLACERS.get(key)
+        if placer is None:
+            if len(_PLACERS) >= 64:  # (a run has a handful of signatures: the full batches, a tail, a stack)
+                _PLACERS.clear()
+            placer = _PLACERS[key] = RowsPlacer([(a.shape, a.dtype) for a in leaves], sharding)
+        return placer(leaves)
     if _shard_args is not None and all(type(a) is np.ndarray for a in leaves):
         try:
             # (device_put's default copy semantics: a host array may be read in place)
@@ -85,6 +118,43 @@ def put_rows(leaves: list[Any], sharding: Any, process_count: int, axis: int = 0
         except TypeError:  # pragma: no cover - a JAX whose shard_args takes other arguments
             pass
     return jax.device_put(leaves, [sharding] * n)
+
+
+_PLACERS: dict[Any, RowsPlacer] = {}  # (sharding, each leaf's shape and dtype) -> its placer
+
+
+class RowsPlacer:
+    """Places host arrays of one signature (each leaf's shape and dtype) on one sharding, on one process: what
+    JAX's transfer takes for each leaf (its abstract value, the devices, each one's slice of the rows) is
+    worked out once, so that a loop of batches of that signature pays the transfer alone (about 4 us a leaf on
+    a CPU host, where :func:`put_rows` spends 12-25 us in ``shard_args``' per-call Python).
+
+    Args:
+      specs: each leaf's ``(shape, dtype)``, in the order :meth:`__call__` takes the leaves.
+      sharding: where every leaf goes (e.g. the batch sharding).
+    """
+
+    def __init__(self, specs: list[tuple[tuple[int, ...], Any]], sharding: Any) -> None:
+        self._sharding = sharding
+        self.dtypes = [np.dtype(d) for _, d in specs]  # (what each leaf must be given as)
+        self._items: list[tuple[Any, list[Any], tuple[Any, ...] | None, bool]] = []
+        for shape, dtype in specs:
+            where = sharding.addressable_devices_indices_map(tuple(shape))
+            devices, slices = list(where), tuple(where.values())
+            whole = len(devices) == 1 and all(s == slice(None) for s in slices[0])
+            aval = _ShapedArray(tuple(shape), np.dtype(dtype)) if _batched_put is not None else None
+            # A slice that several devices hold (a batch split over some mesh axes only) is transferred as
+            # JAX's default does: this jaxlib refuses a copy read until done for a host buffer sent twice.
+            distinct = len({tuple((s.start, s.stop, s.step) for s in index) for index in slices}) == len(slices)
+            self._items.append((aval, devices, None if whole else slices, distinct))
+
+    def __call__(self, leaves: list[np.ndarray]) -> list[jax.Array]:
+        """Each leaf (a numpy array of its signature) as a global array laid out as the sharding says."""
+        if _batched_put is None:  # pragma: no cover - a JAX without the transfer: device_put
+            return list(jax.device_put(leaves, [self._sharding] * len(leaves)))
+        sharding = self._sharding
+        return [_batched_put(aval, sharding, [a] if slices is None else [a[i] for i in slices], devices, copy)
+                for a, (aval, devices, slices, copy) in zip(leaves, self._items)]
 
 
 def to_global(batch: Batch, mesh: BatchMesh, *, stacked: bool = False) -> Batch:

@@ -21,8 +21,10 @@ TF's ``checkpoint`` state file is written beside the checkpoints once the first 
 directory's first save returns when it is on disk; later ones write in the background). It names their
 directory, whose newest good checkpoint :meth:`Checkpoint.restore` takes, so a ported
 ``checkpoint.restore(tf.train.latest_checkpoint(checkpoint_dir))`` runs unchanged and, after a crash,
-resumes from the newest complete checkpoint. A save still being written when the program ends is
-finished first (:class:`mirrorax.Checkpointer`).
+resumes from the newest complete checkpoint. It is written atomically, and only when it changes: a full
+disk never leaves it truncated. A save still being written when the program ends is finished first
+(:class:`mirrorax.Checkpointer`); one that fails on a full disk ends the program on its one-line
+``CheckpointError`` and leaves no temporary directory.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import jax
 from mirrorax._checks import check_int
 from mirrorax.checkpoint.checkpointer import Checkpointer, CheckpointError
 from mirrorax.checkpoint.job import process_0_directory
+from mirrorax.checkpoint.storage import short, write_atomic
 
 __all__ = ["Checkpoint", "CheckpointManager"]
 
@@ -131,7 +134,7 @@ class Checkpoint:
         saver.save(number, state, {"save_counter": number, "input_shapes": shapes})
         if first:
             saver.wait()  # the directory's first checkpoint: on disk before TF's state file names the directory
-        _write_tf_state(saver.directory)
+        _write_tf_state(saver)
         return os.path.join(saver.directory, str(number))
 
     def wait(self) -> None:
@@ -319,15 +322,39 @@ def _saver(directory: str, keep: Any) -> Checkpointer:
     return _SAVERS[directory]
 
 
-def _write_tf_state(prefix: str) -> None:
-    """Writes TF's ``checkpoint`` state file beside ``prefix``, naming it: ``tf.train.latest_checkpoint(dir)``
-    then returns ``prefix``, which :meth:`Checkpoint.restore` takes (its newest good checkpoint), so a ported
-    ``checkpoint.restore(tf.train.latest_checkpoint(checkpoint_dir))`` runs unchanged."""
+def _write_tf_state(saver: Checkpointer) -> None:
+    """Writes TF's ``checkpoint`` state file beside the saver's directory, naming it: ``tf.train.latest_checkpoint(
+    dir)`` then returns that directory, which :meth:`Checkpoint.restore` takes (its newest good checkpoint), so a
+    ported ``checkpoint.restore(tf.train.latest_checkpoint(checkpoint_dir))`` runs unchanged.
+
+    Written atomically (a temporary file, flushed, renamed), and only when it would change: a file naming the
+    directory already is left alone, so a later save on a full disk never touches it, and a reader finds the
+    old file or the new one, never a truncated one.
+
+    Raises:
+      CheckpointError: the file could not be written (a full disk); the save's own failure, when it failed
+        too, is the one said.
+    """
+    prefix = saver.directory
     if jax.process_index() != 0 or "://" in prefix:
         return
     name = os.path.basename(prefix)
-    with open(os.path.join(os.path.dirname(prefix), "checkpoint"), "w") as f:
-        f.write(f'model_checkpoint_path: "{name}"\nall_model_checkpoint_paths: "{name}"\n')
+    path = os.path.join(os.path.dirname(prefix), "checkpoint")
+    text = f'model_checkpoint_path: "{name}"\nall_model_checkpoint_paths: "{name}"\n'
+    try:
+        with open(path) as f:
+            if f.read() == text:
+                return
+    except (OSError, UnicodeDecodeError):
+        pass
+    try:
+        write_atomic(path, text.encode())
+    except OSError as exc:
+        saver.wait()  # a save that failed too (the same full disk) is said first, in its own words
+        raise CheckpointError(
+            f"TF's checkpoint state file {path} could not be written: {short(exc)}; it is as it was (a reader "
+            f"finds the checkpoints in {prefix} through it once it names them). Free space on that file system "
+            "(or fix its permissions) and save again.") from None
 
 
 def _input_shape(obj: Any) -> Any:

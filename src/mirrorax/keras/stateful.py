@@ -322,6 +322,10 @@ class KerasVariables:
     def prune(self, objects: Any, state: Any) -> None:
         """Never asked (a step cannot add or remove a Keras variable the trace found)."""
 
+    def plain(self, x: Any) -> bool:
+        """``False``: Keras's variables are found by the step's trace; no argument is a pytree of its own kind."""
+        return False
+
 
 KERAS = KerasVariables()
 """The protocol ``strategy.jit`` uses for Keras variables (registered once Keras is imported)."""

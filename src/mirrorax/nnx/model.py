@@ -37,6 +37,7 @@ from flax import nnx
 from mirrorax.front_end import FrontEnd
 from mirrorax.models.functional import FunctionalModel
 from mirrorax.models.loss_scale import dynamic_loss_scale, is_loss_scaled
+from mirrorax.nnx.split_merge import partition_axes
 
 __all__ = ["MIXED_PRECISION", "NNX_FRONT_END", "NnxModel", "set_compute_dtype"]
 
@@ -169,8 +170,8 @@ class NnxModel(FunctionalModel):
 
     def state_axes(self) -> dict[str, tuple[Any, ...]]:
         """Each annotated parameter's mesh axes (Flax's ``nnx.with_partitioning``), by key."""
-        specs = jax.tree.leaves(nnx.get_partition_spec(nnx.state(self.module, nnx.Param)))
-        return {k: tuple(spec) for k, spec in zip(self._params.keys, specs) if any(a is not None for a in spec)}
+        specs = partition_axes(nnx.state(self.module, nnx.Param))
+        return {k: spec for k, spec in zip(self._params.keys, specs) if any(a is not None for a in spec)}
 
     # The parameters and the model state are the module's own: read from it, and written into it (the
     # Trainer's write_back sets them after fit).

@@ -19,7 +19,9 @@ annotated.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import operator
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractContextManager
@@ -32,7 +34,7 @@ from flax import nnx
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh
 
-__all__ = ["NNX", "NnxSplitMerge"]
+__all__ = ["NNX", "NnxSplitMerge", "partition_axes"]
 
 PyTree = Any
 
@@ -53,6 +55,11 @@ class NnxSplitMerge:
         """Modules, optimizers, metrics, ``Rngs`` (``nnx.Pytree``) and variables (``nnx.Variable``)."""
         # (by type: Variable's isinstance hook costs 1 us on every node of every strategy.jit call's arguments)
         return issubclass(type(x), _NNX_TYPES)
+
+    def plain(self, x: Any) -> bool:
+        """A ``State`` (``nnx.split``'s, ``nnx.state``'s): what a functional step takes beside its ``GraphDef`` and
+        returns, as under ``jax.jit`` (flattened to its arrays at each call; never split or written back)."""
+        return type(x) is nnx.State
 
     def discover(self, args: tuple[Any, ...], where: str) -> AbstractContextManager[Callable[[], Any]] | None:
         """``None``: NNX objects are found among the arguments only."""
@@ -111,10 +118,10 @@ class NnxSplitMerge:
     def layouts(self, structure: Hashable, state: PyTree, mesh: BatchMesh) -> list[jax.sharding.Sharding]:
         """Replicated, or as each variable's sharding annotation names the mesh's axes."""
         flat = jax.tree_util.tree_flatten_with_path(state)[0]
-        specs = jax.tree.leaves(nnx.get_partition_spec(state))
+        specs = partition_axes(state)
         if len(specs) != len(flat):  # (every variable holds one array; anything else is replicated)
             return [mesh.replicated] * len(flat)
-        return [mesh.annotated_sharding(np.shape(a), tuple(spec), _path(p)) for (p, a), spec in zip(flat, specs)]
+        return [mesh.annotated_sharding(np.shape(a), spec, _path(p)) for (p, a), spec in zip(flat, specs)]
 
     def owned(self, objects: tuple[Any, ...], changed: PyTree) -> list[bool]:
         """Never asked (donation among the arguments is explicit): nothing is the engine's."""
@@ -127,6 +134,27 @@ class NnxSplitMerge:
     def hold(self, objects: tuple[Any, ...], structure: Hashable, state: PyTree) -> NnxHeld | None:
         """The objects held for the calls that follow (:class:`NnxHeld`)."""
         return NnxHeld.of(objects, state)
+
+
+def partition_axes(state: PyTree) -> list[tuple[Any, ...]]:
+    """Each variable's sharding annotation in ``state``, as the mesh axes of each dimension (``()``: none), in
+    the order of ``state``'s leaves.
+
+    Flax's ``nnx.with_partitioning(init, sharding)`` takes the axes as JAX's tutorials write them, a
+    ``NamedSharding(mesh, P(...))`` (its spec is read; the strategy's mesh must have its axes), a
+    ``PartitionSpec`` or a tuple of axis names (resolved through Flax's logical axis rules where it has any):
+    ``nnx.get_partition_spec`` takes the last two only."""
+    def axes(v: Any) -> tuple[Any, ...]:
+        if not isinstance(v, nnx.Variable):
+            return ()
+        sharding = v.get_metadata().get("out_sharding")
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return tuple(sharding.spec)
+        spec = nnx.spmd.get_var_pspec(v) if sharding else None
+        return () if spec is None else tuple(spec)
+
+    variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [axes(v) for v in variables]
 
 
 def _take_cached_partial() -> None:
@@ -157,6 +185,9 @@ def _slot_writer() -> Callable[[Any, Any], None] | None:
 
 
 _put = _slot_writer()
+_SLOT = "_raw_value"
+_get = operator.attrgetter(_SLOT)
+_set = object.__setattr__
 
 
 class NnxHeld:
@@ -209,6 +240,8 @@ class NnxHeld:
 
     def read(self) -> list[Any]:
         """Each variable's value now."""
+        if _put is not None:  # (the slot get_raw_value reads, read in C: a loop of small steps pays it each call)
+            return list(map(_get, self.variables))
         return [v.get_raw_value() for v in self.variables]
 
     def write(self, leaves: list[Any]) -> None:
@@ -224,8 +257,7 @@ class NnxHeld:
             for v, a in zip(self.variables, leaves):
                 v.set_raw_value(a)
             return
-        for v, a in zip(self.variables, leaves):
-            _put(v, a)
+        collections.deque(map(_set, self.variables, itertools.repeat(_SLOT), leaves), maxlen=0)  # (_put, in C)
 
 
 NNX = NnxSplitMerge()

@@ -39,9 +39,19 @@ from mirrorax.steps.replica import ReplicaContext, replica_scope, varies_over
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh
 
-__all__ = ["MISSED", "StrategyFunction", "FlatProgram", "InFlight", "Traced"]
+__all__ = ["MISSED", "StrategyFunction", "FlatProgram", "InFlight", "Traced", "wait"]
 
 PyTree = Any
+
+
+def wait(ready: Any) -> None:
+    """Blocks until ``ready`` (an array, or a pytree of them) is computed: what the window waits on. An array
+    (a call's token) waits by its own method, not through ``jax.block_until_ready``'s tree walk (2 us a step less
+    on a CPU host, where a small step's whole host time is 50 us)."""
+    if type(ready) is ARRAY_TYPE:
+        ready.block_until_ready()
+    else:
+        jax.block_until_ready(ready)
 
 
 class InFlight:
@@ -94,13 +104,14 @@ class InFlight:
             output of the call that is done exactly when the call is: cheaper to wait on than a tree.
           on_done: called as ``on_done(aux)`` when this entry retires (in push order, once).
         """
-        self._queue.append((aux, aux if ready is None else ready, on_done))
+        queue = self._queue
+        queue.append((aux, aux if ready is None else ready, on_done))
         if self._after:  # batches asked to be placed now, while the call just pushed runs
             after, self._after = self._after, []
             for fn in after:
                 fn()
-        while len(self._queue) >= self._depth:
-            self._retire(*self._queue.popleft())
+        while len(queue) >= self._depth:
+            self._retire(*queue.popleft())
 
     def after_dispatch(self, fn: Callable[[], None]) -> None:
         """Calls ``fn()`` once, right after the next :meth:`push` (before that push waits): an input
@@ -113,7 +124,7 @@ class InFlight:
             self._retire(*self._queue.popleft())
 
     def _retire(self, aux: Any, ready: Any, on_done: Callable[[Any], None] | None) -> None:
-        jax.block_until_ready(ready)
+        wait(ready)
         self.last_done = aux
         if on_done is not None:
             on_done(aux)
@@ -186,8 +197,16 @@ def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
 
 def layout(tree: PyTree, default: Any) -> PyTree:
     """Each leaf's sharding (``jax.ShapeDtypeStruct``s, the abstract arguments of ``lower``, carry one
-    too), ``default`` for leaves without one (host arrays)."""
-    return jax.tree.map(lambda a: getattr(a, "sharding", None) or default, tree)
+    too), ``default`` for leaves without one (host arrays) and for those not laid out on ``default``'s mesh (a
+    ``jnp`` array JAX made on its default device: an output like it lives on the strategy's devices, where the
+    next call can take it beside the strategy's arrays; it raised "incompatible devices" on several)."""
+    mesh = getattr(default, "mesh", None)
+
+    def one(a: Any) -> Any:
+        sharding = getattr(a, "sharding", None)
+        return sharding if getattr(sharding, "mesh", None) == mesh else default
+
+    return jax.tree.map(one, tree)
 
 
 def _dtype(a: Any) -> Any:

@@ -24,7 +24,6 @@ a loop over full batches pays nothing per call.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -106,6 +105,20 @@ class DistributedBatch:
             return self
         return DistributedBatch(self.data, self.mask, self.num_real, self.padded)
 
+    def __jax_array__(self) -> jax.Array:
+        """The batch's data as one array, as ``jnp.array(batch)`` and ``jnp.asarray(batch)`` make it: an array
+        itself, a list of equal arrays stacked on a new leading axis (the JAX AI stack's miniGPT makes its
+        tokens so from a grain batch of lists: ``jnp.array(batch).T``). Computed on the devices in one program,
+        the rows still split over the batch axis (numpy's conversion, the fallback without this, copies every
+        array to the host and back whole, replicated)."""
+        if isinstance(self.data, jax.Array):
+            return self.data
+        if not isinstance(self.data, (list, tuple)):
+            raise TypeError(f"jnp.array received a DistributedBatch whose data is a {type(self.data).__name__}; it "
+                            "makes one array of an array or a list/tuple of equal arrays. Take the entries first "
+                            "(e.g. jnp.array(batch['image'])).")
+        return _as_array(self.data)
+
     def __iter__(self) -> Iterator[Any]:
         return iter(self.data)
 
@@ -133,6 +146,9 @@ class DistributedBatch:
         return f"DistributedBatch(data={self.data!r}, mask={self.mask!r}, num_real={self.num_real!r}{rows})"
 
 
+_as_array = jax.jit(lambda data: jnp.array(data))  # (one program per structure: a list of 256 pieces, one call)
+
+
 jax.tree_util.register_pytree_with_keys(
     DistributedBatch,
     lambda b: (((jax.tree_util.GetAttrKey("data"), b.data), (jax.tree_util.GetAttrKey("mask"), b.mask),
@@ -153,32 +169,45 @@ class _Record:
         self.full = not batch.has_padding
 
 
+class _PieceRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a piece that knows the piece's key (its ``id`` while it lived)."""
+
+    __slots__ = ("key",)
+    key: int
+
+
 # id(piece) -> (a weak reference to the piece, its batch's record); an entry leaves with its piece.
-_PIECES: dict[int, tuple[weakref.ref[Any], _Record]] = {}
+_PIECES: dict[int, tuple[_PieceRef, _Record]] = {}
 _padded = [0]  # how many pieces of padded batches live
 
 
-def _forget(key: int, ref: weakref.ref[Any]) -> None:
-    entry = _PIECES.get(key)
+def _forget(ref: _PieceRef) -> None:
+    entry = _PIECES.get(ref.key)
     if entry is not None and entry[0] is ref:
-        del _PIECES[key]
+        del _PIECES[ref.key]
         if not entry[1].full:
             _padded[0] -= 1
 
 
-def remember_pieces(batch: DistributedBatch) -> None:
-    """Remembers each array of ``batch.data`` as a piece of ``batch`` while it lives. A full batch's pieces
-    need nothing in a step (they are its real rows); they are remembered so that an array computed from them
-    is not taken for one of a padded batch's."""
-    record = _Record(batch)
+def remember_pieces(batch: DistributedBatch, record: _Record | None = None) -> _Record:
+    """Remembers each array of ``batch.data`` as a piece of ``batch`` while it lives, and returns the record its
+    pieces share. A full batch's pieces need nothing in a step (they are its real rows); they are remembered so
+    that an array computed from them is not taken for one of a padded batch's. ``record``: one made for an
+    earlier batch with the same mask, count and rows (a loop's full batches share it)."""
+    if record is None:
+        record = _Record(batch)
+    full = record.full
     for leaf in jax.tree.leaves(batch.data):
         key = id(leaf)
         old = _PIECES.get(key)
         if old is not None and not old[1].full:  # (an array given again, as another batch's piece)
             _padded[0] -= 1
-        _PIECES[key] = (weakref.ref(leaf, functools.partial(_forget, key)), record)
-        if not record.full:
+        ref = _PieceRef(leaf, _forget)
+        ref.key = key
+        _PIECES[key] = (ref, record)
+        if not full:
             _padded[0] += 1
+    return record
 
 
 def padded_pieces_alive() -> bool:
@@ -238,32 +267,41 @@ def gather_pieces(args: tuple[Any, ...]) -> Pieces | None:
     groups: dict[int, int] = {}  # id(record) -> its index in found
     found: list[tuple[_Record, list[Any]]] = []
     places: dict[int, tuple[int, int]] = {}
-    for i, leaf in enumerate(leaves):
-        record = piece_of(leaf)
-        if record is None:
-            continue
+
+    def join(i: int, leaf: Any, record: _Record) -> None:  # leaf i: a piece of record's batch
         k = groups.get(id(record))
         if k is None:
             k = groups[id(record)] = len(found)
             found.append((record, []))
         places[i] = (k, len(found[k][1]))
         found[k][1].append(leaf)
+
+    for i, leaf in enumerate(leaves):
+        record = piece_of(leaf)
+        if record is not None:
+            join(i, leaf, record)
     stray: list[int] = []
     alive: dict[int, bool] = {}  # rows of the batches with a piece alive -> whether all of them are padded
+    records: dict[int, dict[int, _Record]] = {}  # rows -> the batches with a piece alive
     for _, r in list(_PIECES.values()):
         alive[r.placed] = alive.get(r.placed, True) and not r.full
+        records.setdefault(r.placed, {})[id(r)] = r
     for i, leaf in enumerate(leaves):
         shape = getattr(leaf, "shape", None)
         if i in places or not shape or shape[0] not in alive or not isinstance(leaf, jax.Array):
             continue
         matches = [k for k, (record, pieces) in enumerate(found) if _like(leaf, record, pieces[0].sharding)]
         if len(matches) == 1:
-            pieces = found[matches[0]][1]
-            places[i] = (matches[0], len(pieces))
-            pieces.append(leaf)
+            join(i, leaf, found[matches[0]][0])
         elif not matches and alive[shape[0]] and _split_rows(leaf):
-            # (only padded batches of these rows live: it can be none but theirs)
-            stray.append(i)
+            # Only padded batches of these rows live: it can be none but theirs. With one such batch alive it
+            # is that batch's (computed from it in the loop: jnp.array(batch).T, x / 255); with several, it
+            # cannot be told whose.
+            same = records[shape[0]]
+            if len(same) == 1:
+                join(i, leaf, next(iter(same.values())))
+            else:
+                stray.append(i)
     names = _paths(args, stray) if stray else []
     padded = [k for k, (record, _) in enumerate(found) if not record.full]
     if not padded:
@@ -308,27 +346,39 @@ def unpieced(fn: Any) -> Any:
 
 
 def host_batches(args: tuple[Any, ...]) -> list[tuple[str, tuple[int, ...]]]:
-    """What is almost certainly a global batch given whole from the host among a step's positional arguments:
-    host arrays (numpy, TensorFlow or torch tensors) of more than one row, at least two with the same leading
-    axis and one of them with more axes, either among the arguments themselves (``step(model, x, y)``) or
-    among the entries of one argument, one of them of integers (labels: ``step(state, {"image": ...,
-    "label": ...})``; a dict of parameters holds none). Returns ``(path, shape)`` of each."""
-    def batch(group: list[tuple[str, Any]], labels: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """What is almost certainly a global batch given whole among a step's positional arguments, not split over
+    the devices: host arrays (numpy, TensorFlow or torch tensors) or ``jax.Array`` s laid out whole on each
+    device (a ``jnp`` array, a replicated one) of more than one row, at least two with the same leading axis
+    and one of them with more axes, either among the arguments themselves (``step(model, x, y)``) or among the
+    entries of one argument: one of them of integers (labels: ``step(state, {"image": ..., "label": ...})``),
+    or a tuple or list of exactly two (``step(state, (X, Y))``) whose leading axis is none of the others' axes
+    (a square kernel and its bias are no batch). A dict of parameters holds no labels. Returns
+    ``(path, shape)`` of each."""
+    def batch(group: list[tuple[str, Any]], labels: bool, pair: bool = False) -> list[tuple[str, tuple[int, ...]]]:
         rows: dict[int, list[tuple[str, Any]]] = {}
         for path, a in group:
-            if _host_array(a) and np.ndim(a) and np.shape(a)[0] > 1:
+            if _whole_array(a) and np.ndim(a) and np.shape(a)[0] > 1:
                 rows.setdefault(int(np.shape(a)[0]), []).append((path, a))
-        return [(p, tuple(int(d) for d in np.shape(a))) for same in rows.values()
+        return [(p, tuple(int(d) for d in np.shape(a))) for n, same in rows.items()
                 if len(same) > 1 and any(np.ndim(a) > 1 for _, a in same)
-                and (not labels or any(np.asarray(a[:1]).dtype.kind in "iub" for _, a in same))
+                and (not labels or any(np.asarray(a[:1]).dtype.kind in "iub" for _, a in same)
+                     or pair and len(same) == 2 and all(n not in np.shape(a)[1:] for _, a in same))
                 for p, a in same]
 
     found = batch([(f"argument {i}", a) for i, a in enumerate(args)], labels=False)
     for i, a in enumerate(args):
         entries = list(a.items()) if isinstance(a, dict) else list(enumerate(a)) if isinstance(a, (tuple, list)) \
             else []
-        found += batch([(f"argument {i}[{k!r}]", v) for k, v in entries], labels=True)
+        found += batch([(f"argument {i}[{k!r}]", v) for k, v in entries], labels=True,
+                       pair=isinstance(a, (tuple, list)) and len(a) == 2)
     return found
+
+
+def _whole_array(x: Any) -> bool:
+    """A host array, or a ``jax.Array`` whose rows are not split over the devices."""
+    if isinstance(x, jax.Array):
+        return not isinstance(x, jax.core.Tracer) and not _split_rows(x)
+    return _host_array(x)
 
 
 def _host_array(x: Any) -> bool:

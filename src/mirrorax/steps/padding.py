@@ -94,8 +94,8 @@ def warn_stray_rows(where: str, name: str, paths: list[str]) -> None:
 
 def warn_replicated_batch(where: str, name: str, found: list[tuple[str, tuple[int, ...]]], replicas: int,
                           per_replica: bool) -> None:
-    """Warns (:class:`ReplicatedBatchWarning`) that the step ``name`` given to ``where`` was given host arrays
-    (``found``: path and shape) that look like a global batch."""
+    """Warns (:class:`ReplicatedBatchWarning`) that the step ``name`` given to ``where`` was given arrays not
+    split over the devices (host arrays, ``jnp`` arrays; ``found``: path and shape) that look like a global batch."""
     what = ", ".join(f"{p} of shape {s}" for p, s in found[:4]) + (", ..." if len(found) > 4 else "")
     if per_replica:
         effect = ("every replica runs on all of its rows: each one's share of the loss is the whole batch's, and "
@@ -103,7 +103,8 @@ def warn_replicated_batch(where: str, name: str, found: list[tuple[str, tuple[in
     else:
         effect = f"each of the {replicas} devices computes on all of its rows (the one-device numbers, no speed-up)"
     warnings.warn(
-        f"{where} received host arrays that look like a global batch ({what}). A plain array argument is placed on "
+        f"{where} received arrays that look like a global batch ({what}), not split over the devices. A plain "
+        f"array argument (numpy, or a jnp array made whole) is placed on "
         f"every device whole (replicated, as tf.distribute does with a plain tensor), so {effect}. Split the batch "
         f"over the devices: iterate strategy.experimental_distribute_dataset(data, batch_size=...) and pass its "
         f"batches (or their pieces: for x, y in dist: {name}(..., x, y)).", ReplicatedBatchWarning, stacklevel=4)

@@ -82,6 +82,13 @@ class SplitMerge(Protocol):
         for objects found by :meth:`discover` only)."""
         ...
 
+    def plain(self, x: Any) -> bool:
+        """Whether ``x`` (a node of a step's arguments) is a pytree of this front-end's that a step takes as JAX
+        does, flattened, its nodes no objects even where :meth:`owns` would claim them (Flax NNX's ``State``:
+        ``nnx.split``'s state, passed to a functional step beside its ``GraphDef``, comes back as the step's
+        output, not written back). Optional: absent, nothing is."""
+        ...
+
     def discover(self, args: tuple[Any, ...], where: str) -> AbstractContextManager[Callable[[], Any]] | None:
         """A recorder for one trace of the step with ``args`` (entered inside the trace, around the step),
         or ``None`` when this front-end's objects are found among the arguments only. It yields a function
@@ -247,13 +254,14 @@ class Split:
 def split_args(args: tuple[Any, ...], kinds: Sequence[SplitMerge]) -> Split | None:
     """``args`` with the objects ``kinds`` own split out, or ``None`` when they hold none."""
     owner: dict[int, int] = {}
+    plain = [f for p in kinds if (f := getattr(p, "plain", None)) is not None]
 
     def is_object(x: Any) -> bool:
         for k, p in enumerate(kinds):
             if p.owns(x):
                 owner[id(x)] = k
                 return True
-        return False
+        return any(f(x) for f in plain)  # (a leaf of the walk, no object: JAX flattens it in the call)
 
     leaves, treedef = jax.tree.flatten(args, is_leaf=is_object)
     if not owner:
@@ -281,10 +289,11 @@ def split_args(args: tuple[Any, ...], kinds: Sequence[SplitMerge]) -> Split | No
 
 def threaded(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` as a function of ``(structure, leaves, *args)`` (a :class:`Split`'s: each protocol's state as its
-    leaves' list): the objects bound and handed to ``fn`` in their slots of ``args``, and their new states'
-    leaves returned beside ``fn``'s outputs. (Lists of leaves, not the states' own trees: a call flattens its
-    arguments and rebuilds its outputs each time, and a front-end's state tree, NNX's nested ``State``, costs
-    tens of microseconds a call to walk in Python; a list of arrays is walked in C.)"""
+    leaves' list): the objects bound and handed to ``fn`` in their slots of ``args``; returns their new states'
+    leaves and ``fn``'s outputs, in that order (XLA gives each donated leaf's buffer to the first output of its
+    shape: the new leaf, not a scalar output of the step's own). (Lists of leaves, not the states' own trees: a
+    call flattens its arguments and rebuilds its outputs each time, and a front-end's state tree, NNX's nested
+    ``State``, costs tens of microseconds a call to walk in Python; a list of arrays is walked in C.)"""
     @functools.wraps(fn)
     def run(structure: _Structure, leaves: list[list[Any]], *args: Any) -> Any:
         kinds = protocols()
@@ -316,7 +325,7 @@ def threaded(fn: Callable[..., Any]) -> Callable[..., Any]:
             trees = [None if tree == before else tree for (_, tree), (_, _, before) in zip(new, structure.value)]
             if any(t is not None for t in trees):
                 run.changed[structure] = trees  # type: ignore[attr-defined]
-            return out, [leaves for leaves, _ in new]
+            return [leaves for leaves, _ in new], out  # (the state first: each donated leaf aliases its own)
 
     run.changed = {}  # type: ignore[attr-defined]  # structure -> each part's new state tree (None: the same)
     return run

@@ -138,15 +138,15 @@ def _place_stray(mesh: BatchMesh, leaves: list[Any], targets: list[Any], which: 
 
 
 def _out_layouts(given: OutShardings, state: Callable[[Any, Any], Any]) -> OutShardings:
-    """A threading program's ``out_shardings``: the user's for the step's outputs (given, or a function of the
-    step's arguments; ``None``: JAX's choice) beside ``state(first, second)``, the new state's layouts, of the
-    program's two state arguments."""
+    """A threading program's ``out_shardings``: ``state(first, second)``, the new state's layouts, of the
+    program's two state arguments, then the user's for the step's outputs (given, or a function of the step's
+    arguments; ``None``: JAX's choice)."""
     if given is None:
         return None
 
     def out_shardings(first: Any, second: Any, *args: Any) -> Any:
         user = given(*args) if callable(given) else given
-        return None if user is None else (user, state(first, second))
+        return None if user is None else (state(first, second), user)
 
     return out_shardings
 
@@ -242,7 +242,7 @@ class StatefulFunction:
                              out_shardings=None if mesh.has_layout_map else mesh.replicated)
         self._padding_checked: set[Any] = set()  # signatures whose use of the mask was checked
         self._padding_warned = False
-        self._plain_last = False  # the last call ran the plain program and needed nothing more (_call_fast)
+        self._plain_last = False  # the last call ran the plain program and needed nothing more (the fast path)
         self._tracing: Any = None  # the signature of the call being made (its traces record what fn returns)
         self._traced: dict[Any, _Traced] = {}
         # the arrays the calls wrote into found objects and no call took since (not kept alive): donated when
@@ -346,21 +346,16 @@ class StatefulFunction:
                             "step once while tracing and keep its result as a constant. Remove @tf.function: "
                             f"{self._where} compiles the step with XLA itself.")
 
-    def _call_fast(self, args: tuple[Any, ...]) -> Any:
-        """The call through the last call's program when that call needed nothing of this class (no object,
-        no padding to mark, the global view), else :data:`~mirrorax.steps.dispatch.MISSED`: a loop of one signature
-        then pays no per-leaf look at its arguments (:meth:`StrategyFunction.call_fast`). Whether a call needs
-        more follows from its signature, which JAX's dispatch checks (another one misses), and from its
-        arguments holding no object, which the signature says too (an object is no array)."""
-        if not self._plain_last:
-            return MISSED
-        self._check_not_in_tf_function()
-        return self._plain.call_fast(args)
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not kwargs:
-            if not (self._gathers and padded_pieces_alive()):  # (else a padded batch's piece may be among args)
-                out = self._call_fast(args)
+            # The fast path: the last call's program, when that call needed nothing of this class (no object,
+            # no padding to mark, the global view): a loop of one signature then pays no per-leaf look at its
+            # arguments (StrategyFunction.call_fast). Whether a call needs more follows from its signature, which
+            # JAX's dispatch checks (another one misses), and from its arguments holding no object, which the
+            # signature says too (an object is no array).
+            if self._plain_last and not (self._gathers and padded_pieces_alive()):  # (else a piece may be there)
+                self._check_not_in_tf_function()
+                out = self._plain.call_fast(args)
                 if out is not MISSED:
                     return out
             if self._holds:
@@ -396,7 +391,7 @@ class StatefulFunction:
                 self._plain_last = not padding and not self._per_replica
             else:
                 changed, read = self._states(entry)
-                out, new = entry.function(changed, read, *args)
+                new, out = entry.function(changed, read, *args)
                 for (p, objects, _), c, r in zip(entry.parts, new, read):
                     p.update(objects, (c, r))
                     self._wrote(jax.tree.leaves(c))
@@ -434,7 +429,7 @@ class StatefulFunction:
             objects = [n for p, _, s in entry.parts for n in p.names(s)]
         traced = self._traced.get(key)
         paths = traced.paths if traced is not None else []
-        names = [f"output{p}" for p in paths] + objects
+        names = objects + [f"output{p}" for p in paths]  # (the program's outputs: the objects' state, then fn's)
         entered = [names[i] if len(names) == len(jaxpr.out_avals) else f"output {i}"
                    for i in padding_outputs(jaxpr, leaves, batch)]
         metrics = sorted(set(traced.unmasked)) if traced is not None else []
@@ -527,7 +522,8 @@ class StatefulFunction:
         return entry
 
     def _stateful(self, entry: _Found) -> StrategyFunction:
-        """The program of ``fn`` with the found objects' state: ``(changed, read, *args) -> (out, new changed)``."""
+        """The program of ``fn`` with the found objects' state: ``(changed, read, *args) -> (new changed, out)`` (the
+        state first: each donated leaf's buffer goes to its new value, the first output of its shape)."""
         fn, parts = self._fn, entry.parts
 
         def stateful(changed: list[PyTree], read: list[PyTree], *args: Any) -> Any:
@@ -535,7 +531,7 @@ class StatefulFunction:
                 bound = [stack.enter_context(p.bind(s, (c, r))) for (p, _, s), c, r in zip(parts, changed, read)]
                 out = fn(*args)
                 new = [p.state(s, (c, r), b) for (p, _, s), c, r, b in zip(parts, changed, read, bound)]
-            return out, new
+            return new, out
 
         donate = (0, *(i + 2 for i in self._donate))  # the changed state: replaced by the outputs
         layouts = [jax.tree.unflatten(tree, targets[:tree.num_leaves])  # the changed state's, per part
@@ -605,7 +601,7 @@ class StatefulFunction:
         leaves, targets = self._placed(split, kinds)
         donated = bool(split.positions) and split.positions <= set(self._donate)
         function, run = self._function(donated, pieces is not None)
-        out, new = function(split.structure, leaves, *self._rest(split.args, pieces))
+        new, out = function(split.structure, leaves, *self._rest(split.args, pieces))
         held = None if split.structure in run.changed else HeldCall.of(args, split, kinds, targets, new, donated)
         if held is None:
             _write_back(kinds, split.structure, split.objects, new, run.changed.get(split.structure))
@@ -624,8 +620,8 @@ class StatefulFunction:
         if not held.unchanged():
             self._holds.remove(held)
             return MISSED
-        kinds = protocols()
-        rest = held.rest(args, lambda x: any(p.owns(x) for p in kinds))
+        # (the registered protocols are asked only of an argument that is no plain array, number or batch)
+        rest = held.rest(args, lambda x: any(p.owns(x) for p in protocols()))
         if rest is None:
             return MISSED
         self._check_not_in_tf_function()
@@ -635,10 +631,10 @@ class StatefulFunction:
                 _place_stray(self._mesh, part, targets, [j for j, a in enumerate(part) if a is not last[j]])
         pieces = self._pieces(rest)
         function, run = self._function(held.donated, pieces is not None)
-        out, new = function(held.structure, leaves, *self._rest(rest, pieces))
-        if held.structure in run.changed:  # (a batch of another shape whose trace adds a variable)
+        new, out = function(held.structure, leaves, *self._rest(rest, pieces))
+        if run.changed and held.structure in run.changed:  # (a batch of another shape whose trace adds a variable)
             self._holds.remove(held)
-            _write_back(kinds, held.structure, held.objects(args), new, run.changed[held.structure])
+            _write_back(protocols(), held.structure, held.objects(args), new, run.changed[held.structure])
         else:
             held.write(new)
         return held.objects_back(out, args)
