@@ -243,17 +243,22 @@ def test_a_standby_process_runs_the_command_as_python_would(tmp_path):
 
 
 def test_processes_holding_different_values_of_a_replicated_state_are_told_which():
-    """check_replicas on 2 processes (its checksums summed on the host): equal values pass; a value that
-    differs on process 1 is named on every process."""
+    """check_replicas on 2 processes (its checksums summed on the host, no program compiled for them): equal
+    values pass; a value that differs on process 1 is named on every process."""
     code, out, _ = _launch(_child("""
         import numpy as np
         import mirrorax as mx
+        from mirrorax import integrity
         from mirrorax.cluster import consistency
         import jax
         s = mx.MirroredStrategy()
         ones = np.ones((3, 4), np.float32)
         same = {"w": s.replicate(ones), "b": s.replicate(np.arange(5, dtype=np.int32))}
+        on_devices, digest = [], integrity.digest
+        integrity.digest = lambda tree: on_devices.append(sorted(tree)) or digest(tree)
         consistency.check_replicas(same)
+        print("ON DEVICES", on_devices, flush=True)  # (a replicated variable is whole on each process)
+        integrity.digest = digest
         local = ones + jax.process_index()  # process 1's copy differs: what a broadcast must prevent
         sharding = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())
         differ = {"w": jax.make_array_from_single_device_arrays((3, 4), sharding, [
@@ -264,6 +269,7 @@ def test_processes_holding_different_values_of_a_replicated_state_are_told_which
             print("REFUSED", str(e).split(":")[0], flush=True)
         """), 2, cpu_devices_per_proc=2)
     assert code == 0 and out.count("REFUSED The training state differs between processes") == 2, out
+    assert out.count("ON DEVICES []") == 2, out
 
 
 @pytest.mark.parametrize("restarts", [0, 1])

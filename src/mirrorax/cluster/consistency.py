@@ -160,7 +160,9 @@ def _checksums(state: PyTree) -> dict[str, list[int]]:
     from mirrorax.integrity import HostDigest, digest, path_str
 
     flat, _ = jax.tree_util.tree_flatten_with_path(state)
-    whole = {path_str(p): local_copy(x) for p, x in flat if not isinstance(x, jax.Array) or x.is_fully_addressable}
+    # (A replicated variable of a multi-process job is not addressable as a whole: its copy on this process is.)
+    copies = [(path_str(p), local_copy(x)) for p, x in flat]
+    whole = {name: x for name, x in copies if not isinstance(x, jax.Array) or x.is_fully_addressable}
     size = sum(int(getattr(x, "nbytes", 0)) for x in whole.values())
     on_cpu = all(getattr(d, "platform", "") == "cpu" for x in whole.values() if isinstance(x, jax.Array)
                  for d in x.sharding.device_set)
