@@ -272,6 +272,34 @@ def test_processes_holding_different_values_of_a_replicated_state_are_told_which
     assert out.count("ON DEVICES []") == 2, out
 
 
+def test_an_elastic_job_finds_in_the_cache_what_every_process_compiled(tmp_path):
+    """Issue 57: on CPU devices JAX keys a program by the process that compiles it and writes process 0's only, so
+    a restarted group compiled again in every other process (and waited for the slowest). In an elastic job
+    (MIRRORAX_SNAPSHOT_DIR) every process writes its own: the second run of 2 processes compiles nothing."""
+    child = _child("""
+        import jax, numpy as np
+        import mirrorax as mx
+        hits = []
+        jax.monitoring.register_event_listener(lambda event, **kw: hits.append(event) if event.endswith(
+            "/cache_hits") else None)
+        s = mx.MirroredStrategy()
+        rows = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(s.mesh.axis_names[0]))
+        batch = jax.make_array_from_process_local_data(rows, np.ones((2, 3), np.float32))  # split over processes
+        total = jax.jit(lambda x: (x * 2).sum())(batch)
+        print("HITS", jax.process_index(), len(hits), float(total), flush=True)
+        """)
+    env = dict({k: v for k, v in clean_env().items() if not k.startswith(("JAX_COMPILATION", "JAX_PERSISTENT"))},
+               MIRRORAX_SNAPSHOT_DIR=str(tmp_path / "snapshots"), JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    runs = []
+    for _ in range(2):
+        out = io.StringIO()
+        assert launch_lib.launch(child, 2, env=env, out=out, cpu_devices_per_proc=2) == 0, out.getvalue()
+        runs.append(sorted(line.split()[3:] for line in out.getvalue().splitlines() if " HITS " in line))
+    assert [r[1] for r in runs[0]] == ["0", "0"], runs  # (the first run compiles everything)
+    assert all(int(hits) > 0 for _, hits, _ in runs[1]) and [r[0] for r in runs[1]] == ["0", "1"], runs
+
+
 @pytest.mark.parametrize("restarts", [0, 1])
 def test_a_job_that_may_restart_gets_a_compilation_cache_beside_its_snapshots(restarts, tmp_path):
     """Issue 57: with restarts, JAX's persistent compilation cache is on for the children, in the launch's

@@ -53,6 +53,7 @@ from mirrorax.cluster import ray_train
 from mirrorax.cluster.discovery import ClusterError, ClusterInfo, accelerators_present, job_from_env, private_jax
 from mirrorax.cluster.discovery import coordination_client as coordination_client
 from mirrorax.cluster.preemption import PREEMPTED_EXIT_CODE  # (kept here too: mx.cluster.PREEMPTED_EXIT_CODE)
+from mirrorax.fit.cache import cache_every_process
 
 __all__ = ["ClusterInfo", "ClusterError", "initialize", "maybe_initialize_from_env", "is_initialized",
            "job_from_env", "process_index", "process_count", "cluster_info", "resolve_bind_address",
@@ -210,6 +211,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         _failure.install(client, info.process_id, info.num_processes)
         _check_process_counts(info, initialization_timeout, client)
         _restarts.note_group(client, info.process_id, info.num_processes, _local_devices(info), initialization_timeout)
+        if os.environ.get(_restarts.DIR_ENV):  # an elastic job: a restarted group loads what each process compiled
+            cache_every_process()
         return info
 
 
