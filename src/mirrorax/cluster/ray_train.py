@@ -40,7 +40,7 @@ from typing import Any
 
 from mirrorax.cluster.discovery import ClusterInfo, coordination_client, make_info
 from mirrorax.cluster.ray_wait import DEFAULT_DEADLINE_S, BelowMinimumWorkers, WaitForWorkers, room
-from mirrorax.cluster.restarts import DIR_ENV, SECONDS_ENV, STEPS_ENV, compile_cache, group_file, node_name
+from mirrorax.cluster.restarts import CACHE_DIR, DIR_ENV, SECONDS_ENV, STEPS_ENV, compile_cache, group_file, node_name
 
 # JaxTrainer is made on first use (module __getattr__): defining it imports Ray.
 __all__ = ["job_from_ray", "checkpoint_dir", "in_ray_worker", "JaxTrainer", "SNAPSHOT_ROOT",  # noqa: F822
@@ -147,7 +147,7 @@ def _remove_snapshots(rank: int) -> None:
     node = node_name()
     if _cleaner(rank, node):
         shutil.rmtree(os.path.join(base, node), ignore_errors=True)
-        shutil.rmtree(os.path.join(base, f"{node}.xla"), ignore_errors=True)
+        shutil.rmtree(os.path.join(base, CACHE_DIR), ignore_errors=True)  # (the job's: a removal twice is harmless)
         with contextlib.suppress(OSError):
             os.remove(group_file(base, node))
 
@@ -181,9 +181,9 @@ def _wrapped(fn: Callable[..., Any], env: dict[str, str]) -> Callable[..., Any]:
     def train_loop_per_worker(*config: Any) -> Any:
         os.environ.update(env)
         ctx = _context()
-        if ctx is not None:  # this run's snapshots, and beside them the node's compilation cache
+        if ctx is not None:  # this run's snapshots, and beside them its compilation cache
             os.environ.setdefault(DIR_ENV, os.path.join(SNAPSHOT_ROOT, _safe(ctx.get_experiment_name())))
-            compile_cache(os.environ, os.environ[DIR_ENV], node_name())
+            compile_cache(os.environ, os.environ[DIR_ENV])
         jax = sys.modules.get("jax")
         if jax is not None:  # imported already: its options are read from its config, not the environment
             for var, kind in _JAX_OPTIONS.items():

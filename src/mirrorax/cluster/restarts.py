@@ -31,7 +31,8 @@ from typing import Any
 from mirrorax.cluster.preemption import PREEMPTED_EXIT_CODE
 
 __all__ = ["DIR_ENV", "LOST_ENV", "SECONDS_ENV", "STEPS_ENV", "node_name", "Restarts", "SLOT_FAILURES", "SLOT_ENV",
-           "default_max_restarts", "restart_line", "note_group", "group_before", "group_file", "compile_cache"]
+           "default_max_restarts", "restart_line", "note_group", "group_before", "group_file", "compile_cache",
+           "CACHE_DIR"]
 
 DIR_ENV = "MIRRORAX_SNAPSHOT_DIR"  # each node's snapshots go under it (mirrorax launch and Ray set it)
 LOST_ENV = "MIRRORAX_ELASTIC_LOST"  # set by mirrorax launch for a restarted group: what the last one lost
@@ -79,7 +80,7 @@ class Restarts:
             self.made = tempfile.mkdtemp(prefix="mirrorax-snapshots-")
             env[DIR_ENV] = self.made
         if max_restarts:
-            compile_cache(env, env[DIR_ENV], node_name())
+            compile_cache(env, env[DIR_ENV])
 
     def after_failure(self, failed: Sequence[tuple[int, str, int | None]]) -> str | None:
         """The processes ``failed`` (rank, how in words, exit status) failed first in the last attempt (the others
@@ -130,8 +131,8 @@ class Restarts:
         for a rerun to resume from: ``MIRRORAX_SNAPSHOT_DIR``), else removed (group notes and the compilation
         cache are no snapshot)."""
         made = self.made
-        if made is not None and any(not f.endswith(".group.json") and not os.path.relpath(d, made).split(os.sep)[0]
-                                    .endswith(".xla") for d, _, files in os.walk(made) for f in files):
+        if made is not None and any(not f.endswith(".group.json") and os.path.relpath(d, made).split(os.sep)[0]
+                                    != CACHE_DIR for d, _, files in os.walk(made) for f in files):
             self.made = None
             return made
         return None
@@ -143,18 +144,26 @@ class Restarts:
             self.made = None
 
 
+#: The compilation cache's directory in an elastic job's snapshot directory (beside ``<node>/``, the snapshots).
+CACHE_DIR = "compiled.xla"
+
+
 def _slots(slots: Sequence[int]) -> str:
     return f"slot{'s' if len(slots) != 1 else ''} {', '.join(map(str, slots))}"
 
 
-def compile_cache(env: Any, base: str, node: str) -> None:
+def compile_cache(env: Any, base: str) -> None:
     """JAX's persistent compilation cache for a job that may restart, in ``env`` (an environment, before JAX is
-    imported): ``<base>/<node>.xla`` beside the node's snapshots, every program stored (a restarted process then
-    loads what the one before it compiled; on accelerators every process, on CPU JAX stores and finds process
-    0's programs only). A cache the environment names already (``JAX_COMPILATION_CACHE_DIR``) is kept."""
+    imported): :data:`CACHE_DIR` in the snapshot directory ``base``, every program stored. A restarted process
+    loads what a process before it compiled: on accelerators the programs process 0 compiled (JAX's key is the
+    same in every process); on CPU devices each process's own (their keys name the process; an elastic job's
+    processes each write theirs: :func:`mirrorax.fit.cache.cache_every_process`). One directory for the job, not
+    one per node: a restarted group numbers its processes anew, and a process finds what the process of its
+    number compiled whatever its node, where the nodes share the directory (simulated nodes of one host, a
+    shared file system). A cache the environment names already (``JAX_COMPILATION_CACHE_DIR``) is kept."""
     if env.get("JAX_COMPILATION_CACHE_DIR"):
         return
-    env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(base, f"{node}.xla")
+    env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(base, CACHE_DIR)
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
