@@ -585,6 +585,25 @@ def test_ray_counts_the_workers_the_live_nodes_hold(monkeypatch, tmp_path, capsy
     assert policy._count_possible_workers(reserved) == 4
 
 
+def test_a_ray_run_without_datasets_starts_no_dataset_actor(tmp_path):
+    """Issue 57: Ray Train's dataset callback started an actor process at every group start, datasets or not (it
+    imports Ray Data: seconds of CPU), and each worker's context waited for it: 7.7 s of a restart's 14 s of group
+    start on the loaded 2-core host. Without datasets the trainer leaves it out; with them it is Ray's."""
+    pytest.importorskip("ray.train", reason='Ray Train is not installed (pip install "mirrorax[ray]")')
+    from ray.train import RunConfig, ScalingConfig
+
+    from mirrorax.cluster import ray_train
+
+    def callbacks(**kwargs) -> list[str]:
+        trainer = ray_train.JaxTrainer(lambda config: None, scaling_config=ScalingConfig(num_workers=2),
+                                       run_config=RunConfig(name="t", storage_path=str(tmp_path)), **kwargs)
+        return [type(c).__name__ for c in trainer._create_default_callbacks()]
+
+    without = callbacks()
+    assert "DatasetsCallback" not in without and {"BackendSetupCallback", "WaitCallback"} <= set(without), without
+    assert "DatasetsCallback" in callbacks(datasets={"train": lambda: None})
+
+
 def test_each_node_is_cleaned_by_its_first_worker_whatever_its_address(monkeypatch):
     """Issue 57: the lowest world rank on each node (by Ray's node id) removes its snapshots; nodes that share an
     address (here all on one host, as Ray's local ranks would number them) are each cleaned once."""
