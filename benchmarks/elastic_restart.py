@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 
+_LOG: list[str] = []  # --log: where each run's output lines go
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(REPO, "tests", "jobs", "elastic_job.py")
 #: The milestones the job's processes print, in order; each phase ends at one of them.
@@ -60,6 +61,9 @@ def _stamped(cmd: list[str], env: dict[str, str]) -> list[tuple[float, str]]:
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     lines = [(time.time(), line.rstrip("\n")) for line in proc.stdout]
+    if _LOG:
+        with open(_LOG[0], "a") as f:
+            f.writelines(f"{at:.3f} {line}\n" for at, line in lines)
     if proc.wait() != 0:
         sys.exit("the job failed:\n" + "\n".join(x for _, x in lines[-60:]))
     return lines
@@ -118,7 +122,8 @@ def launch(extra: dict[str, str]) -> list[tuple[str, list[float], float]]:
 def ray(extra: dict[str, str]) -> list[tuple[str, list[float], float]]:
     with tempfile.TemporaryDirectory() as out:
         lines = _stamped([sys.executable, os.path.join(REPO, "tests", "jobs", "ray_elastic.py"), out],
-                         _env(out, {"EJ_EVENTS": "hold:cnn:160:rank2:4,wait:cnn:200:all:3", **extra}))
+                         _env(out, {"EJ_EVENTS": "hold:cnn:160:rank2:4,wait:cnn:200:all:3",
+                                    "RAY_DEDUP_LOGS": "0", **extra}))  # (every worker's milestones, not merged)
     rows = []
     for _, line in lines:
         m = re.search(r"EVENT .*(killed|added a node).* at ([\d.]+)$", line)
@@ -136,7 +141,12 @@ def main() -> None:
     parser.add_argument("--only", choices=("launch", "ray"), default=None)
     parser.add_argument("--repeat", type=int, default=1, help="runs of each (default 1)")
     parser.add_argument("--env", action="append", default=[], metavar="K=V", help="a setting for the job's processes")
+    parser.add_argument("--log", default=None, metavar="FILE",
+                        help="append every line the jobs print to FILE, each with its arrival time "
+                             "(with --env EJ_TIMES=all: every compile's and cache read's duration too)")
     args = parser.parse_args()
+    if args.log:
+        _LOG.append(args.log)
     extra = dict(kv.split("=", 1) for kv in args.env)
     with open("/proc/loadavg") as f:
         print(f"load average before: {' '.join(f.read().split()[:3])}", flush=True)
