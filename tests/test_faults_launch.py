@@ -129,7 +129,7 @@ def _watched(tmp_path, monkeypatch, ranks):
     """A launcher's progress watch over ``ranks`` ranks (bound 10 s) on a clock the test moves."""
     clock = [1000.0]
     monkeypatch.setattr(launch_lib.time, "monotonic", lambda: clock[0])
-    return clock, launch_lib._Progress(str(tmp_path), ranks, 10.0)
+    return clock, _watchdog.Progress(str(tmp_path), ranks, 10.0)
 
 
 def test_the_watchdog_names_the_rank_furthest_behind(tmp_path, monkeypatch):
@@ -158,7 +158,7 @@ def test_the_watchdog_leaves_unwatched_phases_alone(tmp_path, monkeypatch):
 def test_a_rank_gone_while_another_waits_is_named_after_the_settle_time(tmp_path, monkeypatch):
     clock = [1000.0]
     monkeypatch.setattr(launch_lib.time, "monotonic", lambda: clock[0])
-    progress = launch_lib._Progress(str(tmp_path), 2, 90.0)
+    progress = _watchdog.Progress(str(tmp_path), 2, 90.0)
     _files(tmp_path, {0: (20, _watchdog.STEP), 1: (21, _watchdog.HOOKS)})
     progress.check([None, None])
     clock[0] += 1.0

@@ -22,14 +22,15 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "src" / "mirrorax"
 FLOORS: list[tuple[str, ...]] = [
     ("_checks", "_host", "_version", "front_end", "steps", "steps.first_call", "steps.binding",
      "steps.distributed_batch", "cluster.output",
-     "cluster.discovery", "cluster.watchdog", "cluster.failure", "cluster.preemption", "integrity",
+     "cluster.discovery", "cluster.watchdog", "cluster.failure", "cluster.preemption", "cluster.verdict",
+     "cluster.ray_wait", "integrity",
      "checkpoint.integrity_item", "checkpoint.orbax_quirks", "checkpoint.dir_lock", "checkpoint.snapshot_io",
      "checkpoint.errors", "checkpoint.storage", "checkpoint.stored", "checkpoint.record", "checkpoint.policy",
      "cluster.restarts", "keras", "keras._internals", "keras.callbacks", "keras.env", "steps.replica", "batch_sums",
      "results", "train_state", "as_made", "fit", "fit.hooks", "fit.progress", "fit.cache", "traffic",
      "fit.utilisation", "fit.auto_steps"),
-    ("cluster.ray_train", "cluster.join", "cluster", "cluster.launch", "cluster.resolver", "checkpoint.job",
-     "checkpoint.reader"),
+    ("cluster.ray_train", "cluster.join", "cluster", "cluster.standby", "cluster.launch", "cluster.resolver",
+     "checkpoint.job", "checkpoint.reader"),
     ("cluster.consistency", "checkpoint.snapshot"),
     ("mesh",),
     ("steps.dispatch", "steps.padding", "keras.masking", "steps.split_merge", "steps.held", "steps.stateful",
@@ -282,7 +283,11 @@ NOT_KERAS = {("mirrorax.cluster.failure", "os._exit"), ("mirrorax.cluster.discov
              ("mirrorax.keras.fit", "object.__setattr__(model, '_mirrorax_trainer')"),
              ("mirrorax.checkpoint.orbax_quirks", "getattr(threading, '_register_atexit')"),
              ("mirrorax.cluster.discovery",
-              "getattr(getattr(private_jax('clusters'), 'ClusterEnv', None), '_cluster_types')")}
+              "getattr(getattr(private_jax('clusters'), 'ClusterEnv', None), '_cluster_types')"),
+             # Ray Train's elastic policy counting only the live nodes' workers, and set in its controller: the
+             # two methods of Ray's own classes that a subclass overrides (mirrorax.cluster.ray_train)
+             ("mirrorax.cluster.ray_train", "super()._count_possible_workers"),
+             ("mirrorax.cluster.ray_train", "super()._initialize_and_run_controller")}
 
 
 def private_reaches(name: str, text: str) -> list[str]:

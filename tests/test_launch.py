@@ -187,6 +187,140 @@ def test_a_cpp_stack_trace_stays_out_of_the_report():
     assert out.count("[rank 1]     @     0x7f8edc04") == 30  # still streamed as it came
 
 
+_TRAINS = """
+    import os, sys, time
+    rank, attempt = os.environ["MIRRORAX_PROCESS_ID"], os.environ["MIRRORAX_RESTART"]
+    print("stood by" if os.environ.get("MIRRORAX_STOOD_BY") else "fresh", "in attempt", attempt, flush=True)
+    progress = os.path.join(os.environ["MIRRORAX_PROGRESS_DIR"], "rank" + rank)
+    for beats, phase in ((1, "input"), (9, "step")):  # as fit's loop reports it: this process trains
+        with open(progress, "w") as f:
+            f.write(f"{beats} {phase}\\n")
+        time.sleep(0.7)
+    if attempt == "0":
+        time.sleep(2.0)  # the launcher starts the next attempt's processes, which import and wait
+        sys.exit(3 if rank == "1" else 0)
+    """
+
+
+@pytest.mark.parametrize("standby", ["", "0"])
+def test_a_restart_starts_on_processes_that_stood_by(standby):
+    """Issue 57: once a group trains, the launcher starts the next attempt's processes, which import and wait
+    (mirrorax.cluster.standby): the restarted group runs on them; MIRRORAX_STANDBY=0 starts it afresh."""
+    out = io.StringIO()
+    code = launch_lib.launch(_child(_TRAINS), 2, max_restarts=1, env=clean_env(MIRRORAX_STANDBY=standby), out=out)
+    said = out.getvalue()
+    assert code == 0 and "rank 1 failed (exit code 3)" in said, said
+    for rank in (0, 1):
+        assert f"[rank {rank}] fresh in attempt 0" in said, said
+        assert f"[rank {rank}] {'fresh' if standby else 'stood by'} in attempt 1" in said, said
+
+
+def test_a_standby_process_runs_the_command_as_python_would(tmp_path):
+    """The standby's own side: it imports, waits for its place, and runs a script with its arguments, __main__,
+    sys.path and the variables of its place; a JAX option the script sets before JAX's backend starts applies,
+    as in a fresh interpreter; without a place (the launch ended) it leaves quietly."""
+    import json
+
+    from mirrorax.cluster import standby
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        os.environ["JAX_ENABLE_X64"] = "1"  # before the backend starts: a fresh interpreter would read it
+        import jax.numpy as jnp
+        print(__name__, sys.argv, sys.path[0] == os.path.dirname(os.path.abspath(__file__)),
+              os.environ["MIRRORAX_PROCESS_ID"], os.environ["MIRRORAX_STOOD_BY"], jnp.zeros(1).dtype, flush=True)
+        """))
+    cmd = standby.command(["python", str(script), "--epochs", "3"])
+    assert cmd is not None and standby.command(["python", "-X", "dev", "t.py"]) is None
+    run = subprocess.run(python(*cmd[1:]), input=json.dumps({"MIRRORAX_PROCESS_ID": "2"}) + "\n", env=clean_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().splitlines()[-1] == (
+        f"__main__ [{str(script)!r}, '--epochs', '3'] True 2 1 float64"), run.stdout
+    idle = subprocess.run(python(*cmd[1:]), input="", env=clean_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert idle.returncode == 0 and idle.stdout == "", idle.stdout
+
+
+def test_processes_holding_different_values_of_a_replicated_state_are_told_which():
+    """check_replicas on 2 processes (its checksums summed on the host, no program compiled for them): equal
+    values pass; a value that differs on process 1 is named on every process."""
+    code, out, _ = _launch(_child("""
+        import numpy as np
+        import mirrorax as mx
+        from mirrorax import integrity
+        from mirrorax.cluster import consistency
+        import jax
+        s = mx.MirroredStrategy()
+        ones = np.ones((3, 4), np.float32)
+        same = {"w": s.replicate(ones), "b": s.replicate(np.arange(5, dtype=np.int32))}
+        on_devices, digest = [], integrity.digest
+        integrity.digest = lambda tree: on_devices.append(sorted(tree)) or digest(tree)
+        consistency.check_replicas(same)
+        print("ON DEVICES", on_devices, flush=True)  # (a replicated variable is whole on each process)
+        integrity.digest = digest
+        local = ones + jax.process_index()  # process 1's copy differs: what a broadcast must prevent
+        sharding = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())
+        differ = {"w": jax.make_array_from_single_device_arrays((3, 4), sharding, [
+            jax.device_put(local, d) for d in jax.local_devices()]), "b": same["b"]}
+        try:
+            consistency.check_replicas(differ)
+        except consistency.ReplicaMismatchError as e:
+            print("REFUSED", str(e).split(":")[0], flush=True)
+        """), 2, cpu_devices_per_proc=2)
+    assert code == 0 and out.count("REFUSED The training state differs between processes") == 2, out
+    assert out.count("ON DEVICES []") == 2, out
+
+
+def test_an_elastic_job_finds_in_the_cache_what_every_process_compiled(tmp_path):
+    """Issue 57: on CPU devices JAX keys a program by the process that compiles it and writes process 0's only, so
+    a restarted group compiled again in every other process (and waited for the slowest). In an elastic job
+    (MIRRORAX_SNAPSHOT_DIR) every process writes its own: the second run of 2 processes compiles nothing."""
+    child = _child("""
+        import jax, numpy as np
+        import mirrorax as mx
+        hits = []
+        jax.monitoring.register_event_listener(lambda event, **kw: hits.append(event) if event.endswith(
+            "/cache_hits") else None)
+        s = mx.MirroredStrategy()
+        rows = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(s.mesh.axis_names[0]))
+        batch = jax.make_array_from_process_local_data(rows, np.ones((2, 3), np.float32))  # split over processes
+        total = jax.jit(lambda x: (x * 2).sum())(batch)
+        print("HITS", jax.process_index(), len(hits), float(total), flush=True)
+        """)
+    env = dict({k: v for k, v in clean_env().items() if not k.startswith(("JAX_COMPILATION", "JAX_PERSISTENT"))},
+               MIRRORAX_SNAPSHOT_DIR=str(tmp_path / "snapshots"), JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    runs = []
+    for _ in range(2):
+        out = io.StringIO()
+        assert launch_lib.launch(child, 2, env=env, out=out, cpu_devices_per_proc=2) == 0, out.getvalue()
+        runs.append(sorted(line.split()[3:] for line in out.getvalue().splitlines() if " HITS " in line))
+    assert [r[1] for r in runs[0]] == ["0", "0"], runs  # (the first run compiles everything)
+    assert all(int(hits) > 0 for _, hits, _ in runs[1]) and [r[0] for r in runs[1]] == ["0", "1"], runs
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_job_that_may_restart_gets_a_compilation_cache_beside_its_snapshots(restarts, tmp_path):
+    """Issue 57: with restarts, JAX's persistent compilation cache is on for the children, in the launch's
+    snapshot directory (a restarted process loads what the one before compiled); a cache set already is kept."""
+    show = _child("""
+        import os
+        print("CACHE", os.environ.get("JAX_COMPILATION_CACHE_DIR"), os.environ.get("MIRRORAX_SNAPSHOT_DIR"),
+              os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"))""")
+    env = {k: v for k, v in clean_env().items() if not k.startswith(("JAX_COMPILATION", "JAX_PERSISTENT"))}
+    out = io.StringIO()
+    assert launch_lib.launch(show, 1, max_restarts=restarts, env=env, out=out) == 0  # (not the suite's own cache)
+    cache, snapshots, seconds = next(x for x in out.getvalue().splitlines() if x.startswith("CACHE")).split()[1:]
+    if restarts:
+        assert cache == os.path.join(snapshots, "compiled.xla") and seconds == "0", out.getvalue()  # (the job's one)
+    else:
+        assert (cache, snapshots) == ("None", "None"), out.getvalue()
+    out = io.StringIO()
+    launch_lib.launch(show, 1, max_restarts=1, env=dict(env, JAX_COMPILATION_CACHE_DIR=str(tmp_path)), out=out)
+    assert f"CACHE {tmp_path} " in out.getvalue(), out.getvalue()
+
+
 def test_max_restarts_restarts_the_whole_group_on_a_fresh_port():
     code, out, _ = _launch(_child("""
         import os, sys
@@ -199,9 +333,43 @@ def test_max_restarts_restarts_the_whole_group_on_a_fresh_port():
     assert len(ports) == 3, out
 
 
-def test_restarts_exhausted_returns_the_failure():
+def test_restarts_exhausted_returns_the_failure_and_the_last_line_says_so():
     code, out, _ = _launch(_child("import sys; sys.exit(5)"), 2, max_restarts=1)
     assert code == 5 and out.count("failed (exit code 5)") == 2, out
+    assert out.splitlines()[-1] == (
+        "mirrorax launch: stopped: restarts used up: the group failed 2 times, and --max-restarts 1 allows no more. "
+        "Raise --max-restarts to try again more times; exit status 5."), out
+
+
+def test_the_survivor_of_three_lost_peers_is_never_named_nor_left_out():
+    """Issue 57, as measured: under --min-nprocs 2, slots 1, 2 and 3 are SIGKILLed together in every attempt;
+    slot 0, a survivor that (as JAX's notifier does) outlives the launcher's SIGTERM, raises the collective's
+    error in its own words ("mirrorax: process 0 of 4 failed with ... Connection closed by peer") and leaves 1.5 s
+    later. Slot 0 is never named nor left out; after the second attempt 1 healthy slot is left, and the last line
+    says that the job stopped for it, with the count and the flag."""
+    code, out, _ = _launch(_child("""
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(1.0)
+        rank = os.environ["MIRRORAX_PROCESS_ID"]
+        if os.environ["MIRRORAX_SLOT"] != "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.05)
+        print(f"mirrorax: process {rank} of 4 failed with XlaRuntimeError: INTERNAL: Gloo AllGather failed: "
+              "Connection closed by peer [127.0.0.1]:4567; leaving now so that the other processes stop too.",
+              flush=True)
+        time.sleep(1.5)
+        sys.exit(1)"""), 4, min_nprocs=2)
+    said = [x for x in out.splitlines() if x.startswith("mirrorax launch:")]
+    assert code == 128 + signal.SIGKILL, out
+    assert not [x for x in said if "rank 0 " in x or "slot 0 " in x], said
+    assert said[0].startswith("mirrorax launch: rank 1 failed (killed by signal SIGKILL); ranks 2, 3 failed (killed by "
+                              "signal SIGKILL) too; stopped the other 1 process(es)."), said
+    assert said[-1].startswith(
+        "mirrorax launch: stopped: fewer than --min-nprocs 2 healthy processes remain: 1 (slot 0); slots 1, 2, 3 "
+        "failed 2 times each (a slot that fails 2 times is left out). Lower --min-nprocs to go on with fewer "
+        "processes; exit status 137."), said
+    assert out.splitlines()[-1] == said[-1] and len(said) == 4, said  # 2 reports, 1 restart, the end
 
 
 def test_ctrl_c_on_the_launcher_stops_every_child(tmp_path):

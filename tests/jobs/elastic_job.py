@@ -7,6 +7,16 @@ Phases, each on 300 digits at global batch 48 (7 batches per epoch, the last one
 * ``trainer``: the same model through ``mx.Trainer`` on ``MirroredStrategy(shard="all")``;
 * ``loop``: a custom loop on ``strategy.jit`` (a tanh MLP, optax Adam) with ``mx.Snapshots``.
 
+``cnn`` (not run unless named in ``EJ_PHASES``): the benchmark's CNN workload (``mirrorax.zoo.digits_cnn()``,
+global batch 256, Adam) through its own ``model.fit`` under the scope, 3 epochs (``EJ_CNN_EPOCHS``) of 8 steps
+on seeded random 8x8x1 inputs: what ``benchmarks/elastic_restart.py`` restarts.
+
+With ``EJ_TIMES=1`` every process prints ``TIME <rank> <milestone> <time>`` as it reaches each milestone of its
+start (``start``: the process began, ``script``: the script began (a standby process began before),
+``imported``: JAX, Keras and mirrorax imported, ``joined``: the strategy built, ``compiled``: the last compile
+before its fit's loop ended, ``train_begin``: fit's restore done and its loop begun, ``first_step``: its first
+step done), for the benchmark's table of phases.
+
 Run three ways: as it is (one process; ``--devices N``), under ``mirrorax launch`` (each process one JAX
 process), or as Ray Train's training function (:func:`ray_main`: each worker one JAX process). Process 0
 writes ``<EJ_OUT>/<phase>.npz`` (weights, history, evaluation) and prints ``PHASE <name> <step> <processes>
@@ -17,8 +27,8 @@ in ``EJ_OUT`` says it did): after step ``step`` of ``phase``, in a job of ``proc
 process ``who`` (``rank<R>``, ``slot<S>``: ``mirrorax launch``'s slot, or ``all``)
 
 * ``kill``: prints ``KILL <phase> <step> <time>`` and SIGKILLs itself;
-* ``hold``: writes ``held-<phase>-<step>`` (its pid and node) and waits to be killed (the test kills it and
-  removes its node);
+* ``hold``: writes ``held-<phase>-<step>-<rank>`` (its pid and node) and waits to be killed (the test kills it
+  and removes its node);
 * ``wait``: waits to be killed, after process 0 wrote ``wait-<phase>-<step>`` (the test adds a node: Ray's
   resize ends this group).
 """
@@ -32,7 +42,38 @@ import sys
 import time
 
 ROWS, BATCH, EPOCHS, STEPS_PER_EPOCH = 300, 48, 3, 7
+CNN_BATCH, CNN_STEPS_PER_EPOCH = 256, 8
 HOLD_LIMIT_S = 300  # a test that never ends a hold: end the job rather than hang
+_compiles: list[float] = []  # (EJ_TIMES) when each compile of this process ended
+
+
+def _start_time() -> float:
+    """When this process began (wall clock), from /proc: its start in clock ticks since boot, against uptime."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rpartition(")")[2].split()[19])
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def stamp(what: str, at: float | None = None) -> None:
+    """``TIME <rank> <what> <time>`` under ``EJ_TIMES`` (the rank as the launcher or Ray says)."""
+    if not os.environ.get("EJ_TIMES"):
+        return
+    rank = os.environ.get("MIRRORAX_PROCESS_ID") or os.environ.get("EJ_RANK", "?")  # (never JAX's: it would start)
+    print(f"TIME {rank} {what} {time.time() if at is None else at:.3f}", flush=True)
+
+
+def _count_compiles() -> None:
+    import jax
+
+    def ended(event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            _compiles.append(time.time())
+        if os.environ.get("EJ_TIMES") == "all":
+            stamp(f"event:{event.rsplit('/', 1)[-1]}:{duration:.3f}")
+
+    jax.monitoring.register_event_duration_secs_listener(ended)
 
 
 def _out() -> str:
@@ -66,9 +107,10 @@ def at_step(phase: str, step: int) -> None:
         if action == "hold":
             open(marker, "w").close()
             node = _node()
-            with open(os.path.join(_out(), f"held-{phase}-{step}.tmp"), "w") as f:
+            held = os.path.join(_out(), f"held-{phase}-{step}-{rank}")
+            with open(f"{held}.tmp", "w") as f:
                 json.dump({"pid": os.getpid(), "node": node}, f)
-            os.replace(os.path.join(_out(), f"held-{phase}-{step}.tmp"), os.path.join(_out(), f"held-{phase}-{step}"))
+            os.replace(f"{held}.tmp", held)
             _forever(f"held at {phase} step {step}")
         if action == "wait":
             time.sleep(0.5)  # every process past the step (its snapshot taken) before the marker
@@ -124,15 +166,27 @@ def keras_model():
     return model
 
 
-def steps_callback(phase: str):
+def steps_callback(phase: str, per_epoch: int = STEPS_PER_EPOCH):
     """A Keras callback that runs the faults after each step of a fit (its batch within the epoch, counted
-    over the fit)."""
+    over the fit), and stamps the fit's start and its first step (``EJ_TIMES``)."""
     import keras
 
-    epoch = [0]
-    return keras.callbacks.LambdaCallback(
-        on_epoch_begin=lambda e, logs=None: epoch.__setitem__(0, e),
-        on_train_batch_end=lambda b, logs=None: at_step(phase, epoch[0] * STEPS_PER_EPOCH + b + 1))
+    epoch, first = [0], [True]
+
+    def begin(logs=None) -> None:
+        stamp("compiled", _compiles[-1] if _compiles else None)
+        stamp("train_begin")
+
+    def batch_end(b: int, logs=None) -> None:
+        if first[0]:
+            first[0] = False
+            if os.environ.get("EJ_TIMES") and logs:  # the step done on every process, not only dispatched
+                float(next(iter(logs.values())))
+            stamp("first_step")
+        at_step(phase, epoch[0] * per_epoch + b + 1)
+
+    return keras.callbacks.LambdaCallback(on_train_begin=begin, on_train_batch_end=batch_end,
+                                          on_epoch_begin=lambda e, logs=None: epoch.__setitem__(0, e))
 
 
 def phase_fit(mx) -> dict:
@@ -219,14 +273,43 @@ def phase_loop(mx) -> dict:
             "evaluate": {"accuracy": accuracy}}
 
 
-PHASES = {"fit": phase_fit, "trainer": phase_trainer, "loop": phase_loop}
+def phase_cnn(mx) -> dict:
+    import keras
+    import numpy as np
+
+    from mirrorax import zoo
+
+    rng = np.random.default_rng(0)
+    rows = CNN_BATCH * CNN_STEPS_PER_EPOCH
+    x, y = rng.random((rows, 8, 8, 1), dtype=np.float32), rng.integers(0, 10, rows, dtype=np.int32)
+    strategy = mx.MirroredStrategy()
+    stamp("joined")
+    np.random.seed(5)  # Keras's shuffle order (keras.utils.set_random_seed would import TensorFlow where installed)
+    with strategy.scope():
+        model = zoo.digits_cnn()
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
+    hist = model.fit(x, y, batch_size=CNN_BATCH, epochs=int(os.environ.get("EJ_CNN_EPOCHS", EPOCHS)), shuffle=True,
+                     verbose=0, callbacks=[steps_callback("cnn", CNN_STEPS_PER_EPOCH)])
+    return {"weights": model.get_weights(), "history": hist.history, "epochs": list(hist.epoch),
+            "evaluate": {"accuracy": hist.history["accuracy"][-1]}}
+
+
+PHASES = {"fit": phase_fit, "trainer": phase_trainer, "loop": phase_loop, "cnn": phase_cnn}
 
 
 def main() -> None:
+    stamp("start", _start_time())
+    stamp("script" if not os.environ.get("MIRRORAX_STOOD_BY") else "script(stood-by)")  # (a standby started before)
     import jax
+    import keras  # noqa: F401  (every phase uses it: imported here, the milestones tell the imports from the join)
     import numpy as np
 
     import mirrorax as mx
+
+    stamp("imported")
+    if os.environ.get("EJ_TIMES"):
+        _count_compiles()
 
     for name in os.environ.get("EJ_PHASES", "fit,trainer,loop").split(","):
         result = PHASES[name](mx)
@@ -244,6 +327,11 @@ def main() -> None:
 def ray_main(config: dict | None = None) -> None:
     """Ray Train's training function: the environment the test gives, then :func:`main`."""
     os.environ.update((config or {}).get("env", {}))
+    if os.environ.get("EJ_TIMES"):
+        import ray.train
+
+        os.environ["EJ_RANK"] = str(ray.train.get_context().get_world_rank())
+    stamp("function")  # (a Ray worker's process may have started before: its start is when Ray started it)
     os.environ.setdefault("KERAS_BACKEND", "jax")
     main()
 

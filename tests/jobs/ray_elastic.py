@@ -1,15 +1,25 @@
 """A Ray Train job of ``elastic_job.py`` on a local cluster of simulated nodes, workers lost and brought back.
 
-Usage: python ray_elastic.py OUT  (environment: ``EJ_EVENTS``, ``EJ_PHASES``, ``MIRRORAX_SNAPSHOT_STEPS``)
+Usage: python ray_elastic.py OUT [elastic|minimum]  (environment: ``EJ_EVENTS``, ``EJ_PHASES``,
+``MIRRORAX_SNAPSHOT_STEPS``, ``RE_WAIT_S``)
 
 The cluster: a head node (no CPU: the driver and Ray Train's controller live there) and 4 worker nodes of one
-``mx_worker`` slot each, every Ray process on 127.0.0.1 with Ray's token authentication on. The training:
-``mirrorax.cluster.ray_train.JaxTrainer`` with ``ScalingConfig(num_workers=(2, 4))`` (elastic), 2 CPU devices per
-worker, ``FailureConfig(max_failures=...)``. This driver acts on the job's markers (``elastic_job.py``):
-``held-<phase>-<step>`` (a worker waits): SIGKILL that worker and remove its node, a lost host;
+``mx_worker`` slot each, every Ray process on 127.0.0.1 (the nodes share one address) with Ray's token
+authentication on. The training: ``mirrorax.cluster.ray_train.JaxTrainer`` with 2 CPU devices per worker,
+``FailureConfig(max_failures=...)``. This driver acts on the job's markers (``elastic_job.py``):
+``held-<phase>-<step>-<rank>`` (a worker waits): SIGKILL that worker and remove its node, a lost host;
 ``done-*-wait-*`` (a smaller group waits): add a node, so that Ray's next resize grows the group back.
-It prints ``LISTENERS`` (every TCP socket a process of the cluster listens on, from psutil: what
-``ss -ltnp`` shows), ``EVENT ...`` lines (each ends with the wall clock's time), and ``RESULT ok`` or the error.
+It prints ``EVENT ...`` lines (each ends with the wall clock's time) and ``RESULT ok`` or the error.
+
+* ``elastic`` (the default): ``ScalingConfig(num_workers=(2, 4))``, the events of ``EJ_EVENTS``; it also prints
+  ``LISTENERS`` (every TCP socket a process of the cluster listens on, from psutil: what ``ss -ltnp`` shows)
+  and ``TOKEN`` (what a client with a wrong token got).
+* ``minimum``: first a run of 4 workers that succeeds (``EJ_PHASES``), then ``SNAPSHOTS LEFT`` (the files left
+  in every node's snapshot directory: none, whatever the nodes' shared address); then a run of
+  ``num_workers=(3, 4)`` with ``wait_for_workers_s=RE_WAIT_S`` in which the workers of ranks 2 and 3 are held at
+  step 10 of the ``loop`` phase, killed and their nodes removed: ``RESULT2 <error>`` (how it ended),
+  ``ENDED <s>`` (from the second node's removal to its end) and ``KEPT {node: files}`` (the snapshots of the
+  nodes left).
 """
 
 from __future__ import annotations
@@ -74,36 +84,46 @@ PROBE = ("import ray, sys\ntry:\n    ray.init(address=sys.argv[1])\n    print('C
          "except Exception as e:\n    print('REFUSED', type(e).__name__)\n")
 
 
-def main() -> None:
+def start() -> tuple[Cluster, list]:
     cluster = Cluster(initialize_head=True, head_node_args=dict(node_ip_address="127.0.0.1", num_cpus=0,
                                                                 include_dashboard=False, temp_dir=TEMP))
     nodes = [cluster.add_node(**NODE) for _ in range(4)]
     ray.init(address=cluster.address)
     assert ray.get_runtime_context().get_node_id() == cluster.head_node.node_id, "the driver is not on the head"
     say("cluster up")
-    probe = subprocess.Popen([sys.executable, "-c", PROBE, cluster.address], stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, RAY_AUTH_TOKEN="0" * 32))
+    return cluster, nodes
+
+
+def job_env(events: str, phases: str) -> dict[str, str]:
     import numpy as np
 
     x, y, xt, yt = elastic_job.data()
     np.savez(os.path.join(OUT, "data.npz"), x=x, y=y, xt=xt, yt=yt)
-    env = {"EJ_OUT": OUT, "EJ_EVENTS": os.environ.get("EJ_EVENTS", ""), "EJ_PHASES": os.environ.get("EJ_PHASES", ""),
+    env = {"EJ_OUT": OUT, "EJ_EVENTS": events, "EJ_PHASES": phases,
            "MIRRORAX_SNAPSHOT_STEPS": os.environ.get("MIRRORAX_SNAPSHOT_STEPS", "3"),
            "EJ_DATA": os.path.join(OUT, "data.npz")}
-    env = {k: v for k, v in env.items() if v}
-    trainer = mx_ray.JaxTrainer(
+    return {k: v for k, v in env.items() if v}
+
+
+def trainer(env: dict[str, str], name: str, workers: int | tuple[int, int], **kwargs):
+    return mx_ray.JaxTrainer(
         elastic_job.ray_main, train_loop_config={"env": env}, cpu_devices_per_worker=2,
-        snapshot_dir=os.path.join(OUT, "snapshots"),
-        scaling_config=ScalingConfig(num_workers=(2, 4), resources_per_worker={"mx_worker": 1},
+        snapshot_dir=os.path.join(OUT, f"snapshots-{name}"),
+        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"mx_worker": 1},
                                      elastic_resize_monitor_interval_s=2.0),
-        run_config=RunConfig(name="elastic", storage_path=os.path.join(OUT, "ray"),
+        run_config=RunConfig(name=name, storage_path=os.path.join(OUT, "ray"),
                              failure_config=FailureConfig(max_failures=8),
-                             worker_runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}}))
+                             worker_runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}}),
+        **kwargs)
+
+
+def run(cluster: Cluster, nodes: list, job, on_first_hold=None, removed: list[float] | None = None) -> list[object]:
+    """Fits ``job`` in a thread while acting on its markers; returns ``[None]`` or ``[the error]``. ``removed``: each
+    node's removal time (``time.monotonic()``) is appended there."""
     outcome: list[object] = []
-    thread = threading.Thread(target=lambda: outcome.append(_fit(trainer)), daemon=True)
+    thread = threading.Thread(target=lambda: outcome.append(_fit(job)), daemon=True)
     thread.start()
     seen: set[str] = set()
-    checked = False
     while thread.is_alive():
         for name in sorted(os.listdir(OUT)):
             if name in seen or not (name.startswith("held-") or "-wait-" in name) or name.endswith(".tmp"):
@@ -112,14 +132,16 @@ def main() -> None:
             if name.startswith("held-"):
                 with open(os.path.join(OUT, name)) as f:
                     held = json.load(f)
-                if not checked:  # every process of the cluster is up: the training's too
-                    print("LISTENERS", json.dumps(listeners()), flush=True)
-                    checked = True
+                if on_first_hold is not None:  # every process of the cluster is up: the training's too
+                    on_first_hold()
+                    on_first_hold = None
                 node = next(n for n in nodes if n.node_id == held["node"])
                 os.kill(held["pid"], signal.SIGKILL)  # the worker dies at once; then its host leaves the cluster
                 say("killed", name, "pid", held["pid"])
                 cluster.remove_node(node, allow_graceful=True)
                 nodes.remove(node)
+                if removed is not None:
+                    removed.append(time.monotonic())
                 say("removed its node")
             else:
                 nodes.append(cluster.add_node(**NODE))
@@ -127,11 +149,50 @@ def main() -> None:
         time.sleep(0.1)
     thread.join()
     say("fit returned", outcome)
+    return outcome
+
+
+def files_under(path: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs)
+
+
+def elastic(cluster: Cluster, nodes: list) -> None:
+    probe = subprocess.Popen([sys.executable, "-c", PROBE, cluster.address], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, RAY_AUTH_TOKEN="0" * 32))
+    job = trainer(job_env(os.environ.get("EJ_EVENTS", ""), os.environ.get("EJ_PHASES", "")), "elastic", (2, 4))
+    outcome = run(cluster, nodes, job, lambda: print("LISTENERS", json.dumps(listeners()), flush=True))
     print("TOKEN", probe.communicate(timeout=120)[0].strip(), flush=True)
-    ray.shutdown()
-    cluster.shutdown()
-    shutil.rmtree(TEMP, ignore_errors=True)
     print("RESULT", "ok" if outcome and outcome[0] is None else outcome, flush=True)
+
+
+def minimum(cluster: Cluster, nodes: list) -> None:
+    outcome = run(cluster, nodes, trainer(job_env("", os.environ.get("EJ_PHASES", "loop")), "clean", 4))
+    print("RESULT", "ok" if outcome and outcome[0] is None else outcome, flush=True)
+    print("SNAPSHOTS LEFT", json.dumps(files_under(os.path.join(OUT, "snapshots-clean"))), flush=True)
+    wait = float(os.environ.get("RE_WAIT_S", "20"))
+    job = trainer(job_env("hold:loop:10:rank2:4,hold:loop:10:rank3:4", "loop"), "minimum", (3, 4),
+                  wait_for_workers_s=wait)
+    removed: list[float] = []
+    outcome = run(cluster, nodes, job, removed=removed)
+    ended = time.monotonic()
+    print("RESULT2", outcome[0] if outcome else "nothing", flush=True)
+    print("ENDED", f"{ended - removed[-1]:.1f}" if removed else "never removed", flush=True)
+    left = [f"ray-{n.node_id[:16]}" for n in nodes]  # (the names mirrorax.cluster.restarts.node_name gives them)
+    print("KEPT", json.dumps({node: files_under(os.path.join(OUT, "snapshots-minimum", node)) for node in left}),
+          flush=True)
+
+
+def main() -> None:
+    cluster, nodes = start()
+    try:
+        {"elastic": elastic, "minimum": minimum}[sys.argv[2] if len(sys.argv) > 2 else "elastic"](cluster, nodes)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if os.environ.get("RE_KEEP_LOGS"):  # (Ray's logs, to see where a restart's time went)
+            print("LOGS", TEMP, flush=True)
+        else:
+            shutil.rmtree(TEMP, ignore_errors=True)
 
 
 def _fit(trainer) -> object:

@@ -192,7 +192,7 @@ def run(request):
     for name, value in options.items():
         jax_config.config.update(name, value)
     follow_the_environment(request)
-    import random, numpy, faulthandler, io, runpy, types
+    import random, numpy, faulthandler, io
     numpy.random.seed()
     random.seed()
     unbuffered = bool(env.get("PYTHONUNBUFFERED"))
@@ -207,21 +207,9 @@ def run(request):
     if env.get("PYTHONFAULTHANDLER"):
         faulthandler.enable()
     sys.executable = SHIM
-    if argv[0] == "-m":
-        sys.argv = [argv[1], *argv[2:]]
-        sys.path[0] = os.getcwd()
-        sys.modules.pop(argv[1], None)
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    elif argv[0] == "-c":
-        sys.argv = ["-c", *argv[2:]]
-        sys.path[0] = ""
-        main = types.ModuleType("__main__")
-        sys.modules["__main__"] = main
-        exec(compile(argv[1], "<string>", "exec"), main.__dict__)
-    else:
-        sys.argv = list(argv)
-        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-        runpy.run_path(argv[0], run_name="__main__")
+    from mirrorax.cluster.standby import run_command  # (preloaded: as the launcher's standby processes run it)
+
+    run_command(argv)
 
 
 def child(listener, conn, request, fds, answers):

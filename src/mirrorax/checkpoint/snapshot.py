@@ -34,7 +34,6 @@ import functools
 import itertools
 import json
 import os
-import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -49,6 +48,8 @@ from mirrorax.checkpoint.record import Verify, job_differs
 from mirrorax.checkpoint.snapshot_io import DIR_ENV, LOST_ENV, SECONDS_ENV, STEPS_ENV, node_name
 from mirrorax.cluster.consistency import broadcast_from
 from mirrorax.cluster.join import coordination_client
+from mirrorax.cluster.preemption import announce
+from mirrorax.cluster.restarts import restart_line
 from mirrorax.cluster.watchdog import in_checkpoint, waiting_for_peers
 
 __all__ = ["Snapshots", "SnapshotError", "SnapshotWarning", "DIR_ENV", "SECONDS_ENV", "STEPS_ENV", "LOST_ENV",
@@ -376,9 +377,9 @@ class Snapshots:
         held.update(group=meta["group"], meta=meta)
         if self.say:
             devices = max((len(a.sharding.device_set) for _, a in named), default=0)
-            line = restart_line(f"{self.name!r}", f"snapshot step {step}", step, meta, devices)
-            if jax.process_index() == 0:
-                print(line, file=sys.stderr, flush=True)
+            line = restart_line(f"{self.name!r}", f"snapshot step {step}", step, meta, devices, jax.process_count(),
+                                nodes())
+            announce(line, jax.process_index() == 0)
         return step, jax.tree.unflatten(treedef, leaves), meta
 
     def _checked(self, step: int, named: list[tuple[str, Any]], verify: Verify | None
@@ -447,32 +448,6 @@ class Snapshots:
             warnings.warn(f"Snapshots of another job in {where} are not this job's and are ignored ({differs}): "
                           f"{self.name} starts afresh. Its snapshots go to {self.directory}; give each job its own "
                           "MIRRORAX_SNAPSHOT_DIR to keep them apart by name.", SnapshotWarning, stacklevel=5)
-
-
-def restart_line(what: str, where: str, step: int, facts: dict[str, Any], devices: int) -> str:
-    """A restart in one line: ``what`` (``"fit 2"``, ``"loop"``) continues on the job as it is now (on
-    ``devices``) from ``where``; the job before (``facts["group"]``), which processes it lost (told by ``mirrorax
-    launch``: ``MIRRORAX_ELASTIC_LOST``; else the processes whose node left), the steps lost (from step
-    ``step`` back from ``facts["reached"]``)."""
-    n = jax.process_count()
-    parts = [f"mirrorax: elastic restart: {what} continues on {n} process{'es' if n != 1 else ''} ({devices} devices) "
-             f"from {where}"]
-    before, lost = facts.get("group") or {}, os.environ.get(LOST_ENV, "")
-    if before:
-        was = int(before.get("processes", 0))
-        parts.append(f"the job had {was} process{'es' if was != 1 else ''} ({before.get('devices', '?')} devices)")
-        here = set(nodes())
-        gone = [p for p, node in enumerate(before.get("nodes", [])) if node not in here]
-        if not lost and gone:
-            lost = ", ".join(f"process {p} (its node {before['nodes'][p]} left)" for p in gone)
-        elif not lost and was > n:
-            lost = f"{was - n} process(es)"
-    if lost:
-        parts.append(f"lost: {lost}")
-    reached = int(facts.get("reached", -1))
-    if reached >= step:
-        parts.append(f"{reached - step} step{'s' if reached - step != 1 else ''} lost (it had reached step {reached})")
-    return "; ".join(parts) + "."
 
 
 def _env_number(name: str, kind: type) -> Any:

@@ -7,7 +7,8 @@
 * :mod:`~mirrorax.cluster.failure`: a process that dies tells the others; :mod:`~mirrorax.cluster.output`:
   the collectives' chatter kept out of a process's output;
 * :mod:`~mirrorax.cluster.launch`: ``mirrorax launch`` (``python -m mirrorax.cluster.launch``), with
-  :mod:`~mirrorax.cluster.watchdog` (each rank's progress) and :mod:`~mirrorax.cluster.restarts`;
+  :mod:`~mirrorax.cluster.watchdog` (each rank's progress), :mod:`~mirrorax.cluster.verdict` (which ranks
+  failed first) and :mod:`~mirrorax.cluster.restarts`;
 * :mod:`~mirrorax.cluster.preemption`: SIGTERM, the exit code, every process stopping at one step;
 * elastic jobs: :mod:`~mirrorax.fit.elastic` (a fit's snapshots) and :mod:`~mirrorax.cluster.ray_train`
   (a Ray Train worker's group).

@@ -19,7 +19,7 @@ from typing import Any
 from mirrorax._checks import check_int
 
 __all__ = ["ClusterError", "ClusterInfo", "job_from_env", "make_info", "split_address", "private_jax",
-           "accelerators_present"]
+           "accelerators_present", "coordination_client"]
 
 # Device files of accelerators, checked without starting JAX (tests point this elsewhere).
 ACCELERATOR_PATTERNS = ["/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/kfd", "/dev/vfio/[0-9]*"]
@@ -48,6 +48,13 @@ def private_jax(name: str) -> Any | None:
         return importlib.import_module(f"jax._src.{name}")
     except ImportError:
         return None
+
+
+def coordination_client() -> Any | None:
+    """The connected ``DistributedRuntimeClient`` of JAX's coordination service (its key-value store:
+    ``key_value_set``, ``blocking_key_value_get``, ``key_value_delete``); ``None`` before a job is joined, or
+    on a JAX where it moved (``jax.distributed`` does not export it)."""
+    return getattr(getattr(private_jax("distributed"), "global_state", None), "client", None)
 
 
 @dataclasses.dataclass(frozen=True)

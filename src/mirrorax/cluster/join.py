@@ -46,11 +46,14 @@ import jax
 import mirrorax.cluster.discovery as _discovery
 import mirrorax.cluster.failure as _failure
 import mirrorax.cluster.output as _output
+import mirrorax.cluster.restarts as _restarts
 import mirrorax.cluster.watchdog as _watchdog
 from mirrorax._checks import check_int
 from mirrorax.cluster import ray_train
 from mirrorax.cluster.discovery import ClusterError, ClusterInfo, accelerators_present, job_from_env, private_jax
+from mirrorax.cluster.discovery import coordination_client as coordination_client
 from mirrorax.cluster.preemption import PREEMPTED_EXIT_CODE  # (kept here too: mx.cluster.PREEMPTED_EXIT_CODE)
+from mirrorax.fit.cache import cache_every_process
 
 __all__ = ["ClusterInfo", "ClusterError", "initialize", "maybe_initialize_from_env", "is_initialized",
            "job_from_env", "process_index", "process_count", "cluster_info", "resolve_bind_address",
@@ -207,6 +210,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         # Armed before the count check, so that a process that fails it takes the others down quickly.
         _failure.install(client, info.process_id, info.num_processes)
         _check_process_counts(info, initialization_timeout, client)
+        _restarts.note_group(client, info.process_id, info.num_processes, _local_devices(info), initialization_timeout)
+        if os.environ.get(_restarts.DIR_ENV):  # an elastic job: a restarted group loads what each process compiled
+            cache_every_process()
         return info
 
 
@@ -373,6 +379,18 @@ def _connect(info: ClusterInfo, timeout: int, shutdown_timeout: int, bind: str |
         timer.cancel()
 
 
+def _local_devices(info: ClusterInfo) -> int | None:
+    """This process's device count where it is known without starting JAX's backend (simulated CPU devices, or
+    the accelerators named by ``local_device_ids``), else ``None``."""
+    if info.local_device_ids is not None:
+        return len(info.local_device_ids)
+    # jax.config's options are attributes made at run time; its stub lists none of them.
+    count = jax.config.jax_num_cpu_devices  # type: ignore[attr-defined]
+    if (jax.config.jax_platforms or "").strip() == "cpu" and count and count > 0:  # type: ignore[attr-defined]
+        return int(count)
+    return None
+
+
 def _check_port_free(bind: str, address: str) -> None:
     """Raises unless the coordination service can listen at ``bind`` (``"host:port"``): JAX would abort
     from C++ otherwise."""
@@ -450,13 +468,6 @@ def _quiet_collectives(info: ClusterInfo) -> None:
             and ((jax.config.jax_platforms or "").strip() == "cpu"  # type: ignore[attr-defined]
                  or not accelerators_present())):
         _output.install()
-
-
-def coordination_client() -> Any | None:
-    """The connected ``DistributedRuntimeClient`` of JAX's coordination service (its key-value store:
-    ``key_value_set``, ``blocking_key_value_get``, ``key_value_delete``); ``None`` before
-    :func:`initialize`, or on a JAX where it moved (``jax.distributed`` does not export it)."""
-    return getattr(getattr(private_jax("distributed"), "global_state", None), "client", None)
 
 
 def _apply_cpu_devices() -> None:

@@ -5,10 +5,13 @@ Each child gets ``MIRRORAX_COORDINATOR=127.0.0.1:<free port>``, ``MIRRORAX_NUM_P
 ``--cpu-devices-per-proc K`` it also gets K simulated CPU devices. Output is streamed with a
 ``[rank R]`` prefix (gloo's "[Gloo] Rank R is connected to ..." lines are dropped unless
 ``MIRRORAX_VERBOSE_COLLECTIVES=1``). When a child fails (non-zero exit or a signal) the launcher stops
-the others (SIGTERM to each child's process group, SIGKILL after a grace period), prints which rank
-failed and the last lines it wrote, and returns non-zero; ``--max-restarts`` restarts the whole group
-instead, and ``--min-nprocs`` leaves out a process that keeps failing (:mod:`mirrorax.cluster.restarts`): the
-restarted group resumes from the newest snapshot (:mod:`mirrorax.checkpoint.snapshot`) on the processes left.
+the others (SIGTERM to each child's process group, SIGKILL after a grace period), prints which ranks
+failed first (:mod:`mirrorax.cluster.verdict`: never a survivor of a lost peer) and the last lines they wrote,
+and returns non-zero; ``--max-restarts`` restarts the whole group instead, and ``--min-nprocs`` leaves out a
+process that keeps failing (:mod:`mirrorax.cluster.restarts`): the restarted group resumes from the newest
+snapshot (:mod:`mirrorax.checkpoint.snapshot`) on the processes left, on processes that stood by, imported
+(:mod:`mirrorax.cluster.standby`), with JAX's compilation cache on. A job that stops unfinished says why in
+its last line.
 SIGTERM to the launcher (preemption) is forwarded to every child, which then has ``--grace`` seconds to
 save and exit (a second SIGTERM changes nothing); Ctrl-C sends SIGINT. A watchdog reads each
 child's progress (:mod:`mirrorax.cluster.watchdog`): no progress for ``--watchdog`` seconds ends the group,
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import json
 import os
 import re
 import shutil
@@ -38,6 +42,8 @@ import time
 from collections.abc import Mapping, Sequence, Set
 from typing import IO, Any
 
+import mirrorax.cluster.standby as _standby
+import mirrorax.cluster.verdict as verdict
 import mirrorax.cluster.watchdog as _watchdog
 from mirrorax._checks import check_int
 from mirrorax.cluster.discovery import accelerators_present
@@ -54,21 +60,16 @@ TERM_GRACE_SECONDS = 30.0
 #: The default of ``--watchdog``: seconds a group may go without any rank making progress.
 WATCHDOG_SECONDS = 90.0
 #: How long the others may wait in a step for a rank that exited (or is exiting) before the group ends.
-EXIT_SETTLE_SECONDS = 5.0
+EXIT_SETTLE_SECONDS = _watchdog.EXIT_SETTLE_SECONDS
 #: The most processes ``mirrorax launch`` starts on one machine.
 MAX_NPROCS = 1024
+#: After a failure that the group restarts from, how long the others have after SIGTERM before SIGKILL: a survivor
+#: waits in a collective for the lost peer (its handlers cannot run), and a restarted group resumes from a snapshot.
+RESTART_GRACE_SECONDS = 0.5
 #: The launcher's exit status when its watchdog ended a stuck group (as ``timeout``'s).
 WATCHDOG_EXIT_CODE = 124
 # Lines of a C++ stack trace (absl's "Check failure stack trace"): kept out of the report's tail.
 _TRACE = re.compile(r"^\s*@\s+0x[0-9a-fA-F]+\s|^\*\*\* Check failure stack trace")
-_OWN = re.compile(r"mirrorax: process (\d+) of \d+ failed with")
-_NAMED = re.compile(r"mirrorax: process (\d+) of \d+ failed \(")
-# What a process prints when it dies only because a peer it was exchanging data with went away (gloo
-# aborts the survivor within milliseconds of a SIGKILLed peer, often inside the same poll interval).
-_PEER_LOST = re.compile(r"gloo::|[Cc]onnection (closed|reset) by peer|collective mismatch|Broken pipe")
-#: The signals a survivor dies by when a peer it exchanged data with went away: gloo and XLA abort it, or its
-#: collective crashes on the closed connection (a segfault, seen when a peer is SIGKILLed mid-step).
-_SURVIVOR_SIGNALS = frozenset({-signal.SIGABRT, -signal.SIGSEGV, -signal.SIGBUS})
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -215,18 +216,31 @@ def launch(cmd: Sequence[str], nprocs: int, *, cpu_devices_per_proc: int | None 
     base = dict(os.environ if env is None else env)
     restarts = Restarts(nprocs, min_nprocs, max_restarts, base)
     group = _Group(cmd, nprocs, base, cpu_devices_per_proc, failure_timeout, grace, out, watchdog, restarts)
+    code, why = 1, ""
     try:
         with _forward_signals(group):
             for attempt in range(max_restarts + 1):
                 group.nprocs = len(restarts.slots)
+                group.restarts_left = attempt < max_restarts
                 code = group.run(port if port is not None else free_port(), attempt)
                 if code == 0 or group.interrupted:
                     return code
-                if attempt < max_restarts:
-                    plan = restarts.after_failure(*group.failure)
-                    group.say(f"{plan} (restart {attempt + 1} of {max_restarts})")
+                if attempt == max_restarts:
+                    why = restarts.used_up() if max_restarts else ""
+                    break
+                plan = restarts.after_failure(group.failures)
+                if plan is None:
+                    why = restarts.stopped
+                    break
+                group.say(f"{plan} (restart {attempt + 1} of {max_restarts})")
+        if why:  # the last line: why the job ends unfinished, and how to go on from where it was
+            kept = restarts.keep()
+            resume = (f" Its snapshots are kept in {kept}: run again with MIRRORAX_SNAPSHOT_DIR={kept} to resume from "
+                      "the newest." if kept else "")
+            group.say(f"stopped: {why}; exit status {code}.{resume}")
         return code
     finally:
+        group.close()
         restarts.close()
 
 
@@ -245,9 +259,15 @@ class _Group:
                  restarts: Restarts | None = None) -> None:
         self.cmd, self.nprocs, self.env, self.cpu_devices = cmd, nprocs, env, cpu_devices
         self.restarts = restarts
-        self.failure: tuple[int | None, str] = (None, "")  # the rank the last attempt's report named, and how
+        # The processes that failed first in the last attempt: rank, how (in words) and exit status (None: stopped).
+        self.failures: list[tuple[int, str, int | None]] = []
         self.failure_timeout, self.term_grace, self.out = failure_timeout, term_grace, out
         self.grace = min(2.0, failure_timeout / 4)
+        self.restarts_left = False  # a failure of this attempt is restarted from: the others are stopped sooner
+        # With restarts, processes that stand by for the next attempt, started once a group trains.
+        self.standby = _standby.command(cmd) if restarts is not None and restarts.max_restarts and \
+            _standby.enabled(env) else None
+        self.spares: list[subprocess.Popen[bytes]] = []
         self.verbose = verbose(env)
         self.children: list[subprocess.Popen[bytes]] = []
         self.interrupted: int | None = None
@@ -263,16 +283,13 @@ class _Group:
             self.out.write(f"mirrorax launch: {message}\n")
             self.out.flush()
 
-    def child_env(self, rank: int, port: int, attempt: int) -> dict[str, str]:
+    def base_env(self) -> dict[str, str]:
+        """What every process of every attempt is given (a standby process starts with it)."""
         env = dict(self.env)
-        env.update(MIRRORAX_COORDINATOR=f"127.0.0.1:{port}", MIRRORAX_NUM_PROCESSES=str(self.nprocs),
-                   MIRRORAX_PROCESS_ID=str(rank), MIRRORAX_RESTART=str(attempt), PYTHONUNBUFFERED="1",
-                   MIRRORAX_LAUNCHED="1")  # the launcher filters the output: the child need not
-        if self.restarts is not None:  # its slot, and what the last attempt lost
-            env.update(self.restarts.env(rank))
+        env.update(PYTHONUNBUFFERED="1", MIRRORAX_LAUNCHED="1")  # the launcher filters the output: the child need not
         env.setdefault("MIRRORAX_HEARTBEAT_TIMEOUT", str(max(2, int(self.failure_timeout // 2))))
-        # Progress for the watchdog; faulthandler prints the Python stack of a rank it sends SIGABRT.
-        env.update({_watchdog.PROGRESS_DIR_ENV: self.progress_dir, _watchdog.LAUNCHER_PID_ENV: str(os.getpid())})
+        # The watchdog's launcher; faulthandler prints the Python stack of a rank it sends SIGABRT.
+        env[_watchdog.LAUNCHER_PID_ENV] = str(os.getpid())
         env.setdefault("PYTHONFAULTHANDLER", "1")
         if self.watchdog:
             env.setdefault("MIRRORAX_INIT_TIMEOUT", str(int(self.watchdog) + 30))
@@ -280,6 +297,50 @@ class _Group:
             env.update(MIRRORAX_CPU_DEVICES=str(self.cpu_devices), JAX_NUM_CPU_DEVICES=str(self.cpu_devices),
                        JAX_PLATFORMS="cpu")
         return env
+
+    def place(self, rank: int, port: int, attempt: int) -> dict[str, str]:
+        """What the process of ``rank`` is told of its place in this attempt's group."""
+        place = dict(MIRRORAX_COORDINATOR=f"127.0.0.1:{port}", MIRRORAX_NUM_PROCESSES=str(self.nprocs),
+                     MIRRORAX_PROCESS_ID=str(rank), MIRRORAX_RESTART=str(attempt))
+        if self.restarts is not None:  # its slot, and what the last attempt lost
+            place.update(self.restarts.env(rank))
+        place[_watchdog.PROGRESS_DIR_ENV] = self.progress_dir  # progress for the watchdog
+        return place
+
+    def child_env(self, rank: int, port: int, attempt: int) -> dict[str, str]:
+        return {**self.base_env(), **self.place(rank, port, attempt)}
+
+    def adopt(self, spares: list[subprocess.Popen[bytes]], rank: int, port: int, attempt: int
+              ) -> subprocess.Popen[bytes] | None:
+        """A standby process of ``spares`` given its place as ``rank`` (one that died is ended), or ``None``."""
+        while spares:
+            spare = spares.pop(0)
+            if spare.poll() is None and spare.stdin is not None:
+                try:
+                    spare.stdin.write(json.dumps(self.place(rank, port, attempt)).encode() + b"\n")
+                    spare.stdin.close()
+                    return spare
+                except OSError:  # it died just now
+                    pass
+            _end(spare)
+        return None
+
+    def stand_by(self, count: int) -> None:
+        """Starts ``count`` standby processes for the next attempt (:mod:`mirrorax.cluster.standby`)."""
+        assert self.standby is not None
+        for _ in range(count):
+            try:
+                self.spares.append(subprocess.Popen(
+                    _die_with(os.getpid(), self.standby), env=self.base_env(), stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, stdin=subprocess.PIPE, start_new_session=True))
+            except OSError:  # the next attempt starts its processes afresh
+                break
+
+    def close(self) -> None:
+        """Ends the standby processes nobody needs (the launch ends)."""
+        spares, self.spares = self.spares, []
+        for spare in spares:
+            _end(spare)
 
     def run(self, port: int, attempt: int) -> int:
         self.progress_dir = tempfile.mkdtemp(prefix="mirrorax-progress-")
@@ -289,7 +350,7 @@ class _Group:
             shutil.rmtree(self.progress_dir, ignore_errors=True)
 
     def _run(self, port: int, attempt: int) -> int:
-        self.failure = (None, "")
+        self.failures = []
         tails: list[collections.deque[str]] = [collections.deque(maxlen=TAIL_LINES) for _ in range(self.nprocs)]
         self.children, readers = [], []
         self.capture = [None] * self.nprocs
@@ -298,12 +359,13 @@ class _Group:
         if shutil.which(program) is None:  # the children exec it through a small starter: check it here
             why = "Permission denied" if os.path.exists(program) else "No such file or directory"
             raise _cannot_run(program, why)
+        spares, self.spares = self.spares, []
         for rank in range(self.nprocs):
             try:
                 # Each child in its own session (its group is stopped as one), ended with the launcher.
-                child = subprocess.Popen(_die_with(os.getpid(), self.cmd), env=self.child_env(rank, port, attempt),
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+                child = self.adopt(spares, rank, port, attempt) or subprocess.Popen(
+                    _die_with(os.getpid(), self.cmd), env=self.child_env(rank, port, attempt), stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
             except OSError as e:
                 self.stop_all()
                 raise _cannot_run(program, e.strerror or str(e)) from None
@@ -313,7 +375,9 @@ class _Group:
             readers.append(reader)
         failed: tuple[int, int] | None = None
         stuck: tuple[int, str] | None = None
-        progress = _Progress(self.progress_dir, self.nprocs, self.watchdog)
+        progress = _watchdog.Progress(self.progress_dir, self.nprocs, self.watchdog)
+        for spare in spares:  # (more than this group needs)
+            _end(spare)
         while failed is None and self.interrupted is None and stuck is None:
             codes = [c.poll() for c in self.children]
             failed = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
@@ -321,6 +385,8 @@ class _Group:
                 break
             if failed is None and self.watchdog:
                 stuck = progress.check(codes)
+            if self.standby is not None and self.restarts_left and not self.spares and progress.training():
+                self.stand_by(len(self.restarts.slots) if self.restarts is not None else self.nprocs)
             time.sleep(0.05)
         if self.interrupted == signal.SIGTERM:
             return self.terminate(readers, tails)
@@ -328,7 +394,7 @@ class _Group:
             return self.end_stuck(*stuck, readers, tails)
         # A process stopped (SIGSTOP, Ctrl-Z, a debugger) answers nothing; seen now, before it is killed.
         frozen = {r for r, c in enumerate(self.children) if c.poll() is None and _state(c.pid) in ("T", "t")}
-        if failed is not None and (failed[1] > 0 or failed[1] in _SURVIVOR_SIGNALS):
+        if failed is not None and (failed[1] > 0 or failed[1] in verdict.SURVIVOR_SIGNALS):
             # A process that raised exits 1; the others usually leave by themselves within a second, naming the
             # process that failed first (mirrorax.cluster.failure); let them, so that the report can name the right
             # rank.
@@ -336,7 +402,7 @@ class _Group:
             # may reach us a moment after it (through a wrapper process, a later reap), and it is the one to name.
             self.wait_for(self.children, SETTLE_SECONDS)
         own = [c.poll() for c in self.children]
-        self.stop_all()
+        during = self.stop_all()
         for reader in readers:
             reader.join(timeout=2.0)
         if self.interrupted is not None:
@@ -344,27 +410,43 @@ class _Group:
             return 128 + self.interrupted
         if failed is None:
             return 0
-        rank = _root_cause(tails, _first_failed(own, failed[0], self.lost), frozen)
-        own_code = own[rank]  # None while it runs, 0 once it ended cleanly
-        code = own_code if own_code else failed[1]
-        if own_code:
-            what = f"failed ({_describe(own_code)})"
-        elif own_code == 0:  # it left by itself, status 0 (sys.exit(0) in a callback): never "stopped by us"
-            said = _own_words(tails[rank])
-            what = f"exited (status 0{': ' + said if said else ''}) while the others still trained"
-            code = 1
-        elif rank in frozen:
-            what = ("stopped answering (its process was stopped: SIGSTOP, Ctrl-Z or a debugger; the others "
-                    "gave up on it when its heartbeats stopped)")
-        elif rank in _unhealthy(tails):
-            what = "stopped answering (it stopped sending heartbeats; the others gave up on it)"
-        else:
-            what = "failed (stopped by the launcher)"
+        # A death by an outside signal while the others were being stopped (several processes killed together
+        # reach the launcher a few polls apart) is a failure of its own; a SIGTERM or SIGINT then was ours.
+        seen = [o if o is not None or d is None or d in (0, -signal.SIGTERM, -signal.SIGINT) or d > 0 else d
+                for o, d in zip(own, during)]
+        found = verdict.causes(seen, tails, self.lost, verdict.first_failed(own, failed[0], self.lost), frozen)
+        unhealthy = verdict.unhealthy(tails)
+        hows = {r: self._how(r, seen[r], tails[r], frozen, unhealthy) for r in found}
+        rank = found[0]
+        what, code = hows[rank]
+        code = code if code is not None else failed[1]
+        self.failures = [(r, hows[r][0].removeprefix("failed (").removesuffix(")"), seen[r]) for r in found]
+        also = ""
+        if len(found) > 1:
+            others = found[1:]
+            also = (f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
+                    f"{' and '.join(dict.fromkeys(hows[r][0] for r in others))} too")
         tail = "".join(f"    {line}\n" for line in tails[rank]) or "    (no output)\n"
-        self.failure = (rank, what.removeprefix("failed (").removesuffix(")"))
-        self.say(f"rank {rank} {what}; stopped the other {self.nprocs - 1} process(es). "
+        self.say(f"rank {rank} {what}{also}; stopped the other {self.nprocs - len(found)} process(es). "
                  f"Last lines of rank {rank}:\n{tail.rstrip()}")
         return 128 - code if code < 0 else code
+
+    @staticmethod
+    def _how(rank: int, code: int | None, tail: Sequence[str], frozen: Set[int], unhealthy: Set[int]
+             ) -> tuple[str, int | None]:
+        """How ``rank`` failed, in words, and its exit status (``None``: it ran until the launcher stopped it;
+        a status 0 while the others trained counts as 1)."""
+        if code:
+            return f"failed ({verdict.describe(code)})", code
+        if code == 0:  # it left by itself, status 0 (sys.exit(0) in a callback): never "stopped by us"
+            said = verdict.own_words(tail)
+            return f"exited (status 0{': ' + said if said else ''}) while the others still trained", 1
+        if rank in frozen:
+            return ("stopped answering (its process was stopped: SIGSTOP, Ctrl-Z or a debugger; the others "
+                    "gave up on it when its heartbeats stopped)"), None
+        if rank in unhealthy:
+            return "stopped answering (it stopped sending heartbeats; the others gave up on it)", None
+        return "failed (stopped by the launcher)", None
 
     def end_stuck(self, rank: int, why: str, readers: Sequence[threading.Thread],
                   tails: Sequence[collections.deque[str]]) -> int:
@@ -389,7 +471,7 @@ class _Group:
             where = "Its Python stack (every thread, most recent call first):\n" + "\n".join(f"    {x}" for x in shown)
         else:
             where = f"Last lines of rank {rank}:\n" + ("\n".join(f"    {x}" for x in tails[rank]) or "    (no output)")
-        self.failure = (rank, why)
+        self.failures = [(rank, why, code)]
         self.say(f"rank {rank} {why}; stopped all {self.nprocs} processes. {where.rstrip()}")
         if code is not None:  # it exited by itself: its status, but never 0 (the job did not finish)
             return (128 - code if code < 0 else code) or 1
@@ -425,7 +507,7 @@ class _Group:
                 when = "at the second signal" if self.hurry else f"{self.term_grace:g} s after SIGTERM (--grace)"
                 what, code = f"was still running {when}: killed", 128 + signal.SIGKILL
             else:
-                what, code = f"failed after SIGTERM ({_describe(codes[rank])})", codes[rank]
+                what, code = f"failed after SIGTERM ({verdict.describe(codes[rank])})", codes[rank]
             tail = "".join(f"    {line}\n" for line in tails[rank]) or "    (no output)\n"
             self.say(f"rank {rank} {what}. Last lines of rank {rank}:\n{tail.rstrip()}")
             return 128 - code if code < 0 else code
@@ -452,7 +534,7 @@ class _Group:
     def _show(self, rank: int, line: str | None, tail: collections.deque[str]) -> None:
         if line is None:
             return
-        if _PEER_LOST.search(line):  # before the tail: every line a tail shows is counted here
+        if verdict.peer_lost(line):  # before the tail: every line a tail shows is counted here
             self.lost.add(rank)
         if not _TRACE.match(line):
             tail.append(line)
@@ -467,78 +549,22 @@ class _Group:
         while any(c.poll() is None for c in children) and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    def stop_all(self) -> None:
+    def stop_all(self) -> list[int | None]:
         """Stops every live child's process group: SIGINT after Ctrl-C (a chance to clean up), SIGTERM
         after a failure, then SIGKILL after the grace period (JAX's preemption notifier catches SIGTERM,
-        and a process blocked in a collective cannot run Python handlers)."""
+        and a process blocked in a collective cannot run Python handlers; :data:`RESTART_GRACE_SECONDS` when the
+        group is restarted). Returns each child's status just before the SIGKILL (``None``: still running)."""
         live = [c for c in self.children if c.poll() is None]
         first = signal.SIGINT if self.interrupted else signal.SIGTERM
         for child in live:
             _signal_group(child, first)
-        self.wait_for(live, INTERRUPT_GRACE_SECONDS if self.interrupted else self.grace)
+        grace = min(self.grace, RESTART_GRACE_SECONDS) if self.restarts_left else self.grace
+        self.wait_for(live, INTERRUPT_GRACE_SECONDS if self.interrupted else grace)
+        before = [c.poll() for c in self.children]
         for child in self.children:
             _signal_group(child, signal.SIGKILL)  # also reaps grandchildren left in the group
             child.wait()
-
-
-class _Progress:
-    """The watchdog: reads each rank's progress file (:mod:`mirrorax.cluster.watchdog`) and says which rank holds
-    the group up, if one does.
-
-    Two verdicts. *Left*: a rank exited (status 0: a non-zero one is a failure the launcher sees at once)
-    or is exiting while another still waits in a watched phase, silent for ``EXIT_SETTLE_SECONDS``: the one
-    that left first. *Stuck*: no rank moved for ``bound`` seconds and one waits in a watched phase: the rank
-    furthest behind (fewest beats; on a tie one not waiting in a step), since the others wait for it in a
-    collective. Phases that legitimately take long (compiling, the script's own code outside fit) are not
-    watched: a group in which every rank is there, or in which one rank compiles, is never stuck.
-    """
-
-    def __init__(self, directory: str, nprocs: int, bound: float) -> None:
-        now = time.monotonic()
-        self.paths = [os.path.join(directory, f"rank{r}") for r in range(nprocs)]
-        self.seen: list[tuple[int, str] | None] = [None] * nprocs
-        self.changed = [now] * nprocs
-        self.left: dict[int, float] = {}
-        self.bound, self.next = bound, now
-
-    def check(self, codes: Sequence[int | None]) -> tuple[int, str] | None:
-        now = time.monotonic()
-        if now < self.next:
-            return None
-        self.next = now + 0.25
-        for rank, path in enumerate(self.paths):
-            got = _watchdog.read(path)
-            if got is not None and got != self.seen[rank]:
-                self.seen[rank], self.changed[rank] = got, now
-            if (codes[rank] is not None or self.phase(rank) == _watchdog.EXITING) and rank not in self.left:
-                self.left[rank] = now
-        live = [r for r, c in enumerate(codes) if c is None]
-        settle = min(self.bound, EXIT_SETTLE_SECONDS)
-        waiting = [r for r in live if self.phase(r) in _watchdog.WATCHED and now - self.changed[r] >= settle]
-        gone = sorted((t, r) for r, t in self.left.items() if now - t >= settle and r not in waiting)
-        if gone and waiting:
-            rank = gone[0][1]
-            others = ", ".join(str(r) for r in waiting)
-            how = (f"exited (status {codes[rank]})" if codes[rank] is not None else
-                   "is exiting (its script ended or called sys.exit)")
-            return rank, (f"{how} while rank(s) {others} still waited for it in a step (for "
-                          f"{now - gone[0][0]:.0f} s)")
-        if live and all(now - self.changed[r] >= self.bound for r in live) and \
-                any(self.phase(r) in _watchdog.WATCHED for r in live) and \
-                not any(self.phase(r) in _watchdog.ENDS_BY_ITSELF for r in live):  # compiling, a checkpoint
-            rank = min(live, key=lambda r: (self.count(r), self.phase(r) in _watchdog.WAITING, r))
-            return rank, (f"made no progress for {now - self.changed[rank]:.0f} s: it "
-                          f"{_watchdog.describe(self.phase(rank))}, and the others waited for it "
-                          f"(--watchdog {self.bound:g})")
-        return None
-
-    def phase(self, rank: int) -> str | None:
-        seen = self.seen[rank]
-        return None if seen is None else seen[1]
-
-    def count(self, rank: int) -> int:
-        seen = self.seen[rank]
-        return -1 if seen is None else seen[0]
+        return before
 
 
 def _cannot_run(program: str, why: str) -> ValueError:
@@ -578,47 +604,6 @@ def _die_with(launcher: int, cmd: Sequence[str]) -> list[str]:
     return [sys.executable, "-S", "-c", _DIE_WITH, str(launcher), *cmd]
 
 
-def _root_cause(tails: Sequence[Sequence[str]], first: int, frozen: Set[int] = frozenset()) -> int:
-    """The rank that failed first, from what the processes said: a process that raised says
-    "mirrorax: process K of N failed with ...", the others "mirrorax: process K of N failed (...)" and JAX's
-    heartbeat "The following tasks are unhealthy ...:" with K on the next line. A stopped (frozen)
-    process comes after one that raised: it says nothing, and the heartbeat names it."""
-    own, named = None, None
-    for tail in tails:
-        lines = list(tail)
-        for i, line in enumerate(lines):
-            if (m := _OWN.search(line)) and own is None:
-                own = int(m.group(1))
-            elif (m := _NAMED.search(line)) and named is None:
-                named = int(m.group(1))
-            elif "tasks are unhealthy" in line and named is None and i + 1 < len(lines):
-                ids = re.findall(r"\d+", lines[i + 1])
-                named = int(ids[0]) if ids else None
-    for rank in (own, min(frozen, default=None), named):
-        if rank is not None and 0 <= rank < len(tails):
-            return rank
-    return first
-
-
-def _own_words(tail: Sequence[str]) -> str:
-    """What a process said of its own failure ("mirrorax: process K of N failed with X; leaving ..." -> X)."""
-    for line in tail:
-        if _OWN.search(line):
-            return line.partition(" failed with ")[2].partition("; leaving now")[0]
-    return ""
-
-
-def _unhealthy(tails: Sequence[Sequence[str]]) -> set[int]:
-    """The ranks JAX's heartbeat declared dead ("The following tasks are unhealthy ...:" then the ids)."""
-    found: set[int] = set()
-    for tail in tails:
-        lines = list(tail)
-        for i, line in enumerate(lines[:-1]):
-            if "tasks are unhealthy" in line:
-                found.update(int(x) for x in re.findall(r"\d+", lines[i + 1]))
-    return found
-
-
 def _state(pid: int) -> str:
     """The one-letter state of a process (``R``, ``S``, ``T`` stopped, ...) from ``/proc``; ``""`` if unknown."""
     try:
@@ -628,30 +613,10 @@ def _state(pid: int) -> str:
         return ""
 
 
-def _first_failed(codes: Sequence[int | None], first: int, lost: Set[int]) -> int:
-    """Among the ranks that exited non-zero by themselves: the first killed by a signal a survivor does not die
-    by (SIGKILL, SIGTERM: nothing is killed so because a peer died, while gloo and XLA abort a survivor or crash
-    it in the collective, and the two deaths can land in the same poll); else the first whose output never said
-    that it lost a peer (``lost``: every line is looked at, as a stack dump after the line can push it out of the
-    tail), one that exited with an error before one that crashed; ``first`` (the first failure seen) when every
-    one of them said so."""
-    for rank, code in enumerate(codes):
-        if code is not None and code < 0 and code not in _SURVIVOR_SIGNALS:
-            return rank
-    for exited in (True, False):
-        for rank, code in enumerate(codes):
-            if code not in (None, 0) and rank not in lost and (code > 0) == exited:
-                return rank
-    return first
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}" + (": preempted" if code == PREEMPTED_EXIT_CODE else "")
+def _end(child: subprocess.Popen[bytes]) -> None:
+    """Kills ``child``'s process group and reaps it."""
+    _signal_group(child, signal.SIGKILL)
+    child.wait()
 
 
 def _signal_group(child: subprocess.Popen[bytes], sig: signal.Signals) -> None:

@@ -194,8 +194,10 @@ def _jax_sync_point_available() -> bool:
 
 
 def announce(message: str, primary: bool) -> None:
-    """Prints ``message`` as one line on stderr, from process 0 only (the others reach the same
-    conclusion at the same step)."""
+    """Writes ``message`` as one line on stderr, from process 0 only (the others reach the same
+    conclusion at the same step). Written to the stream, not ``print``ed: a Ray Train worker's ``print``
+    also goes to Ray's logger, and its driver would show the line twice."""
     if primary:
         sys.stdout.flush()
-        print(message, file=sys.stderr, flush=True)
+        sys.stderr.write(f"{message}\n")
+        sys.stderr.flush()

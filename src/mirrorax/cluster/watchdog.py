@@ -9,6 +9,9 @@ moved for ``--watchdog`` seconds while one waits in a watched phase is stuck, an
 behind is named (see ``mirrorax.cluster.launch``). Nothing is written without the variable, and :func:`beat`
 is two assignments: no I/O, no lock, no device sync on the step's path.
 
+The launcher's side reads the files (:class:`Progress`): whether a group is stuck and which rank holds it up,
+and whether every rank trains (the launcher then starts its standby processes).
+
 The same thread also ends this process's group when the launcher is gone (``MIRRORAX_LAUNCHER_PID``):
 the launcher's ``PR_SET_PDEATHSIG`` kills its direct children at once; this covers a joined process
 that is not one (started through ``bash -c`` or a script) and what it started. What a directly started
@@ -21,13 +24,18 @@ import atexit
 import os
 import signal
 import threading
+import time
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["beat", "start", "joined", "read", "describe", "leaving", "exit_code_mid_training", "waiting_for_peers",
+           "Progress", "EXIT_SETTLE_SECONDS",
            "in_checkpoint", "WATCHED", "WAITING", "ENDS_BY_ITSELF", "PROGRESS_DIR_ENV", "LAUNCHER_PID_ENV", "JOINING",
            "IDLE", "INPUT", "STEP", "HOOKS", "PEERS", "COMPILING", "CHECKPOINT", "EXITING"]
 
 PROGRESS_DIR_ENV = "MIRRORAX_PROGRESS_DIR"
+#: How long the others may wait in a step for a rank that exited (or is exiting) before the launcher ends the group.
+EXIT_SETTLE_SECONDS = 5.0
 LAUNCHER_PID_ENV = "MIRRORAX_LAUNCHER_PID"
 WRITE_SECONDS = 0.2
 
@@ -191,3 +199,86 @@ def _alive(pid: int) -> bool:
         except PermissionError:
             return True
         return True
+
+
+# The phases of fit's training loop, and the beats of one step there (input, step, hooks: mirrorax.fit.loop).
+_LOOP = frozenset({INPUT, STEP, HOOKS})
+_STEP_BEATS = 6
+
+
+class Progress:
+    """The launcher's watchdog: reads each rank's progress file and says which rank holds the group up, if one
+    does, and whether every rank trains.
+
+    Two verdicts. *Left*: a rank exited (status 0: a non-zero one is a failure the launcher sees at once)
+    or is exiting while another still waits in a watched phase, silent for ``EXIT_SETTLE_SECONDS``: the one
+    that left first. *Stuck*: no rank moved for ``bound`` seconds and one waits in a watched phase: the rank
+    furthest behind (fewest beats; on a tie one not waiting in a step), since the others wait for it in a
+    collective. Phases that legitimately take long (compiling, the script's own code outside fit) are not
+    watched: a group in which every rank is there, or in which one rank compiles, is never stuck.
+    """
+
+    def __init__(self, directory: str, nprocs: int, bound: float) -> None:
+        now = time.monotonic()
+        self.paths = [os.path.join(directory, f"rank{r}") for r in range(nprocs)]
+        self.seen: list[tuple[int, str] | None] = [None] * nprocs
+        self.changed = [now] * nprocs
+        self.left: dict[int, float] = {}
+        self.bound, self.next = bound, now
+        self.in_loop: dict[int, int] = {}  # each rank's beat count when first seen in its training loop
+        self.trained: set[int] = set()  # the ranks seen training
+        self.next_training = now
+
+    def check(self, codes: Sequence[int | None]) -> tuple[int, str] | None:
+        now = time.monotonic()
+        if now < self.next:
+            return None
+        self.next = now + 0.25
+        for rank, path in enumerate(self.paths):
+            got = read(path)
+            if got is not None and got != self.seen[rank]:
+                self.seen[rank], self.changed[rank] = got, now
+            if (codes[rank] is not None or self.phase(rank) == EXITING) and rank not in self.left:
+                self.left[rank] = now
+        live = [r for r, c in enumerate(codes) if c is None]
+        settle = min(self.bound, EXIT_SETTLE_SECONDS)
+        waiting = [r for r in live if self.phase(r) in WATCHED and now - self.changed[r] >= settle]
+        gone = sorted((t, r) for r, t in self.left.items() if now - t >= settle and r not in waiting)
+        if gone and waiting:
+            rank = gone[0][1]
+            others = ", ".join(str(r) for r in waiting)
+            how = (f"exited (status {codes[rank]})" if codes[rank] is not None else
+                   "is exiting (its script ended or called sys.exit)")
+            return rank, (f"{how} while rank(s) {others} still waited for it in a step (for "
+                          f"{now - gone[0][0]:.0f} s)")
+        if live and all(now - self.changed[r] >= self.bound for r in live) and \
+                any(self.phase(r) in WATCHED for r in live) and \
+                not any(self.phase(r) in ENDS_BY_ITSELF for r in live):  # compiling, a checkpoint
+            rank = min(live, key=lambda r: (self.count(r), self.phase(r) in WAITING, r))
+            return rank, (f"made no progress for {now - self.changed[rank]:.0f} s: it "
+                          f"{describe(self.phase(rank))}, and the others waited for it "
+                          f"(--watchdog {self.bound:g})")
+        return None
+
+    def training(self) -> bool:
+        """Whether every rank trains: seen in its training loop (its input, a step, its hooks) a step's beats after
+        it was first seen there, past its first step's compile."""
+        now = time.monotonic()
+        if now >= self.next_training:
+            self.next_training = now + 0.5
+            for rank, path in enumerate(self.paths):
+                got = read(path)
+                if got is None or got[1] not in _LOOP:
+                    continue
+                first = self.in_loop.setdefault(rank, got[0])
+                if got[0] >= first + _STEP_BEATS:
+                    self.trained.add(rank)
+        return len(self.trained) == len(self.paths)
+
+    def phase(self, rank: int) -> str | None:
+        seen = self.seen[rank]
+        return None if seen is None else seen[1]
+
+    def count(self, rank: int) -> int:
+        seen = self.seen[rank]
+        return -1 if seen is None else seen[0]

@@ -31,8 +31,9 @@ import jax
 import numpy as np
 
 from mirrorax.checkpoint.job import from_process_0
-from mirrorax.checkpoint.snapshot import Snapshots, configured, restart_line
+from mirrorax.checkpoint.snapshot import Snapshots, configured, nodes
 from mirrorax.cluster import preemption
+from mirrorax.cluster.restarts import restart_line
 from mirrorax.inputs.arrays import ArraySource
 from mirrorax.integrity import path_str
 
@@ -125,5 +126,5 @@ def say_restart(snapshots: Snapshots | None, ordinal: int, step: int, epoch: int
         held = snapshots.last_held
         facts = {"reached": held.get("reached", -1), "group": held.get("group") if kind == "snapshot" else None}
         line = restart_line(f"fit {ordinal}", f"{kind} step {step} (epoch {epoch + 1}, batch {batch})", step, facts,
-                            devices)
+                            devices, jax.process_count(), nodes())
     preemption.announce(line, jax.process_index() == 0)
