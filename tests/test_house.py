@@ -25,7 +25,8 @@ FLOORS: list[tuple[str, ...]] = [
      "cluster.discovery", "cluster.watchdog", "cluster.failure", "cluster.preemption", "cluster.verdict",
      "cluster.ray_wait", "integrity",
      "checkpoint.integrity_item", "checkpoint.orbax_quirks", "checkpoint.dir_lock", "checkpoint.snapshot_io",
-     "checkpoint.errors", "checkpoint.storage", "checkpoint.stored", "checkpoint.record", "checkpoint.policy",
+     "cluster.cache_writes", "checkpoint.errors", "checkpoint.storage", "checkpoint.stored", "checkpoint.record",
+     "checkpoint.policy",
      "cluster.restarts", "keras", "keras._internals", "keras.callbacks", "keras.env", "steps.replica", "batch_sums",
      "results", "train_state", "as_made", "fit", "fit.hooks", "fit.progress", "fit.cache", "traffic",
      "fit.utilisation", "fit.auto_steps"),
@@ -287,7 +288,14 @@ NOT_KERAS = {("mirrorax.cluster.failure", "os._exit"), ("mirrorax.cluster.discov
              # Ray Train's elastic policy counting only the live nodes' workers, and set in its controller: the
              # two methods of Ray's own classes that a subclass overrides (mirrorax.cluster.ray_train)
              ("mirrorax.cluster.ray_train", "super()._count_possible_workers"),
-             ("mirrorax.cluster.ray_train", "super()._initialize_and_run_controller")}
+             ("mirrorax.cluster.ray_train", "super()._initialize_and_run_controller"),
+             # Ray Train's default callbacks, less the dataset one when a run has no datasets (its actor
+             # started at each group start: mirrorax.cluster.ray_train)
+             ("mirrorax.cluster.ray_train", "super()._create_default_callbacks"),
+             # JAX's write of a compiled program to its persistent cache, wrapped so that every CPU process of an
+             # elastic job writes its own (mirrorax.cluster.cache_writes.cache_every_process)
+             ("mirrorax.cluster.cache_writes", "getattr(compiler, '_cache_write')"),
+             ("mirrorax.cluster.cache_writes", "compiler._cache_write")}
 
 
 def private_reaches(name: str, text: str) -> list[str]:

@@ -50,10 +50,10 @@ import mirrorax.cluster.restarts as _restarts
 import mirrorax.cluster.watchdog as _watchdog
 from mirrorax._checks import check_int
 from mirrorax.cluster import ray_train
+from mirrorax.cluster.cache_writes import cache_every_process
 from mirrorax.cluster.discovery import ClusterError, ClusterInfo, accelerators_present, job_from_env, private_jax
 from mirrorax.cluster.discovery import coordination_client as coordination_client
 from mirrorax.cluster.preemption import PREEMPTED_EXIT_CODE  # (kept here too: mx.cluster.PREEMPTED_EXIT_CODE)
-from mirrorax.fit.cache import cache_every_process
 
 __all__ = ["ClusterInfo", "ClusterError", "initialize", "maybe_initialize_from_env", "is_initialized",
            "job_from_env", "process_index", "process_count", "cluster_info", "resolve_bind_address",

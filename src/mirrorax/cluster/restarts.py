@@ -157,8 +157,8 @@ def compile_cache(env: Any, base: str) -> None:
     imported): :data:`CACHE_DIR` in the snapshot directory ``base``, every program stored. A restarted process
     loads what a process before it compiled: on accelerators the programs process 0 compiled (JAX's key is the
     same in every process); on CPU devices each process's own (their keys name the process; an elastic job's
-    processes each write theirs: :func:`mirrorax.fit.cache.cache_every_process`). One directory for the job, not
-    one per node: a restarted group numbers its processes anew, and a process finds what the process of its
+    processes each write theirs: :func:`mirrorax.cluster.cache_writes.cache_every_process`). One directory for
+    the job, not one per node: a restarted group numbers its processes anew, and a process finds what the process of its
     number compiled whatever its node, where the nodes share the directory (simulated nodes of one host, a
     shared file system). A cache the environment names already (``JAX_COMPILATION_CACHE_DIR``) is kept."""
     if env.get("JAX_COMPILATION_CACHE_DIR"):
