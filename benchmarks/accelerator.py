@@ -6,6 +6,7 @@ Run from the repository root, on a machine with an accelerator (a TPU or GPU tha
     python -m benchmarks.accelerator                  # the whole table (about 9 minutes on one TPU v5e)
     python -m benchmarks.accelerator --workloads lm   # some workloads, some systems (--systems jax,mirrorax)
     python -m benchmarks.accelerator --workloads nnx  # the Flax NNX loops alone (benchmarks/nnx_loops.py)
+    python -m benchmarks.accelerator --workloads mlp,mlp32,cnn,lm --systems jax,mirrorax_auto,keras_scope_auto
     python -m benchmarks.accelerator --cpu-smoke      # the same path on 1 CPU device at tiny sizes (CI)
 
 The workload ``nnx`` is the Flax NNX table (``benchmarks/nnx_loops.py``: Flax's MNIST CNN and a small
@@ -19,7 +20,19 @@ The systems, on the same model, data, optimizer and global batch (``benchmarks/w
 * ``mirrorax``: ``mx.Trainer(model).fit`` of a model compiled under ``MirroredStrategy().scope()``;
 * ``keras_scope``: that model's own ``model.fit`` (the TF program unchanged);
 * ``guide_api``: the keras.io guide's loop on ``strategy.jit`` (``benchmarks/peers/guide_api.py``);
-* ``keras_fit``: plain Keras ``model.fit`` (no strategy).
+* ``keras_fit``: plain Keras ``model.fit`` (no strategy);
+* ``mirrorax_auto``, ``keras_scope_auto`` (not in the default table): ``mx.Trainer(model,
+  steps_per_execution="auto")`` and ``model.fit`` of a model compiled with ``steps_per_execution="auto"`` under
+  the scope. Before they are timed they fit chunks until ``"auto"`` has settled on its ``k`` (at most
+  ``Plan.settle`` chunks; their number and time are in ``results.json``, ``settle_calls`` / ``settle_s``): the
+  table gives the steady state, as the others' leaves their compiles out.
+
+Each mirrorax system's timed ``fit`` calls also leave their own figures (``mx.utilisation``: the epoch's
+printed MFU, the devices' busy share, the input's wait share, the ``k`` it ran at): a second table sets the
+printed MFU beside the benchmark's own (``fit_figures`` in ``results.json``). The two differ where their FLOPs
+differ (XLA's count of the compiled step against ``flops_per_sample``'s formula: ``xla_flops_ratio``) and
+where their times do (a chunk includes its ``fit`` call's set-up, an epoch's record does not: the
+``time_ratio``, the chunk's seconds over the record's).
 
 How it measures. Every system runs in a process of its own: a system sharing a process with others slows
 the hand loop (the bf16 transformer's ran 8,349-8,877 samples/s beside mirrorax's systems and 9,475-9,717
@@ -38,10 +51,10 @@ host's Python work and what a system controls), then a warm-up call, then the ti
 first large program a process compiles takes ~1.5 s longer (the CNN: 4.7 s first, 3.2 s last in one
 order; the same in reverse), so on mlp and cnn each process builds and times its system ``first_rounds``
 times after an untimed first step of the hand loop; the median is shown.
-MFU: model FLOPs per sample (``workloads.flops_per_sample``: ``6 x
-params`` per token plus attention) times samples/s over the device's dense bf16 peak (``--peak-tflops``;
-known: TPU v5e 197, v4 275, v5p 459, v6e 918, H100/H200 989 TFLOP/s). ``mx.plan`` is called after each
-mirrorax system's timed runs and must compile nothing (``plan_compiles``).
+MFU: model FLOPs per sample (``workloads.flops_per_sample``: ``6 x params`` per token, the embedding tables
+left out, plus attention) times samples/s over the device's dense bf16 peak (``--peak-tflops``; known: TPU
+v5e 197, v4 275, v5p 459, v6e 918, H100/H200 989 TFLOP/s). ``mx.plan`` is called after each mirrorax
+system's timed runs and must compile nothing (``plan_compiles``).
 
 Writes ``<out>/results.json`` (every process's raw figures) and ``<out>/results.md`` (the table), after
 every process, so a run cut short keeps what it measured; ``<out>`` defaults to
@@ -67,9 +80,13 @@ if __package__ in (None, ""):
 from benchmarks import workloads  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SYSTEMS = ("jax", "mirrorax", "keras_scope", "guide_api", "keras_fit")
+SYSTEMS = ("jax", "mirrorax", "keras_scope", "guide_api", "keras_fit", "mirrorax_auto", "keras_scope_auto")
+#: The table's systems unless ``--systems`` names others.
+DEFAULT_SYSTEMS = SYSTEMS[:5]
+AUTO = ("mirrorax_auto", "keras_scope_auto")
 LABELS = {"jax": "hand-written JAX loop", "mirrorax": "Trainer.fit", "keras_scope": "model.fit under scope",
-          "guide_api": "guide loop on strategy.jit", "keras_fit": "plain Keras fit"}
+          "guide_api": "guide loop on strategy.jit", "keras_fit": "plain Keras fit",
+          "mirrorax_auto": 'Trainer.fit, "auto"', "keras_scope_auto": 'model.fit under scope, "auto"'}
 # Dense bf16 peaks, TFLOP/s per device, by jax's device_kind.
 PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v4": 275.0, "TPU v5p": 459.0, "TPU v5": 459.0,
                "TPU v6 lite": 918.0, "NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H200": 989.0}
@@ -84,7 +101,10 @@ class Plan:
       warm-up call after the first step; bf16: Keras's ``mixed_bfloat16`` policy; alone: one process per
       system (its own peak device memory) instead of one per workload; first_rounds: fresh builds per
       system whose first step is timed (systems in one process: forward and reverse order in turn, after
-      one untimed first step of the hand loop, so that no system pays the compiler's first program alone).
+      one untimed first step of the hand loop, so that no system pays the compiler's first program alone);
+      settle: the most chunks a ``steps_per_execution="auto"`` system fits before it is timed, until its
+      choice of ``k`` has settled (a fused program must pay twice its compile within the steps to come, and
+      a one-epoch fit counts the trainer's earlier fits' steps: on the CNN that is ~10,000 steps).
     """
 
     steps: int
@@ -93,13 +113,17 @@ class Plan:
     bf16: bool = False
     alone: bool = False
     first_rounds: int = 1
+    settle: int = 8
 
 
-PLANS = {"mlp": Plan(2000, first_rounds=4), "cnn": Plan(2000, first_rounds=4), "transformer": Plan(1000, bf16=True),
-         "lm": Plan(16, warmup=2, bf16=True, alone=True)}
-SMOKE = {"mlp": Plan(4, rounds=2, warmup=1, first_rounds=2), "cnn": Plan(4, rounds=2, warmup=1),
-         "transformer": Plan(3, rounds=2, warmup=1, bf16=True),
-         "lm": Plan(2, rounds=2, warmup=1, bf16=True, alone=True)}
+# mlp, cnn: chunks of 2,048 steps, a multiple of every k "auto" may choose (an epoch's last steps short of a
+# whole k run one a dispatch). The LM: 16 steps a chunk; "auto" decides after 18 dispatches of a fit, so
+# ``--steps 24`` or more lets it decide in one (at 32 steps the fit's set-up is ~1.5-2.5% of an LM chunk).
+PLANS = {"mlp": Plan(2048, first_rounds=4), "mlp32": Plan(2048, first_rounds=4), "cnn": Plan(2048, first_rounds=4),
+         "transformer": Plan(1000, bf16=True), "lm": Plan(16, warmup=2, bf16=True, alone=True)}
+SMOKE = {"mlp": Plan(4, rounds=2, warmup=1, first_rounds=2), "mlp32": Plan(4, rounds=2, warmup=1, settle=1),
+         "cnn": Plan(4, rounds=2, warmup=1), "transformer": Plan(3, rounds=2, warmup=1, bf16=True),
+         "lm": Plan(2, rounds=2, warmup=1, bf16=True, alone=True, settle=1)}
 
 
 # -- the systems (in a child process) --------------------------------------------------------------------
@@ -147,14 +171,15 @@ def build(system: str, wl: workloads.Workload, x: Any, y: Any, devices: list[Any
     strategy = mx.MirroredStrategy(devices=devices)
     with strategy.scope():
         model = workloads.build_keras_model(wl)
-        model.compile(**workloads.compile_args(wl))
-    if system == "keras_scope":
+        model.compile(**workloads.compile_args(wl),
+                      **({"steps_per_execution": "auto"} if system == "keras_scope_auto" else {}))
+    if system in ("keras_scope", "keras_scope_auto"):
         def scope_fit(n: int) -> None:
             model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=n, shuffle=False, verbose=0)
             jax.block_until_ready([v.value for v in model.variables])
 
         return Runner(scope_fit, model, trainer=model)
-    trainer = mx.Trainer(model, strategy)
+    trainer = mx.Trainer(model, strategy, steps_per_execution="auto" if system == "mirrorax_auto" else 1)
 
     def trainer_fit(n: int) -> None:
         trainer.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=n, shuffle=False, verbose=0)
@@ -227,6 +252,34 @@ class _Compiles:
         jax.monitoring.unregister_event_listener(self._event)
 
 
+def _auto_phase(runner: Runner) -> str | None:
+    """Where ``"auto"`` stands in a mirrorax system's newest fit (``fit/meter.py``: ``"settled"`` once its ``k``
+    is chosen and checked); ``None``: the system does not run ``"auto"``."""
+    import mirrorax as mx
+    from mirrorax.keras.fit import trainer_of
+
+    trainer = runner.trainer
+    if trainer is None:
+        return None
+    engine = trainer if isinstance(trainer, mx.Trainer) else trainer_of(trainer)  # model.fit's own Trainer
+    meter = engine.loop.meter
+    return None if meter is None or meter.auto is None else str(meter.phase)
+
+
+def _fit_figures(runner: Runner) -> dict[str, Any] | None:
+    """The figures the newest fit of a mirrorax system recorded for its (one) epoch: what its progress line
+    printed (``mx.utilisation``); ``None`` for the other systems."""
+    import mirrorax as mx
+
+    if runner.trainer is None:
+        return None
+    u = mx.utilisation(runner.model)[-1]
+    return {"mfu": u.mfu, "device_busy": u.device_busy, "input_wait": u.input_wait, "k": u.steps_per_execution,
+            "steps": u.steps, "seconds": u.seconds, "steps_per_second": u.steps_per_second,
+            "flops_per_step": u.flops_per_step, "peak_flops": u.peak_flops,
+            "host_seconds_per_step": u.host_seconds_per_step, "device_seconds_per_step": u.device_seconds_per_step}
+
+
 def child(workload: str, systems: list[str], plan: Plan, out_path: str, process_round: int = 0) -> None:
     """Measures ``systems`` on ``workload`` in this process; appends one JSON line per system to ``out_path``
     (``process_round``: which of the parent's rounds of processes this one is)."""
@@ -265,10 +318,18 @@ def child(workload: str, systems: list[str], plan: Plan, out_path: str, process_
         first = statistics.median(firsts[s])
         t0 = time.perf_counter()
         runners[s].call(plan.warmup)
+        warmup_s = time.perf_counter() - t0
+        settle_calls, t0 = 0, time.perf_counter()
+        while s in AUTO and settle_calls < plan.settle and _auto_phase(runners[s]) != "settled":
+            runners[s].call(plan.steps)  # "auto" measures, decides, compiles its k and checks it here
+            settle_calls += 1
+        settle_s = time.perf_counter() - t0
         params = int(runners[s].model.count_params())
         results[s] = {"system": s, "workload": workload, "process_round": process_round,
                       "first_step_s": first, "first_steps_s": firsts[s],
-                      "warmup_s": time.perf_counter() - t0, "chunk_s": [], "steps": plan.steps, "batch": wl.batch,
+                      "warmup_s": warmup_s, "chunk_s": [], "steps": plan.steps, "batch": wl.batch,
+                      "settle_calls": settle_calls, "settle_s": settle_s, "auto_phase": _auto_phase(runners[s]),
+                      "fit_figures": [],
                       "bf16": plan.bf16, "num_params": params, "seq_len": wl.seq_len,
                       "flops_per_sample": workloads.flops_per_sample(wl, params), "device_kind": devices[0].device_kind,
                       "first_step_breakdown": first_compiles.breakdown(),
@@ -282,6 +343,9 @@ def child(workload: str, systems: list[str], plan: Plan, out_path: str, process_
             t0 = time.perf_counter()
             runners[s].call(plan.steps)
             results[s]["chunk_s"].append(time.perf_counter() - t0)
+            figures = _fit_figures(runners[s])  # (read after the clock: a list's last item)
+            if figures is not None:
+                results[s]["fit_figures"].append(figures)
     for s in systems:
         trainer = runners[s].trainer
         if trainer is not None:  # mx.plan of what was just trained: fit's own program, no compile
@@ -333,7 +397,33 @@ def summarize(rows: list[dict[str, Any]], peak_tflops: float | None) -> dict[str
                                                          .get("compile_s")) or 0.0 for run in runs),
             "first_trace_s": statistics.median(run.get("first_trace_s") or 0.0 for run in runs),
             "processes": len(runs), "step_ms": 1e3 / (rate / r["batch"]) if rate else None}
+        figures = [(run, f, t) for run in runs for f, t in zip(run.get("fit_figures") or [], run["chunk_s"])]
+        if figures:
+            out[w][s].update(_printed(figures, peak))
     return out
+
+
+def _printed(figures: list[tuple[dict[str, Any], dict[str, Any], float]], peak: float | None) -> dict[str, Any]:
+    """What a mirrorax system's fits recorded, ``(run, record, chunk seconds)`` per timed chunk: the printed MFU
+    (median) beside the benchmark's own MFU of the same chunks, and what parts them: the FLOPs counted (XLA's
+    count of the compiled step over the formula's) and the time (the chunk's over the epoch's record's)."""
+    def median(values: list[Any]) -> float | None:
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    own = [run["flops_per_sample"] * run["steps"] * run["batch"] / t / (peak * 1e12) if peak else None
+           for run, _, t in figures]
+    xla = [f["flops_per_step"] / (run["flops_per_sample"] * run["batch"]) if f.get("flops_per_step") else None
+           for run, f, _ in figures]
+    runs = {id(run): run for run, _, _ in figures}.values()
+    return {"k": figures[-1][1]["k"], "ks": sorted({f["k"] for _, f, _ in figures}),
+            "fit_mfu": median([f["mfu"] for _, f, _ in figures]), "chunk_mfu": median(own),
+            "xla_flops_ratio": median(xla), "time_ratio": median([t / f["seconds"] for _, f, t in figures]),
+            "device_busy": median([f["device_busy"] for _, f, _ in figures]),
+            "input_wait": median([f["input_wait"] for _, f, _ in figures]),
+            "settle_calls": max(run.get("settle_calls", 0) for run in runs),
+            "settle_s": median([run.get("settle_s") for run in runs]),
+            "auto_phase": sorted({str(run.get("auto_phase")) for run in runs})}
 
 
 def markdown(summary: dict[str, dict[str, dict[str, Any]]], device: str) -> str:
@@ -357,6 +447,28 @@ def markdown(summary: dict[str, dict[str, dict[str, Any]]], device: str) -> str:
                          f"{f(v['device_peak_mib'], ',.0f')} | {v['first_step_s']:.2f} | "
                          f"{f(v.get('first_compile_s'), '.2f')} | {f(v.get('first_trace_s'), '.3f')} | "
                          f"{f(v['plan_compiles'], 'd')} |")
+    printed = [(w, s, systems[s]) for w, systems in summary.items() for s in SYSTEMS
+               if s in systems and "fit_mfu" in systems[s]]
+    if printed:
+        lines += ["", "Each fit's own figures (`mx.utilisation`: what its progress line printed), medians over the "
+                  "timed chunks. MFU difference: printed less the benchmark's own, in points; it parts into the "
+                  "FLOPs counted (XLA's count of the step over the formula's) and the time (a chunk's seconds, its "
+                  "fit's set-up included, over the epoch record's). \"auto\" settled: the chunks fitted before "
+                  "timing and their seconds.", "",
+                  "| workload | system | k | printed MFU | benchmark MFU | difference | XLA FLOPs / formula | "
+                  "chunk s / epoch s | device busy | input wait | \"auto\" settled |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        def pct(x: float | None) -> str:
+            return "-" if x is None else f"{100 * x:.1f}%"
+
+        for w, s, v in printed:
+            diff = None if v["fit_mfu"] is None or v["chunk_mfu"] is None else 100 * (v["fit_mfu"] - v["chunk_mfu"])
+            settled = (f"{v['settle_calls']} chunks, {v['settle_s']:.1f} s ({'/'.join(v['auto_phase'])})"
+                       if s in AUTO else "-")
+            lines.append(f"| {w} | {LABELS[s]} | {'/'.join(str(k) for k in v['ks'])} | {pct(v['fit_mfu'])} | "
+                         f"{pct(v['chunk_mfu'])} | {f(diff, '+.2f')} | {f(v['xla_flops_ratio'], '.4f')} | "
+                         f"{f(v['time_ratio'], '.4f')} | {pct(v['device_busy'])} | {pct(v['input_wait'])} | "
+                         f"{settled} |")
     return "\n".join(lines) + "\n"
 
 
@@ -364,8 +476,11 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the table; returns 0 if every process ran."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.accelerator", description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="mlp,cnn,transformer,lm,nnx")
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help=f"among {','.join(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)})")
     p.add_argument("--rounds", type=int, default=None, help="timed chunks per system (default 3)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps per timed chunk (default: mlp, mlp32, cnn 2048; transformer 1000; lm 16)")
     p.add_argument("--first-rounds", type=int, default=None,
                    help="fresh builds per system whose first step is timed (default: mlp, cnn 4; others 1)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak (default: known)")
@@ -391,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = plans[args.child]
         if args.rounds:
             plan = dataclasses.replace(plan, rounds=args.rounds)
+        if args.steps:
+            plan = dataclasses.replace(plan, steps=args.steps)
         if args.first_rounds and not plan.alone:
             plan = dataclasses.replace(plan, first_rounds=args.first_rounds)
         child(args.child, systems, plan, args.child_out, args.process_round)
@@ -403,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "src"), env.get("PYTHONPATH", "")])
     if args.cpu_smoke:
         env.update(JAX_PLATFORMS="cpu", MIRRORAX_BENCH_TINY_LM="1", JAX_NUM_CPU_DEVICES="1")
+    if args.peak_tflops:  # fit's printed MFU against the same peak as the table's
+        env["MIRRORAX_PEAK_TFLOPS"] = str(args.peak_tflops)
     failed = []
     command = "python -m benchmarks.accelerator " + " ".join(argv if argv is not None else sys.argv[1:])
     for w in names:
@@ -415,6 +534,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, "-m", "benchmarks.accelerator", "--child", w, "--systems", ",".join(group),
                    "--child-out", raw, "--process-round", str(process_round)] + \
                   (["--rounds", str(args.rounds)] if args.rounds else []) + \
+                  (["--steps", str(args.steps)] if args.steps else []) + \
                   (["--first-rounds", str(args.first_rounds)] if args.first_rounds else []) + \
                   (["--cpu-smoke"] if args.cpu_smoke else [])
             t0 = time.monotonic()

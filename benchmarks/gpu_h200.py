@@ -12,12 +12,13 @@ repository root::
 Each system runs in a process of its own (``benchmarks.peers.<system> --workload transformer --devices 1
 --bf16``), one after the other, each doing a warm-up and ``--repeats`` timed runs. MFU is model FLOPs
 utilisation: achieved training FLOP/s over the GPU's dense bf16 peak, with the FLOPs per sequence from
-:func:`benchmarks.workloads.flops_per_sample` (``6 * params * tokens`` plus the attention products) and
-the H200's dense (no sparsity) bf16 peak, 989 TFLOP/s (``--peak-tflops`` for another GPU). Beside it,
-``XLA MFU``: the compiled step's own FLOPs per device (``cost_analysis``, as ``mx.plan`` reports them) over
-the step time and the peak. One device's memory for each mirrorax mode: the state held (measured), the
-step's peak as planned (``memory_analysis``) and, on a GPU, the allocator's peak (``memory_stats``). With
-one GPU the three modes hold the same (nothing to split over); ``--devices`` uses more where there are.
+:func:`benchmarks.workloads.flops_per_sample` (``6 * params * tokens``, the embedding tables left out, plus
+the attention products) and the H200's dense (no sparsity) bf16 peak, 989 TFLOP/s (``--peak-tflops`` for
+another GPU). Beside it, ``XLA MFU``: the compiled step's own FLOPs per device (``cost_analysis``, as
+``mx.plan`` reports them) over the step time and the peak. One device's memory for each mirrorax mode: the
+state held (measured), the step's peak as planned (``memory_analysis``) and, on a GPU, the allocator's peak
+(``memory_stats``). With one GPU the three modes hold the same (nothing to split over); ``--devices`` uses
+more where there are.
 """
 
 from __future__ import annotations

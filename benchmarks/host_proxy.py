@@ -103,15 +103,10 @@ def _nnx(system: str, x: Any, y: Any) -> Any:
     if system in ("flax_functional", "strategy_jit_functional"):  # the guide's functional loop
         strategy = mx.MirroredStrategy(devices=jax.devices()[:1])
         jit = jax.jit if system == "flax_functional" else strategy.jit
+        from benchmarks.nnx_loops import functional_step
+
         graphdef, state = nnx.split((model, optimizer, metrics))
-
-        @jit
-        def jax_train_step(graphdef: Any, state: Any, x: Any, y: Any) -> Any:
-            model, optimizer, metrics = nnx.merge(graphdef, state)
-            loss = train_step(model, optimizer, metrics, x, y)
-            state = nnx.state((model, optimizer, metrics))
-            return loss, state
-
+        jax_train_step = functional_step(jit, train_step)
         box = [state]
         read = (lambda it: it) if system == "flax_functional" else strategy.experimental_distribute_dataset
 

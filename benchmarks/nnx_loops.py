@@ -13,7 +13,13 @@ the tutorial does. The systems:
 * ``nnx_jit``: the tutorial's ``@nnx.jit`` step on the objects;
 * ``strategy_jit``: the same step under ``@strategy.jit`` (``donate_argnums`` on the objects), over
   ``strategy.experimental_distribute_dataset`` of the same arrays;
-* ``trainer``: ``mx.Trainer(module, loss=..., optimizer=...).fit`` of the same module and optimizer.
+* ``strategy_jit_loader``: the same, over ``strategy.experimental_distribute_dataset`` of the loader's host
+  numpy batches (the ones Flax's loop is given): the guide ported with its loop's dataset changed;
+* ``trainer``: ``mx.Trainer(module, loss=..., optimizer=...).fit`` of the same module and optimizer;
+* ``flax_functional``: Flax's performance guide's functional loop as written (``@jax.jit`` over
+  ``jax_train_step(graphdef, state, x, y)`` returning ``loss, state``, nothing donated), and
+  ``strategy_jit_functional``, the same with ``@strategy.jit`` for ``@jax.jit`` over
+  ``experimental_distribute_dataset`` of the loader's batches (measured against ``flax_functional``).
 
 Each chunk is ``steps`` steps, ended when the state is ready (a Trainer chunk is one ``fit`` call, its set-up
 included). Each system runs in a process of its own (a system sharing a process with others slows Flax's
@@ -40,9 +46,15 @@ import time
 from functools import partial
 from typing import Any
 
-SYSTEMS = ("flax_split_merge", "nnx_jit", "strategy_jit", "trainer")
+SYSTEMS = ("flax_split_merge", "nnx_jit", "strategy_jit", "strategy_jit_loader", "trainer", "flax_functional",
+           "strategy_jit_functional")
+#: Each system's ratio is to this loop's steps/s (the functional loop's to Flax's functional loop).
+BASELINE = {"strategy_jit_functional": "flax_functional"}
 LABELS = {"flax_split_merge": "Flax's split/merge jax.jit loop", "nnx_jit": "@nnx.jit",
-          "strategy_jit": "@strategy.jit", "trainer": "mx.Trainer"}
+          "strategy_jit": "@strategy.jit, over arrays",
+          "strategy_jit_loader": "@strategy.jit, over the loader's batches",
+          "trainer": "mx.Trainer", "flax_functional": "Flax's functional jax.jit loop (the guide's)",
+          "strategy_jit_functional": "the functional loop on @strategy.jit"}
 
 
 def _models() -> dict[str, Any]:
@@ -190,6 +202,22 @@ def flax_loop_step(graphdef: Any, train_step: Any) -> Any:
     return train_step_jax
 
 
+def functional_step(jit: Any, train_step: Any) -> Any:
+    """Flax's guide "Performance considerations"'s functional loop's step, as the guide writes it: ``jit`` (``jax.jit``,
+    or ``strategy.jit`` in its port) over ``jax_train_step(graphdef, state, x, y)`` returning ``loss, state``, nothing
+    donated; ``train_step(model, optimizer, metrics, x, y)`` the step's body."""
+    from flax import nnx
+
+    @jit
+    def jax_train_step(graphdef: Any, state: Any, x: Any, y: Any) -> Any:
+        model, optimizer, metrics = nnx.merge(graphdef, state)
+        loss = train_step(model, optimizer, metrics, x, y)
+        state = nnx.state((model, optimizer, metrics))
+        return loss, state
+
+    return jax_train_step
+
+
 class System:
     """One loop on one workload: ``call(n)`` trains ``n`` steps and returns when the state is ready."""
 
@@ -218,6 +246,25 @@ class System:
                     self._i += 1
                     box[0] = train_step_jax(box[0], batch)
                 jax.block_until_ready(box[0])
+        elif name in ("flax_functional", "strategy_jit_functional"):  # the guide's functional loop
+            strategy = mx.MirroredStrategy(devices=devices, max_in_flight=max_in_flight)
+            jit = jax.jit if name == "flax_functional" else strategy.jit
+            graphdef, state = nnx.split((model, optimizer, metrics))
+            jax_train_step = functional_step(jit, train_step)
+            box = [state]
+            feed = batches if name == "flax_functional" else strategy.experimental_distribute_dataset(batches)
+            stream = [iter(feed)]
+
+            def call(n: int) -> None:
+                state = box[0]
+                for _ in range(n):
+                    try:
+                        xb, yb = next(stream[0])
+                    except StopIteration:
+                        stream[0] = iter(feed)
+                        xb, yb = next(stream[0])
+                    loss, state = jax_train_step(graphdef, state, xb, yb)
+                box[0] = jax.block_until_ready(state)
         elif name == "nnx_jit":
             step = nnx.jit(train_step, donate_argnums=(0, 1, 2))
 
@@ -227,10 +274,11 @@ class System:
                     self._i += 1
                     step(model, optimizer, metrics, xb, yb)
                 jax.block_until_ready(nnx.state((model, optimizer)))
-        elif name == "strategy_jit":
+        elif name in ("strategy_jit", "strategy_jit_loader"):
             strategy = mx.MirroredStrategy(devices=devices, max_in_flight=max_in_flight)
             step = strategy.jit(train_step, donate_argnums=(0, 1, 2))
-            dist = strategy.experimental_distribute_dataset((x, y), batch_size=batch)
+            dist = (strategy.experimental_distribute_dataset((x, y), batch_size=batch) if name == "strategy_jit"
+                    else strategy.experimental_distribute_dataset(batches))
             stream = [iter(dist)]
 
             def call(n: int) -> None:
@@ -274,8 +322,8 @@ def measure(workload: str, batch: int, systems: list[str], steps: int, rounds: i
             built[s].call(steps)
             chunks[s].append(time.perf_counter() - t0)
     rows = {}
-    base = chunks.get("flax_split_merge")
     for s in systems:
+        base = chunks.get(BASELINE.get(s, "flax_split_merge"))
         rate = statistics.median(steps / t for t in chunks[s])
         ratio = statistics.median(b / t for b, t in zip(base, chunks[s])) if base else None
         rows[s] = {"steps_per_s": rate, "ratio": ratio, "chunk_s": chunks[s], "warmup_s": first[s]}
@@ -284,7 +332,8 @@ def measure(workload: str, batch: int, systems: list[str], steps: int, rounds: i
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| workload | batch | system | steps/s | / Flax's split/merge loop |", "|---|---:|---|---:|---:|"]
+    lines = ["| workload | batch | system | steps/s | / its baseline (Flax's split/merge loop; the functional loop: "
+             "Flax's) |", "|---|---:|---|---:|---:|"]
     for r in results:
         for s, v in r["systems"].items():
             ratio = "-" if v["ratio"] is None else f"{v['ratio']:.3f}"
@@ -292,38 +341,48 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def separate(workload: str, batch: int, systems: list[str], steps: int, rounds: int, process_rounds: int,
-             max_in_flight: int = 2) -> dict:
+def separate(combos: list[tuple[str, int]], systems: list[str], steps: int, rounds: int, process_rounds: int,
+             max_in_flight: int = 2) -> list[dict]:
     """Each system in a process of its own, ``process_rounds`` times, the processes alternating (ABBA): each
-    process builds its one system, warms it up and times ``rounds`` chunks of ``steps`` steps. A system's
-    steps/s is the median of all its chunks; its ratio to Flax's loop the median over the process rounds of its
-    rate over Flax's loop's in the same round (drift hits both alike)."""
+    process builds its one system on every (workload, batch) of ``combos`` in turn, warms it up and times
+    ``rounds`` chunks of ``steps`` steps. A system's steps/s is the median of all its chunks; its ratio to Flax's
+    loop the median over the process rounds of its rate over Flax's loop's in the same round (drift on a shared
+    host hits both alike). One result per combo."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    runs: dict[str, list[list[dict]]] = {s: [] for s in systems}
     for r in range(process_rounds):
         for system in systems if r % 2 == 0 else systems[::-1]:
-            cmd = [sys.executable, "-m", "benchmarks.nnx_loops", "--child", system, "--workloads", workload,
-                   "--batches", str(batch), "--steps", str(steps), "--rounds", str(rounds),
-                   "--max-in-flight", str(max_in_flight)]
+            cmd = [sys.executable, "-m", "benchmarks.nnx_loops", "--child", system,
+                   "--workloads", ",".join(w for w, _ in combos), "--batches", ",".join(str(b) for _, b in combos),
+                   "--pairs", "--steps", str(steps), "--rounds", str(rounds), "--max-in-flight", str(max_in_flight)]
             proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
             if proc.returncode != 0:
                 raise SystemExit(f"{system} failed (status {proc.returncode}):\n{proc.stderr[-3000:]}")
             runs[system].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    rows = {}
-    base = runs.get("flax_split_merge")
-    for s in systems:
-        chunks = [t for run in runs[s] for t in run["systems"][s]["chunk_s"]]
-        rate = statistics.median(steps / t for t in chunks)
-        ratio = None if not base else statistics.median(
-            statistics.median(steps / t for t in mine["systems"][s]["chunk_s"])
-            / statistics.median(steps / t for t in theirs["systems"]["flax_split_merge"]["chunk_s"])
-            for mine, theirs in zip(runs[s], base))
-        rows[s] = {"steps_per_s": rate, "ratio": ratio, "chunk_s": chunks,
-                   "warmup_s": [run["systems"][s]["warmup_s"] for run in runs[s]]}
-    return {"workload": workload, "batch": batch, "steps": steps, "rounds": rounds, "process_rounds": process_rounds,
-            "max_in_flight": max_in_flight, "device_kind": runs[systems[0]][0]["device_kind"], "systems": rows}
+            print(f"  {system} (process round {r + 1}): " + ", ".join(
+                f"{m['workload']}/{m['batch']} {m['systems'][system]['steps_per_s']:,.0f}" for m in runs[system][-1]),
+                file=sys.stderr, flush=True)
+    results = []
+    for c, (workload, batch) in enumerate(combos):
+        rows = {}
+        for s in systems:
+            name = BASELINE.get(s, "flax_split_merge")
+            base = [run[c] for run in runs.get(name, [])]
+            mine_runs = [run[c] for run in runs[s]]
+            chunks = [t for run in mine_runs for t in run["systems"][s]["chunk_s"]]
+            rate = statistics.median(steps / t for t in chunks)
+            ratio = None if not base else statistics.median(
+                statistics.median(steps / t for t in mine["systems"][s]["chunk_s"])
+                / statistics.median(steps / t for t in theirs["systems"][name]["chunk_s"])
+                for mine, theirs in zip(mine_runs, base))
+            rows[s] = {"steps_per_s": rate, "ratio": ratio, "chunk_s": chunks,
+                       "warmup_s": [run["systems"][s]["warmup_s"] for run in mine_runs]}
+        results.append({"workload": workload, "batch": batch, "steps": steps, "rounds": rounds,
+                        "process_rounds": process_rounds, "max_in_flight": max_in_flight,
+                        "device_kind": runs[systems[0]][0][c]["device_kind"], "systems": rows})
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,31 +395,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--process-rounds", type=int, default=3,
                    help="processes per system, alternating (default 3); 0: every system in this one process")
     p.add_argument("--max-in-flight", type=int, default=2, help="the strategy's dispatch window (default 2)")
+    p.add_argument("--pairs", action="store_true", help="the i-th workload at the i-th batch, not every batch")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # (a worker: this one system)
     p.add_argument("--out", default=None, help="a JSON file for the results")
     args = p.parse_args(argv)
     os.environ.setdefault("KERAS_BACKEND", "jax")
     systems = [s for s in args.systems.split(",") if s]
-    if args.child:
+    workloads = [w for w in args.workloads.split(",") if w]
+    batches = [int(b) for b in args.batches.split(",") if b]
+    # Every workload at every batch; --pairs: the i-th workload at the i-th batch.
+    combos = list(zip(workloads, batches)) if args.pairs else [(w, b) for w in workloads for b in batches]
+    if args.child:  # this one system, on every combo, in this process
         import jax
 
-        w, b = args.workloads, int(args.batches)
-        print(json.dumps(measure(w, b, [args.child], args.steps, args.rounds, jax.devices()[:1], args.max_in_flight)))
+        print(json.dumps([measure(w, b, [args.child], args.steps, args.rounds, jax.devices()[:1], args.max_in_flight)
+                          for w, b in combos]))
         return 0
-    results = []
-    for w in [w for w in args.workloads.split(",") if w]:
-        for b in [int(b) for b in args.batches.split(",") if b]:
-            if args.process_rounds:
-                results.append(separate(w, b, systems, args.steps, args.rounds, args.process_rounds,
-                                        args.max_in_flight))
-            else:
-                import jax
+    if args.process_rounds:
+        results = separate(combos, systems, args.steps, args.rounds, args.process_rounds, args.max_in_flight)
+    else:
+        import jax
 
-                results.append(measure(w, b, systems, args.steps, args.rounds, jax.devices()[:1], args.max_in_flight))
-            print(markdown(results[-1:]), flush=True)
+        results = []
+        for w, b in combos:
+            results.append(measure(w, b, systems, args.steps, args.rounds, jax.devices()[:1], args.max_in_flight))
+            print(markdown(results[-1:]), flush=True)  # (a run cut short keeps what it measured)
             if args.out:
                 with open(args.out, "w") as f:
                     json.dump(results, f, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
     print(f"Device: {results[0]['device_kind'] if results else '?'}\n\n" + markdown(results))
     return 0
 

@@ -8,7 +8,11 @@ and written back), the dispatch (the compiled program called: JAX's C++ dispatch
 execution where the client runs it inline), the window's wait for the previous step, and the rest of the
 step's Python (the loops and the hooks). The timers cost about 0.3 us a timed call, which the figures include.
 
-Run: ``python -m benchmarks.step_phases`` (about 1 min), or ``--systems strategy_jit_donated,trainer``.
+Run: ``python -m benchmarks.step_phases`` (about 1 min), or ``--systems strategy_jit_donated,trainer``. On an
+accelerator, ``--workload cnn --batch 32`` times the Flax NNX table's systems (``benchmarks/nnx_loops.py``:
+``flax_split_merge``, ``strategy_jit``, ``strategy_jit_loader``, ``trainer``) on its workloads instead, on
+the first device; there the window's wait is the host waiting for the device (a device-bound step), and the
+rest is what the host spends per step.
 """
 
 from __future__ import annotations
@@ -76,11 +80,19 @@ class _Timers:
         dispatch.StrategyFunction._caller = lambda s, jitted: self.wrap("dispatch", caller(s, jitted))  # type: ignore
 
 
-def one(system: str, steps: int, warmup: int) -> dict[str, Any]:
-    from benchmarks import host_proxy
+def one(system: str, steps: int, warmup: int, workload: str = "proxy", batch: int = 0) -> dict[str, Any]:
+    if workload == "proxy":
+        from benchmarks import host_proxy
 
-    x, y, labels = host_proxy._data(host_proxy.BATCH * max(steps, warmup))
-    loop = host_proxy._keras(system, x, labels) if system.startswith("keras") else host_proxy._nnx(system, x, y)
+        x, y, labels = host_proxy._data(host_proxy.BATCH * max(steps, warmup))
+        loop = host_proxy._keras(system, x, labels) if system.startswith("keras") else host_proxy._nnx(system, x, y)
+    else:  # the NNX table's system on its workload, on the first device
+        import jax
+
+        from benchmarks import nnx_loops
+
+        x, y = nnx_loops.make_data(workload, batch * 256)
+        loop = nnx_loops.System(system, workload, x, y, batch, jax.devices()[:1]).call
     timers = _Timers()
     timers.install()
     loop(warmup)
@@ -90,7 +102,8 @@ def one(system: str, steps: int, warmup: int) -> dict[str, Any]:
     total = time.perf_counter() - start
     phases = {p: t / steps * 1e6 for p, t in timers.total.items()}
     phases["other Python"] = total / steps * 1e6 - sum(phases.values())
-    return {"system": system, "us_per_step": total / steps * 1e6, "phases": phases}
+    return {"system": system, "workload": workload, "batch": batch, "us_per_step": total / steps * 1e6,
+            "phases": phases}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,23 +111,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--workload", default="proxy", help="proxy (the CPU proxy's, default), or guide, cnn, transformer")
+    p.add_argument("--batch", type=int, default=32, help="the global batch of --workload (not the proxy's)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="a JSON file for the results")
     args = p.parse_args(argv)
     if args.one:
         os.environ.setdefault("KERAS_BACKEND", "jax")
-        print(json.dumps(one(args.one, args.steps, args.warmup)))
+        print(json.dumps(one(args.one, args.steps, args.warmup, args.workload, args.batch)))
         return 0
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1", "KERAS_BACKEND": "jax"}
+    env = {**os.environ, "KERAS_BACKEND": "jax"}
+    if args.workload == "proxy":  # the proxy is the CPU's
+        env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
+    systems = args.systems if args.workload == "proxy" or args.systems != ",".join(SYSTEMS) else \
+        "flax_split_merge,strategy_jit,strategy_jit_loader,trainer"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     rows = []
-    for system in [s for s in args.systems.split(",") if s]:
+    for system in [s for s in systems.split(",") if s]:
         cmd = [sys.executable, "-m", "benchmarks.step_phases", "--one", system, "--steps", str(args.steps),
-               "--warmup", str(args.warmup)]
+               "--warmup", str(args.warmup), "--workload", args.workload, "--batch", str(args.batch)]
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise SystemExit(f"{system} failed (status {proc.returncode}):\n{proc.stderr[-3000:]}")
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(f"  {system}: {rows[-1]['us_per_step']:.0f} us/step", file=sys.stderr, flush=True)
     names = [*PHASES, "other Python"]
     print("| system | " + " | ".join(names) + " | us/step |")
     print("|---|" + "---:|" * (len(names) + 1))

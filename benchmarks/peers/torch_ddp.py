@@ -28,9 +28,9 @@ def build_module(workload: Any) -> Any:
     from torch import nn
 
 
-    if workload.name == "mlp":
+    if workload.kind == "mlp":
         return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10))
-    if workload.name == "cnn":
+    if workload.kind == "cnn":
         return nn.Sequential(
             nn.Conv2d(1, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32, eps=1e-3, momentum=0.01), nn.ReLU(),
             nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
@@ -82,7 +82,7 @@ def _rank_main(rank: int, args: Any, port: int, out_dir: str) -> None:
     x, y = workloads.make_data(wl, args.batch * max(args.steps, args.warmup), seed=args.seed)
     local = args.batch // n
     xt, yt = torch.from_numpy(x), torch.from_numpy(y).long()
-    if wl.name == "cnn":
+    if wl.kind == "cnn":
         xt = xt.permute(0, 3, 1, 2).contiguous()  # NHWC -> NCHW
     batches = [(xt[i + rank * local:i + (rank + 1) * local], yt[i + rank * local:i + (rank + 1) * local])
                for i in range(0, len(xt) - args.batch + 1, args.batch)]

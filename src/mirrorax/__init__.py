@@ -28,6 +28,9 @@ from mirrorax.cluster.preemption import Preempted as Preempted
 from mirrorax.fit.cache import enable_compilation_cache as enable_compilation_cache
 from mirrorax.fit.planner import Plan as Plan
 from mirrorax.fit.planner import plan as plan
+from mirrorax.fit.utilisation import InputBoundWarning as InputBoundWarning
+from mirrorax.fit.utilisation import Utilisation as Utilisation
+from mirrorax.fit.utilisation import utilisation as utilisation
 from mirrorax.front_end import register_lazy as _register_lazy_front_end
 from mirrorax.inputs.distributed import DistributedDataset as DistributedDataset
 from mirrorax.inputs.reading import FitReading as FitReading
@@ -119,6 +122,7 @@ __all__ = [
     "FitReading",
     "FunctionalModel",
     "History",
+    "InputBoundWarning",
     "InputContext",
     "MirroredStrategy",
     "ModelAdapter",
@@ -139,6 +143,7 @@ __all__ = [
     "Traffic",
     "TrainState",
     "Trainer",
+    "Utilisation",
     "compute_average_loss",
     "enable_compilation_cache",
     "get_replica_context",
@@ -150,5 +155,6 @@ __all__ = [
     "plan",
     "scale_regularization_loss",
     "traffic",
+    "utilisation",
     "value_and_grad",
 ]

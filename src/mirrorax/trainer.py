@@ -25,6 +25,8 @@ from mirrorax.fit.device_state import DeviceState
 from mirrorax.fit.functions import NonFiniteMode, StepFunctions
 from mirrorax.fit.loop import Loop
 from mirrorax.fit.progress import format_logs, resolve_verbose
+from mirrorax.fit.utilisation import Utilisation
+from mirrorax.fit.utilisation import utilisation as utilisation_of
 from mirrorax.inputs.make import class_weights
 from mirrorax.inputs.reading import FitReading
 from mirrorax.models.adapters import adapt
@@ -53,7 +55,10 @@ class Trainer:
       loss, optimizer, metrics: complete or override the model's compile settings (``optimizer`` may
         be an optax ``GradientTransformation``).
       steps_per_execution: train steps per dispatch (run with ``lax.scan``); pays when per-step host
-        overhead dominates (small models, many devices).
+        overhead dominates (small models, many devices). ``"auto"`` (as tf.keras 2.x): ``fit`` measures the
+        host's cost per dispatch against the devices' per step and fuses ``k`` steps a dispatch while that pays
+        (``k = 1`` where the devices are the limit; see ``docs/utilisation.md``); the numbers are those of
+        ``steps_per_execution=1``, batch callbacks are called once per execution, as with a fixed ``k``.
       accumulation_steps: split each global batch into this many micro-batches (gradient accumulation:
         the same update as the whole batch, with a fraction of the activation memory).
       prefetch: batches placed on the devices ahead of the running step, on a background thread (0: place
@@ -85,7 +90,7 @@ class Trainer:
     """
 
     def __init__(self, model: Any, strategy: MirroredStrategy | None = None, *, loss: Any = None,
-                 optimizer: Any = None, metrics: Any = None, steps_per_execution: int = 1,
+                 optimizer: Any = None, metrics: Any = None, steps_per_execution: int | Literal["auto"] = 1,
                  accumulation_steps: int = 1, prefetch: int | Literal["auto"] = "auto",
                  on_nonfinite: NonFiniteMode = "raise", donate: bool = True,
                  mixed_precision: Literal["bfloat16", "float16"] | None = None,
@@ -105,7 +110,11 @@ class Trainer:
                             "out for the model's own reading.")
         if prefetch == "auto":
             prefetch = 0
-        for name, value, low in (("steps_per_execution", steps_per_execution, 1),
+        auto_steps = isinstance(steps_per_execution, str) and steps_per_execution == "auto"
+        if isinstance(steps_per_execution, str) and not auto_steps:
+            raise ValueError(f"steps_per_execution must be an integer >= 1 or 'auto'; received "
+                             f"{steps_per_execution!r}. Pass e.g. 8, or 'auto' to let fit choose as it runs.")
+        for name, value, low in (("steps_per_execution", 1 if auto_steps else steps_per_execution, 1),
                                  ("accumulation_steps", accumulation_steps, 1),
                                  ("prefetch", prefetch, 0)):
             check_int(name, value, low)
@@ -122,7 +131,7 @@ class Trainer:
                                    accumulation_steps=accumulation_steps)
         self.device_state = DeviceState(self.adapter, self.strategy)
         self.loop = Loop(self.device_state, self.steps, model, prefetch=self.prefetch,
-                         steps_per_execution=steps_per_execution)
+                         steps_per_execution=1 if auto_steps else int(steps_per_execution), auto_steps=auto_steps)
         self.stream: IO[str] = sys.stdout
         planner.remember_trainer(model, self)  # mx.plan(model) plans this trainer's own step
         # NaN/inf in array inputs are refused up front unless non-finite steps are to be skipped or
@@ -140,6 +149,15 @@ class Trainer:
         self._model = model
         self.loop.model = model
         planner.remember_trainer(model, self)
+
+    @property
+    def utilisation(self) -> list[Utilisation]:
+        """Where the time of each epoch of the last ``fit`` went: a :class:`mirrorax.Utilisation` per epoch (MFU, the
+        devices' busy share, the input's wait share), as each epoch's progress line ends; ``[]`` before a fit."""
+        try:
+            return utilisation_of(self)
+        except ValueError:
+            return []
 
     @property
     def state(self) -> TrainState | None:
@@ -263,7 +281,7 @@ class Trainer:
 
     def _fit(self, args: fit_plan.FitArgs) -> History:  # (fit's body: the callers give it the room)
         plan = fit_plan.prepare(self.device_state, self.steps, self.model, args, out=self.stream,
-                                steps_per_execution=self.steps_per_execution,
+                                steps_per_execution=self.loop.steps_per_execution,
                                 refuse_nonfinite=self.refuses_nonfinite, reading=self.reading)
         stopped: preemption.Preempted | None = None
         training_logs: dict[str, float] = {}

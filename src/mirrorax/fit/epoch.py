@@ -152,8 +152,9 @@ class BatchCallbacks(EpochHook):
     def after_step(self, run: EpochRun) -> Outcome | None:
         if not self.end or not (run.steps % self.spe == 0 or run.last):
             return None
-        # As Keras: an execution ends at begin + steps_per_execution - 1, a short last one too.
-        index = run.start_batch + run.before - run.before % self.spe + self.spe - 1
+        # As Keras: an execution ends at begin + steps_per_execution - 1, a short last one too; a dispatch of
+        # more steps than that ("auto" fused them) at its own last batch.
+        index = run.start_batch + max(run.before - run.before % self.spe + self.spe, run.steps) - 1
         run.state = self.end_hook(index, self.logs(run.aux), run.state)
         run.relook = True  # a callback may have placed new values
         return Outcome.STOP if getattr(self.model, "stop_training", False) else None

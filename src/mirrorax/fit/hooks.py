@@ -62,6 +62,9 @@ class PlainCallbacks:
     def restore_history(self, history: Any) -> None:
         """Nothing to restore: a plain list holds no history."""
 
+    def show_figures(self, figures: Sequence[tuple[str, str]]) -> None:
+        """Nothing to show them with: a plain list has no progress bar (the Trainer's own line shows them)."""
+
     def call(self, method: str, *args: Any) -> None:
         for cb in self.callback_list:
             fn = getattr(cb, method, None)
@@ -99,6 +102,13 @@ class Callbacks:
         """A resumed fit: the callbacks that keep a history (Keras's ``History``) hold the epochs that ran
         before the restart, as ``history`` (a :class:`mirrorax.History`) does."""
         self.driver.restore_history(history)
+
+    def show_figures(self, figures: Sequence[tuple[str, str]]) -> None:
+        """The epoch's figures (``(name, text)`` pairs: MFU, busy and input shares), for the driver's progress bar
+        to end the epoch's line with at ``on_epoch_end`` (Keras's ``ProgbarLogger``); not in the logs."""
+        show = getattr(self.driver, "show_figures", None)
+        if show is not None:
+            show(figures)
 
     def call(self, method: str, *args: Any) -> None:
         """Calls ``method`` (e.g. ``"on_epoch_end"``) on every callback that has it.

@@ -29,6 +29,8 @@ from mirrorax.fit.device_state import DeviceState
 from mirrorax.fit.fit_plan import FitPlan
 from mirrorax.fit.functions import StepFunctions
 from mirrorax.fit.hooks import Callbacks
+from mirrorax.fit.meter import FitMeter
+from mirrorax.fit.planner import fit_flops
 from mirrorax.fit.progress import Progress
 from mirrorax.inputs.batch import Batch
 from mirrorax.inputs.prefetch import Prefetcher, device_batches
@@ -55,10 +57,12 @@ class Loop:
       model: the user's model (its ``stop_training`` / ``stop_evaluating`` / ``stop_predicting`` flags).
       prefetch: batches placed ahead on a background thread (0: synchronously, between dispatches).
       steps_per_execution: steps per dispatch in ``fit``; batch hooks once per execution everywhere.
+      auto_steps: ``steps_per_execution="auto"``: ``fit`` picks the steps per dispatch as it runs
+        (:mod:`mirrorax.fit.meter`); ``steps_per_execution`` is then 1.
     """
 
     def __init__(self, device: DeviceState, steps: StepFunctions, model: Any, *, prefetch: int,
-                 steps_per_execution: int) -> None:
+                 steps_per_execution: int, auto_steps: bool = False) -> None:
         self.device = device
         self.steps = steps
         self.strategy = steps.strategy
@@ -66,10 +70,13 @@ class Loop:
         self.model = model
         self.prefetch = prefetch
         self.steps_per_execution = steps_per_execution
+        self.auto_steps = auto_steps
+        self.meter: FitMeter | None = None  # the running fit's figures (mirrorax.fit.meter)
 
-    def device_batches(self, host: Iterator[Batch], group: int, per_process: bool
+    def device_batches(self, host: Iterator[Batch], group: int | Callable[[int], int], per_process: bool
                        ) -> Iterator[tuple[int, Batch]] | Prefetcher:
-        """``host``'s batches placed on the devices (``group`` stacked per dispatch when > 1)."""
+        """``host``'s batches placed on the devices (``group`` stacked per dispatch when > 1; a function: of the
+        epoch's batch index a group starts at)."""
         return device_batches(host, group, self.strategy, prefetch=self.prefetch, per_process=per_process)
 
     # -- the loop ------------------------------------------------------------------------------------
@@ -123,7 +130,7 @@ class Loop:
             raise
         finally:
             beat(IDLE)
-            if isinstance(placed, Prefetcher):
+            if callable(getattr(placed, "close", None)):  # a Prefetcher's thread (or a meter's wrapper around it)
                 placed.close()
             if failed:  # the strategy's window outlives this loop: leave none of its steps in it
                 with contextlib.suppress(Exception):
@@ -142,6 +149,11 @@ class Loop:
         device, hooks = self.device, plan.hooks
         if hasattr(self.model, "stop_training"):
             self.model.stop_training = False  # as Keras's fit: a flag left by an interrupted run
+        # The fit's figures (MFU, busy and input shares; "auto"'s steps per dispatch): mirrorax.fit.meter.
+        self.meter = FitMeter(self.model, self.strategy, fit_flops(self.steps),
+                              steps_per_execution=self.steps_per_execution, auto=self.auto_steps,
+                              prefetch=self.prefetch, source=plan.source, epochs=plan.epochs,
+                              batch_size=plan.batch_size, previous=self.meter)
         hooks.call("on_train_begin")
         if plan.resumed:  # Keras's History (emptied by on_train_begin) holds the epochs run before the restart
             hooks.restore_history(plan.history)
@@ -210,13 +222,16 @@ class Loop:
         run = epoch_lib.EpochRun(state, self.strategy.in_flight, start_batch, int(state.host_counters()["step"]), total)
         progress = Progress(plan.mode, total, epoch + 1, plan.epochs,
                             lambda: self.adapter.metric_results(host_tree(run.state.metrics)), stream=plan.out)
-        loop_hooks: list[epoch_lib.EpochHook] = [
+        # The epoch's clock: the first hook (right after each step's push), wrapped around its batches.
+        meter = self.meter.epoch(run, epoch) if self.meter is not None else None
+        loop_hooks: list[epoch_lib.EpochHook] = [h for h in (
+            meter,
             plan.saving.hook(epoch, lambda batch: stream.order_state(position + batch), preempted=plan.watch.reached,
                              frozen=lambda state: epoch_lib.frozen(state, steps)),
             epoch_lib.BatchCallbacks(hooks, self.steps_per_execution, self._train_batch_end(hooks), self.model,
                                      steps.batch_logs),
             epoch_lib.HaltWatch(steps.halted),
-            epoch_lib.ProgressHook(progress)]
+            epoch_lib.ProgressHook(progress)) if h is not None]
 
         def placed() -> Iterator[tuple[int, Batch]]:
             # The epoch's first batch is read here, on this thread (not the prefetcher's): Keras's fit
@@ -224,13 +239,18 @@ class Loop:
             # random state stays in step with it.
             first = next(host, None)
             rest = itertools.chain([first], host) if first is not None else iter(())
-            return iter(self.device_batches(rest, self.steps_per_execution, stream.per_process))
+            if meter is None or self.meter is None:
+                return iter(self.device_batches(rest, self.steps_per_execution, stream.per_process))
+            return meter.placing(self.device_batches(meter.reading(rest), self.meter.group, stream.per_process))
 
         dispatch = self._train_dispatch()
 
         try:
             outcome = self.run(run, placed, dispatch, loop_hooks, on_done=run.retire, count=stream.last_real)
             progress.stop()
+            if meter is not None and self.meter is not None:
+                meter.stop()
+                self.meter.end_epoch(meter, progress, hooks)
             if outcome is epoch_lib.Outcome.PREEMPT:
                 device.value = run.state
                 raise preempted(run.state, plan.saving.checkpoint_dir, epoch, run.in_epoch)

@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import re
 import weakref
-from collections.abc import Sequence
 from typing import IO, Any
 
 import jax
 import numpy as np
 
+from mirrorax.fit import utilisation
 from mirrorax.fit.device_state import DeviceState
 from mirrorax.fit.functions import StepFunctions
+from mirrorax.fit.utilisation import parse_bytes, peak_flops
 from mirrorax.inputs.batch import Batch, RealRows, padded_batch_size
 from mirrorax.inputs.make import make_source
 from mirrorax.models.adapters import adapt
@@ -32,26 +31,9 @@ from mirrorax.steps import first_call as _first_call
 from mirrorax.strategy import MirroredStrategy, get_strategy
 from mirrorax.traffic import Traffic, collective_bytes, traffic_of
 
-__all__ = ["Plan", "plan", "plan_step", "at_fit_start", "parse_bytes", "remember_trainer"]
+__all__ = ["Plan", "plan", "plan_step", "at_fit_start", "fit_flops", "parse_bytes", "remember_trainer"]
 
 MODES: tuple[Any, ...] = (None, "optimizer", "all")
-
-
-def parse_bytes(text: str | int) -> int:
-    """``"24GB"`` / ``"24GiB"`` / ``"512MB"`` / ``12345`` -> bytes (GB = 10^9, GiB = 2^30).
-
-    Example:
-      >>> parse_bytes("24GiB")
-      25769803776
-    """
-    if isinstance(text, (int, np.integer)):
-        return int(text)
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", str(text), re.I)
-    if not m:
-        raise ValueError(f"A memory size must look like '24GB', '24GiB' or '512MB'; received {text!r}.")
-    value, unit, binary = float(m.group(1)), m.group(2).upper(), bool(m.group(3))
-    power = "KMGT".index(unit) + 1 if unit else 0
-    return int(value * ((1024 if binary else 1000) ** power))
 
 
 def _mib(n: float) -> str:
@@ -71,6 +53,9 @@ class Plan:
       argument_bytes, output_bytes, temp_bytes: XLA's ``memory_analysis()`` of the compiled step, one device.
       peak_bytes: arguments + outputs - aliased (donated) + temporaries: the step's peak on one device.
       flops: floating-point operations of one step on one device (``cost_analysis``).
+      peak_flops: the device's dense bfloat16 peak in FLOP/s that fit's MFU is measured against
+        (:func:`mirrorax.fit.utilisation.peak_flops`; ``None``: the CPU, or a device of unknown peak).
+      device_kind: the devices' kind (``jax.Device.device_kind``).
       collective_bytes: bytes produced by the step's collectives on one device (all-reduce, all-gather, ...).
       traffic: the step's collectives with their device groups, and the bytes every device sends per step
         within its host and across hosts (:class:`mirrorax.Traffic`; hosts: ``plan(hosts=...)``).
@@ -94,6 +79,8 @@ class Plan:
     device_memory: int | None = None
     traffic: Traffic | None = None
     largest_batch: dict[Any, int | None] = dataclasses.field(default_factory=dict)
+    peak_flops: float | None = None
+    device_kind: str = ""
 
     @property
     def state_bytes(self) -> int:
@@ -110,14 +97,24 @@ class Plan:
         """Bytes the step's collectives send from one host to another, all devices together (0: one host)."""
         return self.traffic.across_bytes if self.traffic is not None else 0
 
+    @property
+    def seconds_at_peak(self) -> float | None:
+        """The step's FLOPs at the device's peak: the fastest the step could run (``None``: no peak known)."""
+        return self.flops / self.peak_flops if self.peak_flops else None
+
+    def _peak_words(self) -> str:
+        if self.peak_flops is None:
+            return f"no peak known for {self.device_kind or 'this device'}: MFU not shown"
+        return f"peak {self.peak_flops / 1e12:,.4g} TFLOP/s"
+
     def summary(self) -> str:
         """One line, as ``fit`` prints it with ``verbose``."""
         across = (f", {_mib(self.across_hosts_bytes)} across {self.traffic.num_hosts} hosts"
                   if self.traffic is not None and self.traffic.num_hosts > 1 else "")
         return (f"plan: {self.num_devices} devices, shard={self.shard!r}, global batch {self.batch_size}: per device "
                 f"state {_mib(self.state_bytes)} (params {_mib(self.param_bytes)}, optimizer "
-                f"{_mib(self.optimizer_bytes)}), step peak {_mib(self.peak_bytes)}, {self.flops / 1e9:.3g} GFLOP, "
-                f"collectives {_mib(self.collective_bytes)}{across}")
+                f"{_mib(self.optimizer_bytes)}), step peak {_mib(self.peak_bytes)}, {self.flops / 1e9:.3g} GFLOP "
+                f"({self._peak_words()}), collectives {_mib(self.collective_bytes)}{across}")
 
     def __str__(self) -> str:
         rows = [("parameters", self.param_bytes), ("gradients", self.gradient_bytes),
@@ -129,6 +126,12 @@ class Plan:
                  "  per device:"]
         lines += [f"    {name:<32} {_mib(v):>14}" for name, v in rows]
         lines.append(f"    {'FLOPs per step':<32} {self.flops:>14,.3g}")
+        if self.peak_flops is not None:
+            kind = f" ({self.device_kind})" if self.device_kind else ""
+            lines.append(f"    {'peak FLOP/s' + kind:<32} {self.peak_flops:>14,.3g}")
+            lines.append(f"    {'step at peak':<32} {1e6 * (self.seconds_at_peak or 0.0):>11,.4g} us")
+        else:
+            lines.append(f"    peak FLOP/s: {self._peak_words()} (MIRRORAX_PEAK_TFLOPS sets one)")
         if self.traffic is not None and self.traffic.num_hosts > 1:  # one host: all of it is within
             t = self.traffic
             lines.append(f"  sent by the collectives per step, all {len(t.hosts)} devices on {t.num_hosts} host(s):")
@@ -150,17 +153,6 @@ def _per_device_bytes(tree: Any, shardings: Any) -> int:
         local = s.shard_shape(shape) if hasattr(s, "shard_shape") else shape
         total += int(math.prod(local)) * np.dtype(getattr(a, "dtype", np.float32)).itemsize
     return total
-
-
-def _device_memory(devices: Sequence[jax.Device]) -> int | None:
-    """``MIRRORAX_DEVICE_MEMORY`` (e.g. ``"24GB"``), else the device's own limit where JAX knows it."""
-    if os.environ.get("MIRRORAX_DEVICE_MEMORY"):
-        return parse_bytes(os.environ["MIRRORAX_DEVICE_MEMORY"])
-    try:
-        stats = devices[0].memory_stats()
-    except Exception:  # noqa: BLE001 - platforms without memory stats
-        return None
-    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
 def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, device_memory: int | str | None = None,
@@ -193,7 +185,7 @@ def plan(model_or_trainer: Any, x: Any, y: Any = None, *, batch_size: int, devic
     base = strategy or (held.steps.strategy if held is not None else strategy_of(model) or get_strategy())
     if held is None or held.steps.strategy is not base:
         held = _Steps.build(model, base)
-    memory = parse_bytes(device_memory) if device_memory is not None else _device_memory(base.devices)
+    memory = parse_bytes(device_memory) if device_memory is not None else utilisation.device_memory(base.devices)
     source = make_source(x, y, float_dtype=held.steps.adapter.float_dtype)
     # One row stands for the shapes: the plan is of a full global batch, not of a batch cut to that row.
     # A full batch of arrays carries its real rows as fit's batches do (all of them), so the program planned
@@ -293,7 +285,7 @@ def _largest(peak: Any, memory: int, step: int, start: int) -> int | None:
 
 
 def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_size: int,
-              memory: int | None = None, *, hosts: Any = None, full: bool = True) -> Plan:
+              memory: int | None = None, *, hosts: Any = None, full: bool = True, flops: bool = False) -> Plan:
     """The plan of the train step ``steps.train`` at ``batch_size`` (``sample``: a batch of the inputs,
     for their row shapes and dtypes).
 
@@ -301,7 +293,8 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
     state, so the program compiled here is the one the first step runs: the step function hands it over,
     and planning at ``fit`` start costs no second compile. Otherwise the model is built for ``sample`` and
     the state it would start from is planned. ``full=False``: the memory only (``flops`` is NaN and
-    ``collective_bytes`` -1 in what is returned), as fit's memory check needs.
+    ``collective_bytes`` -1 in what is returned), as fit's memory check needs; with ``flops=True`` the FLOPs
+    too (``cost_analysis`` alone, without the program's text: fit's MFU).
     """
     s = steps.strategy
     if device.value is None:
@@ -332,12 +325,16 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
     if hosts is None:
         key = (steps.train.signature(abstract if held is None else held, batch), batch_size)
     known = _PLANS.setdefault(steps.train, {}).get(key) if key is not None else None
+    rate, kind = peak_flops(s.devices[0]), str(s.devices[0].device_kind)
     if known is not None:
         made, compiled = known
         if full and compiled is not None:
             made = _read_cost(made, compiled, s, hosts)
             _PLANS[steps.train][key] = (made, None)
-        return dataclasses.replace(made, device_memory=memory, largest_batch={})
+        elif flops and compiled is not None and math.isnan(made.flops):
+            made = _read_flops(made, compiled)
+            _PLANS[steps.train][key] = (made, compiled)
+        return dataclasses.replace(made, device_memory=memory, largest_batch={}, peak_flops=rate, device_kind=kind)
     if abstract is None:
         abstract = device.abstract()
     layouts = jax.tree.map(lambda a: a.sharding, abstract)
@@ -352,9 +349,11 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
                 gradient_bytes=param_bytes,  # a gradient has its parameter's layout: whole, or the same slice
                 argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
                 temp_bytes=int(mem.temp_size_in_bytes), peak_bytes=int(peak), flops=float("nan"),
-                collective_bytes=-1, device_memory=memory)
+                collective_bytes=-1, device_memory=memory, peak_flops=rate, device_kind=kind)
     if full:
         made, compiled = _read_cost(made, compiled, s, hosts), None
+    elif flops:
+        made = _read_flops(made, compiled)
     if key is not None:
         _PLANS[steps.train][key] = (dataclasses.replace(made, largest_batch={}), compiled)
     return made
@@ -362,11 +361,16 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
 
 def _read_cost(made: Plan, compiled: Any, s: Any, hosts: Any) -> Plan:
     """``made`` with what the compiled program's cost analysis and text say (FLOPs, collectives)."""
+    text = compiled.as_text()
+    return dataclasses.replace(_read_flops(made, compiled), collective_bytes=collective_bytes(text),
+                               traffic=traffic_of(text, list(np.asarray(s.mesh.devices).flat), hosts))
+
+
+def _read_flops(made: Plan, compiled: Any) -> Plan:
+    """``made`` with the compiled program's FLOPs on one device (its cost analysis)."""
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    text = compiled.as_text()
-    return dataclasses.replace(made, flops=float(cost.get("flops", 0.0)), collective_bytes=collective_bytes(text),
-                               traffic=traffic_of(text, list(np.asarray(s.mesh.devices).flat), hosts))
+    return dataclasses.replace(made, flops=float(cost.get("flops", 0.0)))
 
 
 # The plans read off each train step function's compiled programs (see plan_step), each with its compiled
@@ -374,6 +378,8 @@ def _read_cost(made: Plan, compiled: Any, s: Any, hosts: Any) -> Plan:
 # (mx.plan(model) then plans the program that trainer's fit runs).
 _PLANS: weakref.WeakKeyDictionary[Any, dict[Any, tuple[Plan, Any]]] = weakref.WeakKeyDictionary()
 _TRAINERS: dict[int, weakref.ref[Any]] = {}
+# The FLOPs of each trainer's step as its newest fit planned them (where a peak is known: fit's MFU).
+_FIT_FLOPS: weakref.WeakKeyDictionary[StepFunctions, float] = weakref.WeakKeyDictionary()
 
 
 def remember_trainer(model: Any, trainer: Any) -> None:
@@ -398,17 +404,28 @@ def at_fit_start(model: Any, steps: StepFunctions, device: DeviceState, sample: 
 
     ``device`` must hold the state: the program compiled here is then the one step 1 runs (no second
     compile). (With ``steps_per_execution > 1`` fit runs another program: its caller then announces
-    nothing, and the plan is made only where the memory check needs it.)
+    nothing, and the plan is made only where the memory check or the MFU needs it.) Where the device's peak
+    is known, the step's FLOPs are read too (:func:`fit_flops`: the MFU of fit's progress line).
     """
-    memory = _device_memory(steps.strategy.devices)
-    if memory is None and not announce:
+    memory = utilisation.device_memory(steps.strategy.devices)
+    peak = peak_flops(steps.strategy.devices[0])
+    _FIT_FLOPS.pop(steps, None)
+    if memory is None and not announce and peak is None:
         return None
-    here = plan_step(steps, device, sample, batch_size, memory, full=announce)
+    here = plan_step(steps, device, sample, batch_size, memory, full=announce, flops=peak is not None)
+    if not math.isnan(here.flops):
+        _FIT_FLOPS[steps] = here.flops
     if announce:
         stream.write(here.summary() + "\n")
     if memory is not None and not here.fits:
         raise _does_not_fit(_Steps(model, steps, device), sample, batch_size, here, memory)
     return here
+
+
+def fit_flops(steps: StepFunctions) -> float | None:
+    """The FLOPs on one device of ``steps``' train step as its newest fit planned it (``None``: not read, as on
+    a CPU without ``MIRRORAX_PEAK_TFLOPS``: no MFU to show)."""
+    return _FIT_FLOPS.get(steps)
 
 
 def _does_not_fit(held: _Steps, sample: Batch, batch_size: int, here: Plan, memory: int) -> MemoryError:

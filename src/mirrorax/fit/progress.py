@@ -1,17 +1,19 @@
 """Progress output: a bar per epoch on a terminal, one line per epoch elsewhere, nothing at verbose=0.
 
 Only the primary process (process 0) prints. Metric values shown mid-epoch are fetched from the
-devices at most every ``refresh`` seconds, so the bar never forces a host sync per step.
+devices at most every ``refresh`` seconds, so the bar never forces a host sync per step. An epoch's final
+line ends with where its time went (:attr:`Progress.figures`: MFU, the devices' busy share, the input's wait
+share; :mod:`mirrorax.fit.meter`).
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
-__all__ = ["Progress", "resolve_verbose", "format_logs"]
+__all__ = ["Progress", "resolve_verbose", "format_figures", "format_logs"]
 
 
 def resolve_verbose(verbose: Any, stream: IO[str] | None = None) -> int:
@@ -30,6 +32,11 @@ def format_logs(logs: Mapping[str, float]) -> str:
     return " - ".join(f"{k}: {v:.4f}" for k, v in logs.items())
 
 
+def format_figures(figures: Sequence[tuple[str, str]]) -> str:
+    """``[("MFU", "41.2%"), ...]`` as the end of a progress line: ``" - MFU: 41.2% - ..."``."""
+    return "".join(f" - {name}: {text}" for name, text in figures)
+
+
 class Progress:
     """Progress of one epoch.
 
@@ -38,6 +45,9 @@ class Progress:
       total: steps in the epoch, or ``None`` when unknown.
       epoch, epochs: shown as ``Epoch e/E``.
       fetch_logs: returns the current metric values (a host sync); called at most every ``refresh`` s.
+
+    Attributes:
+      figures: what the epoch's final line ends with, ``(name, text)`` pairs (set when the epoch's steps end).
     """
 
     def __init__(self, mode: int, total: int | None, epoch: int, epochs: int,
@@ -49,6 +59,7 @@ class Progress:
         self.start = time.perf_counter()
         self._last = 0.0
         self._logs: Mapping[str, float] = {}
+        self.figures: Sequence[tuple[str, str]] = ()
         if mode == 1:
             self.stream.write(f"Epoch {epoch}/{epochs}\n")
             self.stream.flush()
@@ -88,9 +99,9 @@ class Progress:
         elapsed = max(now - self.start, 1e-9)
         self._logs = logs
         if self.mode == 1:
-            self._draw(step, samples, now, end="\n")
+            self._draw(step, samples, now, end="\n", extra=format_figures(self.figures))
         elif self.mode == 2:
             self.stream.write(f"{self.header} - {step} steps - {elapsed:.1f}s - {samples / elapsed:,.0f} samples/s"
-                              + (f" - {format_logs(logs)}" if logs else "") + "\n")
+                              + (f" - {format_logs(logs)}" if logs else "") + format_figures(self.figures) + "\n")
             self.stream.flush()
         return samples / elapsed

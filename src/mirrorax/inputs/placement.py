@@ -69,11 +69,11 @@ except ImportError:  # pragma: no cover - another JAX: device_put below
 
 
 def _transfer() -> Any:
-    """``put(aval, sharding, shards, devices)``: JAX's own transfer of host shards into one global array, the
-    host buffer read until the copy completes. JAX's default lets the CPU client alias a host array instead
-    (zero copy), and a step's program then ran 13-18% slower on its inputs than on copies (measured on the
-    CPU proxy, benchmarks/host_proxy.py): what an accelerator does anyway (a host-to-device copy) is asked
-    here on every platform. ``None`` on a JAX without it (put_rows' other paths then)."""
+    """``put(aval, sharding, shards, devices, copy)``: JAX's own transfer of host shards into one global array;
+    ``copy``: the host buffer read until the copy completes. JAX's default lets the CPU client alias a host
+    array instead (zero copy), and a step's program then ran 13-18% slower on its inputs than on copies
+    (measured on the CPU proxy, benchmarks/host_proxy.py), so :class:`RowsPlacer` asks a copy on the CPU and
+    JAX's default elsewhere. ``None`` on a JAX without it (put_rows' other paths then)."""
     put = getattr(_xc, "batched_device_put", None)
     semantics = getattr(getattr(_xc, "HostBufferSemantics", None), "IMMUTABLE_UNTIL_TRANSFER_COMPLETES", None)
     if put is None or semantics is None:  # pragma: no cover - another jaxlib
@@ -146,7 +146,12 @@ class RowsPlacer:
             # A slice that several devices hold (a batch split over some mesh axes only) is transferred as
             # JAX's default does: this jaxlib refuses a copy read until done for a host buffer sent twice.
             distinct = len({tuple((s.start, s.stop, s.step) for s in index) for index in slices}) == len(slices)
-            self._items.append((aval, devices, None if whole else slices, distinct))
+            # On an accelerator, JAX's default: the transfer jax.jit gives a numpy argument (the hand-written
+            # loop's), which aliases nothing there. A copy read until done held the TPU v5e's host longer, the
+            # more so the larger the batch (Flax's MNIST CNN, @strategy.jit against Flax's loop: 0.88 at batch
+            # 32 and 0.78 at 256 with it, 1.03 at 32 without; benchmarks/README.md).
+            copy = distinct and all(d.platform == "cpu" for d in devices)
+            self._items.append((aval, devices, None if whole else slices, copy))
 
     def __call__(self, leaves: list[np.ndarray]) -> list[jax.Array]:
         """Each leaf (a numpy array of its signature) as a global array laid out as the sharding says."""

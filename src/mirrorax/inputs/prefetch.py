@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from mirrorax.inputs.batch import Batch, stack
@@ -71,11 +71,12 @@ class Prefetcher:
         self._thread.join(timeout=5)
 
 
-def device_batches(host: Iterator[Batch], group: int, mesh: BatchMesh, *, prefetch: int,
+def device_batches(host: Iterator[Batch], group: int | Callable[[int], int], mesh: BatchMesh, *, prefetch: int,
                    per_process: bool) -> Iterator[tuple[int, Batch]] | Prefetcher:
     """``host``'s batches on the devices as ``(k, batch)`` pairs: ``k == 0`` for one step's batch,
     ``k == group`` for ``group`` batches stacked for one dispatch (``steps_per_execution``; the tail
-    that does not fill a group goes one by one).
+    that does not fill a group goes one by one). ``group`` may be a function of the batch index a group
+    starts at (``steps_per_execution="auto"``, :mod:`mirrorax.fit.auto_steps`).
 
     Placed ``prefetch`` ahead on a background thread (:class:`Prefetcher`), or synchronously when
     ``prefetch == 0``, or for per-process pipelines of a multi-process job: they agree on "more data?"
@@ -86,14 +87,18 @@ def device_batches(host: Iterator[Batch], group: int, mesh: BatchMesh, *, prefet
             for b in host:
                 yield 0, b
             return
+        index = 0
         while True:
-            chunk = list(itertools.islice(host, group))
-            if len(chunk) == group:
-                yield group, stack(chunk)
+            size = group(index) if callable(group) else group
+            chunk = list(itertools.islice(host, size))
+            index += len(chunk)
+            if len(chunk) == size > 1:
+                yield size, stack(chunk)
             else:
                 for b in chunk:
                     yield 0, b
-                return
+                if len(chunk) < size:
+                    return
 
     if prefetch == 0 or (per_process and mesh.process_count > 1):
         return ((k, to_global(b, mesh, stacked=k > 0)) for k, b in grouped())

@@ -52,6 +52,21 @@ class KerasCallbacks:
                                                               add_progbar=add_progbar, model=model, **params)
         members = list(self.callback_list.callbacks)
         self.listens = {kind: any(implements(cb, names) for cb in members) for kind, names in BATCH_HOOKS.items()}
+        self._figures: Sequence[tuple[str, str]] = ()
+        for cb in members:
+            if isinstance(cb, keras.callbacks.ProgbarLogger):
+                _end_line_with_figures(cb, self)
+
+    def show_figures(self, figures: Sequence[tuple[str, str]]) -> None:
+        """The epoch's figures, for Keras's progress bar to end the epoch's line with at the next
+        ``on_epoch_end`` (given to the ``ProgbarLogger`` alone: the logs that ``History`` and the other
+        callbacks get are Keras's)."""
+        self._figures = tuple(figures)
+
+    def take_figures(self) -> Sequence[tuple[str, str]]:
+        """The figures to show now (once)."""
+        figures, self._figures = self._figures, ()
+        return figures
 
     def restore_history(self, history: Any) -> None:
         """A resumed fit: Keras's ``History`` callbacks (emptied by ``on_train_begin``) hold the epochs that ran
@@ -79,6 +94,45 @@ class KerasCallbacks:
                 getattr(cb, method)(args[0], logs=logs)
             return
         getattr(self.callback_list, method)(*args)
+
+
+class _Shown(float):
+    """A figure's text in a ``keras.utils.Progbar`` line: Keras formats a value as a number (``f"{avg:.4f}"``
+    after dividing it by its count, 1 at an epoch's end); this one keeps its text through both."""
+
+    text = ""
+
+    def __new__(cls, text: str) -> _Shown:
+        shown = super().__new__(cls, 1.0)
+        shown.text = text
+        return shown
+
+    def __truediv__(self, other: Any) -> _Shown:
+        return self
+
+    def __format__(self, spec: str) -> str:
+        return self.text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _end_line_with_figures(progbar: Any, driver: KerasCallbacks) -> None:
+    """Makes ``progbar`` (a ``keras.callbacks.ProgbarLogger``) end each epoch's line with the figures the driver
+    holds then: its ``on_epoch_end`` gets the logs with the figures appended, as values shown as text."""
+    if getattr(progbar, "mirrorax_figures", None) is not None:
+        progbar.mirrorax_figures = driver  # a list given to another fit: this fit's figures
+        return
+    progbar.mirrorax_figures = driver
+    own = progbar.on_epoch_end
+
+    def on_epoch_end(epoch: int, logs: Any = None) -> Any:
+        figures = progbar.mirrorax_figures.take_figures()
+        if figures:
+            logs = {**(logs or {}), **{name: _Shown(text) for name, text in figures}}
+        return own(epoch, logs)
+
+    progbar.on_epoch_end = on_epoch_end
 
 
 # Batch-end hooks whose logs are flat device scalars, and the kind of batch hooks that Keras runs on a thread

@@ -164,12 +164,17 @@ class _Batches:
         data.on_epoch_begin()
         # Drawn here, when the pass's first batch is read: where Keras draws it.
         indices = itertools.count() if n is None else batch_indices(n, self.shuffle)
-        for index in indices:
-            try:
-                item = data[index]
-            except IndexError:
-                break
-            yield item
+        workers = int(getattr(data, "workers", 1) or 0)
+        processes = bool(getattr(data, "use_multiprocessing", False))
+        if workers > 1 or (workers > 0 and processes):  # as Keras's adapter decides to read ahead
+            yield from _read_ahead(data, indices, workers, processes, int(getattr(data, "max_queue_size", 10) or 10))
+        else:
+            for index in indices:
+                try:
+                    item = data[index]
+                except IndexError:
+                    break
+                yield item
         data.on_epoch_end()
 
     def __len__(self) -> int:
@@ -177,6 +182,56 @@ class _Batches:
         if n is not None:
             return int(n)
         return len(self.data)
+
+
+def _read_ahead(data: Any, indices: Any, workers: int, processes: bool, ahead: int) -> Any:
+    """``data[i]`` for each of ``indices``, in their order, read by a pool of ``workers`` threads (processes with
+    ``processes``: a ``PyDataset``'s ``use_multiprocessing``) up to ``ahead`` batches before they are taken, as
+    Keras's ``OrderedEnqueuer`` reads them; an ``IndexError`` ends the pass (an endless dataset's end)."""
+    import collections
+    import multiprocessing
+    import multiprocessing.dummy
+
+    if processes:  # each worker holds the dataset (inherited, or sent once), as Keras's pool initializer does
+        pool: Any = multiprocessing.Pool(workers, initializer=_hold, initargs=(data,))
+        read: Any = _held_item
+    else:
+        pool, read = multiprocessing.dummy.Pool(workers), data.__getitem__
+    it = iter(indices)
+    try:
+        pending = collections.deque(pool.apply_async(read, (i,)) for i in itertools.islice(it, max(ahead, 1)))
+        while pending:
+            try:
+                item = pending.popleft().get()
+            except IndexError:
+                break
+            following = next(it, None)
+            if following is not None:
+                pending.append(pool.apply_async(read, (following,)))
+            yield item
+    finally:
+        # Closed, not terminated: the reads still pending (at most ``ahead``) finish and the workers leave by
+        # themselves. A terminate signals them, and one that has not yet run its initializer still has fit's
+        # SIGTERM handler: it would not leave, and the join would wait for ever.
+        pool.close()
+        pool.join()
+
+
+_HELD: Any = None
+
+
+def _hold(data: Any) -> None:
+    """A reading process's dataset (its pool's initializer). SIGTERM ends it again: a forked process inherits
+    fit's SIGTERM handler (a preemption watch), which would keep the pool's ``terminate`` waiting on it."""
+    import signal
+
+    global _HELD
+    _HELD = data
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _held_item(index: int) -> Any:
+    return _HELD[index]
 
 
 def num_batches(x: Any, batch_size: int, rows: int | None) -> int | None:

@@ -37,7 +37,7 @@ from mirrorax.strategy import MirroredStrategy, on_scope
 if TYPE_CHECKING:
     from mirrorax.trainer import Trainer
 
-__all__ = ["strategy_of", "trainer_of", "enter", "leave"]
+__all__ = ["strategy_of", "steps_per_execution", "trainer_of", "enter", "leave"]
 
 _lock = threading.Lock()
 _open_scopes = 0
@@ -61,7 +61,7 @@ def enter(strategy: MirroredStrategy) -> None:
         _saved["init"] = JAXTrainer.__init__
         _saved["compile"] = KerasTrainer.compile
         JAXTrainer.__init__ = _wrap(JAXTrainer.__init__, "creating a model")
-        KerasTrainer.compile = _wrap(KerasTrainer.compile, "compile")
+        KerasTrainer.compile = _wrap(_auto_steps(KerasTrainer.compile), "compile")
 
 
 def leave() -> None:
@@ -103,6 +103,37 @@ def _wrap(original: Callable[..., Any], what: str) -> Callable[..., Any]:
 
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     return wrapper
+
+
+_SPE_AT = 6  # steps_per_execution's position among Keras's compile arguments (after self)
+
+
+def _auto_steps(compile_: Callable[..., Any]) -> Callable[..., Any]:
+    """Keras's ``compile``, taking ``steps_per_execution="auto"`` as tf.keras 2.x did (Keras 3 takes an int
+    only): Keras is given 1 (its own functions compare the setting with numbers) and the model remembers
+    ``"auto"`` for its fit under the scope (``mirrorax.fit.auto_steps``). A later compile replaces it."""
+
+    @functools.wraps(compile_)
+    def compile(self: Any, *args: Any, **kwargs: Any) -> Any:
+        auto = kwargs.get("steps_per_execution") == "auto"
+        if auto:
+            kwargs["steps_per_execution"] = 1
+        elif len(args) > _SPE_AT and args[_SPE_AT] == "auto":  # compile(optimizer, loss, ..., "auto")
+            args, auto = (*args[:_SPE_AT], 1, *args[_SPE_AT + 1:]), True
+        result = compile_(self, *args, **kwargs)
+        object.__setattr__(self, "_mirrorax_auto_steps", auto)
+        return result
+
+    return compile
+
+
+def steps_per_execution(model: Any) -> int | Literal["auto"]:
+    """A Keras model's steps per execution as its fit under a scope runs them: ``"auto"`` where it was compiled
+    so (under a scope, or with Keras's own compile, which stores the string), else Keras's int."""
+    own = model.steps_per_execution
+    if model.__dict__.get("_mirrorax_auto_steps") or (isinstance(own, str) and own == "auto"):
+        return "auto"
+    return int(own or 1)
 
 
 def _attach(model: Any, strategy: MirroredStrategy) -> None:
@@ -204,8 +235,9 @@ def trainer_of(model: Any) -> Trainer:
     exception; ``mx.Trainer(model, on_nonfinite="raise")`` remains the explicit way to get one."""
     _keras_env.check_distribution("fit, evaluate or predict")
     strategy = strategy_of(model)
+    per_execution = steps_per_execution(model)
     key = (id(strategy), id(getattr(model, "optimizer", None)), id(internals.compile_loss(model)),
-           id(internals.compile_metrics(model)), model.steps_per_execution)
+           id(internals.compile_metrics(model)), per_execution)
     cached = model.__dict__.get("_mirrorax_trainer")
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -215,7 +247,7 @@ def trainer_of(model: Any) -> Trainer:
     # Keras's predict needs no compile: an uncompiled model gets an adapter for predict alone.
     adapter = KerasAdapter(model, predict_only=True)
     # Keras's reading of the data: steps_per_epoch an upper bound, Keras's own shuffle order.
-    trainer = Trainer(adapter, strategy, steps_per_execution=int(model.steps_per_execution or 1),
+    trainer = Trainer(adapter, strategy, steps_per_execution=per_execution,
                       on_nonfinite="ignore", reading=keras_order.KERAS_FIT)
     trainer.model = model  # callbacks, stop_training and the progress bar act on the Keras model
     object.__setattr__(model, "_mirrorax_trainer", (key, trainer))
@@ -304,9 +336,10 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
         steps = steps_per_epoch or keras_data.num_batches(x, batch_size or 32, rows)
         callbacks = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                                  verbose=verbose, epochs=epochs, steps=steps, model=self)
-    if steps_per_epoch:
-        # Keras runs whole executions: an epoch's steps_per_epoch rounds up to a multiple of them.
-        per_execution = trainer.steps_per_execution
+    if steps_per_epoch and trainer.steps_per_execution != "auto":
+        # Keras runs whole executions: an epoch's steps_per_epoch rounds up to a multiple of them ("auto" runs
+        # the epoch's steps as given, whatever it fuses).
+        per_execution = int(trainer.steps_per_execution)
         steps_per_epoch = -(-steps_per_epoch // per_execution) * per_execution
     # verbose=0: Keras's own progress bar (a callback) speaks, and fit prints no plan line, as Keras's fit
     # prints none. What a user must know (the step will not fit a device's memory) still raises;
