@@ -202,6 +202,13 @@ def flax_loop_step(graphdef: Any, train_step: Any) -> Any:
     return train_step_jax
 
 
+def _endless(iterable: Any) -> Any:
+    """``iterable``'s items, read again from its start each time it ends (a dataset is iterated anew: each pass
+    places its batches, as a training loop's epochs do)."""
+    while True:
+        yield from iterable
+
+
 def functional_step(jit: Any, train_step: Any) -> Any:
     """Flax's guide "Performance considerations"'s functional loop's step, as the guide writes it: ``jit`` (``jax.jit``,
     or ``strategy.jit`` in its port) over ``jax_train_step(graphdef, state, x, y)`` returning ``loss, state``, nothing
@@ -253,16 +260,12 @@ class System:
             jax_train_step = functional_step(jit, train_step)
             box = [state]
             feed = batches if name == "flax_functional" else strategy.experimental_distribute_dataset(batches)
-            stream = [iter(feed)]
+            stream = _endless(feed)
 
             def call(n: int) -> None:
                 state = box[0]
                 for _ in range(n):
-                    try:
-                        xb, yb = next(stream[0])
-                    except StopIteration:
-                        stream[0] = iter(feed)
-                        xb, yb = next(stream[0])
+                    xb, yb = next(stream)
                     loss, state = jax_train_step(graphdef, state, xb, yb)
                 box[0] = jax.block_until_ready(state)
         elif name == "nnx_jit":
@@ -279,15 +282,11 @@ class System:
             step = strategy.jit(train_step, donate_argnums=(0, 1, 2))
             dist = (strategy.experimental_distribute_dataset((x, y), batch_size=batch) if name == "strategy_jit"
                     else strategy.experimental_distribute_dataset(batches))
-            stream = [iter(dist)]
+            stream = _endless(dist)
 
             def call(n: int) -> None:
                 for _ in range(n):
-                    try:
-                        xb, yb = next(stream[0])
-                    except StopIteration:
-                        stream[0] = iter(dist)
-                        xb, yb = next(stream[0])
+                    xb, yb = next(stream)
                     step(model, optimizer, metrics, xb, yb)
                 strategy.in_flight.drain()
                 jax.block_until_ready(nnx.state(model, nnx.Param))
