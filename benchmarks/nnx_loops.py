@@ -19,7 +19,11 @@ the tutorial does. The systems:
 * ``flax_functional``: Flax's performance guide's functional loop as written (``@jax.jit`` over
   ``jax_train_step(graphdef, state, x, y)`` returning ``loss, state``, nothing donated), and
   ``strategy_jit_functional``, the same with ``@strategy.jit`` for ``@jax.jit`` over
-  ``experimental_distribute_dataset`` of the loader's batches (measured against ``flax_functional``).
+  ``experimental_distribute_dataset`` of the loader's batches (measured against ``flax_functional``);
+* ``guide_as_written``: that loop line for line as the guide writes it, its batch made in the loop (``x, y =
+  jnp.ones((32, 2)), jnp.zeros((32, 3))`` for the guide's model; other workloads: their batch's shapes), and
+  ``strategy_jit_guide_as_written``, the guide ported by its decorator alone (``@strategy.jit`` for ``@jax.jit``;
+  on one device a ``jnp`` batch is already where a split one would be, and nothing is warned).
 
 Each chunk is ``steps`` steps, ended when the state is ready (a Trainer chunk is one ``fit`` call, its set-up
 included). Each system runs in a process of its own (a system sharing a process with others slows Flax's
@@ -47,14 +51,16 @@ from functools import partial
 from typing import Any
 
 SYSTEMS = ("flax_split_merge", "nnx_jit", "strategy_jit", "strategy_jit_loader", "trainer", "flax_functional",
-           "strategy_jit_functional")
-#: Each system's ratio is to this loop's steps/s (the functional loop's to Flax's functional loop).
-BASELINE = {"strategy_jit_functional": "flax_functional"}
+           "strategy_jit_functional", "guide_as_written", "strategy_jit_guide_as_written")
+#: Each system's ratio is to this loop's steps/s (the functional loops' to Flax's functional loops).
+BASELINE = {"strategy_jit_functional": "flax_functional", "strategy_jit_guide_as_written": "guide_as_written"}
 LABELS = {"flax_split_merge": "Flax's split/merge jax.jit loop", "nnx_jit": "@nnx.jit",
           "strategy_jit": "@strategy.jit, over arrays",
           "strategy_jit_loader": "@strategy.jit, over the loader's batches",
           "trainer": "mx.Trainer", "flax_functional": "Flax's functional jax.jit loop (the guide's)",
-          "strategy_jit_functional": "the functional loop on @strategy.jit"}
+          "strategy_jit_functional": "the functional loop on @strategy.jit",
+          "guide_as_written": "Flax's guide's functional loop, line for line",
+          "strategy_jit_guide_as_written": "the same with @strategy.jit for @jax.jit"}
 
 
 def _models() -> dict[str, Any]:
@@ -267,6 +273,22 @@ class System:
                 for _ in range(n):
                     xb, yb = next(stream)
                     loss, state = jax_train_step(graphdef, state, xb, yb)
+                box[0] = jax.block_until_ready(state)
+        elif name in ("guide_as_written", "strategy_jit_guide_as_written"):  # the guide's loop, line for line
+            import jax.numpy as jnp
+
+            strategy = mx.MirroredStrategy(devices=devices, max_in_flight=max_in_flight)
+            jit = jax.jit if name == "guide_as_written" else strategy.jit
+            graphdef, state = nnx.split((model, optimizer, metrics))
+            jax_train_step = functional_step(jit, train_step)
+            box = [state]
+            (xs, xd), (ys, yd) = ((a.shape, a.dtype) for a in batches[0])
+
+            def call(n: int) -> None:
+                state = box[0]
+                for _ in range(n):
+                    x, y = jnp.ones(xs, xd), jnp.zeros(ys, yd)
+                    loss, state = jax_train_step(graphdef, state, x, y)
                 box[0] = jax.block_until_ready(state)
         elif name == "nnx_jit":
             step = nnx.jit(train_step, donate_argnums=(0, 1, 2))

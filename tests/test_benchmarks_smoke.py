@@ -161,8 +161,9 @@ def test_accelerator_table_cpu_smoke(tmp_path):
     # port: Flax's functional loop)
     nnx = json.loads((tmp_path / "nnx.json").read_text())
     assert [(r["workload"], r["batch"]) for r in nnx] == [("guide", 8)]
-    assert sorted(nnx[0]["systems"]) == ["flax_functional", "flax_split_merge", "nnx_jit", "strategy_jit",
-                                         "strategy_jit_functional", "strategy_jit_loader", "trainer"]
+    assert sorted(nnx[0]["systems"]) == ["flax_functional", "flax_split_merge", "guide_as_written", "nnx_jit",
+                                         "strategy_jit", "strategy_jit_functional", "strategy_jit_guide_as_written",
+                                         "strategy_jit_loader", "trainer"]
     assert all(v["steps_per_s"] > 0 and v["ratio"] > 0 for v in nnx[0]["systems"].values())
     assert "| guide | 8 | @strategy.jit, over the loader's batches |" in table and "| guide | 8 | mx.Trainer |" in table
 
