@@ -145,13 +145,18 @@ class Saving:
         if self.snapshots is not None:
             self.snapshots.reached(step)
 
-    def save_due(self, point: SavePoint, state: TrainState, epoch: int, batch: int, order: Order,
-                 window: Any = None, frozen: Callable[[TrainState], bool] | None = None) -> Outcome | None:
+    def save_due(self, point: SavePoint, state: TrainState | Callable[[], TrainState], epoch: int, batch: int,
+                 order: Order, window: Any = None, frozen: Callable[[TrainState], bool] | None = None
+                 ) -> Outcome | None:
         """Saves ``state`` to each tier due at ``point`` (batch ``batch`` of ``epoch``); a checkpoint first waits
-        for every step in ``window`` and is never of a ``frozen`` state (``Outcome.HALT`` then)."""
+        for every step in ``window`` and is never of a ``frozen`` state (``Outcome.HALT`` then). ``state`` may be a
+        function giving it, called only when a tier is due (a loop holds its state as leaves between steps, and
+        making the ``TrainState`` of them at every step cost the loop's host ~10 us a step)."""
         due = [tier for tier in self.tiers if tier.due(point)]
         if not due:
             return None
+        if callable(state):
+            state = state()
         if any(tier.durable for tier in due):
             if window is not None:
                 window.drain()
@@ -246,8 +251,8 @@ class SavingHook(EpochHook):
         point = SavePoint(run.first_step + run.steps, preempted=preempted)
         batch = run.in_epoch
         if not preempted:
-            return self.saving.save_due(point, run.state, self.epoch, batch, lambda: self.order(batch), run.window,
-                                        self.frozen)
+            return self.saving.save_due(point, lambda: run.state, self.epoch, batch, lambda: self.order(batch),
+                                        run.window, self.frozen)
         run.window.drain()
         if self.frozen(run.state):
             return Outcome.HALT  # the frozen step is the error to report, not the preemption
