@@ -181,31 +181,37 @@ class ArraySource:
         local = padded // mesh.process_count
         lo = mesh.process_index * local
         ones = shared_constant(np.ones(local, np.float32))
+        counts: dict[int, np.ndarray] = {}  # each batch size's shared count (a full batch's: one lookup a batch)
         for b in range(start, self.batches_per_pass(batch_size)):
             first = b * batch_size
             real = order[first:first + batch_size]
-            if lo + local <= len(real):  # every row of this process's share is a real example
+            n = len(real)
+            count = counts.get(n)
+            if count is None:
+                count = counts[n] = shared_constant(np.float32(n))
+            if lo + local <= n:  # every row of this process's share is a real example
                 # Unshuffled rows are contiguous: views, not copies.
                 idx = slice(first + lo, first + lo + local) if not shuffle else real[lo:lo + local]
-                yield self._batch(idx, None, with_targets, len(real), ones)
+                yield self._batch(idx, None, with_targets, n, ones, count)
                 continue
             slot = np.arange(lo, lo + local)
-            valid = slot < len(real)
-            idx = np.where(valid, real[np.minimum(slot, len(real) - 1)], real[0])
-            yield self._batch(idx, valid, with_targets, len(real), ones)
+            valid = slot < n
+            idx = np.where(valid, real[np.minimum(slot, n - 1)], real[0])
+            yield self._batch(idx, valid, with_targets, n, ones, count)
 
     def _batch(self, idx: np.ndarray | slice, valid: np.ndarray | None, with_targets: bool, num_real: int,
-               ones: np.ndarray) -> Batch:
-        """Rows ``idx``; ``valid`` marks the real ones (``None``: all real)."""
+               ones: np.ndarray, count: np.ndarray) -> Batch:
+        """Rows ``idx``; ``valid`` marks the real ones (``None``: all real); ``count``: ``num_real`` shared."""
         pick = (lambda a: a[idx]) if isinstance(idx, slice) else (lambda a: np.take(a, idx, axis=0))
         if self.w is None:
             w = ones if valid is None else np.ones(len(valid), np.float32)
         else:
             w = pick(self.w)
         mask = ones if valid is None else valid.astype(np.float32)
-        y = jax.tree.map(pick, self.y) if with_targets else None
-        return Batch(jax.tree.map(pick, self.x), y, w, mask, shared_constant(np.float32(num_real)), num_real,
-                     weighted=self.w is not None)
+        # (a lone array, the common case, without the tree walk: once per batch on the dispatching thread)
+        x = pick(self.x) if type(self.x) is np.ndarray else jax.tree.map(pick, self.x)
+        y = None if not with_targets else pick(self.y) if type(self.y) is np.ndarray else jax.tree.map(pick, self.y)
+        return Batch(x, y, w, mask, count, num_real, weighted=self.w is not None)
 
 
 class ArrayStream(Stream):
