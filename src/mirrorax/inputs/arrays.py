@@ -16,7 +16,7 @@ import numpy as np
 
 from mirrorax.inputs.batch import Batch, padded_batch_size, row_counts
 from mirrorax.inputs.checks import FiniteScan, check_labels, check_weights, leaves, tree_numeric
-from mirrorax.inputs.placement import shared_constant
+from mirrorax.inputs.placement import shared_constant, shared_count
 from mirrorax.inputs.reading import FitReading
 from mirrorax.inputs.source import no_targets
 from mirrorax.inputs.streams import Stream
@@ -181,37 +181,34 @@ class ArraySource:
         local = padded // mesh.process_count
         lo = mesh.process_index * local
         ones = shared_constant(np.ones(local, np.float32))
-        counts: dict[int, np.ndarray] = {}  # each batch size's shared count (a full batch's: one lookup a batch)
         for b in range(start, self.batches_per_pass(batch_size)):
             first = b * batch_size
             real = order[first:first + batch_size]
-            n = len(real)
-            count = counts.get(n)
-            if count is None:
-                count = counts[n] = shared_constant(np.float32(n))
-            if lo + local <= n:  # every row of this process's share is a real example
+            if lo + local <= len(real):  # every row of this process's share is a real example
                 # Unshuffled rows are contiguous: views, not copies.
                 idx = slice(first + lo, first + lo + local) if not shuffle else real[lo:lo + local]
-                yield self._batch(idx, None, with_targets, n, ones, count)
+                yield self._batch(idx, None, with_targets, len(real), ones)
                 continue
             slot = np.arange(lo, lo + local)
-            valid = slot < n
-            idx = np.where(valid, real[np.minimum(slot, n - 1)], real[0])
-            yield self._batch(idx, valid, with_targets, n, ones, count)
+            valid = slot < len(real)
+            idx = np.where(valid, real[np.minimum(slot, len(real) - 1)], real[0])
+            yield self._batch(idx, valid, with_targets, len(real), ones)
 
     def _batch(self, idx: np.ndarray | slice, valid: np.ndarray | None, with_targets: bool, num_real: int,
-               ones: np.ndarray, count: np.ndarray) -> Batch:
-        """Rows ``idx``; ``valid`` marks the real ones (``None``: all real); ``count``: ``num_real`` shared."""
+               ones: np.ndarray) -> Batch:
+        """Rows ``idx``; ``valid`` marks the real ones (``None``: all real)."""
         pick = (lambda a: a[idx]) if isinstance(idx, slice) else (lambda a: np.take(a, idx, axis=0))
+
+        def cut(tree: Any) -> Any:  # (a lone array, the common case, without the tree walk: once per batch)
+            return pick(tree) if type(tree) is np.ndarray else jax.tree.map(pick, tree)
+
         if self.w is None:
             w = ones if valid is None else np.ones(len(valid), np.float32)
         else:
             w = pick(self.w)
         mask = ones if valid is None else valid.astype(np.float32)
-        # (a lone array, the common case, without the tree walk: once per batch on the dispatching thread)
-        x = pick(self.x) if type(self.x) is np.ndarray else jax.tree.map(pick, self.x)
-        y = None if not with_targets else pick(self.y) if type(self.y) is np.ndarray else jax.tree.map(pick, self.y)
-        return Batch(x, y, w, mask, count, num_real, weighted=self.w is not None)
+        return Batch(cut(self.x), cut(self.y) if with_targets else None, w, mask, shared_count(num_real), num_real,
+                     weighted=self.w is not None)
 
 
 class ArrayStream(Stream):

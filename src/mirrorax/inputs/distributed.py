@@ -38,7 +38,7 @@ import numpy as np
 from mirrorax.inputs.arrays import ArraySource
 from mirrorax.inputs.batch import Batch, padded_batch_size, take_rows
 from mirrorax.inputs.iterables import PerProcessDataset, agreed_items, empty_like, padding_index, per_process_pipeline
-from mirrorax.inputs.placement import RowsPlacer, cached_put, is_shared, put_rows, shared_constant
+from mirrorax.inputs.placement import RowsPlacer, cached_put, is_shared, put_rows, shared_constant, shared_count
 from mirrorax.steps.distributed_batch import DistributedBatch, remember_pieces
 
 if TYPE_CHECKING:
@@ -226,7 +226,6 @@ class DistributedDataset:
         known = not (self._per_process and s.process_count > 1)  # per-process: only the devices know the count
         template: Batch | None = None
         ones: np.ndarray | None = None
-        counts: dict[int, np.ndarray] = {}  # the shared count of each batch size seen (a lookup per batch)
         fast = s.process_count == 1
         for index, item in enumerate(agreed_items(iter(self._iterable), s, self._per_process)):  # type: ignore[arg-type]
             if item is None:
@@ -258,9 +257,7 @@ class DistributedDataset:
             else:
                 mask = valid.astype(np.float32)
             # No weights: a DistributedBatch carries none (the field holds the mask, never placed).
-            count = counts.get(n) if known else None
-            if known and count is None:
-                count = counts[n] = shared_constant(np.float32(n))
+            count = shared_count(n) if known else None
             if fast and mask is ones and n == padded and count is not None:
                 leaves, treedef = jax.tree.flatten(item)
                 if all(type(a) is np.ndarray for a in leaves):  # (tensors of other libraries: converted each time)

@@ -17,7 +17,7 @@ from mirrorax.inputs.batch import Batch
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh
 
-__all__ = ["shared_constant", "is_shared", "cached_put", "put_rows", "to_global", "RowsPlacer"]
+__all__ = ["shared_constant", "shared_count", "is_shared", "cached_put", "put_rows", "to_global", "RowsPlacer"]
 
 
 # Full, unweighted batches all carry the same ones (weights, mask) and the same count: one read-only
@@ -39,6 +39,20 @@ def shared_constant(value: np.ndarray | np.generic) -> np.ndarray:
         shared.flags.writeable = False
         _SHARED_IDS.add(id(shared))
     return shared
+
+
+_COUNTS: dict[int, np.ndarray] = {}  # n -> shared_constant(np.float32(n)), looked up by n
+
+
+def shared_count(n: int) -> np.ndarray:
+    """A batch's real-row count ``n`` as its :func:`shared_constant` (``float32``), looked up by ``n`` itself: once per
+    batch on the thread that dispatches the steps, where hashing the value's bytes each time is what it spares."""
+    count = _COUNTS.get(n)
+    if count is None:
+        count = shared_constant(np.float32(n))
+        if is_shared(count):  # (not when shared_constant's own table is full)
+            _COUNTS[n] = count
+    return count
 
 
 def is_shared(a: np.ndarray) -> bool:
