@@ -239,18 +239,18 @@ class Loop:
             # random state stays in step with it.
             first = next(host, None)
             rest = itertools.chain([first], host) if first is not None else iter(())
-            if meter is None or self.meter is None:
+            if meter is None:
                 return iter(self.device_batches(rest, self.steps_per_execution, stream.per_process))
-            return meter.placing(self.device_batches(meter.reading(rest), self.meter.group, stream.per_process))
+            return meter.placing(self.device_batches(meter.reading(rest), meter.fit.group, stream.per_process))
 
         dispatch = self._train_dispatch()
 
         try:
             outcome = self.run(run, placed, dispatch, loop_hooks, on_done=run.retire, count=stream.last_real)
             progress.stop()
-            if meter is not None and self.meter is not None:
+            if meter is not None:
                 meter.stop()
-                self.meter.end_epoch(meter, progress, hooks)
+                meter.fit.end_epoch(meter, progress, hooks)
             if outcome is epoch_lib.Outcome.PREEMPT:
                 device.value = run.state
                 raise preempted(run.state, plan.saving.checkpoint_dir, epoch, run.in_epoch)
