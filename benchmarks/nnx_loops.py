@@ -259,37 +259,34 @@ class System:
                     self._i += 1
                     box[0] = train_step_jax(box[0], batch)
                 jax.block_until_ready(box[0])
-        elif name in ("flax_functional", "strategy_jit_functional"):  # the guide's functional loop
+        elif name in ("flax_functional", "strategy_jit_functional", "guide_as_written",
+                      "strategy_jit_guide_as_written"):  # the guide's functional loop
             strategy = mx.MirroredStrategy(devices=devices, max_in_flight=max_in_flight)
-            jit = jax.jit if name == "flax_functional" else strategy.jit
+            jit = jax.jit if name in ("flax_functional", "guide_as_written") else strategy.jit
             graphdef, state = nnx.split((model, optimizer, metrics))
             jax_train_step = functional_step(jit, train_step)
             box = [state]
-            feed = batches if name == "flax_functional" else strategy.experimental_distribute_dataset(batches)
-            stream = _endless(feed)
+            if name.endswith("guide_as_written"):  # line for line: the guide makes its batch in the loop
+                import jax.numpy as jnp
 
-            def call(n: int) -> None:
-                state = box[0]
-                for _ in range(n):
-                    xb, yb = next(stream)
-                    loss, state = jax_train_step(graphdef, state, xb, yb)
-                box[0] = jax.block_until_ready(state)
-        elif name in ("guide_as_written", "strategy_jit_guide_as_written"):  # the guide's loop, line for line
-            import jax.numpy as jnp
+                (xs, xd), (ys, yd) = ((a.shape, a.dtype) for a in batches[0])
 
-            strategy = mx.MirroredStrategy(devices=devices, max_in_flight=max_in_flight)
-            jit = jax.jit if name == "guide_as_written" else strategy.jit
-            graphdef, state = nnx.split((model, optimizer, metrics))
-            jax_train_step = functional_step(jit, train_step)
-            box = [state]
-            (xs, xd), (ys, yd) = ((a.shape, a.dtype) for a in batches[0])
+                def call(n: int) -> None:
+                    state = box[0]
+                    for _ in range(n):
+                        x, y = jnp.ones(xs, xd), jnp.zeros(ys, yd)
+                        loss, state = jax_train_step(graphdef, state, x, y)
+                    box[0] = jax.block_until_ready(state)
+            else:  # over the loader's batches (the port: through experimental_distribute_dataset)
+                feed = batches if name == "flax_functional" else strategy.experimental_distribute_dataset(batches)
+                stream = _endless(feed)
 
-            def call(n: int) -> None:
-                state = box[0]
-                for _ in range(n):
-                    x, y = jnp.ones(xs, xd), jnp.zeros(ys, yd)
-                    loss, state = jax_train_step(graphdef, state, x, y)
-                box[0] = jax.block_until_ready(state)
+                def call(n: int) -> None:
+                    state = box[0]
+                    for _ in range(n):
+                        xb, yb = next(stream)
+                        loss, state = jax_train_step(graphdef, state, xb, yb)
+                    box[0] = jax.block_until_ready(state)
         elif name == "nnx_jit":
             step = nnx.jit(train_step, donate_argnums=(0, 1, 2))
 
