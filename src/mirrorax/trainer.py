@@ -128,7 +128,7 @@ class Trainer:
         self.accumulation_steps = accumulation_steps
         self.prefetch = int(prefetch)  # "auto" is resolved above
         self.steps = StepFunctions(self.adapter, self.strategy, donate=donate, on_nonfinite=on_nonfinite,
-                                   accumulation_steps=accumulation_steps)
+                                   accumulation_steps=accumulation_steps, placed_ahead=self.prefetch > 0)
         self.device_state = DeviceState(self.adapter, self.strategy)
         self.loop = Loop(self.device_state, self.steps, model, prefetch=self.prefetch,
                          steps_per_execution=1 if auto_steps else int(steps_per_execution), auto_steps=auto_steps)

@@ -44,6 +44,7 @@ from mirrorax._host import host_tree, host_value
 from mirrorax.as_made import split_transposes
 from mirrorax.fit.hooks import PackedLogs
 from mirrorax.inputs.batch import RealRows
+from mirrorax.inputs.placement import host_rows
 from mirrorax.models.base import ModelAdapter, real_count
 from mirrorax.steps.dispatch import StrategyFunction, layout
 from mirrorax.strategy import MirroredStrategy
@@ -122,10 +123,13 @@ class StepFunctions:
         ``"ignore"``.
       accumulation_steps: split each global batch into this many micro-batches, run them one after
         the other and apply one update with their averaged gradients (equal to the whole batch).
+      placed_ahead: a thread places the batches ahead of the steps (the Trainer's ``prefetch``): they reach
+        the steps on the devices, never as host arrays (:attr:`host_rows`).
     """
 
     def __init__(self, adapter: ModelAdapter, strategy: MirroredStrategy, *, donate: bool = True,
-                 on_nonfinite: NonFiniteMode = "raise", accumulation_steps: int = 1) -> None:
+                 on_nonfinite: NonFiniteMode = "raise", accumulation_steps: int = 1,
+                 placed_ahead: bool = False) -> None:
         if on_nonfinite not in NONFINITE_MODES:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_MODES}; received {on_nonfinite!r}.")
         self.adapter = adapter
@@ -145,9 +149,18 @@ class StepFunctions:
         self.predict = StrategyFunction(strategy, strategy.in_flight, self._predict_step,
                                         out_shardings=(strategy.batch_sharding, rep))
         self._donate_args = (0,) if donate else ()
+        self._placed_ahead = bool(placed_ahead)
         self._check_labels = True
         self._variants: dict[bool, tuple[Any, Any]] = {}
         self._select()
+
+    @property
+    def host_rows(self) -> bool:
+        """Whether a step is given its batch's rows as the host's arrays, which JAX's dispatch transfers: on one
+        device of one process (:func:`mirrorax.inputs.placement.host_rows`), unless a thread places the batches
+        ahead. ``fit``'s batches and the program a plan compiles (``mx.plan``, fit's start) both follow it, so that
+        they key one program."""
+        return not self._placed_ahead and host_rows(self.strategy)
 
     def check_labels_in_step(self, on: bool) -> None:
         """Whether the train steps look for labels outside the classes (on by default).

@@ -77,7 +77,8 @@ class Loop:
                        ) -> Iterator[tuple[int, Batch]] | Prefetcher:
         """``host``'s batches placed on the devices (``group`` stacked per dispatch when > 1; a function: of the
         epoch's batch index a group starts at)."""
-        return device_batches(host, group, self.strategy, prefetch=self.prefetch, per_process=per_process)
+        return device_batches(host, group, self.strategy, prefetch=self.prefetch, per_process=per_process,
+                              host_rows=self.steps.host_rows)
 
     # -- the loop ------------------------------------------------------------------------------------
     def run(self, run: epoch_lib.EpochRun, batches: Callable[[], Iterator[tuple[int, Batch]]], dispatch: Dispatch,

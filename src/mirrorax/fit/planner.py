@@ -305,9 +305,12 @@ def plan_step(steps: StepFunctions, device: DeviceState, sample: Batch, batch_si
     held = device.value
     abstract = device.abstract() if held is None else None
     padded = padded_batch_size(batch_size, s)
+    on_host = steps.host_rows  # (the rows as fit gives them: host arrays, or placed on the devices)
 
     def batch_spec(a: Any) -> Any:
         a = np.asarray(a)
+        if on_host:
+            return jax.ShapeDtypeStruct((padded,) + a.shape[1:], jax.dtypes.canonicalize_dtype(a.dtype))
         return jax.ShapeDtypeStruct((padded,) + a.shape[1:], a.dtype, sharding=s.batch_sharding)
 
     one = sample.step_tree()

@@ -17,7 +17,8 @@ from mirrorax.inputs.batch import Batch
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh
 
-__all__ = ["shared_constant", "shared_count", "is_shared", "cached_put", "put_rows", "to_global", "RowsPlacer"]
+__all__ = ["shared_constant", "shared_count", "is_shared", "cached_put", "put_rows", "to_global", "RowsPlacer",
+           "host_rows"]
 
 
 # Full, unweighted batches all carry the same ones (weights, mask) and the same count: one read-only
@@ -176,11 +177,55 @@ class RowsPlacer:
                 for a, (aval, devices, slices, copy) in zip(leaves, self._items)]
 
 
-def to_global(batch: Batch, mesh: BatchMesh, *, stacked: bool = False) -> Batch:
+def host_rows(mesh: BatchMesh) -> bool:
+    """Whether a compiled step on ``mesh`` may be given a batch's rows as the host's numpy arrays, for JAX's own
+    dispatch to transfer them (as ``jax.jit`` does the numpy batch of Flax's own loop): one device of one process,
+    where the rows need no split and no gathering, and no transfer guard set against the implicit transfer that
+    is (one that logs or refuses it: the rows are placed as on several devices).
+
+    The dispatch's transfer is JAX's C++; placing the rows first (:class:`RowsPlacer`) makes a ``jax.Array`` per
+    leaf from Python, which on the CPU proxy (benchmarks/host_proxy.py, one process alternating the two) cost
+    ``Trainer.fit`` a quarter of its host time a step: 89 against 67 us, Flax's loop 66.
+    """
+    if mesh.process_count != 1 or len(mesh.devices) != 1:
+        return False
+    guard = getattr(jax.config, "jax_transfer_guard_host_to_device", None) or getattr(jax.config,
+                                                                                       "jax_transfer_guard", None)
+    return guard in (None, "allow")
+
+
+def _host(a: Any) -> Any:
+    """``a`` as a step takes it from the host: a numpy array in JAX's dtype (``float64`` -> ``float32`` unless JAX
+    runs in x64), as the program was compiled and planned for; anything else as it is."""
+    if type(a) is not np.ndarray:
+        return a
+    wanted = jax.dtypes.canonicalize_dtype(a.dtype)
+    return a if a.dtype == wanted else a.astype(wanted)
+
+
+def _kept(batch: Batch, sharding: Any, put: Any) -> list[Any] | None:
+    """``to_global(host=True)``'s ``x``, ``y``, ``sample_weight`` and ``mask``: the host's arrays (:func:`_host`),
+    the shared constants placed once; ``None`` when a leaf is no numpy array (placed as ever, then)."""
+    out: list[Any] = []
+    for a in (batch.x, batch.y, batch.sample_weight, batch.mask):
+        if type(a) is np.ndarray:  # (a lone array: no tree walk, once per step)
+            out.append(cached_put(a, sharding, put) if is_shared(a) else _host(a))
+            continue
+        leaves, treedef = jax.tree.flatten(a)
+        if not all(type(leaf) is np.ndarray for leaf in leaves):
+            return None
+        out.append(jax.tree.unflatten(treedef, [_host(leaf) for leaf in leaves]))
+    return out
+
+
+def to_global(batch: Batch, mesh: BatchMesh, *, stacked: bool = False, host: bool = False) -> Batch:
     """Places this process's rows as one global array per leaf, split over the batch axis.
 
     Args:
       batch: this process's rows; stacked: the batch has a leading steps axis (rows are axis 1).
+      host: leave the rows that change from batch to batch (``x``, ``y``, a short batch's mask, weights) as
+        the host's numpy arrays, for the step's dispatch to transfer: only where :func:`host_rows` says so
+        (the batch's constants, its count and a full batch's mask, are placed once all the same).
     """
     sharding = mesh.stacked_batch_sharding if stacked else mesh.batch_sharding
     count = mesh.process_count
@@ -196,6 +241,11 @@ def to_global(batch: Batch, mesh: BatchMesh, *, stacked: bool = False) -> Batch:
     if batch.num_real is not None:
         value = np.asarray(batch.num_real, np.float32)
         num_real = cached_put(value, mesh.replicated, put_replicated)
+    if host and not stacked:
+        kept = _kept(batch, sharding, put)
+        if kept is not None:
+            x, y, sample_weight, mask = kept
+            return Batch(x, y, sample_weight, mask, num_real, batch.rows, batch.weighted)
     # Every per-step leaf in one transfer: a device_put per leaf costs ~3x as much host time (measured
     # 530 against 145 us for an MLP batch's x and y on one CPU device), time the step cannot hide on
     # a small host.

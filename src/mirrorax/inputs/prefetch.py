@@ -72,7 +72,7 @@ class Prefetcher:
 
 
 def device_batches(host: Iterator[Batch], group: int | Callable[[int], int], mesh: BatchMesh, *, prefetch: int,
-                   per_process: bool) -> Iterator[tuple[int, Batch]] | Prefetcher:
+                   per_process: bool, host_rows: bool = False) -> Iterator[tuple[int, Batch]] | Prefetcher:
     """``host``'s batches on the devices as ``(k, batch)`` pairs: ``k == 0`` for one step's batch,
     ``k == group`` for ``group`` batches stacked for one dispatch (``steps_per_execution``; the tail
     that does not fill a group goes one by one). ``group`` may be a function of the batch index a group
@@ -80,7 +80,9 @@ def device_batches(host: Iterator[Batch], group: int | Callable[[int], int], mes
 
     Placed ``prefetch`` ahead on a background thread (:class:`Prefetcher`), or synchronously when
     ``prefetch == 0``, or for per-process pipelines of a multi-process job: they agree on "more data?"
-    with a collective each step, which must stay on the thread that dispatches the steps.
+    with a collective each step, which must stay on the thread that dispatches the steps. ``host_rows``
+    (synchronous only; :func:`mirrorax.inputs.placement.host_rows` says where): one step's rows stay the host's
+    arrays, for the step's dispatch to transfer.
     """
     def grouped() -> Iterator[tuple[int, Batch]]:
         if group == 1:
@@ -101,5 +103,5 @@ def device_batches(host: Iterator[Batch], group: int | Callable[[int], int], mes
                     return
 
     if prefetch == 0 or (per_process and mesh.process_count > 1):
-        return ((k, to_global(b, mesh, stacked=k > 0)) for k, b in grouped())
+        return ((k, to_global(b, mesh, stacked=k > 0, host=host_rows)) for k, b in grouped())
     return Prefetcher(grouped(), mesh, depth=prefetch)
