@@ -330,7 +330,10 @@ def test_tf_function_step_names_the_fix():
     with pytest.raises(TypeError, match="Remove @tf.function"):
         s.jit(train_step)
 
-    @tf.function
+    # (autograph off: AutoGraph's conversion cache once handed this call a converted function of an earlier test's,
+    # "tf__make() got an unexpected keyword argument 'args'", in one of two runs of a 16-module subset; what is
+    # tested is the call made while TensorFlow traces, which autograph does not change)
+    @tf.function(autograph=False)
     def distributed_step(x):  # the decorator left on the function that calls strategy.run
         return s.run(lambda v: v * 2, args=(np.ones(2, np.float32),))
 
