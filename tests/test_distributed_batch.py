@@ -221,10 +221,11 @@ def test_a_full_batch_s_pieces_cost_nothing_per_call():
 
 def test_a_full_batch_beside_the_next_padded_one_is_no_stray():
     # The next batch is placed while a step runs: a full batch's array (or one computed from it) beside a
-    # living padded batch of the same rows is not taken for a stray piece of it.
+    # living padded batch of the same rows is not taken for a stray piece of it. (Two devices: on one, a batch
+    # is the host's arrays and a short one its real rows, never padded.)
     from mirrorax.steps import distributed_batch
 
-    s = strategy(1)
+    s = strategy(2)
     step = s.jit(lambda x: jnp.mean(x))
     got = []
     with warnings.catch_warnings():
@@ -285,3 +286,47 @@ def test_a_keras_step_given_pieces_equals_the_whole_batch_and_one_device(per_rep
         assert got["accuracy"] == pytest.approx(one["accuracy"], rel=1e-6)
         for a, b in zip(got["weights"], one["weights"], strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("source", ["arrays", "arrays shuffled", "iterable", "one array"])
+def test_on_one_device_a_batch_is_the_hosts_arrays_which_the_step_transfers(source):
+    """On one device of one process a batch is not placed: its arrays are the host's (an iterable's items
+    themselves; an array dataset's rows cut from read-only views, so that an in-place edit cannot reach the user's
+    arrays), the short last batch its real rows (one device holds every row: nothing to pad), and the step's
+    dispatch transfers them as jax.jit does Flax's loop's numpy batch. The rows and their order are those of the
+    placed batches of two devices; where a transfer guard logs implicit transfers, the batches are placed."""
+    items = real_batches()
+    data, kw = {"arrays": ((X, Y), {"batch_size": BATCH}),
+                "arrays shuffled": ((X, Y), {"batch_size": BATCH, "shuffle": True, "seed": 4}),
+                "iterable": (items, {}), "one array": (X, {"batch_size": BATCH})}[source]
+
+    def leaves(b):
+        return b.data if isinstance(b, mx.DistributedBatch) else (b,)
+
+    s = strategy(1)
+    for _ in range(2):  # (a second pass: the batches known by their signature from the first)
+        batches = [leaves(b) for b in s.experimental_distribute_dataset(data, **kw)]
+        assert [type(b[0]) for b in batches] == [np.ndarray] * 4
+        assert [len(b[0]) for b in batches] == [16, 16, 16, 2]  # (not padded: 2 rows, not 16)
+    placed = [[np.asarray(a)[:len(b[0])] for a in leaves(p)] for b, p in
+              zip(batches, strategy(2).experimental_distribute_dataset(data, **kw), strict=True)]
+    for b, p in zip(batches, placed):
+        assert isinstance(p[0], np.ndarray) and len(b) == len(p)
+        for u, v in zip(b, p):
+            np.testing.assert_array_equal(u, v)
+    if source == "iterable":  # the loader's own arrays
+        assert all(b[0] is x and b[1] is y for b, (x, y) in zip(batches, items))
+    else:
+        for b in batches:
+            x = b[0]
+            try:
+                x += 1  # a view of the user's rows refuses; a copy (shuffled rows, the short batch) takes it
+            except ValueError as e:
+                assert "read-only" in str(e)
+        np.testing.assert_array_equal(X, np.arange(1, ROWS + 1))
+    if source in ("arrays", "iterable"):
+        step = s.jit(stats)
+        check([step(x, y) for x, y in s.experimental_distribute_dataset(data, **kw)], source)
+    with jax.transfer_guard_host_to_device("log"):
+        first = next(iter(s.experimental_distribute_dataset(data, **kw)))
+    assert isinstance(leaves(first)[0], jax.Array)

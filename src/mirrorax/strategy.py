@@ -185,7 +185,9 @@ class MirroredStrategy(BatchMesh):
           fixed shape (padded, with ``mask``, ``num_real`` and, where the host knows it, the static count
           ``rows``): a step compiles once for the full batches and once for a short one. Its arrays,
           unpacked in the loop (``for x, y in dist``), reach a step as the whole batch's do (a dataset of
-          one array yields that array).
+          one array yields that array). On one device of one process nothing needs splitting: the arrays
+          stay the host's (numpy; a short batch its real rows), and the step's dispatch transfers them as
+          ``jax.jit`` does a numpy argument.
 
         Example:
           >>> dist = strategy.experimental_distribute_dataset((x, y), batch_size=256, shuffle=True)

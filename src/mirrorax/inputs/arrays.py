@@ -170,6 +170,24 @@ class ArraySource:
         yield from self._batches(batch_size, mesh, shuffle=shuffle, seed=seed, pass_index=pass_index,
                                  start=start, with_targets=with_targets, order=order)
 
+    def full_leaf_batches(self, batch_size: int, *, shuffle: bool | str, seed: int,
+                          pass_index: int) -> Iterator[list[np.ndarray]]:
+        """The leaves of ``x`` (``jax.tree.leaves``' order) cut to each full batch of pass ``pass_index`` on one
+        process of one device, the rows :meth:`batches` gives them (views when unshuffled), and nothing else: no
+        weights, no mask, no :class:`Batch`. What a loop of small steps on one device pays per batch is the cut
+        alone (a batch short of ``batch_size``, the pass's last, is :meth:`batches`' from its index on)."""
+        self.wait_checked()
+        leaves = jax.tree.leaves(self.x)
+        full = self.num_examples // batch_size
+        if not shuffle:
+            for first in range(0, full * batch_size, batch_size):
+                yield [a[first:first + batch_size] for a in leaves]
+            return
+        order = self.order(shuffle, seed, pass_index, batch_size)
+        for first in range(0, full * batch_size, batch_size):
+            idx = order[first:first + batch_size]
+            yield [np.take(a, idx, axis=0) for a in leaves]
+
     def _batches(self, batch_size: int, mesh: BatchMesh, *, shuffle: bool | str, seed: int,
                  pass_index: int, start: int = 0, with_targets: bool = True,
                  order: np.ndarray | None = None) -> Iterator[Batch]:

@@ -24,10 +24,16 @@ rules: any pytree of arrays, each batch's item whole (never split into ``x``, ``
 Each process builds only its own rows of every global batch. The next batch is placed right after the
 strategy dispatches a step (``strategy.jit`` / ``strategy.run``), before the host waits on the previous
 step: the host's copy overlaps the devices' work, without a second thread.
+
+On one device of one process (:func:`~mirrorax.inputs.placement.host_rows`) nothing is placed: a batch's data
+is the host's numpy arrays (an iterable's items as they came, an array dataset's rows cut from read-only views
+of the user's arrays, a short batch its real rows with nothing to pad), which the step's dispatch transfers as
+``jax.jit`` does a numpy argument; they are no pieces (nothing of a padded batch can be taken for them).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -38,7 +44,15 @@ import numpy as np
 from mirrorax.inputs.arrays import ArraySource
 from mirrorax.inputs.batch import Batch, padded_batch_size, take_rows
 from mirrorax.inputs.iterables import PerProcessDataset, agreed_items, empty_like, padding_index, per_process_pipeline
-from mirrorax.inputs.placement import RowsPlacer, cached_put, is_shared, put_rows, shared_constant, shared_count
+from mirrorax.inputs.placement import (
+    RowsPlacer,
+    cached_put,
+    host_rows,
+    is_shared,
+    put_rows,
+    shared_constant,
+    shared_count,
+)
 from mirrorax.steps.distributed_batch import DistributedBatch, remember_pieces
 
 if TYPE_CHECKING:
@@ -63,6 +77,12 @@ def _numeric(a: Any, what: str) -> np.ndarray:
     return arr if arr.dtype == wanted else arr.astype(wanted)
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    view = a.view()
+    view.flags.writeable = False
+    return view
+
+
 def _tree(data: Any, what: str) -> PyTree:
     paths, treedef = jax.tree_util.tree_flatten_with_path(data)
     return jax.tree.unflatten(treedef, [_numeric(a, f"{what}{jax.tree_util.keystr(p)}") for p, a in paths])
@@ -81,14 +101,16 @@ def _rows(tree: PyTree, what: str) -> int:
 class _Full:
     """The signature of an iterable's full batches on one process (its tree, each leaf's shape and dtype), once
     one such batch was seen: a later item of that signature needs no check, cut, copy or padding, and is placed
-    by a :class:`~mirrorax.inputs.placement.RowsPlacer` (a loop of small steps pays the transfer alone)."""
+    by a :class:`~mirrorax.inputs.placement.RowsPlacer` (a loop of small steps pays the transfer alone), or on one
+    device kept as the host's arrays (:func:`~mirrorax.inputs.placement.host_rows`)."""
 
-    __slots__ = ("treedef", "specs", "rows", "leaf", "record", "_mesh", "_host", "_placed")
+    __slots__ = ("treedef", "specs", "dtypes", "rows", "leaf", "record", "_mesh", "_host", "_placed")
 
     def __init__(self, treedef: Any, leaves: list[np.ndarray], rows: int, mesh: BatchMesh, mask: np.ndarray,
                  num_real: np.ndarray) -> None:
         self.treedef, self.rows, self._mesh = treedef, rows, mesh
         self.specs = [(a.shape, a.dtype) for a in leaves]
+        self.dtypes = [jax.dtypes.canonicalize_dtype(a.dtype) for a in leaves]  # (JAX's: float64 -> float32)
         self.leaf = jax.tree_util.treedef_is_leaf(treedef)
         self._host = (mask, num_real)  # (shared constants: placed once, at the first placement)
         self._placed: tuple[RowsPlacer, jax.Array, jax.Array] | None = None
@@ -104,16 +126,18 @@ class _Full:
                 return None
         return leaves
 
-    def place(self, leaves: list[np.ndarray]) -> DistributedBatch:
-        """The batch of ``leaves`` (a :meth:`match`) on the devices."""
+    def place(self, leaves: list[np.ndarray], on_host: bool = False) -> DistributedBatch:
+        """The batch of ``leaves`` (a :meth:`match`) on the devices, or with ``on_host`` its leaves the host's arrays
+        (in JAX's dtypes) for the step's dispatch to transfer."""
         if self._placed is None:
             s, (mask, num_real) = self._mesh, self._host
-            self._placed = (RowsPlacer([(shape, jax.dtypes.canonicalize_dtype(dtype)) for shape, dtype in self.specs],
-                                       s.batch_sharding),
+            specs = [(shape, d) for (shape, _), d in zip(self.specs, self.dtypes)]
+            self._placed = (RowsPlacer(specs, s.batch_sharding),
                             cached_put(mask, s.batch_sharding, lambda a: put_rows([a], s.batch_sharding, 1)[0]),
                             cached_put(num_real, s.replicated, lambda a: s.place(a, s.replicated)))
         placer, placed_mask, placed_count = self._placed
-        data = placer([a if a.dtype == d else a.astype(d) for a, d in zip(leaves, placer.dtypes)])
+        rows = [a if a.dtype == d else a.astype(d) for a, d in zip(leaves, self.dtypes)]
+        data = rows if on_host else placer(rows)
         return DistributedBatch(self.treedef.unflatten(data), placed_mask, placed_count, False, self.rows)
 
 
@@ -155,7 +179,9 @@ class DistributedDataset:
                 raise ValueError("batch_size is required when data holds arrays: it is the global batch "
                                  f"(over all devices and processes). Received: batch_size={batch_size!r}. "
                                  "Pass e.g. batch_size=256.")
-            arrays = _tree(data, "data")
+            # Read-only views: a batch cut from them (a view on one device, where the step is given the host's
+            # rows) cannot change the user's arrays in place; the user's own arrays stay as they were.
+            arrays = jax.tree.map(_read_only, _tree(data, "data"))
             self._n = _rows(arrays, "data")
             if self._n == 0:
                 raise ValueError(f"data is empty: received arrays of shapes "
@@ -211,8 +237,16 @@ class DistributedDataset:
     def __iter__(self) -> Iterator[DistributedBatch]:
         pass_index = self._passes
         self._passes += 1
-        host = self._array_batches(pass_index) if self._source is not None else self._iterable_batches()
-        return _PlacingIterator(host, self._place, self._window)
+        # One device of one process: the batches stay the host's arrays, which the step's dispatch transfers
+        # (nothing placed ahead then: no window to place after).
+        on_host = host_rows(self._mesh)
+        host: Iterator[Batch | list[np.ndarray]]
+        if self._source is None:
+            host = self._iterable_batches(on_host)
+        else:
+            host = self._host_array_batches(pass_index) if on_host else self._array_batches(pass_index)
+        return _PlacingIterator(host, functools.partial(self._place, on_host=on_host),
+                                None if on_host else self._window)
 
     def _array_batches(self, pass_index: int) -> Iterator[Batch]:
         assert self._source is not None and self._batch_size is not None
@@ -221,7 +255,23 @@ class DistributedDataset:
         # only a pass's last batch can be short
         return itertools.islice(batches, self._n // self._batch_size) if self._drop_remainder else batches
 
-    def _iterable_batches(self) -> Iterator[Batch]:
+    def _host_array_batches(self, pass_index: int) -> Iterator[Batch | list[np.ndarray]]:
+        """An array dataset's batches on one device (:func:`host_rows`): each full batch the leaves of its rows
+        (:meth:`ArraySource.full_leaf_batches`, the signature :class:`_Full` holds), the short last one a
+        :class:`Batch` (its real rows kept, the padding cut off)."""
+        source, size = self._source, self._batch_size
+        assert source is not None and size is not None
+        if self._full is None and source.num_examples >= size:
+            leaves, treedef = jax.tree.flatten(source.x)
+            self._full = _Full(treedef, [a[:size] for a in leaves], size, self._mesh,
+                               shared_constant(np.ones(size, np.float32)), shared_count(size))
+        yield from source.full_leaf_batches(size, shuffle=self._shuffle, seed=self._seed, pass_index=pass_index)
+        if source.num_examples % size and not self._drop_remainder:
+            last = source.batches_per_pass(size) - 1
+            yield from source.batches(size, self._mesh, shuffle=self._shuffle, seed=self._seed, pass_index=pass_index,
+                                      start=last, with_targets=False)
+
+    def _iterable_batches(self, on_host: bool = False) -> Iterator[Batch]:
         s = self._mesh
         known = not (self._per_process and s.process_count > 1)  # per-process: only the devices know the count
         template: Batch | None = None
@@ -249,6 +299,11 @@ class DistributedDataset:
                 raise ValueError(f"Batch {index} has {n} rows, more than batch_size={self._batch_size} allows "
                                  f"({limit} rows per {'process' if self._per_process else 'global batch'}). Pass "
                                  "batch_size equal to the largest batch the iterable yields.")
+            if on_host and n < padded:  # one device holds every row: the real rows alone, unpadded
+                ones_n = shared_constant(np.ones(n, np.float32))
+                template = Batch(rows, None, ones_n, ones_n, shared_count(n), n)
+                yield template
+                continue
             idx, valid = padding_index(n, padded, s, self._per_process)
             if valid.all():  # a full batch: the one mask already on the devices
                 if ones is None or ones.shape != valid.shape:
@@ -262,23 +317,33 @@ class DistributedDataset:
                 leaves, treedef = jax.tree.flatten(item)
                 if all(type(a) is np.ndarray for a in leaves):  # (tensors of other libraries: converted each time)
                     self._full = _Full(treedef, leaves, n, s, mask, count)
-            template = Batch(take_rows(rows, idx), None, mask, mask, count, n if known else None)
+            # (on one device a full item is given as it came: the first as the later ones, the data's own arrays)
+            kept = on_host and mask is ones and n == padded
+            template = Batch(rows if kept else take_rows(rows, idx), None, mask, mask, count, n if known else None)
             yield template
 
     # -- placement ---------------------------------------------------------------------------------
-    def _place(self, host: Batch | list[np.ndarray]) -> DistributedBatch:
+    def _place(self, host: Batch | list[np.ndarray], on_host: bool = False) -> DistributedBatch:
         s = self._mesh
         if type(host) is list:  # a full batch of the signature _Full holds: its leaves
             signature = self._full
             assert signature is not None
-            batch = signature.place(host)
-            signature.record = remember_pieces(batch, signature.record)
+            batch = signature.place(host, on_host)
+            if not on_host:  # (host arrays are no piece: nothing of a padded batch can be taken for them)
+                signature.record = remember_pieces(batch, signature.record)
             return batch.data if signature.leaf else batch
         assert isinstance(host, Batch)
+        full = is_shared(host.mask)
+        known = self._full
+        if full and known is not None and host.rows == known.rows and host.num_real is not None:
+            leaves = known.match(host.x)  # (an array source's full batch, most likely: of the signature known)
+            if leaves is not None:
+                return self._place(leaves, on_host)
         sharding = s.batch_sharding
         leaves, treedef = jax.tree.flatten(host.x)
-        full = is_shared(host.mask)
         count = host.num_real
+        if on_host and isinstance(host.rows, int) and (not full or host.rows < self.padded_rows(self._batch_size or 0)):
+            return self._short_on_host(host, leaves, treedef)
         if full and s.process_count == 1 and count is not None and isinstance(host.rows, int):
             # (an array source's full batches: views of one signature, placed as an iterable's are)
             known = self._full
@@ -289,7 +354,7 @@ class DistributedDataset:
                 else:
                     known = self._full = _Full(treedef, leaves, host.rows, s, host.mask, np.asarray(count))
             if known is not None:
-                return self._place(leaves)
+                return self._place(leaves, on_host)
         if full:  # a full batch: its mask was placed once
             placed = put_rows(leaves, sharding, s.process_count)
             mask = cached_put(host.mask, sharding, self._put_rows)
@@ -306,6 +371,18 @@ class DistributedDataset:
         batch = DistributedBatch(jax.tree.unflatten(treedef, placed), mask, num_real, padded, rows)
         remember_pieces(batch)  # (a padded batch's arrays: pieces that keep its real rows in a step)
         # A dataset of one array gives that array (a piece of its batch): an array to the step and outside it.
+        return batch.data if jax.tree_util.treedef_is_leaf(treedef) else batch
+
+    def _short_on_host(self, host: Batch, leaves: list[Any], treedef: Any) -> Any:
+        """A batch short of the global batch on one device (:func:`host_rows`): its real rows as the host's arrays
+        (an array dataset's padding cut off), no padding (one device holds every row); its mask and count placed
+        once per count."""
+        s, n = self._mesh, int(host.rows)  # type: ignore[arg-type]  # (an int: checked by the caller)
+        data = [_numeric(a, "a batch") for a in leaves]  # (in JAX's dtypes, as the full batches)
+        data = [a if len(a) == n else a[:n] for a in data]
+        mask = cached_put(shared_constant(np.ones(n, np.float32)), s.batch_sharding, self._put_rows)
+        count = cached_put(shared_count(n), s.replicated, lambda a: s.place(a, s.replicated))
+        batch = DistributedBatch(jax.tree.unflatten(treedef, data), mask, count, False, n)
         return batch.data if jax.tree_util.treedef_is_leaf(treedef) else batch
 
     def _put_rows(self, a: np.ndarray) -> jax.Array:
@@ -328,7 +405,7 @@ class _PlacingIterator:
 
     _END = object()
 
-    def __init__(self, host: Iterator[Batch], place: Any, window: InFlight | None) -> None:
+    def __init__(self, host: Iterator[Batch | list[np.ndarray]], place: Any, window: InFlight | None) -> None:
         self._host, self._place, self._window = host, place, window
         self._ready: Any = None
         self._asked = False  # prepare() waits in the window: asked once, however many next() come first

@@ -19,7 +19,8 @@ same arguments and it has the batch's placed rows and layout (row-wise work keep
 without such a piece it is named by :func:`stray_arrays` (the caller warns).
 
 A full batch's pieces need nothing (a full batch is its real rows), so only padded batches are remembered:
-a loop over full batches pays nothing per call.
+a loop over full batches pays nothing per call. On one device of one process a batch's data is the host's
+numpy arrays, never padded (:mod:`mirrorax.inputs.distributed`): no piece at all.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class DistributedBatch:
 
     Attributes:
       data: the item's own structure (e.g. ``(x, y)``) as global ``jax.Array`` s split over the batch axis,
-        every leaf with the same fixed number of rows (the global batch rounded up to the device count).
+        every leaf with the same fixed number of rows (the global batch rounded up to the device count); on one
+        device of one process the host's numpy arrays of the batch's real rows.
       mask: float32 ``(rows,)``: 1.0 for a real example, 0.0 for a padding row.
       num_real: a replicated float32 scalar: the real examples of the whole global batch.
       padded: whether this process's rows hold padding (known on the host, with no device read;
