@@ -7,6 +7,9 @@ fit's host batch cut), the held objects (an NNX step's objects matched, checked 
 and written back), the dispatch (the compiled program called: JAX's C++ dispatch, and on a CPU host the step's
 execution where the client runs it inline), the window's wait for the previous step, and the rest of the
 step's Python (the loops and the hooks). The timers cost about 0.3 us a timed call, which the figures include.
+On one device of one process (the proxy's) a batch is not placed: its rows go to the step as the host's arrays
+and the dispatch transfers them in JAX's C++ (DESIGN.md), so their transfer is the dispatch's and the placement
+phase is empty; on several devices, or with ``Trainer(prefetch=k)``, the rows are placed first.
 
 Run: ``python -m benchmarks.step_phases`` (about 1 min), or ``--systems strategy_jit_donated,trainer``. On an
 accelerator, ``--workload cnn --batch 32`` times the Flax NNX table's systems (``benchmarks/nnx_loops.py``:

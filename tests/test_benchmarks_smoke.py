@@ -317,8 +317,8 @@ def test_host_proxy_runs_each_system_in_its_own_process_against_its_baseline(tmp
 @pytest.mark.timeout(300)
 def test_step_phases_splits_a_steps_host_time_by_phase(tmp_path):
     """``python -m benchmarks.step_phases``: each door's host time per step split into phases that add up to it;
-    the held objects' phase is the NNX door's alone, the window's wait is never negative. The plumbing, not the
-    speed."""
+    the held objects' phase is the NNX door's alone, the window's wait is never negative, and on one device no
+    batch is placed (its rows go to the dispatch, which transfers them). The plumbing, not the speed."""
     out = tmp_path / "phases.json"
     proc = subprocess.run(python("-m", "benchmarks.step_phases", "--systems", "strategy_jit_donated,trainer", "--steps",
                                  "30", "--warmup", "5", "--out", str(out)),
@@ -329,7 +329,7 @@ def test_step_phases_splits_a_steps_host_time_by_phase(tmp_path):
     for name, r in rows.items():
         phases = r["phases"]
         assert sum(phases.values()) == pytest.approx(r["us_per_step"]), name
-        assert phases["placement"] > 0 and phases["dispatch"] > 0 and phases["window wait"] >= 0, (name, phases)
+        assert phases["placement"] == 0 and phases["dispatch"] > 0 and phases["window wait"] >= 0, (name, phases)
     assert rows["strategy_jit_donated"]["phases"]["held objects"] > 0 == rows["trainer"]["phases"]["held objects"]
     assert "| strategy_jit_donated |" in proc.stdout
 
