@@ -66,7 +66,8 @@ class Trainer:
         overlaps the devices' work anyway). ``"auto"`` is 0: placing holds Python's lock for most of its
         time, so a second thread only takes turns with the dispatching one (the figures are in
         ``benchmarks/README.md``, "Why the code is as it is"). A thread pays for inputs whose batches are slow
-        to make on the host and release the lock meanwhile.
+        to make on the host and release the lock meanwhile. With 0 on one device of one process a batch is
+        not placed at all: the step takes the host's rows and its dispatch transfers them, as ``jax.jit`` does.
       on_nonfinite: ``"raise"``, ``"skip"`` (drop the update, count it in the history) or ``"ignore"``.
       donate: donate the state buffers to each train step (no copy of the state per step).
       mixed_precision: ``"bfloat16"`` (bf16 compute, float32 variables) or ``"float16"`` (also dynamic
