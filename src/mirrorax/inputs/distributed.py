@@ -344,17 +344,12 @@ class DistributedDataset:
         count = host.num_real
         if on_host and isinstance(host.rows, int) and (not full or host.rows < self.padded_rows(self._batch_size or 0)):
             return self._short_on_host(host, leaves, treedef)
-        if full and s.process_count == 1 and count is not None and isinstance(host.rows, int):
-            # (an array source's full batches: views of one signature, placed as an iterable's are)
-            known = self._full
-            if known is None or known.match(host.x) is None:
-                if not all(type(a) is np.ndarray and a.dtype == jax.dtypes.canonicalize_dtype(a.dtype)
-                           for a in leaves):
-                    known = None
-                else:
-                    known = self._full = _Full(treedef, leaves, host.rows, s, host.mask, np.asarray(count))
-            if known is not None:
-                return self._place(leaves, on_host)
+        if full and s.process_count == 1 and count is not None and isinstance(host.rows, int) and all(
+                type(a) is np.ndarray and a.dtype == jax.dtypes.canonicalize_dtype(a.dtype) for a in leaves):
+            # (a full batch of a signature not known yet, the known one matched above: an array source's views,
+            # placed as an iterable's are from here on)
+            self._full = _Full(treedef, leaves, host.rows, s, host.mask, np.asarray(count))
+            return self._place(leaves, on_host)
         if full:  # a full batch: its mask was placed once
             placed = put_rows(leaves, sharding, s.process_count)
             mask = cached_put(host.mask, sharding, self._put_rows)
@@ -376,12 +371,11 @@ class DistributedDataset:
     def _short_on_host(self, host: Batch, leaves: list[Any], treedef: Any) -> Any:
         """A batch short of the global batch on one device (:func:`host_rows`): its real rows as the host's arrays
         (an array dataset's padding cut off), no padding (one device holds every row); its mask and count placed
-        once per count."""
+        once per count. (Its leaves are numeric in JAX's dtypes already: ``_tree`` made them so, item or arrays.)"""
         s, n = self._mesh, int(host.rows)  # type: ignore[arg-type]  # (an int: checked by the caller)
-        data = [_numeric(a, "a batch") for a in leaves]  # (in JAX's dtypes, as the full batches)
-        data = [a if len(a) == n else a[:n] for a in data]
+        data = [a if len(a) == n else a[:n] for a in leaves]
         mask = cached_put(shared_constant(np.ones(n, np.float32)), s.batch_sharding, self._put_rows)
-        count = cached_put(shared_count(n), s.replicated, lambda a: s.place(a, s.replicated))
+        count = cached_put(host.num_real, s.replicated, lambda a: s.place(a, s.replicated))  # (shared_count(n))
         batch = DistributedBatch(jax.tree.unflatten(treedef, data), mask, count, False, n)
         return batch.data if jax.tree_util.treedef_is_leaf(treedef) else batch
 
