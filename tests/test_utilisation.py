@@ -283,6 +283,55 @@ def test_an_input_that_sleeps_5_ms_a_batch_is_named_with_its_fix_and_arrays_are_
     assert all(u.input_wait < 0.2 for u in t.utilisation)
 
 
+@pytest.mark.parametrize("way", ["one_by_one", "wrapped"])
+def test_the_clock_tells_the_inputs_reads_from_the_placing_and_the_window(way):
+    """The meter's two ways around the batches (one generator when one step a dispatch is placed on the loop's
+    thread; the input's reads and the placed batches wrapped apart otherwise) count a read as input wait, and
+    neither the placing nor the host's work after it: reads of >= 2 ms, a placing of >= 4 ms, a window of none.
+    (Intervals that do not overlap: the read total is at most the loop's time less the placings', whatever the
+    host's load stretches.)"""
+    from mirrorax.fit.epoch import EpochRun
+    from mirrorax.fit.meter import EpochMeter, FitMeter
+    from mirrorax.steps.dispatch import InFlight
+
+    device = types.SimpleNamespace(platform="cpu", device_kind="cpu")
+    strategy_ = types.SimpleNamespace(devices=[device], is_primary=True, process_count=1)
+    fit = FitMeter(type("Model", (), {})(), strategy_, None, steps_per_execution=1, auto=False, prefetch=0,
+                   source=None, epochs=1)
+    run = EpochRun(None, InFlight(2))
+    meter = EpochMeter(fit, run, 0)
+    meter.probe_at = ()
+    fit.note_batch = lambda *a: None
+    n, placings = 12, []
+
+    def host():
+        for i in range(n):
+            time.sleep(0.002)
+            yield i
+
+    def place(b):
+        start = time.perf_counter()
+        time.sleep(0.004)
+        placings.append(time.perf_counter() - start)
+        return b
+
+    start = time.perf_counter()
+    if way == "one_by_one":
+        placed = meter.one_by_one(host(), place)
+    else:
+        placed = meter.placing((0, place(b)) for b in meter.reading(host()))
+    got, upcoming = [], next(placed, None)
+    while upcoming is not None:  # the loop's order: a step's batch, the next one read, then its after_step
+        got.append(upcoming[1])
+        upcoming = next(placed, None)
+        run.before, run.steps = run.steps, run.steps + 1
+        meter.after_step(run)
+    total = time.perf_counter() - start
+    assert got == list(range(n)) and meter.dispatches == n
+    assert n * 0.002 <= meter.input_wait <= total - sum(placings)
+    assert 0 <= meter.waited < n * 0.001  # from the next batch's arrival to a step's after_step: no sleep there
+
+
 class _SlowRows(keras.utils.PyDataset):
     def __init__(self, x, y, **kwargs):
         super().__init__(**kwargs)

@@ -33,7 +33,7 @@ from mirrorax.fit.meter import FitMeter
 from mirrorax.fit.planner import fit_flops
 from mirrorax.fit.progress import Progress
 from mirrorax.inputs.batch import Batch
-from mirrorax.inputs.prefetch import Prefetcher, device_batches
+from mirrorax.inputs.prefetch import Prefetcher, device_batches, one_by_one
 from mirrorax.inputs.source import Source
 from mirrorax.inputs.streams import ran_out_of_data, within_pass
 from mirrorax.results import NonFiniteLossError
@@ -242,6 +242,10 @@ class Loop:
             rest = itertools.chain([first], host) if first is not None else iter(())
             if meter is None:
                 return iter(self.device_batches(rest, self.steps_per_execution, stream.per_process))
+            place = one_by_one(meter.fit.group, self.strategy, prefetch=self.prefetch, per_process=stream.per_process,
+                               host_rows=self.steps.host_rows)
+            if place is not None:  # one step a dispatch, placed here: one generator reads, places and times
+                return meter.one_by_one(rest, place)
             return meter.placing(self.device_batches(meter.reading(rest), meter.fit.group, stream.per_process))
 
         dispatch = self._train_dispatch()

@@ -3,6 +3,7 @@ background thread while the current step runs (or synchronously)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 import threading
@@ -15,7 +16,7 @@ from mirrorax.inputs.placement import to_global
 if TYPE_CHECKING:
     from mirrorax.mesh import BatchMesh
 
-__all__ = ["Prefetcher", "device_batches"]
+__all__ = ["Prefetcher", "device_batches", "one_by_one"]
 
 
 class Prefetcher:
@@ -84,8 +85,12 @@ def device_batches(host: Iterator[Batch], group: int | Callable[[int], int], mes
     (synchronous only; :func:`mirrorax.inputs.placement.host_rows` says where): one step's rows stay the host's
     arrays, for the step's dispatch to transfer.
     """
+    place = one_by_one(group, mesh, prefetch=prefetch, per_process=per_process, host_rows=host_rows)
+    if place is not None:
+        return ((0, place(b)) for b in host)
+
     def grouped() -> Iterator[tuple[int, Batch]]:
-        if group == 1:
+        if group == 1:  # (placed ahead on a thread)
             for b in host:
                 yield 0, b
             return
@@ -102,6 +107,24 @@ def device_batches(host: Iterator[Batch], group: int | Callable[[int], int], mes
                 if len(chunk) < size:
                     return
 
-    if prefetch == 0 or (per_process and mesh.process_count > 1):
+    if _synchronous(mesh, prefetch, per_process):
         return ((k, to_global(b, mesh, stacked=k > 0, host=host_rows)) for k, b in grouped())
     return Prefetcher(grouped(), mesh, depth=prefetch)
+
+
+def one_by_one(group: int | Callable[[int], int], mesh: BatchMesh, *, prefetch: int, per_process: bool,
+               host_rows: bool = False) -> Callable[[Batch], Batch] | None:
+    """How :func:`device_batches` places each batch when it places them one step a dispatch on the loop's own
+    thread (``group == 1``, synchronous): ``place(batch)`` gives the batch on the devices (or, with
+    ``host_rows``, the host's rows for the dispatch to transfer); ``None`` where batches are stacked or placed
+    ahead on a thread. (One generator around ``place`` is the whole pipeline then: what fit's figures time the
+    reads and the placing in, :meth:`mirrorax.fit.meter.EpochMeter.one_by_one`.)"""
+    if group != 1 or not _synchronous(mesh, prefetch, per_process):
+        return None
+    return functools.partial(to_global, mesh=mesh, host=host_rows)
+
+
+def _synchronous(mesh: BatchMesh, prefetch: int, per_process: bool) -> bool:
+    """Whether batches are placed on the loop's thread: no prefetch, or per-process pipelines of a multi-process
+    job (they agree on "more data?" with a collective each step, which must stay on the dispatching thread)."""
+    return prefetch == 0 or (per_process and mesh.process_count > 1)
