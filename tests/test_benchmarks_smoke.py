@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -332,6 +333,22 @@ def test_step_phases_splits_a_steps_host_time_by_phase(tmp_path):
         assert phases["placement"] == 0 and phases["dispatch"] > 0 and phases["window wait"] >= 0, (name, phases)
     assert rows["strategy_jit_donated"]["phases"]["held objects"] > 0 == rows["trainer"]["phases"]["held objects"]
     assert "| strategy_jit_donated |" in proc.stdout
+
+
+def test_figures_cost_compares_on_off_and_off_again_and_times_the_clock_alone():
+    """``python -m benchmarks.figures_cost``: one trainer fits with the figures off, on and off again (the A/A
+    beside the A/B), the "on" fits keep their records and the "off" ones none; the clock's cost in a loop of no
+    work for both ways the meter wraps the batches is a positive fraction of a microsecond to a few. The
+    plumbing, not the speed."""
+    proc = subprocess.run(python("-m", "benchmarks.figures_cost", "--steps", "48", "--rounds", "2", "--clock-steps",
+                                 "20000"), cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for kind in ("off", "on", "off again"):
+        assert re.search(rf"figures {kind} *: [0-9,]+ steps/s", out), out
+    assert "off again/off (the A/A" in out and "last epoch with the figures: device busy" in out
+    alone = dict(re.findall(r"the clock alone \((\w+); a loop of no work\): ([0-9.]+) us a step", out))
+    assert set(alone) == {"one_by_one", "wrapped"} and all(0 < float(v) < 20 for v in alone.values()), out
 
 
 def test_device_step_times_the_device_alone_and_finds_no_device_work_added():
