@@ -177,6 +177,35 @@ def test_autos_choice_waits_for_fits_long_enough_and_holds_for_the_next_of_the_s
     assert runs[3][:18] == [1] * 18  # another global batch: measured afresh
 
 
+def test_a_larger_k_put_off_for_its_compile_is_looked_at_again_in_the_next_fit(monkeypatch):
+    from mirrorax.fit import meter
+
+    # The first choice is k=4 whatever the steps to come; a larger k=8 pays for its compile only over 100 steps
+    # to come. A trainer fits 80 batches at a time (a loop of short fits, as a notebook or a benchmark runs):
+    # in the second fit k=4 is checked with 96 steps to come (put off, k=4 holds); the third fit checks it again
+    # with 176 to come (the earlier fits' steps count) and takes 8, which the fourth runs from its start.
+    def choose(costs, limit=128, remaining_steps=None, compile_seconds=0.0, current=1):
+        if current == 1:
+            return 4
+        return 8 if remaining_steps is None or remaining_steps >= 100 else current
+
+    monkeypatch.setattr(meter, "choose_steps", choose)
+    monkeypatch.setattr(meter, "keeps_paying", lambda one, fused: True)
+    x, y = _data(8 * 80)
+    t = mx.Trainer(_tiny(), strategy(2), steps_per_execution="auto")
+    runs, phases = [], []
+    for _ in range(4):
+        executions = _Executions()
+        t.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[executions])
+        runs.append([end - begin + 1 for begin, end in executions.epochs[0]])
+        phases.append(t.loop.meter.phase)
+    assert runs[0][:18] == [1] * 18 and 4 in runs[0] and phases[0] == "verify"  # not 64 steps at 4 yet
+    assert runs[1] == [4] * 20 and phases[1] == "deferred"
+    assert runs[2][:19] == [4] * 19 and phases[2] == "verify"  # switched to 8 near its end
+    assert runs[3] == [8] * 10 and phases[3] == "settled"
+    assert sum(runs[3]) == 80
+
+
 @pytest.mark.slow  # two fits of a Keras model under a scope
 def test_keras_compile_takes_auto_under_a_scope_and_fits_as_steps_per_execution_one(monkeypatch, capsys):
     _force_auto(monkeypatch)

@@ -141,15 +141,20 @@ class FitMeter:
             self.auto, self.one_step, self.compile_cost = previous.auto, previous.one_step, previous.compile_cost
             self.one_costs, self.fallback = previous.one_costs, previous.fallback
             self.probe_wanted = previous.probe_wanted
-            # A choice put off because the fit was too short to pay for a compile is looked at again.
-            self.phase = "measure" if previous.phase == "deferred" else previous.phase
+            # A choice put off because the fit was too short to pay for a compile is looked at again: the first one
+            # measured at one step a dispatch, a larger k measured at the k that holds.
+            if previous.phase == "deferred":
+                self.phase = "measure" if self.auto.next_k == 1 else "verify"
+            else:
+                self.phase = previous.phase
             self.group, self.probes = self.auto.group, {k: list(v) for k, v in previous.probes.items()}
             self.earlier_steps = previous.earlier_steps + sum(u.steps for u in previous.records)
 
     @property
     def phase(self) -> str:
         """Where "auto" stands: ``"measure"``, ``"verify"`` (a fused k), ``"settled"``, ``"deferred"`` (to the next
-        fit); ``measuring`` says whether it measures (what the epoch's clock looks at each step)."""
+        fit: a k that would pay, but not its compile within this fit's steps and the earlier fits'); ``measuring``
+        says whether it measures (what the epoch's clock looks at each step)."""
         return self._phase
 
     @phase.setter
@@ -250,13 +255,15 @@ class FitMeter:
         k = auto.next_k
         measured = w.wall / w.steps if w.steps and w.wall else None
         pays = self.one_step is None or measured is None or keeps_paying(self.one_step, measured)
-        further = k
+        further = best = k
         if pays and measured is not None and k in self.probes and self.one_costs is not None:
             costs = refine(self.one_costs, k, call=max(w.wall - w.read - w.wait, 0.0) / w.dispatches,
                            device=statistics.median(self.probes[k]))
-            further = choose_steps(costs, limit=self._limit(run.total), remaining_steps=self._remaining(run, epoch),
+            limit = self._limit(run.total)
+            further = choose_steps(costs, limit=limit, remaining_steps=self._remaining(run, epoch),
                                    compile_seconds=self.compile_cost, current=k)
-        keep, further = self._agreed((int(pays), further), run)
+            best = choose_steps(costs, limit=limit, current=k)
+        keep, further, best = self._agreed((int(pays), further, best), run)
         self.window = _Window()
         if not keep:
             auto.switch(self.fallback, run.steps)
@@ -265,7 +272,9 @@ class FitMeter:
             self.one_step = measured
             self._switch(further, k, run)
         else:
-            self.phase = "settled"
+            # A larger k would pay, but not its compile within the steps to come: k holds, and the trainer's next
+            # fit measures k again and looks once more (as a first choice put off is: a loop of short fits trains on).
+            self.phase = "deferred" if best > k else "settled"
 
     def _switch(self, k: int, fallback: int, run: EpochRun) -> None:
         """To k steps a dispatch (``fallback`` if it does not pay), measured at k once the switch is reached, a
