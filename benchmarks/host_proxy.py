@@ -28,9 +28,14 @@ The doors: ``strategy_jit`` (the guide's step under ``@strategy.jit``, batches r
 y), batch_size=8)``), ``strategy_jit_functional`` (the functional loop with ``@strategy.jit`` for
 ``@jax.jit``, against ``flax_functional``), ``trainer`` (``mx.Trainer`` on the module), ``keras_trainer``
 (``Trainer.fit`` of the Keras model) and ``keras_scope`` (its ``model.fit`` under ``strategy.scope()``).
+Not in the default run, ``trainer_auto``, ``keras_trainer_auto`` and ``keras_scope_auto``: the same with
+``steps_per_execution="auto"`` (issue 58: fused steps where the host is the limit, against loops that dispatch
+one step a call), each fitted in runs of ``--steps`` until "auto" has settled before it is timed; the table
+gives the k each process settled on.
 
 Run: ``python -m benchmarks.host_proxy`` (about 6 min on 2 cores), or
-``python -m benchmarks.host_proxy --systems flax_loop,strategy_jit_donated --steps 2000 --rounds 3``.
+``python -m benchmarks.host_proxy --systems flax_loop,strategy_jit_donated --steps 2000 --rounds 3``, or
+``python -m benchmarks.host_proxy --systems keras_trainer_auto,keras_scope_auto,trainer_auto`` (about 4 min).
 """
 
 from __future__ import annotations
@@ -46,9 +51,14 @@ from typing import Any
 
 BASELINE = {"strategy_jit": "flax_loop", "strategy_jit_donated": "flax_loop", "strategy_jit_arrays": "flax_loop",
             "trainer": "flax_loop", "nnx_jit": "flax_loop", "strategy_jit_functional": "flax_functional",
-            "keras_trainer": "keras_hand", "keras_scope": "keras_hand"}
+            "keras_trainer": "keras_hand", "keras_scope": "keras_hand", "trainer_auto": "flax_loop",
+            "keras_trainer_auto": "keras_hand", "keras_scope_auto": "keras_hand"}
 SYSTEMS = ("flax_loop", "flax_functional", "nnx_jit", "strategy_jit", "strategy_jit_donated", "strategy_jit_arrays",
            "strategy_jit_functional", "trainer", "keras_hand", "keras_trainer", "keras_scope")
+#: ``steps_per_execution="auto"`` (issue 58), not in the default run: each fits until "auto" has settled (at most
+#: ``SETTLE`` runs of ``--steps`` steps) before it is timed.
+AUTO_SYSTEMS = ("trainer_auto", "keras_trainer_auto", "keras_scope_auto")
+SETTLE = 8
 BATCH = 8
 
 
@@ -138,18 +148,20 @@ def _nnx(system: str, x: Any, y: Any) -> Any:
             strategy.in_flight.drain()
             jax.block_until_ready(nnx.state(model))
         return loop
-    if system == "trainer":
+    if system in ("trainer", "trainer_auto"):
         def mean_squared_error(y: Any, y_pred: Any) -> Any:
             return ((y_pred - y) ** 2).mean(axis=-1)
 
         trainer = mx.Trainer(model, mx.MirroredStrategy(devices=jax.devices()[:1]), loss=mean_squared_error,
-                             optimizer=optimizer.tx, metrics=[])
+                             optimizer=optimizer.tx, metrics=[],
+                             steps_per_execution="auto" if system == "trainer_auto" else 1)
 
         def loop(n: int) -> None:
             trainer.fit(x[:n * BATCH], y[:n * BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
             jax.block_until_ready(trainer.state)
+        loop.trainer = trainer
         return loop
-    raise ValueError(f"unknown system {system!r}; expected one of {SYSTEMS}")
+    raise ValueError(f"unknown system {system!r}; expected one of {SYSTEMS + AUTO_SYSTEMS}")
 
 
 def _keras(system: str, x: Any, labels: Any) -> Any:
@@ -173,18 +185,24 @@ def _keras(system: str, x: Any, labels: Any) -> Any:
                         [(x[i:i + BATCH], labels[i:i + BATCH]) for i in range(0, len(x), BATCH)])
         return _baseline(lambda n: hand.steps(n), hand.train_step, (hand.state, *hand.put(0)), donated=(0,))
     strategy = mx.MirroredStrategy(devices=jax.devices()[:1])
+    auto = system.endswith("_auto")
     with strategy.scope():
         model = build()
-        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, metrics=["accuracy"])
-    if system == "keras_scope":
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, metrics=["accuracy"],
+                      **({"steps_per_execution": "auto"} if system == "keras_scope_auto" else {}))
+    if system.startswith("keras_scope"):
         def loop(n: int) -> None:
             model.fit(x[:n * BATCH], labels[:n * BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        from mirrorax.keras.fit import trainer_of
+
+        loop.trainer = lambda: trainer_of(model)  # model.fit's own Trainer (made by its first fit)
         return loop
-    trainer = mx.Trainer(model, strategy)
+    trainer = mx.Trainer(model, strategy, steps_per_execution="auto" if auto else 1)
 
     def loop(n: int) -> None:
         trainer.fit(x[:n * BATCH], labels[:n * BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         jax.block_until_ready(trainer.state)
+    loop.trainer = trainer
     return loop
 
 
@@ -212,18 +230,33 @@ def baselines() -> dict[str, tuple[Any, tuple[Any, ...], tuple[int, ...]]]:
     return out
 
 
+def _meter(loop: Any) -> Any:
+    """The newest fit's meter of a mirrorax system's loop (``fit/meter.py``: where "auto" stands, its k)."""
+    trainer = loop.trainer() if callable(loop.trainer) else loop.trainer
+    return trainer.loop.meter
+
+
 def one(system: str, steps: int, warmup: int, repeats: int) -> dict[str, Any]:
-    """Times ``system`` in this process: its best of ``repeats`` runs of ``steps`` steps after a warm-up."""
+    """Times ``system`` in this process: its best of ``repeats`` runs of ``steps`` steps after a warm-up (an
+    ``"auto"`` system: after runs of ``steps`` until "auto" has settled, at most :data:`SETTLE`)."""
     x, y, labels = _data(BATCH * max(steps, warmup))
     loop = _keras(system, x, labels) if system.startswith("keras") else _nnx(system, x, y)
     loop(warmup)  # (the compile, and a first pass)
+    settle = 0
+    while system in AUTO_SYSTEMS and settle < SETTLE and _meter(loop).phase != "settled":
+        loop(steps)
+        settle += 1
     rates, host = [], []
     for _ in range(repeats):
         wall, cpu = time.perf_counter(), time.thread_time()
         loop(steps)
         host.append((time.thread_time() - cpu) / steps * 1e6)
         rates.append(steps / (time.perf_counter() - wall))
-    return {"system": system, "steps_per_s": max(rates), "host_us": min(host), "steps": steps}
+    out = {"system": system, "steps_per_s": max(rates), "host_us": min(host), "steps": steps}
+    if system in AUTO_SYSTEMS:
+        meter = _meter(loop)
+        out.update(k=meter.steps_per_execution(), phase=meter.phase, settle_runs=settle)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,9 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(one(args.one, args.steps, args.warmup, args.repeats)))
         return 0
     systems = [s for s in args.systems.split(",") if s]
-    unknown = [s for s in systems if s not in SYSTEMS]
+    unknown = [s for s in systems if s not in SYSTEMS + AUTO_SYSTEMS]
     if unknown:
-        p.error(f"unknown system(s) {unknown}; expected some of {', '.join(SYSTEMS)}")
+        p.error(f"unknown system(s) {unknown}; expected some of {', '.join(SYSTEMS + AUTO_SYSTEMS)}")
     systems = list(dict.fromkeys(systems + [b for s in systems if (b := BASELINE.get(s))]))  # its baselines too
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1", "KERAS_BACKEND": "jax",
            "PYTHONUNBUFFERED": "1"}
@@ -266,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             a["steps_per_s"] / b["steps_per_s"] for a, b in zip(runs[s], runs[base]))
         extra = None if base is None else host - statistics.median(run["host_us"] for run in runs[base])
         rows[s] = {"steps_per_s": rate, "host_us": host, "baseline": base, "ratio": ratio, "extra_host_us": extra,
-                   "runs": runs[s]}
+                   "runs": runs[s], "k": sorted({run["k"] for run in runs[s] if "k" in run})}
     print(markdown(rows))
     if args.out:
         with open(args.out, "w") as f:
@@ -280,7 +313,8 @@ def markdown(rows: dict[str, dict[str, Any]]) -> str:
     for s, r in rows.items():
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         extra = "-" if r["extra_host_us"] is None else f"{r['extra_host_us']:+.0f}"
-        lines.append(f"| {s} | {r['baseline'] or '-'} | {r['steps_per_s']:,.0f} | {r['host_us']:.0f} | {ratio} | "
+        name = f"{s} (k={'/'.join(map(str, r['k']))})" if r.get("k") else s
+        lines.append(f"| {name} | {r['baseline'] or '-'} | {r['steps_per_s']:,.0f} | {r['host_us']:.0f} | {ratio} | "
                      f"{extra} |")
     return "\n".join(lines) + "\n"
 

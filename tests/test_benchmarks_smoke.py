@@ -315,6 +315,19 @@ def test_host_proxy_runs_each_system_in_its_own_process_against_its_baseline(tmp
     assert "| strategy_jit_functional | flax_functional |" in proc.stdout
 
 
+def test_host_proxy_auto_systems_settle_before_they_are_timed_and_say_their_k():
+    """``python -m benchmarks.host_proxy --systems keras_trainer_auto,...``: an ``steps_per_execution="auto"``
+    system fits until "auto" has settled (or for at most ``SETTLE`` runs) before it is timed, and its result says
+    the k it ran and where "auto" stood. The plumbing, not the speed."""
+    from benchmarks import host_proxy
+
+    for system in ("keras_trainer_auto", "keras_scope_auto"):
+        out = host_proxy.one(system, steps=40, warmup=5, repeats=1)
+        assert out["steps_per_s"] > 0 and 0 <= out["settle_runs"] <= host_proxy.SETTLE, out
+        assert out["k"] >= 1 and out["phase"] in ("settled", "deferred", "measure", "verify"), out
+        assert out["settle_runs"] == host_proxy.SETTLE or out["phase"] == "settled", out
+
+
 @pytest.mark.timeout(300)
 def test_step_phases_splits_a_steps_host_time_by_phase(tmp_path):
     """``python -m benchmarks.step_phases``: each door's host time per step split into phases that add up to it;
