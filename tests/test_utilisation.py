@@ -206,6 +206,68 @@ def test_a_larger_k_put_off_for_its_compile_is_looked_at_again_in_the_next_fit(m
     assert sum(runs[3]) == 80
 
 
+def test_where_the_two_points_see_no_gain_but_the_host_is_the_limit_a_larger_k_is_tried(monkeypatch):
+    from mirrorax.fit import meter
+    from mirrorax.fit.auto_steps import Costs, choose_steps
+
+    # The first choice is k=4. Measured again at 4, the line through the two points reads all of the host's time
+    # at 4 as work per step (what a host slower in the second window than in the first makes of it), so no k
+    # gains on it; but at 4 the host's work a dispatch (tens to hundreds of us on this CPU) is far above the
+    # devices' (1 us a step here): a larger k is tried on k's own costs, and taken where it pays (forced here).
+    monkeypatch.setattr(meter, "refine", lambda one, k, call, device: Costs(call=0.0, read=call / k, device=device))
+    monkeypatch.setattr(meter, "choose_steps", lambda costs, limit=128, remaining_steps=None, compile_seconds=0.0,
+                        current=1: 4 if current == 1 else choose_steps(costs, limit=limit, current=current))
+    monkeypatch.setattr(meter, "keeps_paying", lambda one, fused: True)
+    monkeypatch.setattr(meter.FitMeter, "note_probe",
+                        lambda self, k, seconds: self.probes.setdefault(k, []).append(1e-6))
+    x, y = _data(8 * 80)
+    t = mx.Trainer(_tiny(), strategy(2), steps_per_execution="auto")
+    runs = []
+    for _ in range(3):
+        executions = _Executions()
+        t.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[executions])
+        runs.append([end - begin + 1 for begin, end in executions.epochs[0]])
+    assert runs[1][:16] == [4] * 16  # verified at 4 after 64 steps, then the switch
+    k = t.loop.meter.auto.next_k
+    assert 4 < k <= 40 and runs[2][:80 // k] == [k] * (80 // k), (k, runs[2])  # (at most half an epoch)
+
+
+def test_auto_keeps_no_probe_of_a_dispatch_that_compiled_nor_a_device_time_past_the_step_time(monkeypatch):
+    from mirrorax.fit import meter
+    from mirrorax.fit.epoch import EpochRun
+    from mirrorax.steps.dispatch import InFlight
+
+    device = types.SimpleNamespace(platform="cpu", device_kind="cpu")
+    strategy_ = types.SimpleNamespace(devices=[device], is_primary=True, process_count=1)
+    fit = meter.FitMeter(type("Model", (), {})(), strategy_, None, steps_per_execution=1, auto=True, prefetch=0,
+                         source=None, epochs=1)
+    fit.auto.switch(4, dispatched=0)
+    fit.phase, fit.probe_wanted = "verify", True
+    monkeypatch.setattr(fit, "feed", lambda *a, **kw: None)
+    run = EpochRun(None, InFlight(2))
+    epoch = meter.EpochMeter(fit, run, 0)
+
+    def dispatch(probe: float, compiles: bool) -> None:
+        if compiles:
+            meter._compile[0] += 0.5  # what JAX's compile events add
+        epoch.probe = probe
+        run.before, run.steps = run.steps, run.steps + 4
+        epoch.after_step(run)
+
+    meter.compile_seconds()
+    dispatch(600e-6, compiles=True)  # the new k's first run: not the devices' time
+    assert fit.probes == {} and fit.probe_wanted
+    dispatch(20e-6, compiles=False)
+    assert fit.probes == {4: [5e-6]} and not fit.probe_wanted
+    # A probe longer than the steps the window timed (a hiccup of the host's) counts as no more than them.
+    window = meter._Window()
+    window.add(4, wall=40e-6, read=0.0, waited=0.0, clean=True)
+    fit.probes[4] = [30e-6]
+    assert fit._device(4, window) == pytest.approx(10e-6)
+    fit.probes[4] = [5e-6]
+    assert fit._device(4, window) == pytest.approx(5e-6)
+
+
 @pytest.mark.slow  # two fits of a Keras model under a scope
 def test_keras_compile_takes_auto_under_a_scope_and_fits_as_steps_per_execution_one(monkeypatch, capsys):
     _force_auto(monkeypatch)

@@ -52,8 +52,10 @@ KEEP_PROBES = 7
 #: Dispatches at one step each that "auto" measures its costs on (after WARM_UP more).
 MEASURE = 16
 WARM_UP = 2
-#: Steps at the chosen k that "auto" measures before keeping it.
+#: Steps at the chosen k that "auto" measures before keeping it, over at least VERIFY_DISPATCHES dispatches
+#: (the first at a new k compiles its program and the next is probed: neither is timed, one more at least is).
 VERIFY_STEPS = 64
+VERIFY_DISPATCHES = 3
 #: Dispatches an epoch needs before its input share can name it input-bound.
 JUDGE_AFTER = 4
 
@@ -217,7 +219,7 @@ class FitMeter:
                 self._decide(run, epoch)
         elif self.phase == "verify" and k == auto.next_k:
             self.window.add(k, wall, read, waited, clean)
-            if self.window.seen_steps >= VERIFY_STEPS and self.window.seen >= 2:
+            if self.window.seen_steps >= VERIFY_STEPS and self.window.seen >= VERIFY_DISPATCHES:
                 self._verify(run, epoch)
 
     def _remaining(self, run: EpochRun, epoch: int) -> int | None:
@@ -235,7 +237,7 @@ class FitMeter:
         if not w.dispatches:  # every dispatch compiled something: nothing measured (decided on process 0 anyway)
             w.dispatches = w.steps = 1
         costs = Costs(call=max(w.wall - w.read - w.wait, 0.0) / w.dispatches, read=w.read / w.steps,
-                      device=statistics.median(self.probes[1]))
+                      device=self._device(1, w))
         limit = self._limit(run.total)
         k = choose_steps(costs, limit=limit, remaining_steps=self._remaining(run, epoch),
                          compile_seconds=self.compile_cost)
@@ -257,12 +259,19 @@ class FitMeter:
         pays = self.one_step is None or measured is None or keeps_paying(self.one_step, measured)
         further = best = k
         if pays and measured is not None and k in self.probes and self.one_costs is not None:
-            costs = refine(self.one_costs, k, call=max(w.wall - w.read - w.wait, 0.0) / w.dispatches,
-                           device=statistics.median(self.probes[k]))
-            limit = self._limit(run.total)
-            further = choose_steps(costs, limit=limit, remaining_steps=self._remaining(run, epoch),
-                                   compile_seconds=self.compile_cost, current=k)
-            best = choose_steps(costs, limit=limit, current=k)
+            call, device = max(w.wall - w.read - w.wait, 0.0) / w.dispatches, self._device(k, w)
+            limit, remaining = self._limit(run.total), self._remaining(run, epoch)
+            # The line through the two points first. Measured in windows apart, it may read a slower host in the
+            # second (a shared machine's drift) as work per step, which no k removes: where it says no larger k
+            # pays at all, k's own costs are read as all per dispatch, and a larger k tried on them is kept only
+            # if it measures faster (the next verify).
+            for costs in (refine(self.one_costs, k, call=call, device=device),
+                          Costs(call=call, read=w.read / w.steps, device=device)):
+                further = choose_steps(costs, limit=limit, remaining_steps=remaining,
+                                       compile_seconds=self.compile_cost, current=k)
+                best = choose_steps(costs, limit=limit, current=k)
+                if best > k:
+                    break
         keep, further, best = self._agreed((int(pays), further, best), run)
         self.window = _Window()
         if not keep:
@@ -275,6 +284,13 @@ class FitMeter:
             # A larger k would pay, but not its compile within the steps to come: k holds, and the trainer's next
             # fit measures k again and looks once more (as a first choice put off is: a loop of short fits trains on).
             self.phase = "deferred" if best > k else "settled"
+
+    def _device(self, k: int, w: _Window) -> float:
+        """The devices' seconds per step at ``k`` for "auto": the probes' median, at most the step time the window
+        measured (the steps ran no faster than the devices let them: a probe that a shared host's hiccup
+        stretched past that is not the devices')."""
+        probed = statistics.median(self.probes[k])
+        return min(probed, w.wall / w.steps) if w.steps and w.wall else probed
 
     def _switch(self, k: int, fallback: int, run: EpochRun) -> None:
         """To k steps a dispatch (``fallback`` if it does not pay), measured at k once the switch is reached, a
@@ -428,12 +444,14 @@ class EpochMeter(EpochHook):
         """A probe's time, and "auto"'s measurements (while it measures): what ``after_step`` does now and then."""
         fit, k = self.fit, run.steps - run.before
         probed, self.probe = self.probe, None
-        if probed is not None:
+        compiled = compile_seconds() if fit.measuring else self.compile_mark
+        # A probe of a dispatch that compiled is not kept (while "auto" measures, where a new k's program runs for
+        # the first time: that run took 3-10x the devices' time on this repository's CPU); the next one is probed.
+        if probed is not None and compiled <= self.compile_mark:
             fit.note_probe(k, probed)
             if fit.auto is not None and k == fit.auto.next_k:
                 fit.probe_wanted = False
         if fit.measuring:
-            compiled = compile_seconds()
             read, waited = self.input_wait, self.waited
             if compiled > self.compile_mark:
                 fit.compile_cost = max(fit.compile_cost, compiled - self.compile_mark)
