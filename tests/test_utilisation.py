@@ -268,6 +268,34 @@ def test_auto_keeps_no_probe_of_a_dispatch_that_compiled_nor_a_device_time_past_
     assert fit._device(4, window) == pytest.approx(5e-6)
 
 
+def test_auto_tries_fusing_where_the_probe_says_device_bound_but_the_host_does_most_of_the_step():
+    from mirrorax.fit import meter
+    from mirrorax.fit.epoch import EpochRun
+    from mirrorax.steps.dispatch import InFlight
+
+    device = types.SimpleNamespace(platform="cpu", device_kind="cpu")
+    strategy_ = types.SimpleNamespace(devices=[device], is_primary=True, process_count=1)
+
+    def decided(call: float, probe: float, step: float) -> tuple[int, str]:
+        """"auto"'s first choice after 13 clean dispatches at one step each (read 5 us, the rest window wait)."""
+        fit = meter.FitMeter(type("Model", (), {})(), strategy_, None, steps_per_execution=1, auto=True,
+                             prefetch=0, source=None, epochs=1)
+        fit.probes[1] = [probe] * 3
+        for _ in range(13):
+            fit.window.add(1, wall=step, read=5e-6, waited=step - call - 5e-6, clean=True)
+        fit._decide(EpochRun(None, InFlight(2), total=100_000), 0)
+        return fit.auto.next_k, fit.phase
+
+    # A trivial step on a CPU: the host's 70 us of an 80 us step; the probe 75 us (the hand-off to the runtime's
+    # threads, a dispatch's cost). As probed the devices are the limit (no k gains on them), but the host does
+    # most of the step: a k is tried (64: within 10% of the best, as if the probed time were all the dispatch's).
+    assert decided(call=70e-6, probe=75e-6, step=80e-6) == (64, "verify")
+    # The LM: the devices 300 ms a step, the host 1 ms: one step a dispatch, settled (no program compiled).
+    assert decided(call=1e-3, probe=0.3, step=0.301) == (1, "settled")
+    # A step the devices and the host share, the host under half of it: measured as the devices' limit, kept.
+    assert decided(call=30e-6, probe=75e-6, step=80e-6) == (1, "settled")
+
+
 @pytest.mark.slow  # two fits of a Keras model under a scope
 def test_keras_compile_takes_auto_under_a_scope_and_fits_as_steps_per_execution_one(monkeypatch, capsys):
     _force_auto(monkeypatch)

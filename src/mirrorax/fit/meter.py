@@ -56,6 +56,9 @@ WARM_UP = 2
 #: (the first at a new k compiles its program and the next is probed: neither is timed, one more at least is).
 VERIFY_STEPS = 64
 VERIFY_DISPATCHES = 3
+#: The share of a step's time that the host's own work (its call and its read) must reach at one step a dispatch
+#: for "auto" to try fusing where the probed devices' time says they are the limit (:meth:`FitMeter._decide`).
+HOST_SHARE = 0.5
 #: Dispatches an epoch needs before its input share can name it input-bound.
 JUDGE_AFTER = 4
 
@@ -238,10 +241,18 @@ class FitMeter:
             w.dispatches = w.steps = 1
         costs = Costs(call=max(w.wall - w.read - w.wait, 0.0) / w.dispatches, read=w.read / w.steps,
                       device=self._device(1, w))
-        limit = self._limit(run.total)
-        k = choose_steps(costs, limit=limit, remaining_steps=self._remaining(run, epoch),
-                         compile_seconds=self.compile_cost)
-        k, best = self._agreed((k, choose_steps(costs, limit=limit)), run)
+        limit, remaining = self._limit(run.total), self._remaining(run, epoch)
+        k = choose_steps(costs, limit=limit, remaining_steps=remaining, compile_seconds=self.compile_cost)
+        best = choose_steps(costs, limit=limit)
+        if best == 1 and w.wall and costs.call + costs.read >= HOST_SHARE * w.wall / w.steps:
+            # The probe says the devices are the limit, yet the host's own work is most of the step: the probed
+            # time may be a dispatch's more than a step's (a launch and its completion; on a CPU, the hand-off
+            # to the runtime's threads), which fusing pays once per k too. A k chosen as if it all were is tried;
+            # measured at it, the two points tell the two apart, and it is kept only if it measures faster.
+            trial = Costs(call=costs.call, read=costs.read, device=0.0, device_call=costs.device)
+            k = choose_steps(trial, limit=limit, remaining_steps=remaining, compile_seconds=self.compile_cost)
+            best = choose_steps(trial, limit=limit)
+        k, best = self._agreed((k, best), run)
         self.one_costs, self.one_step = costs, (w.wall / w.steps if w.wall else None)
         self.window = _Window()
         if k > 1:
