@@ -272,17 +272,16 @@ class FitMeter:
         if pays and measured is not None and k in self.probes and self.one_costs is not None:
             call, device = max(w.wall - w.read - w.wait, 0.0) / w.dispatches, self._device(k, w)
             limit, remaining = self._limit(run.total), self._remaining(run, epoch)
-            # The line through the two points first. Measured in windows apart, it may read a slower host in the
-            # second (a shared machine's drift) as work per step, which no k removes: where it says no larger k
-            # pays at all, k's own costs are read as all per dispatch, and a larger k tried on them is kept only
-            # if it measures faster (the next verify).
-            for costs in (refine(self.one_costs, k, call=call, device=device),
-                          Costs(call=call, read=w.read / w.steps, device=device)):
-                further = choose_steps(costs, limit=limit, remaining_steps=remaining,
-                                       compile_seconds=self.compile_cost, current=k)
-                best = choose_steps(costs, limit=limit, current=k)
-                if best > k:
-                    break
+            # Two readings, the larger k of the two tried. The line through the two points parts what a dispatch
+            # costs from what a step does (the devices' launch, their completion); but measured in windows apart,
+            # it reads a host that slowed in the second (a shared machine's drift) as host work per step, which
+            # no k removes. k's own costs read as all the dispatch's do not. A k either chooses is kept only if
+            # it measures faster (the next verify).
+            readings = (refine(self.one_costs, k, call=call, device=device),
+                        Costs(call=call, read=w.read / w.steps, device=device))
+            further = max(choose_steps(costs, limit=limit, remaining_steps=remaining,
+                                       compile_seconds=self.compile_cost, current=k) for costs in readings)
+            best = max(choose_steps(costs, limit=limit, current=k) for costs in readings)
         keep, further, best = self._agreed((int(pays), further, best), run)
         self.window = _Window()
         if not keep:
