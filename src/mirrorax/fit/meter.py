@@ -5,7 +5,7 @@ for an earlier step to finish. :class:`EpochMeter` reads the clock around both (
 the rest of the wall time is the host's own work (the dispatch, the hooks, placing the batch). The devices'
 time per step is taken on idle devices now and then (a *probe*: the window drained before a dispatch, the
 step waited for right after it; at dispatches 2, 5 and 11 of a fit's first epoch and at dispatch 5 of each
-later one, the median of the newest kept). Compilation (JAX's compile events) is left out of every figure.
+later one, the least of the newest kept). Compilation (JAX's compile events) is left out of every figure.
 
 :class:`FitMeter` holds a fit's records (one :class:`~mirrorax.fit.utilisation.Utilisation` per epoch, read
 with ``mx.utilisation``), hands each epoch's figures to the progress line and the callbacks, says once when an
@@ -20,7 +20,6 @@ at the chosen ``k`` to see that it pays (:func:`~mirrorax.fit.auto_steps.keeps_p
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -46,8 +45,9 @@ __all__ = ["EpochMeter", "FitMeter", "compile_seconds", "figures_enabled"]
 #: The dispatches (0-based) timed on idle devices: in a fit's first epoch, in each later one. A probe costs the
 #: overlap of one step with the host's work: a few in an epoch of hundreds of steps cost nothing measurable.
 PROBES_FIRST, PROBES_LATER = (2, 5, 11), (5,)
-#: The probes kept per steps per dispatch: their median is the devices' time (on a shared host one probe may
-#: find the devices quicker, or slower, than the steps around it do).
+#: The probes kept per steps per dispatch: the least of them is the devices' time (what a probe times beyond the
+#: devices' work, a hand-off to the runtime's threads or a shared host's hiccup, only adds to it: on this
+#: repository's CPU the probes of a 3 us step read 2-50 us).
 KEEP_PROBES = 7
 #: Dispatches at one step each that "auto" measures its costs on (after WARM_UP more).
 MEASURE = 16
@@ -202,10 +202,11 @@ class FitMeter:
         self.batch_bytes = sum(getattr(a, "nbytes", 0) for a in leaves) / max(k, 1) / len(self.strategy.devices)
 
     def device_seconds(self, k: int) -> float | None:
-        """The devices' seconds per step at ``k`` steps per dispatch (the nearest ``k`` measured)."""
+        """The devices' seconds per step at ``k`` steps per dispatch (the nearest ``k`` measured): the least of its
+        probes (:data:`KEEP_PROBES`)."""
         if not self.probes:
             return None
-        return statistics.median(self.probes[min(self.probes, key=lambda m: abs(m - k))])
+        return min(self.probes[min(self.probes, key=lambda m: abs(m - k))])
 
     # -- "auto" ------------------------------------------------------------------------------------------
     def feed(self, run: EpochRun, epoch: int, k: int, wall: float, read: float, waited: float, clean: bool) -> None:
@@ -296,11 +297,8 @@ class FitMeter:
             self.phase = "deferred" if best > k else "settled"
 
     def _device(self, k: int, w: _Window) -> float:
-        """The devices' seconds per step at ``k`` for "auto": the least of the probes (what a probe times beyond the
-        devices' work, a hand-off to the runtime's threads, a shared host's hiccup, only adds to it: on this
-        repository's CPU the probes of a 3 us step read 2-50 us, their median 13-37), and at most the step time
-        the window measured (the steps ran no faster than the devices let them). The epoch's figure, device
-        busy, keeps the median (:meth:`device_seconds`)."""
+        """The devices' seconds per step at ``k`` for "auto": the least of the probes (:data:`KEEP_PROBES`), and at
+        most the step time the window measured (the steps ran no faster than the devices let them)."""
         probed = min(self.probes[k])
         return min(probed, w.wall / w.steps) if w.steps and w.wall else probed
 
