@@ -159,7 +159,7 @@ def _nnx(system: str, x: Any, y: Any) -> Any:
         def loop(n: int) -> None:
             trainer.fit(x[:n * BATCH], y[:n * BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
             jax.block_until_ready(trainer.state)
-        loop.trainer = trainer
+        loop.trainer = lambda: trainer
         return loop
     raise ValueError(f"unknown system {system!r}; expected one of {SYSTEMS + AUTO_SYSTEMS}")
 
@@ -202,7 +202,7 @@ def _keras(system: str, x: Any, labels: Any) -> Any:
     def loop(n: int) -> None:
         trainer.fit(x[:n * BATCH], labels[:n * BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         jax.block_until_ready(trainer.state)
-    loop.trainer = trainer
+    loop.trainer = lambda: trainer
     return loop
 
 
@@ -232,8 +232,7 @@ def baselines() -> dict[str, tuple[Any, tuple[Any, ...], tuple[int, ...]]]:
 
 def _meter(loop: Any) -> Any:
     """The newest fit's meter of a mirrorax system's loop (``fit/meter.py``: where "auto" stands, its k)."""
-    trainer = loop.trainer() if callable(loop.trainer) else loop.trainer
-    return trainer.loop.meter
+    return loop.trainer().loop.meter
 
 
 def one(system: str, steps: int, warmup: int, repeats: int) -> dict[str, Any]:

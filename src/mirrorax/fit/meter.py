@@ -101,6 +101,17 @@ class _Window:
             self.steps += k
             self.wall, self.read, self.wait = self.wall + wall, self.read + read, self.wait + waited
 
+    @property
+    def step_time(self) -> float | None:
+        """Wall seconds per step over the clean dispatches (``None``: none was timed)."""
+        return self.wall / self.steps if self.steps and self.wall else None
+
+    def costs(self, device: float) -> Costs:
+        """What a step cost at the window's k: the host's work per dispatch (the wall time less the two waits),
+        the input's wait per step, and ``device``, the devices' time per step."""
+        return Costs(call=max(self.wall - self.read - self.wait, 0.0) / self.dispatches, read=self.read / self.steps,
+                     device=device)
+
 
 class FitMeter:
     """One fit's figures and, under ``"auto"``, its steps per dispatch.
@@ -240,12 +251,11 @@ class FitMeter:
         assert auto is not None
         if not w.dispatches:  # every dispatch compiled something: nothing measured (decided on process 0 anyway)
             w.dispatches = w.steps = 1
-        costs = Costs(call=max(w.wall - w.read - w.wait, 0.0) / w.dispatches, read=w.read / w.steps,
-                      device=self._device(1, w))
+        step, costs = w.step_time, w.costs(self._device(1, w))
         limit, remaining = self._limit(run.total), self._remaining(run, epoch)
         k = choose_steps(costs, limit=limit, remaining_steps=remaining, compile_seconds=self.compile_cost)
         best = choose_steps(costs, limit=limit)
-        if best == 1 and w.wall and costs.call + costs.read >= HOST_SHARE * w.wall / w.steps:
+        if best == 1 and step and costs.call + costs.read >= HOST_SHARE * step:
             # The probe says the devices are the limit, yet the host's own work is most of the step: the probed
             # time may be a dispatch's more than a step's (a launch and its completion; on a CPU, the hand-off
             # to the runtime's threads), which fusing pays once per k too. A k chosen as if it all were is tried;
@@ -254,7 +264,7 @@ class FitMeter:
             k = choose_steps(trial, limit=limit, remaining_steps=remaining, compile_seconds=self.compile_cost)
             best = choose_steps(trial, limit=limit)
         k, best = self._agreed((k, best), run)
-        self.one_costs, self.one_step = costs, (w.wall / w.steps if w.wall else None)
+        self.one_costs, self.one_step = costs, step
         self.window = _Window()
         if k > 1:
             self._switch(k, 1, run)
@@ -267,19 +277,18 @@ class FitMeter:
         w, auto = self.window, self.auto
         assert auto is not None
         k = auto.next_k
-        measured = w.wall / w.steps if w.steps and w.wall else None
+        measured = w.step_time
         pays = self.one_step is None or measured is None or keeps_paying(self.one_step, measured)
         further = best = k
         if pays and measured is not None and k in self.probes and self.one_costs is not None:
-            call, device = max(w.wall - w.read - w.wait, 0.0) / w.dispatches, self._device(k, w)
+            at_k = w.costs(self._device(k, w))
             limit, remaining = self._limit(run.total), self._remaining(run, epoch)
             # Two readings, the larger k of the two tried. The line through the two points parts what a dispatch
             # costs from what a step does (the devices' launch, their completion); but measured in windows apart,
             # it reads a host that slowed in the second (a shared machine's drift) as host work per step, which
             # no k removes. k's own costs read as all the dispatch's do not. A k either chooses is kept only if
             # it measures faster (the next verify).
-            readings = (refine(self.one_costs, k, call=call, device=device),
-                        Costs(call=call, read=w.read / w.steps, device=device))
+            readings = (refine(self.one_costs, k, call=at_k.call, device=at_k.device), at_k)
             further = max(choose_steps(costs, limit=limit, remaining_steps=remaining,
                                        compile_seconds=self.compile_cost, current=k) for costs in readings)
             best = max(choose_steps(costs, limit=limit, current=k) for costs in readings)
@@ -299,8 +308,8 @@ class FitMeter:
     def _device(self, k: int, w: _Window) -> float:
         """The devices' seconds per step at ``k`` for "auto": the least of the probes (:data:`KEEP_PROBES`), and at
         most the step time the window measured (the steps ran no faster than the devices let them)."""
-        probed = min(self.probes[k])
-        return min(probed, w.wall / w.steps) if w.steps and w.wall else probed
+        probed, step = min(self.probes[k]), w.step_time
+        return min(probed, step) if step else probed
 
     def _switch(self, k: int, fallback: int, run: EpochRun) -> None:
         """To k steps a dispatch (``fallback`` if it does not pay), measured at k once the switch is reached, a
@@ -377,7 +386,9 @@ class EpochMeter(EpochHook):
             item = 0, place(b)
             self.fit.note_batch(*item)
             yield item
-            t = self._probed(clock())
+            t = clock()
+            if self.probing:
+                t = self._probed(t)
             break
         for b in it:
             self.read += clock() - t
@@ -392,10 +403,8 @@ class EpochMeter(EpochHook):
         self.waited -= end  # (the last step's after_step follows)
 
     def _probed(self, t: float) -> float:
-        """A probe's wait for the step dispatched before ``t``, on devices the probe left idle (when one is due);
-        returns the clock after it."""
-        if not self.probing:
-            return t
+        """A due probe's wait for the step dispatched before ``t``, on devices the probe left idle; returns the
+        clock after it."""
         wait(self.run.aux)
         now = time.perf_counter()
         self.probing, self.probe = False, now - t
