@@ -43,6 +43,16 @@ def _tiny(seed: int = 3, **compile_kwargs) -> keras.Model:
     return m
 
 
+def _bare_fit_meter(auto: bool):
+    """A fit's meter on one CPU device with no model behind it: its measurements fed by hand."""
+    from mirrorax.fit.meter import FitMeter
+
+    device = types.SimpleNamespace(platform="cpu", device_kind="cpu")
+    strategy_ = types.SimpleNamespace(devices=[device], is_primary=True, process_count=1)
+    return FitMeter(type("Model", (), {})(), strategy_, None, steps_per_execution=1, auto=auto, prefetch=0,
+                    source=None, epochs=1)
+
+
 # -- "auto": the choice, a pure function of measured costs --------------------------------------------------
 
 def test_auto_fuses_where_the_host_is_the_limit_and_not_where_the_devices_are():
@@ -237,10 +247,7 @@ def test_auto_keeps_no_probe_of_a_dispatch_that_compiled_nor_a_device_time_past_
     from mirrorax.fit.epoch import EpochRun
     from mirrorax.steps.dispatch import InFlight
 
-    device = types.SimpleNamespace(platform="cpu", device_kind="cpu")
-    strategy_ = types.SimpleNamespace(devices=[device], is_primary=True, process_count=1)
-    fit = meter.FitMeter(type("Model", (), {})(), strategy_, None, steps_per_execution=1, auto=True, prefetch=0,
-                         source=None, epochs=1)
+    fit = _bare_fit_meter(auto=True)
     fit.auto.switch(4, dispatched=0)
     fit.phase, fit.probe_wanted = "verify", True
     monkeypatch.setattr(fit, "feed", lambda *a, **kw: None)
@@ -269,17 +276,12 @@ def test_auto_keeps_no_probe_of_a_dispatch_that_compiled_nor_a_device_time_past_
 
 
 def test_auto_tries_fusing_where_the_probe_says_device_bound_but_the_host_does_most_of_the_step():
-    from mirrorax.fit import meter
     from mirrorax.fit.epoch import EpochRun
     from mirrorax.steps.dispatch import InFlight
 
-    device = types.SimpleNamespace(platform="cpu", device_kind="cpu")
-    strategy_ = types.SimpleNamespace(devices=[device], is_primary=True, process_count=1)
-
     def decided(call: float, probe: float, step: float) -> tuple[int, str]:
         """"auto"'s first choice after 13 clean dispatches at one step each (read 5 us, the rest window wait)."""
-        fit = meter.FitMeter(type("Model", (), {})(), strategy_, None, steps_per_execution=1, auto=True,
-                             prefetch=0, source=None, epochs=1)
+        fit = _bare_fit_meter(auto=True)
         fit.probes[1] = [probe] * 3
         for _ in range(13):
             fit.window.add(1, wall=step, read=5e-6, waited=step - call - 5e-6, clean=True)
@@ -410,13 +412,10 @@ def test_the_clock_tells_the_inputs_reads_from_the_placing_and_the_window(way):
     (Intervals that do not overlap: the read total is at most the loop's time less the placings', whatever the
     host's load stretches.)"""
     from mirrorax.fit.epoch import EpochRun
-    from mirrorax.fit.meter import EpochMeter, FitMeter
+    from mirrorax.fit.meter import EpochMeter
     from mirrorax.steps.dispatch import InFlight
 
-    device = types.SimpleNamespace(platform="cpu", device_kind="cpu")
-    strategy_ = types.SimpleNamespace(devices=[device], is_primary=True, process_count=1)
-    fit = FitMeter(type("Model", (), {})(), strategy_, None, steps_per_execution=1, auto=False, prefetch=0,
-                   source=None, epochs=1)
+    fit = _bare_fit_meter(auto=False)
     run = EpochRun(None, InFlight(2))
     meter = EpochMeter(fit, run, 0)
     meter.probe_at = ()
